@@ -1,0 +1,37 @@
+# The two commands: `make demo` and `make test`. Both bootstrap .venv on a fresh clone.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Re-install whenever the dependency list changes.
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+TORCH_VERSION := 2.13.0
+
+.PHONY: venv test demo proto proto-check bench clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned: an unpinned resolve pulls GBs of CUDA wheels.
+	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+test: $(STAMP)
+	# pytest exits 5 when it collects nothing; that must fail, never pass.
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/specmask demo
+
+proto: $(STAMP)
+	$(PY) -m proto.codegen
+
+proto-check: $(STAMP)
+	$(PY) -m proto.codegen --check
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,1 @@
+"""Device-side math of one verification step: Triton kernels, each with a PyTorch reference."""

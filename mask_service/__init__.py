@@ -1,0 +1,1 @@
+"""Mask service: CPU gRPC service holding xgrammar matchers; batched draft-position bitmasks."""

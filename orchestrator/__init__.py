@@ -1,0 +1,1 @@
+"""Orchestrator: the gRPC API clients call, admission, continuous batching, the step loop."""

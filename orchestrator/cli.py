@@ -1,0 +1,48 @@
+"""The `specmask` console script: one subcommand per process role.
+
+Subcommand modules are imported lazily so that, e.g., the slim mask-service
+image (no torch, no Ray) can run `specmask mask-service` without importing
+model code. Each module exposes ``add_arguments(parser)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module path, one-line help). A registry, not an if-chain:
+# adding a role is one line here plus a module with add_arguments/run.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "mask-service": ("mask_service.main", "run the CPU grammar-mask gRPC service"),
+    "toy-models": ("gpu_worker.toy.cli", "build the small local target/draft model pair"),
+    "orchestrator": ("orchestrator.main", "run the orchestrator gRPC API"),
+    "up": ("orchestrator.up", "start the whole local stack (mask service, Ray worker, orchestrator)"),
+    "generate": ("orchestrator.generate_cli", "send a generation request to an orchestrator"),
+    "demo": ("orchestrator.demo", "build the toy pair, bring the stack up, run schema-constrained requests"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specmask", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Only import the module of the subcommand actually invoked (and only to
+    # register its flags); `specmask --help` lists every subcommand without imports.
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (module_path, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_path)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""gRPC/protobuf contracts. Sources live in proto/src, generated stubs in proto/gen."""
