@@ -1,0 +1,109 @@
+{{/* Chart name, truncated to the 63-char DNS label limit. */}}
+{{- define "specmask.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Release-scoped base name; component names append a suffix, so keep room (<= 40). */}}
+{{- define "specmask.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "specmask.mask.name" -}}{{ include "specmask.fullname" . }}-mask{{- end }}
+{{- define "specmask.mask.headless" -}}{{ include "specmask.fullname" . }}-mask-headless{{- end }}
+{{- define "specmask.orchestrator.name" -}}{{ include "specmask.fullname" . }}-orchestrator{{- end }}
+{{- define "specmask.ray.name" -}}{{ include "specmask.fullname" . }}-ray{{- end }}
+
+{{- define "specmask.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "specmask.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "specmask.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "specmask.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: specmask
+{{- end }}
+
+{{/* Selector labels of one component: (dict "ctx" $ "component" "mask-service"). */}}
+{{- define "specmask.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specmask.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "specmask.image" -}}
+{{- printf "%s:%s" .repository .tag }}
+{{- end }}
+
+{{/* Model volume (read-only). */}}
+{{- define "specmask.modelVolume" -}}
+- name: models
+{{- if eq .Values.models.volume.type "pvc" }}
+  persistentVolumeClaim:
+    claimName: {{ .Values.models.volume.pvc.claimName }}
+    readOnly: true
+{{- else }}
+  hostPath:
+    path: {{ .Values.models.volume.hostPath.path }}
+    type: Directory
+{{- end }}
+{{- end }}
+
+{{- define "specmask.modelMount" -}}
+- name: models
+  mountPath: {{ .Values.models.mountPath }}
+  readOnly: true
+{{- end }}
+
+{{- define "specmask.targetDir" -}}{{ printf "%s/%s" (.Values.models.mountPath | trimSuffix "/") .Values.models.target }}{{- end }}
+{{- define "specmask.draftDir" -}}{{ printf "%s/%s" (.Values.models.mountPath | trimSuffix "/") .Values.models.draft }}{{- end }}
+
+{{/* --mask-service value: explicit list, else the headless Service (one dns:/// target). */}}
+{{- define "specmask.maskServiceAddresses" -}}
+{{- if .Values.orchestrator.maskServiceAddresses }}
+{{- join "," .Values.orchestrator.maskServiceAddresses }}
+{{- else }}
+{{- printf "dns:///%s.%s.svc.cluster.local:%d" (include "specmask.mask.headless" .) .Release.Namespace (int .Values.maskService.port) }}
+{{- end }}
+{{- end }}
+
+{{- define "specmask.rayAddress" -}}
+{{- if .Values.orchestrator.rayAddress }}
+{{- .Values.orchestrator.rayAddress }}
+{{- else if .Values.rayCluster.enabled }}
+{{- printf "ray://%s-head-svc.%s.svc.cluster.local:10001" (include "specmask.ray.name" .) .Release.Namespace }}
+{{- else }}
+{{- fail "orchestrator.rayAddress is required when rayCluster.enabled is false" }}
+{{- end }}
+{{- end }}
+
+{{- define "specmask.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 10001
+runAsGroup: 10001
+fsGroup: 10001
+seccompProfile:
+  type: RuntimeDefault
+{{- end }}
+
+{{- define "specmask.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: ["ALL"]
+{{- end }}
