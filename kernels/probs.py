@@ -1,0 +1,53 @@
+"""Sampling parameters applied to logits: temperature, top-k, top-p -> probabilities.
+
+This is the "p" (and, on the draft side, "q") of Leviathan et al. 2023: the
+distributions rejection sampling compares are the *processed* ones, so the
+target and the draft go through this same function (DESIGN.md step 4).
+
+Deliberately one PyTorch implementation shared by both backends, as in vLLM's
+sampler (`apply_top_k_top_p`): top-p needs a sort, which a Triton kernel would
+only re-implement, and sharing it makes the Triton and reference paths see
+bit-identical probabilities, so their outputs can be compared exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["logits_to_probs", "apply_top_k_top_p"]
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,  # [num_rows, V] float32, not modified
+    top_k: torch.Tensor,  # [num_rows] int32; 0 = off
+    top_p: torch.Tensor,  # [num_rows] float32; 1.0 = off
+) -> torch.Tensor:  # [num_rows, V] float32, filtered tokens at -inf
+    """vLLM's sort-based filter: keep the top-k values (ties with the k-th kept),
+    then the smallest set whose probability mass reaches top_p (always >= 1 token)."""
+    vocab = logits.shape[1]
+    k = torch.where(top_k > 0, top_k.long(), vocab).clamp(max=vocab)  # [num_rows]
+    # Stable sort: ties between equal logits are ordered the same way on every run.
+    logits_sort, logits_idx = logits.sort(dim=-1, descending=False, stable=True)  # [num_rows, V]
+    kth_largest = logits_sort.gather(1, (vocab - k).unsqueeze(1))  # [num_rows, 1]
+    logits_sort = logits_sort.masked_fill(logits_sort < kth_largest, float("-inf"))
+    cum_probs = logits_sort.softmax(dim=-1).cumsum(dim=-1)  # [num_rows, V], ascending order
+    drop = cum_probs <= (1.0 - top_p).unsqueeze(1)  # [num_rows, V]
+    drop[:, -1] = False  # the most likely token always survives
+    logits_sort = logits_sort.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits_sort).scatter_(1, logits_idx, logits_sort)
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [num_rows, V] float (grammar-masked), not modified
+    temperature: torch.Tensor,  # [num_rows] float32; 0.0 = greedy (treated as 1.0 here)
+    top_k: torch.Tensor,  # [num_rows] int32; 0 = off
+    top_p: torch.Tensor,  # [num_rows] float32; 1.0 = off
+) -> torch.Tensor:  # [num_rows, V] float32, rows sum to 1
+    """softmax(top_k_top_p(logits / T)). Greedy rows get T = 1 only to stay finite:
+    the greedy rule decides on argmax(logits) and never reads their probabilities."""
+    scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))  # [num_rows]
+    scaled = logits.float() / scale.unsqueeze(1)  # [num_rows, V], a fresh tensor
+    # Skipping the O(V log V) sort when no row filters is worth one host sync.
+    if bool(((top_k > 0) | (top_p < 1.0)).any()):
+        scaled = apply_top_k_top_p(scaled, top_k, top_p)
+    return scaled.softmax(dim=-1)

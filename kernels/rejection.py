@@ -1,0 +1,146 @@
+"""Exact rejection sampling for a ragged batch of speculative drafts (DESIGN.md step 4).
+
+Leviathan et al. 2023 (arXiv 2211.17192), Algorithm 1, per request r with
+drafts d_1..d_k (k = k_r, possibly 0), draft distributions q_i and target
+distributions p_i (processed by temperature / top-k / top-p, over logits that
+are already grammar-masked):
+* random request: accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at
+  the first rejection emit a *recovered* token ~ normalise(max(0, p_i - q_i));
+  q = 1 at d_i when the proposer has no distribution (n-gram, grammar-forced),
+  which makes the recovered token p_i with d_i removed;
+* greedy request (temperature 0): accept while d_i == argmax(logits_i); the
+  first mismatch emits that argmax;
+* all k accepted: emit a *bonus* token from row k.
+The emitted sequence is then distributed exactly as sequential sampling from
+the masked target (greedy: identical to sequential argmax). A grammar-masked
+token has p = 0, so a forbidden draft is always rejected and recovered/bonus
+tokens are always allowed: every emitted token satisfies its position's mask.
+
+Layout (no padding anywhere): cu = cu_num_draft_tokens, drafts of request r
+are draft_token_ids[cu[r-1]:cu[r]], its k_r + 1 target rows start at
+cu[r-1] + r. Randomness comes from kernels.noise, drawn once outside the
+kernels, so both backends produce identical tokens and a seeded request
+replays exactly.
+
+Pipeline: expand params to rows -> probabilities (kernels.probs) -> noise ->
+recovered/bonus candidate per row (kernels.recovered) -> accept loop (this
+module's kernel). Every stage runs on the resolved backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.backend import Backend, resolve_backend
+from kernels.noise import REJECTION_STREAM, draw_noise
+from kernels.probs import logits_to_probs
+from kernels.recovered import sample_recovered_tokens
+from kernels.rejection_reference import PLACEHOLDER_TOKEN_ID
+from kernels.sampling_params import SamplingTensors, expand_sampling_params
+
+__all__ = ["PLACEHOLDER_TOKEN_ID", "RejectionOutput", "rejection_sample"]
+
+
+@dataclass(frozen=True)
+class RejectionOutput:
+    output_token_ids: torch.Tensor  # [B, K+1] int64; accepted drafts, then one recovered or
+    #                                 bonus token, then PLACEHOLDER_TOKEN_ID
+    num_emitted: torch.Tensor  # [B] int32, 1..k_r+1 (= num_accepted + 1)
+    num_accepted: torch.Tensor  # [B] int32, 0..k_r
+    backend: Backend  # which backend ran every stage
+
+
+def _check_inputs(
+    draft_token_ids: torch.Tensor,
+    cu_num_draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_logits: torch.Tensor,
+    sampling: SamplingTensors,
+) -> None:
+    batch = cu_num_draft_tokens.shape[0] if cu_num_draft_tokens.dim() == 1 else -1
+    if batch < 0 or sampling.batch_size != batch:
+        raise ValueError(
+            f"cu_num_draft_tokens must be [B] with B = {sampling.batch_size}, got {tuple(cu_num_draft_tokens.shape)}"
+        )
+    num_drafts = draft_token_ids.shape[0]
+    if draft_token_ids.dim() != 1:
+        raise ValueError(f"draft_token_ids must be [num_draft_tokens], got {tuple(draft_token_ids.shape)}")
+    if target_logits.dim() != 2 or target_logits.shape[0] != num_drafts + batch:
+        raise ValueError(
+            f"target_logits must be [num_draft_tokens + B = {num_drafts + batch}, V], got {tuple(target_logits.shape)}"
+        )
+    if draft_probs is not None and tuple(draft_probs.shape) != (num_drafts, target_logits.shape[1]):
+        raise ValueError(
+            f"draft_probs must be [{num_drafts}, {target_logits.shape[1]}], got {tuple(draft_probs.shape)}"
+        )
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,  # [num_draft_tokens] int64
+    cu_num_draft_tokens: torch.Tensor,  # [B] int32, cumulative k_r (k_r may be 0)
+    draft_probs: torch.Tensor | None,  # [num_draft_tokens, V] float32; None => q = 1 everywhere
+    target_logits: torch.Tensor,  # [num_tokens, V] float, ALREADY grammar-masked; not modified
+    sampling: SamplingTensors,
+    *,
+    backend: Backend | None = None,
+) -> RejectionOutput:
+    """Verify a batch of drafts; see the module docstring for the algorithm and layout."""
+    _check_inputs(draft_token_ids, cu_num_draft_tokens, draft_probs, target_logits, sampling)
+    ran = resolve_backend(backend, target_logits.device)
+    device = target_logits.device
+    num_tokens, vocab = target_logits.shape
+
+    # One host sync for the ragged layout: K sizes the output, k_r sizes the noise.
+    cu_host = cu_num_draft_tokens.tolist()
+    num_drafts = [b - a for a, b in zip([0] + cu_host[:-1], cu_host)]  # [B] k_r
+    if any(k < 0 for k in num_drafts) or (cu_host and cu_host[-1] != draft_token_ids.shape[0]):
+        raise ValueError(f"cu_num_draft_tokens {cu_host} is not a cumulative count of the drafts")
+    max_num_drafts = max(num_drafts, default=0)
+    greedy_host = (sampling.temperature == 0.0).tolist()
+
+    rows, _ = expand_sampling_params(sampling, cu_num_draft_tokens, num_tokens, backend=ran)
+    target_probs = None
+    if not all(greedy_host):
+        target_probs = logits_to_probs(target_logits, rows.temperature, rows.top_k, rows.top_p)
+    uniforms, inv_exp_noise = draw_noise(
+        sampling.seeds,
+        sampling.step,
+        REJECTION_STREAM,
+        num_drafts,
+        [not g for g in greedy_host],
+        vocab,
+        device,
+    )
+    recovered, _ = sample_recovered_tokens(
+        target_logits,
+        target_probs,
+        draft_token_ids,
+        draft_probs,
+        cu_num_draft_tokens,
+        rows.request_index,
+        sampling.temperature,
+        inv_exp_noise,
+        backend=ran,
+    )
+    if ran is Backend.TRITON:
+        from kernels import rejection_triton as impl
+    else:
+        from kernels import rejection_reference as impl
+    output_token_ids, num_accepted = impl.rejection_accept(
+        draft_token_ids,
+        cu_num_draft_tokens,
+        draft_probs,
+        target_probs,
+        sampling.temperature,
+        uniforms,
+        recovered,
+        max_num_drafts,
+    )
+    return RejectionOutput(
+        output_token_ids=output_token_ids,
+        num_emitted=num_accepted + 1,
+        num_accepted=num_accepted,
+        backend=ran,
+    )

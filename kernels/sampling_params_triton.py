@@ -1,0 +1,72 @@
+"""Triton kernel for `kernels.sampling_params.expand_sampling_params` (vLLM's expand_kernel)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Rows written per program; requests have at most K + 1 rows and K is small.
+BLOCK_ROWS = 16
+
+
+@triton.jit
+def _expand_kernel(
+    temperature_ptr,  # [B] float32
+    top_k_ptr,  # [B] int32
+    top_p_ptr,  # [B] float32
+    cu_ptr,  # [B] int32, cumulative k_r
+    out_request_ptr,  # [num_tokens] int32
+    out_temperature_ptr,  # [num_tokens] float32
+    out_top_k_ptr,  # [num_tokens] int32
+    out_top_p_ptr,  # [num_tokens] float32
+    BLOCK_ROWS: tl.constexpr,
+):
+    req = tl.program_id(0)
+    if req == 0:
+        start_draft = 0
+    else:
+        start_draft = tl.load(cu_ptr + req - 1)
+    end_draft = tl.load(cu_ptr + req)
+    first_row = start_draft + req  # rows of request r start at cu[r-1] + r
+    num_rows = end_draft - start_draft + 1
+    temperature = tl.load(temperature_ptr + req)
+    top_k = tl.load(top_k_ptr + req)
+    top_p = tl.load(top_p_ptr + req)
+    for block in range(0, num_rows, BLOCK_ROWS):
+        offs = block + tl.arange(0, BLOCK_ROWS)  # [BLOCK_ROWS]
+        live = offs < num_rows
+        rows = first_row + offs
+        tl.store(out_request_ptr + rows, tl.zeros([BLOCK_ROWS], tl.int32) + req, mask=live)
+        tl.store(out_temperature_ptr + rows, tl.zeros([BLOCK_ROWS], tl.float32) + temperature, mask=live)
+        tl.store(out_top_k_ptr + rows, tl.zeros([BLOCK_ROWS], tl.int32) + top_k, mask=live)
+        tl.store(out_top_p_ptr + rows, tl.zeros([BLOCK_ROWS], tl.float32) + top_p, mask=live)
+
+
+def expand_sampling_params(
+    temperature: torch.Tensor,  # [B] float32
+    top_k: torch.Tensor,  # [B] int32
+    top_p: torch.Tensor,  # [B] float32
+    cu_num_draft_tokens: torch.Tensor,  # [B] int32
+    num_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (request_index [num_tokens] int32, temperature, top_k, top_p per row)."""
+    device = temperature.device
+    out_request = torch.empty(num_tokens, dtype=torch.int32, device=device)
+    out_temperature = torch.empty(num_tokens, dtype=torch.float32, device=device)
+    out_top_k = torch.empty(num_tokens, dtype=torch.int32, device=device)
+    out_top_p = torch.empty(num_tokens, dtype=torch.float32, device=device)
+    batch = temperature.shape[0]
+    if batch > 0:
+        _expand_kernel[(batch,)](
+            temperature.contiguous().float(),
+            top_k.contiguous().to(torch.int32),
+            top_p.contiguous().float(),
+            cu_num_draft_tokens.contiguous().to(torch.int32),
+            out_request,
+            out_temperature,
+            out_top_k,
+            out_top_p,
+            BLOCK_ROWS=BLOCK_ROWS,
+        )
+    return out_request, out_temperature, out_top_k, out_top_p
