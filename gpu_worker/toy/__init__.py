@@ -1,0 +1,1 @@
+"""Toy target/draft model pair: schemas, synthetic JSON corpus, tokenizer, training, cached build."""
