@@ -1,0 +1,308 @@
+"""``GpuWorker``: owns the target and draft models, the sequences, and the step loop.
+
+A plain class, so tests can use it in-process; ``ray.remote(GpuWorker)`` (or
+``start_remote_worker``) makes it the per-GPU Ray actor. Ray runs an actor's
+methods one at a time, so no locking is needed around sequence state.
+
+Errors: a bad sequence never takes the worker down. ``add`` returns an error
+message per refused sequence; ``step`` reports a failed sequence as
+``FinishReason.ERROR`` with ``StepOutput.error`` and frees it; ``remove`` of an
+unknown id raises ``UnknownSequenceError`` after removing the known ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from gpu_worker.config import WorkerConfig
+from gpu_worker.loading import (
+    eos_token_ids,
+    has_tokenizer,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+)
+from gpu_worker.kv_cache import SequenceKV
+from gpu_worker.masks import MaskChannel
+from gpu_worker.model_runner import ForwardItem, ModelRunner
+from gpu_worker.proposers.base import ProposerResources
+from gpu_worker.proposers.registry import build_proposers, order_names
+from gpu_worker.sequence import SequenceState
+from gpu_worker.step import StepRunner
+from gpu_worker.types import FinishReason, NewSequence, StepOutput, WorkerInfo
+
+logger = logging.getLogger(__name__)
+
+_SEED_BITS = 63  # kernels take int64 seeds; keep them non-negative
+
+
+class UnknownSequenceError(KeyError):
+    """``remove`` named sequence ids this worker does not hold."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class GpuWorker:
+    def __init__(self, config: WorkerConfig) -> None:
+        from mask_service.tokenizer_id import tokenizer_id_for_path
+
+        self.config = config
+        if config.torch_threads is not None:
+            import torch
+
+            torch.set_num_threads(config.torch_threads)
+        self.device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype)
+        self.tokenizer = load_tokenizer(config.target_dir)
+        self.target = ModelRunner(
+            load_causal_lm(config.target_dir, dtype, self.device), batched=config.batched_forward, name="target"
+        )
+        self.draft: ModelRunner | None = None
+        if config.draft_dir is not None:
+            self._check_shared_tokenizer(config.draft_dir)
+            self.draft = ModelRunner(
+                load_causal_lm(config.draft_dir, dtype, self.device), batched=config.batched_forward, name="draft"
+            )
+        self.vocab_size = self.target.vocab_size  # V: logits width
+        self.max_model_len = self.target.max_model_len
+        if config.max_model_len is not None:
+            self.max_model_len = min(self.max_model_len, config.max_model_len)
+        self.tokenizer_id = tokenizer_id_for_path(config.target_dir)
+        self.eos_token_ids = eos_token_ids(config.target_dir, self.tokenizer)
+        self.masks: MaskChannel | None = None
+        if config.mask_service_addresses:
+            self.masks = MaskChannel.connect(
+                config.mask_service_addresses,
+                tokenizer_id=self.tokenizer_id,
+                vocab_size=self.vocab_size,
+                deadline_s=config.mask_deadline_s,
+            )
+        self.proposers = build_proposers(
+            ProposerResources(
+                vocab_size=self.vocab_size,
+                draft_runner=self.draft,
+                ngram_min=config.ngram_min,
+                ngram_max=config.ngram_max,
+            )
+        )
+        self.stepper = StepRunner(
+            self.target,
+            self.proposers,
+            self.masks,
+            max_model_len=self.max_model_len,
+            draft_max_len=self.draft.max_model_len if self.draft is not None else None,
+            mask_timeout_s=config.mask_deadline_s * 4,
+        )
+        self._seqs: dict[str, SequenceState] = {}  # insertion order = batch order
+        self._rng = random.Random(config.seed)
+        logger.info(
+            "worker ready: target=%s draft=%s device=%s V=%d max_len=%d proposers=%s",
+            config.target_dir, config.draft_dir, self.device, self.vocab_size, self.max_model_len, sorted(self.proposers),
+        )
+
+    def _check_shared_tokenizer(self, draft_dir: str) -> None:
+        """Draft tokens are fed to the target as ids: both must use the same vocabulary."""
+        if not has_tokenizer(draft_dir):
+            return  # a draft dir without tokenizer files is taken to share the target's
+        if load_tokenizer(draft_dir).get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(f"draft tokenizer in {draft_dir} differs from the target's")
+
+    # -- public API -----------------------------------------------------------
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            tokenizer_id=self.tokenizer_id,
+            eos_token_ids=self.eos_token_ids,
+            device=str(self.device),
+            has_draft_model=self.draft is not None,
+            max_k=self.config.max_k,
+        )
+
+    def num_active(self) -> int:
+        return len(self._seqs)
+
+    def active_ids(self) -> list[str]:
+        return list(self._seqs)
+
+    def add(self, seqs: Sequence[NewSequence]) -> list[str | None]:
+        """Validate, open mask sessions, prefill. Returns per sequence None or an error message."""
+        errors: list[str | None] = [None] * len(seqs)
+        accepted: list[tuple[int, SequenceState]] = []
+        seen: set[str] = set()
+        for i, req in enumerate(seqs):
+            try:
+                state = self._admit(req, seen, len(accepted))
+            except (ValueError, TypeError) as exc:
+                errors[i] = str(exc)
+                logger.warning("seq %s refused: %s", getattr(req, "seq_id", "?"), exc)
+                continue
+            seen.add(req.seq_id)
+            accepted.append((i, state))
+
+        opened: list[tuple[int, SequenceState]] = []
+        for i, state in accepted:
+            if state.request.grammar is not None:
+                try:
+                    state.session_id = self.masks.open_session(state.request.grammar)  # type: ignore[union-attr]
+                except Exception as exc:  # noqa: BLE001 - MaskServiceError (bad grammar) or transport
+                    errors[i] = f"grammar refused by the mask service: {exc}"
+                    logger.warning("seq %s: opening mask session failed: %s", state.seq_id, exc)
+                    continue
+            opened.append((i, state))
+
+        try:
+            self._prefill([s for _, s in opened])
+        except Exception as exc:  # noqa: BLE001 - e.g. out of memory; the worker stays up
+            logger.exception("prefill of %d sequences failed", len(opened))
+            for i, state in opened:
+                errors[i] = f"prefill failed: {exc}"
+                self._free(state)
+            return errors
+        for _, state in opened:
+            self._seqs[state.seq_id] = state
+            logger.info(
+                "seq %s added: prompt=%d grammar=%s k=%d proposers=%s",
+                state.seq_id, state.prompt_len, state.has_grammar, state.k, state.proposers,
+            )
+        return errors
+
+    def step(self) -> list[StepOutput]:
+        """One decoding step for every active sequence; finished sequences are freed."""
+        batch = list(self._seqs.values())
+        if not batch:
+            return []
+        try:
+            outputs = self.stepper.run(batch)
+        except Exception as exc:  # noqa: BLE001 - state of the batch is unknown: fail it, keep serving
+            logger.exception("step failed for %d sequences", len(batch))
+            outputs = [StepOutput(s.seq_id, [], FinishReason.ERROR, error=f"step failed: {exc}") for s in batch]
+        for out in outputs:
+            if out.finish_reason is not None:
+                state = self._seqs.pop(out.seq_id)
+                state.finished = out.finish_reason
+                self._free(state)
+                logger.info(
+                    "seq %s finished: %s after %d output tokens%s",
+                    out.seq_id, out.finish_reason.name, state.num_output, f" ({out.error})" if out.error else "",
+                )
+        return outputs
+
+    def remove(self, seq_ids: Sequence[str]) -> None:
+        """Cancel sequences: free KV caches, close mask sessions."""
+        unknown = []
+        for seq_id in seq_ids:
+            state = self._seqs.pop(seq_id, None)
+            if state is None:
+                unknown.append(seq_id)
+                continue
+            state.finished = FinishReason.CANCELLED
+            self._free(state)
+            logger.info("seq %s cancelled after %d output tokens", seq_id, state.num_output)
+        if unknown:
+            raise UnknownSequenceError(f"unknown sequence id(s): {unknown}")
+
+    def shutdown(self) -> None:
+        """Free everything and close the mask-service connection."""
+        for state in list(self._seqs.values()):
+            self._free(state)
+        self._seqs.clear()
+        if self.masks is not None:
+            self.masks.close()
+
+    # -- internals --------------------------------------------------------------
+    def _admit(self, req: Any, seen: set[str], num_accepted: int) -> SequenceState:
+        """Check one request and build its state (raises ValueError/TypeError with a clear message)."""
+        if not isinstance(req, NewSequence):
+            raise TypeError(f"expected NewSequence, got {type(req).__name__}")
+        if not isinstance(req.seq_id, str) or not req.seq_id:
+            raise ValueError("seq_id must be a non-empty string")
+        if req.seq_id in self._seqs or req.seq_id in seen:
+            raise ValueError(f"duplicate seq_id {req.seq_id!r}")
+        if len(self._seqs) + num_accepted >= self.config.max_batch:
+            raise ValueError(f"worker is full ({self.config.max_batch} active sequences)")
+        prompt = list(req.prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty")
+        self._check_ids(prompt, "prompt")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room below max_model_len {self.max_model_len}")
+        p = req.sampling
+        if not (math.isfinite(p.temperature) and p.temperature >= 0):
+            raise ValueError(f"temperature must be finite and >= 0, got {p.temperature}")
+        if not 0 < p.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
+        if p.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {p.top_k}")
+        if p.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
+        spec = req.speculation
+        if not 0 <= spec.k <= self.config.max_k:
+            raise ValueError(f"speculation k must be in [0, {self.config.max_k}], got {spec.k}")
+        proposers: tuple[str, ...] = ()
+        if spec.enabled and spec.k > 0:
+            proposers = tuple(n for n in order_names(spec.proposers) if n in self.proposers)
+        if req.grammar is not None and self.masks is None:
+            raise ValueError("sequence has a grammar but the worker has no mask service configured")
+        stop_ids = self.eos_token_ids if req.stop_token_ids is None else tuple(req.stop_token_ids)
+        self._check_ids(stop_ids, "stop")
+        if "draft_model" in proposers:
+            assert self.draft is not None
+            if max(prompt) >= self.draft.vocab_size:
+                raise ValueError(f"prompt token id {max(prompt)} is outside the draft vocabulary")
+        seed = p.seed if p.seed is not None else self._rng.getrandbits(_SEED_BITS)
+        return SequenceState(
+            request=req,
+            stop_token_ids=frozenset(stop_ids),
+            proposers=proposers,
+            k=spec.k if proposers else 0,
+            seed=seed & ((1 << _SEED_BITS) - 1),
+            token_ids=prompt,
+            draft_kv=SequenceKV() if "draft_model" in proposers else None,
+        )
+
+    def _check_ids(self, ids: Sequence[int], what: str) -> None:
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"{what} token id {t!r} outside [0, {self.vocab_size})")
+
+    def _prefill(self, states: Sequence[SequenceState]) -> None:
+        """Cache every prompt token but the last; the first step feeds it (with the drafts)."""
+        target_items = [ForwardItem(s.target_kv, s.token_ids[:-1], 0) for s in states if len(s.token_ids) > 1]
+        self.target.forward(target_items)
+        draft_items = [
+            ForwardItem(s.draft_kv, s.token_ids[:-1], 0)
+            for s in states
+            if s.draft_kv is not None and len(s.token_ids) > 1
+        ]
+        if draft_items:
+            assert self.draft is not None
+            self.draft.forward(draft_items)
+
+    def _free(self, state: SequenceState) -> None:
+        state.target_kv.free()
+        if state.draft_kv is not None:
+            state.draft_kv.free()
+        if state.session_id is not None and self.masks is not None:
+            self.masks.close_session_later(state.session_id, state.seq_id)
+            state.session_id = None
+
+
+def start_remote_worker(config: WorkerConfig, *, num_gpus: float | None = None, **ray_options: Any) -> Any:
+    """Start ``GpuWorker`` as a Ray actor; returns the actor handle.
+
+    ``num_gpus=None`` asks for one GPU when the Ray cluster has any, else none
+    (the CPU fallback). An actor asking for a GPU that no node has pends forever,
+    so callers should always put timeouts on ``ray.get``.
+    """
+    import ray
+
+    if num_gpus is None:
+        num_gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    return ray.remote(num_gpus=num_gpus, **ray_options)(GpuWorker).remote(config)

@@ -1,0 +1,55 @@
+"""The worker's one frozen configuration object (STYLE.md: one config per process)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Largest proposal length a request may ask for. Each draft position costs one
+# draft forward (or one mask round trip with draft masking) before the target
+# forward; past ~8 the expected gain (1 - a^(k+1)) / (1 - a) saturates for any
+# realistic acceptance rate a, so larger k only burns draft time.
+DEFAULT_MAX_K = 8
+# Active sequences per worker. KV caches are per sequence and unpaged, so this
+# is the memory guard: add() refuses sequences past it with a per-sequence error.
+DEFAULT_MAX_BATCH = 64
+# Prompt-lookup (n-gram) proposer: match the longest context suffix of at most
+# NGRAM_MAX tokens, at least NGRAM_MIN (prompt lookup decoding, Saxena 2023;
+# vLLM's ngram proposer uses the same 1..4 window by default).
+DEFAULT_NGRAM_MIN = 1
+DEFAULT_NGRAM_MAX = 4
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a ``GpuWorker`` needs; built once by the process that starts it."""
+
+    target_dir: str  # local HF model dir (config, weights, tokenizer files)
+    draft_dir: str | None = None  # local HF dir of the draft model; None = no draft-model proposer
+    dtype: str = "float32"  # torch dtype name; float32 keeps greedy exact on CPU
+    device: str = "auto"  # "auto" = cuda if available else cpu (resolved at load, never at import)
+    mask_service_addresses: tuple[str, ...] = ()  # host:port of mask-service replicas; () = grammars refused
+    max_batch: int = DEFAULT_MAX_BATCH
+    max_k: int = DEFAULT_MAX_K
+    # None = the target config's max_position_embeddings; a smaller value caps sequences sooner.
+    max_model_len: int | None = None
+    # True: one padded forward per model for the whole batch (attention masks + position ids).
+    # False: one forward per sequence (the exact reference the batched path is tested against).
+    batched_forward: bool = True
+    mask_deadline_s: float = 5.0  # per mask-service call, handed to the router
+    ngram_min: int = DEFAULT_NGRAM_MIN
+    ngram_max: int = DEFAULT_NGRAM_MAX
+    # torch intra-op threads for CPU work (process-wide); None keeps torch's default.
+    # On a small shared CPU box 1 avoids oversubscription (tiny matmuls slow down ~50x).
+    torch_threads: int | None = None
+    # Seed for sequences that bring none (their per-request seeds are drawn from it).
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_k < 0:
+            raise ValueError(f"max_k must be >= 0, got {self.max_k}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

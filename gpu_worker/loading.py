@@ -1,0 +1,63 @@
+"""Load models and tokenizers from local HuggingFace directories (never the hub)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    """"auto" -> cuda when present, else cpu. Called at load time, never at import."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must name a torch floating dtype (float32, bfloat16, ...), got {name!r}")
+    return dtype
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device) -> Any:
+    """AutoModelForCausalLM from a local dir, in eval mode on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"model dir does not exist: {path}")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, attn_implementation="sdpa")
+    model.to(device)
+    model.eval()
+    return model
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def has_tokenizer(path: str) -> bool:
+    return (Path(path) / "tokenizer.json").is_file() or (Path(path) / "tokenizer.model").is_file()
+
+
+def eos_token_ids(path: str, tokenizer: Any) -> tuple[int, ...]:
+    """The default stop set: the tokenizer's EOS plus generation_config.json's eos_token_id(s)."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = Path(path) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(x) for x in eos)
+    return tuple(sorted(ids))

@@ -1,0 +1,1 @@
+"""Draft proposers behind one interface (base.py) and a registry (registry.py)."""

@@ -1,0 +1,84 @@
+"""The proposer interface: one draft token per sequence per draft position.
+
+A step builds drafts position by position (i = 1..K). At each position every
+still-open sequence asks the enabled proposers, in registry priority order, for
+d_i; the first proposal wins. Proposing per position is what lets cheap
+proposers (grammar-forced, n-gram) fill some positions and the draft model the
+rest, and what lets draft-side masks use the grammar state after d_1..d_{i-1}.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from gpu_worker.model_runner import ModelRunner
+    from gpu_worker.sequence import SequenceState
+
+
+@dataclass(frozen=True)
+class Proposal:
+    token_id: int
+    # [V] float32: the normalised distribution d_i was drawn from (after any draft
+    # mask, temperature, top-k/top-p). None = no distribution: q = 1 at token_id
+    # (one-hot), which kernels.rejection_sample treats exactly like a one-hot row.
+    q: torch.Tensor | None = None
+
+
+@dataclass
+class DraftSlot:
+    """One sequence's drafts under construction during this step's proposal phase."""
+
+    seq: SequenceState
+    k: int  # k_r: the most drafts this sequence may get this step
+    drafts: list[int] = field(default_factory=list)  # d_1..d_i so far
+    q_rows: list[torch.Tensor | None] = field(default_factory=list)  # per draft: [V] float32 or None (one-hot)
+    # [W] int32: grammar mask for the position being proposed, after d_1..d_{i-1};
+    # None when this sequence has no grammar or no proposer asked for masks.
+    mask_row: torch.Tensor | None = None
+    open: bool = True  # False once drafting stopped for this sequence this step
+
+    def context(self) -> list[int]:
+        """Committed tokens followed by the drafts so far."""
+        return self.seq.token_ids + self.drafts
+
+    def add(self, proposal: Proposal) -> None:
+        self.drafts.append(proposal.token_id)
+        self.q_rows.append(proposal.q)
+
+
+@dataclass(frozen=True)
+class ProposerResources:
+    """What a worker can lend to proposers."""
+
+    vocab_size: int  # V: target logits width; every q row has this width
+    draft_runner: ModelRunner | None  # None = worker has no draft model
+    ngram_min: int
+    ngram_max: int
+    kernel_backend: Any = None  # kernels.Backend | None (None = resolve by device)
+
+
+class Proposer(ABC):
+    """Proposes d_i for a batch of slots at one draft position."""
+
+    name: ClassVar[str]
+    # Lower runs first. Cheap, certain sources go before the draft model so its
+    # forward is skipped at positions they fill.
+    priority: ClassVar[int]
+    # True if this proposer needs DraftSlot.mask_row at every position (the step
+    # then fetches masks for grammar sequences that enable it).
+    needs_masks: ClassVar[bool] = False
+
+    @classmethod
+    def create(cls, resources: ProposerResources) -> "Proposer | None":
+        """Build from worker resources; None when the worker cannot run this proposer."""
+        return cls()
+
+    @abstractmethod
+    def propose(self, slots: Sequence[DraftSlot], position: int) -> list[Proposal | None]:
+        """Propose d_position (1-based) for each slot; None leaves the slot to the next proposer."""

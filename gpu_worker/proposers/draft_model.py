@@ -1,0 +1,91 @@
+"""Draft-model proposals: one batched draft forward per draft position.
+
+Each slot feeds the draft model the tokens its draft cache has not seen yet
+(usually one; more after grammar-forced or n-gram positions, which skip the
+draft forward, or after a step with k_r = 0), so the cache always catches up
+exactly. With ``SpeculationParams.draft_masking`` the logits are masked with the
+grammar state after d_1..d_{i-1} before sampling, and q is then the masked,
+renormalised draft distribution (DESIGN.md step 1). Greedy requests take the
+argmax and return no q (one-hot).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from gpu_worker.bitmask_rows import all_ones_row
+from gpu_worker.model_runner import ForwardItem, ModelRunner
+from gpu_worker.proposers.base import DraftSlot, Proposal, Proposer, ProposerResources
+from gpu_worker.proposers.registry import register
+
+
+@register
+class DraftModelProposer(Proposer):
+    name = "draft_model"
+    priority = 20  # the expensive fallback: only positions nobody else filled
+
+    def __init__(self, runner: ModelRunner, vocab_size: int, kernel_backend=None) -> None:
+        self.runner = runner
+        self.vocab_size = vocab_size  # V: target width; q rows and masks are sized to it
+        self.kernel_backend = kernel_backend
+
+    @classmethod
+    def create(cls, resources: ProposerResources) -> "DraftModelProposer | None":
+        if resources.draft_runner is None:
+            return None
+        return cls(resources.draft_runner, resources.vocab_size, resources.kernel_backend)
+
+    def _fit_width(self, logits: torch.Tensor) -> torch.Tensor:  # [n, V_draft] -> [n, V]
+        """Align draft logits to the target width: a narrower draft gets -inf columns,
+        a wider one loses tokens the target cannot emit."""
+        width = logits.shape[1]
+        if width == self.vocab_size:
+            return logits
+        if width > self.vocab_size:
+            return logits[:, : self.vocab_size].contiguous()
+        pad = torch.full((logits.shape[0], self.vocab_size - width), float("-inf"), device=logits.device)
+        return torch.cat([logits, pad], dim=1)
+
+    def propose(self, slots: Sequence[DraftSlot], position: int) -> list[Proposal | None]:
+        from kernels.bitmask import apply_token_bitmask_indirect_inplace
+        from kernels.draft_sampling import sample_draft
+        from kernels.sampling_params import SamplingTensors
+
+        if not slots:
+            return []
+        items = []
+        for slot in slots:
+            kv = slot.seq.draft_kv
+            if kv is None:
+                raise RuntimeError(f"seq {slot.seq.seq_id}: draft_model enabled without a draft cache")
+            items.append(ForwardItem(kv, slot.context()[kv.length :], num_logits=1))
+        logits = self._fit_width(torch.cat(self.runner.forward(items), dim=0))  # [n, V] float32
+
+        masked = [
+            s.mask_row is not None and s.seq.request.speculation.draft_masking for s in slots
+        ]
+        if any(masked):
+            num_words = next(s.mask_row for s, m in zip(slots, masked) if m).shape[-1]
+            table = torch.stack(
+                [s.mask_row if m else all_ones_row(num_words) for s, m in zip(slots, masked)]
+            ).to(logits.device)  # [n, W] int32
+            row_ids = torch.arange(len(slots), dtype=torch.int32, device=logits.device)  # [n]
+            apply_token_bitmask_indirect_inplace(logits, table, row_ids, backend=self.kernel_backend)
+
+        params = [s.seq.request.sampling for s in slots]
+        sampling = SamplingTensors.from_lists(
+            temperature=[p.temperature for p in params],
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params],
+            seeds=[s.seq.seed for s in slots],
+            step=[s.seq.step for s in slots],
+            device=logits.device,
+        )
+        tokens, probs = sample_draft(logits, sampling, position=position, backend=self.kernel_backend)
+        tokens_host = tokens.tolist()
+        return [
+            Proposal(tok, None if p.temperature == 0.0 else probs[i])
+            for i, (tok, p) in enumerate(zip(tokens_host, params))
+        ]

@@ -1,0 +1,107 @@
+"""Request-facing value types of the worker (what crosses the Ray boundary).
+
+Terms used across the package, defined once:
+* *committed tokens* x: prompt + tokens already returned to the caller;
+* *drafts* d_1..d_k: proposed continuations, k = k_r <= K for request r;
+* *accepted drafts*: the prefix of the drafts the rejection sampler keeps;
+* *recovered token*: the token emitted at the first rejected position;
+* *bonus token*: the token emitted after all k drafts were accepted;
+* *emitted tokens*: accepted drafts + one recovered or bonus token (1..k+1).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from mask_service.grammar import GrammarSpec
+
+
+class FinishReason(enum.Enum):
+    """Why a sequence stopped. Precise definitions (checked in this order per step):
+
+    * ``GRAMMAR_COMPLETE``: the sequence has a grammar and its matcher is terminated
+      after the committed tokens; in practice the emitted tokens contain a stop
+      token, which a grammar mask allows only where the document is complete, so
+      accepting it terminates the matcher. Tokens after it are dropped and the stop
+      token itself is not returned.
+    * ``STOP``: no grammar, and an emitted token is in the stop set (not returned).
+    * ``LENGTH``: the output reached ``max_tokens`` (emitted tokens are truncated to
+      the budget) or prompt + output reached the model's maximum length.
+    * ``CANCELLED``: removed by ``remove()`` (never reported by ``step()``).
+    * ``ERROR``: the sequence failed (message in ``StepOutput.error``); it is freed.
+    """
+
+    STOP = "stop"
+    LENGTH = "length"
+    GRAMMAR_COMPLETE = "grammar_complete"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How target tokens are drawn. ``temperature == 0`` is greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0  # 1.0 = off
+    top_k: int = 0  # 0 = off
+    seed: int | None = None  # None: the worker draws one (output is then not reproducible across runs)
+    max_tokens: int = 256  # output budget, stop token excluded
+
+
+@dataclass(frozen=True)
+class SpeculationParams:
+    """Per-request speculation. ``k`` is the maximum drafts per step (k_r <= k <= WorkerConfig.max_k).
+
+    ``proposers`` names registry entries (gpu_worker.proposers.registry); they are
+    consulted per draft position in their registry priority order, not tuple order:
+    grammar_forced, then ngram, then draft_model. "draft_model" is ignored on a
+    worker configured without a draft model.
+    ``draft_masking``: mask the draft model's logits at position i with the grammar
+    state after d_1..d_{i-1} (one mask round trip per draft position, batched).
+    """
+
+    enabled: bool = True
+    k: int = 4
+    proposers: tuple[str, ...] = ("draft_model", "grammar_forced")
+    draft_masking: bool = True
+
+
+@dataclass(frozen=True)
+class NewSequence:
+    """A sequence to prefill and decode. The orchestrator has validated ``grammar``."""
+
+    seq_id: str
+    prompt_token_ids: tuple[int, ...]
+    grammar: GrammarSpec | None
+    sampling: SamplingParams = SamplingParams()
+    speculation: SpeculationParams = SpeculationParams()
+    stop_token_ids: tuple[int, ...] | None = None  # None: the tokenizer's EOS ids
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one sequence (one per active sequence per step)."""
+
+    seq_id: str
+    new_token_ids: list[int]  # emitted tokens kept after stop/length truncation
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # set iff finish_reason is ERROR
+    drafts_proposed: int = 0  # k_r this step
+    drafts_accepted: int = 0  # accepted drafts this step (before truncation)
+    target_forwards: int = 0  # 1 when the sequence took part in this step's target forward
+    mask_time_s: float = 0.0  # wall time this step waited on the mask service for this batch
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """Static facts about a loaded worker."""
+
+    vocab_size: int  # V: target logits width (may exceed the tokenizer's vocabulary)
+    max_model_len: int  # prompt + output never exceed this
+    tokenizer_id: str  # mask_service.tokenizer_id.tokenizer_id_for_path(target_dir)
+    eos_token_ids: tuple[int, ...]  # default stop set
+    device: str  # "cuda:0", "cpu", ...
+    has_draft_model: bool
+    max_k: int

@@ -1,0 +1,109 @@
+"""Verification: grammar-mask the target rows, then rejection-sample (DESIGN.md steps 3-4).
+
+Layout follows kernels.rejection: request r owns k_r + 1 consecutive target
+rows; drafts are flattened in request order with cumulative counts
+``cu_num_draft_tokens``. Masks are applied through the indirect kernel so that
+sequences without a grammar share one all-ones table row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpu_worker.bitmask_rows import all_ones_row
+
+
+@dataclass(frozen=True)
+class VerifyInput:
+    """One sequence's share of the verify step."""
+
+    drafts: Sequence[int]  # [k_r] d_1..d_k
+    q_rows: Sequence[torch.Tensor | None]  # [k_r] each [V] float32, or None = one-hot at the draft
+    logits: torch.Tensor  # [k_r + 1, V] float32 target logits, not yet grammar-masked (not modified)
+    mask: torch.Tensor | None  # [k_r + 1, W] int32 grammar rows M_0..M_k; None = no grammar
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    step: int
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    emitted: list[int]  # accepted drafts + one recovered or bonus token
+    num_accepted: int
+
+
+def verify(
+    inputs: Sequence[VerifyInput], *, vocab_size: int, num_mask_words: int, kernel_backend: Any = None
+) -> list[VerifyResult]:
+    """Mask and rejection-sample a batch; returns per sequence the emitted tokens."""
+    from kernels.bitmask import apply_token_bitmask_indirect_inplace
+    from kernels.rejection import rejection_sample
+    from kernels.sampling_params import SamplingTensors
+
+    if not inputs:
+        return []
+    for inp in inputs:
+        k = len(inp.drafts)
+        if inp.logits.shape != (k + 1, vocab_size):
+            raise ValueError(f"logits {tuple(inp.logits.shape)} != ({k + 1}, {vocab_size})")
+        if inp.mask is not None and tuple(inp.mask.shape) != (k + 1, num_mask_words):
+            raise ValueError(f"mask {tuple(inp.mask.shape)} != ({k + 1}, {num_mask_words})")
+    logits = torch.cat([inp.logits for inp in inputs], dim=0)  # [num_tokens, V]
+    device = logits.device
+
+    if any(inp.mask is not None for inp in inputs):
+        tables = [inp.mask for inp in inputs if inp.mask is not None]
+        ones_id = sum(t.shape[0] for t in tables)  # the all-ones row goes last
+        table = torch.cat([*tables, all_ones_row(num_mask_words).unsqueeze(0)]).to(device)  # [num_table_rows, W]
+        ids: list[int] = []
+        offset = 0
+        for inp in inputs:
+            rows = len(inp.drafts) + 1
+            if inp.mask is not None:
+                ids.extend(range(offset, offset + rows))
+                offset += rows
+            else:
+                ids.extend([ones_id] * rows)
+        row_ids = torch.tensor(ids, dtype=torch.int32, device=device)  # [num_tokens]
+        apply_token_bitmask_indirect_inplace(logits, table, row_ids, backend=kernel_backend)
+
+    flat_drafts = [t for inp in inputs for t in inp.drafts]
+    draft_token_ids = torch.tensor(flat_drafts, dtype=torch.int64, device=device)  # [num_draft_tokens]
+    cu = torch.tensor(
+        [sum(len(inp.drafts) for inp in inputs[: r + 1]) for r in range(len(inputs))],
+        dtype=torch.int32,
+        device=device,
+    )  # [B]
+    # q rows matter only for random requests whose proposer gave a distribution;
+    # otherwise None (= one-hot everywhere) avoids a [num_draft_tokens, V] tensor.
+    needs_q = any(inp.temperature > 0 and any(q is not None for q in inp.q_rows) for inp in inputs)
+    draft_probs = None
+    if needs_q and flat_drafts:
+        draft_probs = torch.zeros(len(flat_drafts), vocab_size, dtype=torch.float32, device=device)  # [num_draft_tokens, V]
+        row = 0
+        for inp in inputs:
+            for tok, q in zip(inp.drafts, inp.q_rows):
+                if q is None:
+                    draft_probs[row, tok] = 1.0
+                else:
+                    draft_probs[row] = q
+                row += 1
+    sampling = SamplingTensors.from_lists(
+        temperature=[inp.temperature for inp in inputs],
+        top_k=[inp.top_k for inp in inputs],
+        top_p=[inp.top_p for inp in inputs],
+        seeds=[inp.seed for inp in inputs],
+        step=[inp.step for inp in inputs],
+        device=device,
+    )
+    out = rejection_sample(draft_token_ids, cu, draft_probs, logits, sampling, backend=kernel_backend)
+    tokens = out.output_token_ids.tolist()  # [B, K+1]
+    emitted = out.num_emitted.tolist()  # [B]
+    accepted = out.num_accepted.tolist()  # [B]
+    return [VerifyResult(tokens[r][: emitted[r]], accepted[r]) for r in range(len(inputs))]

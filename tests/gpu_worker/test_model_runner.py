@@ -1,0 +1,113 @@
+"""Model runner and KV caches: rollback and batching are exact (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.kv_cache import SequenceKV
+from gpu_worker.model_runner import ForwardItem, ModelRunner
+
+VOCAB = 97  # odd on purpose
+ATOL = 1e-5  # float32: batched and unbatched differ only by summation order
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.gpu_worker.helpers import torch_threads
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
+        max_position_embeddings=64,
+    )
+    with torch.random.fork_rng(devices=[]), torch_threads(1):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config).eval()
+
+
+def _fresh_logits(model, ids: list[int]) -> torch.Tensor:  # [len(ids), V]
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_incremental_forward_matches_fresh_forward(model, batched):
+    runner = ModelRunner(model, batched=batched)
+    ids = _ids(20, 1)
+    kv = SequenceKV()
+    runner.forward([ForwardItem(kv, ids[:7], 0)])
+    got = runner.forward([ForwardItem(kv, ids[7:12], 5)])[0]
+    got2 = runner.forward([ForwardItem(kv, ids[12:], 8)])[0]
+    fresh = _fresh_logits(model, ids)
+    torch.testing.assert_close(got, fresh[7:12], atol=ATOL, rtol=0)
+    torch.testing.assert_close(got2, fresh[12:], atol=ATOL, rtol=0)
+    assert kv.length == 20
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_cropped_cache_gives_fresh_forward_logits(model, batched):
+    """Roll back rejected drafts, feed different tokens: same logits as a fresh forward."""
+    runner = ModelRunner(model, batched=batched)
+    committed, rejected, other = _ids(11, 2), _ids(4, 3), _ids(3, 4)
+    kv = SequenceKV()
+    runner.forward([ForwardItem(kv, committed[:-1], 0)])
+    runner.forward([ForwardItem(kv, [committed[-1], *rejected], 5)])  # verify-style forward
+    assert kv.length == 15
+    kv.crop(11)  # keep the committed tokens only
+    assert kv.length == 11 and all(k.shape[2] == 11 for k in kv.keys + kv.values)
+    got = runner.forward([ForwardItem(kv, other, 3)])[0]
+    fresh = _fresh_logits(model, committed + other)
+    torch.testing.assert_close(got, fresh[-3:], atol=ATOL, rtol=0)
+
+
+def test_batched_forward_matches_per_sequence_forwards(model):
+    """Ragged batch: different cache lengths (including empty) and new-token counts."""
+    batched, single = ModelRunner(model, batched=True), ModelRunner(model, batched=False)
+    shapes = [(0, 3), (9, 1), (17, 5), (4, 2), (1, 1)]  # (cached length, new tokens)
+    seqs = [_ids(p + n, 10 + i) for i, (p, n) in enumerate(shapes)]
+    kv_b = [SequenceKV() for _ in seqs]
+    kv_s = [SequenceKV() for _ in seqs]
+    for kvs, runner in ((kv_b, batched), (kv_s, single)):
+        runner.forward([ForwardItem(kv, s[:p], 0) for kv, s, (p, _) in zip(kvs, seqs, shapes) if p])
+    out_b = batched.forward([ForwardItem(kv, s[p:], n) for kv, s, (p, n) in zip(kv_b, seqs, shapes)])
+    out_s = single.forward([ForwardItem(kv, s[p:], n) for kv, s, (p, n) in zip(kv_s, seqs, shapes)])
+    for (p, n), a, b, s, ka, kb in zip(shapes, out_b, out_s, seqs, kv_b, kv_s):
+        assert a.shape == (n, VOCAB)
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+        torch.testing.assert_close(a, _fresh_logits(model, s)[p:], atol=ATOL, rtol=0)
+        assert ka.length == kb.length == p + n
+        for x, y in zip(ka.keys + ka.values, kb.keys + kb.values):
+            torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
+            assert x.is_contiguous()
+
+
+def test_only_requested_logit_rows(model):
+    runner = ModelRunner(model)
+    kvs = [SequenceKV(), SequenceKV()]
+    out = runner.forward([ForwardItem(kvs[0], _ids(6, 5), 0), ForwardItem(kvs[1], _ids(4, 6), 2)])
+    assert out[0].shape == (0, VOCAB) and out[1].shape == (2, VOCAB)
+    assert out[1].dtype == torch.float32
+
+
+def test_rejects_bad_items(model):
+    runner = ModelRunner(model)
+    with pytest.raises(ValueError, match="max length"):
+        runner.forward([ForwardItem(SequenceKV(), _ids(65, 7), 1)])
+    with pytest.raises(ValueError, match="bad forward item"):
+        runner.forward([ForwardItem(SequenceKV(), [], 0)])
+    kv = SequenceKV()
+    runner.forward([ForwardItem(kv, [1, 2, 3], 0)])
+    with pytest.raises(ValueError, match="cannot crop"):
+        kv.crop(4)

@@ -1,0 +1,64 @@
+"""The worker as a real Ray actor (local cluster, CPU fallback), every get with a timeout."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
+from mask_service.grammar import GrammarKind, GrammarSpec
+
+ray = pytest.importorskip("ray")
+
+# Actor start imports torch + transformers in a fresh process: slow on a loaded 2-core box.
+GET_TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    for key, value in {
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # bind every port to 127.0.0.1
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }.items():
+        os.environ.setdefault(key, value)
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024**2, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_worker_serves_as_a_ray_actor(ray_local, tiny_pair, mask_address):
+    from gpu_worker.actor import start_remote_worker
+    from gpu_worker.config import WorkerConfig
+
+    config = WorkerConfig(
+        target_dir=str(tiny_pair[0]),
+        draft_dir=str(tiny_pair[1]),
+        mask_service_addresses=(mask_address,),
+        torch_threads=1,
+    )
+    actor = start_remote_worker(config)  # no GPU in this cluster -> num_gpus=0, CPU fallback
+    try:
+        info = ray.get(actor.info.remote(), timeout=GET_TIMEOUT_S)
+        assert info.device == "cpu" and info.vocab_size == 300
+        grammar = GrammarSpec(GrammarKind.REGEX, "(ab|cd){2,6}")
+        seqs = [
+            NewSequence("a", (5, 6, 7), grammar, SamplingParams(max_tokens=20), SpeculationParams(k=3)),
+            NewSequence("a", (5,), None),  # duplicate within the call
+        ]
+        assert ray.get(actor.add.remote(seqs), timeout=GET_TIMEOUT_S)[0] is None
+        # A bad request raises in the actor; the caller gets the message, the actor lives on.
+        with pytest.raises(ray.exceptions.RayTaskError, match="unknown sequence"):
+            ray.get(actor.remove.remote(["missing"]), timeout=GET_TIMEOUT_S)
+        finished = {}
+        for _ in range(50):
+            for out in ray.get(actor.step.remote(), timeout=GET_TIMEOUT_S):
+                if out.finish_reason is not None:
+                    finished[out.seq_id] = out.finish_reason
+            if not ray.get(actor.num_active.remote(), timeout=GET_TIMEOUT_S):
+                break
+        assert finished == {"a": FinishReason.GRAMMAR_COMPLETE}
+    finally:
+        ray.kill(actor)
