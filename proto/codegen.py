@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import filecmp
+import os
 import re
 import shutil
 import sys
@@ -51,6 +52,11 @@ def generate(out_dir: Path) -> None:
         f"--mypy_grpc_out={out_dir}",
         *files,
     ]
+    # protoc finds the mypy plugins (protoc-gen-mypy*) on PATH; they live beside
+    # this interpreter, which need not be on PATH (e.g. `.venv/bin/python -m proto.codegen`).
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     rc = protoc.main(args)
     if rc != 0:
         raise SystemExit(f"protoc failed with exit code {rc}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import fcntl
 import json
 import logging
 import shutil
@@ -29,6 +30,7 @@ from gpu_worker.toy.train import ModelShape
 logger = logging.getLogger(__name__)
 
 DEFAULT_OUT_DIR = Path(".specmask") / "toy-models"
+LOCK_NAME = ".build.lock"
 MANIFEST_NAME = "manifest.json"
 # Bump when the on-disk layout changes in a way the recipe hash cannot see.
 BUILD_FORMAT_VERSION = 1
@@ -121,8 +123,21 @@ def build_toy_models(
     progress: bool = True,
     num_threads: int | None = None,
 ) -> BuildResult:
-    """Ensure `out_dir` holds the toy pair for `config`; train it if missing or stale."""
+    """Ensure `out_dir` holds the toy pair for `config`; train it if missing or stale.
+
+    Concurrent callers (the demo, a bench and a test at once) serialise on an
+    exclusive lock file: the second waits, then finds the first one's build.
+    """
     out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / LOCK_NAME, "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)  # released when the file closes
+        return _build_locked(out_dir, config, force=force, progress=progress, num_threads=num_threads)
+
+
+def _build_locked(
+    out_dir: Path, config: ToyBuildConfig, *, force: bool, progress: bool, num_threads: int | None
+) -> BuildResult:
     if not force:
         manifest = cached_manifest(out_dir, config)
         if manifest is not None:

@@ -1,0 +1,61 @@
+"""Typed domain errors of the mask service, each bound to one gRPC status.
+
+Domain code raises these; the servicer maps them to status codes in one place,
+so a client never sees a traceback and a bad request never kills the server.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.Enum):
+    """Mirrors the subset of grpc.StatusCode we use (names match)."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    UNIMPLEMENTED = "UNIMPLEMENTED"
+    INTERNAL = "INTERNAL"
+
+
+class MaskError(Exception):
+    """Base class: ``code`` says which status the client gets."""
+
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(MaskError):
+    code = ErrorCode.INVALID_ARGUMENT
+
+
+class GrammarError(InvalidArgument):
+    """The engine refused the grammar (message is the engine's), or we refuse a feature."""
+
+
+class UnknownTokenizer(InvalidArgument):
+    pass
+
+
+class SessionNotFound(MaskError):
+    code = ErrorCode.NOT_FOUND
+
+
+class TokenRejected(MaskError):
+    """A committed token the grammar does not allow; state was rolled back."""
+
+    code = ErrorCode.FAILED_PRECONDITION
+
+
+class LimitExceeded(MaskError):
+    code = ErrorCode.RESOURCE_EXHAUSTED
+
+
+class CompileTimeout(MaskError):
+    code = ErrorCode.DEADLINE_EXCEEDED

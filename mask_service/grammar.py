@@ -1,0 +1,67 @@
+"""Grammar specifications as clients name them (no engine imports).
+
+A ``GrammarSpec`` is the value a generation request carries; the mask service
+compiles it against a tokenizer. It lives apart from any engine so the worker
+and orchestrator can build specs without importing xgrammar.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from dataclasses import dataclass
+
+
+class GrammarKind(enum.Enum):
+    """The closed set of grammar languages the service understands."""
+
+    JSON_SCHEMA = "json_schema"
+    REGEX = "regex"
+    EBNF = "ebnf"  # GBNF / xgrammar EBNF with a `root` rule
+    LARK = "lark"  # Lark syntax with a `start` rule
+    ANY_JSON = "any_json"
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What to constrain generation to.
+
+    ``separators`` and ``any_whitespace`` only matter for JSON kinds; they are
+    part of the cache key because they change the compiled grammar.
+    """
+
+    kind: GrammarKind
+    text: str = ""  # schema JSON / regex / grammar text; "" for ANY_JSON
+    any_whitespace: bool = False  # JSON: allow arbitrary whitespace between tokens
+    separators: tuple[str, str] | None = None  # JSON: (item sep, key sep), e.g. (",", ":")
+    strict: bool = True  # JSON schema: no additional properties unless the schema allows them
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, GrammarKind):
+            raise TypeError(f"kind must be a GrammarKind, got {self.kind!r}")
+        if self.separators is not None and len(self.separators) != 2:
+            raise ValueError("separators must be (item_separator, key_separator)")
+
+    def effective_separators(self) -> tuple[str, str]:
+        """The separators a JSON grammar uses: compact (",", ":") unless overridden.
+
+        Compact is the default because it matches ``json.dumps(..., separators=(",", ":"))``
+        and gives the fewest tokens per document.
+        """
+        return self.separators if self.separators is not None else (",", ":")
+
+    def cache_key(self) -> str:
+        """A stable digest of everything that changes the compiled grammar."""
+        is_json = self.kind in (GrammarKind.JSON_SCHEMA, GrammarKind.ANY_JSON)
+        payload = json.dumps(
+            [
+                self.kind.value,
+                self.text,
+                self.any_whitespace if is_json else None,
+                list(self.effective_separators()) if is_json else None,
+                self.strict if self.kind is GrammarKind.JSON_SCHEMA else None,
+            ],
+            separators=(",", ":"),
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()

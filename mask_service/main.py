@@ -1,0 +1,75 @@
+"""`specmask mask-service`: the process entry point (flags -> config -> server, SIGTERM -> graceful stop)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from mask_service import config as cfg
+from mask_service.config import MaskServiceConfig
+from mask_service.tokenizers import TokenizerSource
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=50061)
+    parser.add_argument(
+        "--tokenizer",
+        action="append",
+        required=True,
+        metavar="DIR[:VOCAB_SIZE]",
+        help="HF tokenizer dir or tokenizer.json; optional padded model vocab size (repeatable)",
+    )
+    parser.add_argument("--max-sessions", type=int, default=cfg.DEFAULT_MAX_SESSIONS)
+    parser.add_argument("--session-ttl-s", type=float, default=cfg.DEFAULT_SESSION_TTL_S)
+    parser.add_argument("--max-batch", type=int, default=cfg.DEFAULT_MAX_BATCH)
+    parser.add_argument("--max-k", type=int, default=cfg.DEFAULT_MAX_K)
+    parser.add_argument("--mask-threads", type=int, default=MaskServiceConfig.mask_threads)
+    parser.add_argument("--compile-timeout-s", type=float, default=cfg.DEFAULT_COMPILE_TIMEOUT_S)
+    parser.add_argument("--grammar-cache-mb", type=int, default=cfg.DEFAULT_GRAMMAR_CACHE_BYTES // 2**20)
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics HTTP port (0 = off)")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def config_from_args(args: argparse.Namespace) -> MaskServiceConfig:
+    return MaskServiceConfig(
+        tokenizers=tuple(TokenizerSource.parse(t) for t in args.tokenizer),
+        host=args.host,
+        port=args.port,
+        max_sessions=args.max_sessions,
+        session_ttl_s=args.session_ttl_s,
+        max_batch=args.max_batch,
+        max_k=args.max_k,
+        mask_threads=args.mask_threads,
+        compile_timeout_s=args.compile_timeout_s,
+        grammar_cache_bytes=args.grammar_cache_mb * 2**20,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from mask_service.server import build_service  # heavy imports only once the role is chosen
+
+    handle = build_service(config_from_args(args))
+    handle.server.start()
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr=args.host)
+    logger.info("mask service serving on port %d", handle.port)
+    done = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        logger.info("signal %d: graceful shutdown", signum)
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    done.wait()
+    handle.stop(grace_s=5.0)
+    logger.info("mask service stopped")
+    return 0

@@ -1,0 +1,216 @@
+"""Spread sessions over mask-service replicas, and survive losing one.
+
+Sessions are placed by rendezvous (highest-random-weight) hashing of the
+router's own session id over the live replicas, so placement is stable and
+adding a replica moves only new sessions. The router keeps, per session, the
+grammar spec and every committed token; when a replica is unreachable
+(UNAVAILABLE / DEADLINE_EXCEEDED after the client's own retries) or answers
+NOT_FOUND for a session it should hold (restart, TTL), the router reopens the
+session on a live replica, replays the committed tokens as one commit, and
+retries the call. This is correct because mask-service state is a pure
+function of (grammar, committed tokens) and commits are idempotent by seq.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
+
+import grpc
+
+from mask_service.client import DraftMaskItem, DraftMaskResult, MaskServiceClient, MaskServiceError
+from mask_service.grammar import GrammarSpec
+
+logger = logging.getLogger(__name__)
+
+_FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# A replica that failed is skipped for new placements for this long, then tried again.
+DEAD_REPLICA_COOLDOWN_S = 5.0
+
+
+@dataclass
+class _SessionRecord:
+    tokenizer_id: str
+    spec: GrammarSpec
+    vocab_size: int | None
+    address: str = ""
+    remote_id: str = ""
+    committed: list[int] = field(default_factory=list)
+    last_seq: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _weight(session_id: str, address: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{session_id}|{address}".encode(), digest_size=8).digest(), "little")
+
+
+class MaskRouter:
+    """Same method surface as MaskServiceClient; session ids are the router's own."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        deadline_s: float = 5.0,
+        max_retries: int = 1,
+        client_factory: Callable[[str], MaskServiceClient] | None = None,
+    ) -> None:
+        if not addresses:
+            raise ValueError("MaskRouter needs at least one address")
+        factory = client_factory or (lambda a: MaskServiceClient(a, deadline_s=deadline_s, max_retries=max_retries))
+        self._clients = {a: factory(a) for a in addresses}
+        self._dead_until: dict[str, float] = {}
+        self._sessions: dict[str, _SessionRecord] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, len(addresses)), thread_name_prefix="router")
+
+    # -- placement ----------------------------------------------------------
+    def _live(self) -> list[str]:
+        now = time.monotonic()
+        live = [a for a in self._clients if self._dead_until.get(a, 0.0) <= now]
+        return live or list(self._clients)  # all marked dead: try them all again
+
+    def _mark_dead(self, address: str) -> None:
+        logger.warning("mask replica %s unreachable; failing over", address)
+        self._dead_until[address] = time.monotonic() + DEAD_REPLICA_COOLDOWN_S
+
+    def _ranked(self, session_id: str) -> list[str]:
+        return sorted(self._live(), key=lambda a: _weight(session_id, a), reverse=True)
+
+    def _record(self, session_id: str) -> _SessionRecord:
+        rec = self._sessions.get(session_id)
+        if rec is None:
+            raise MaskServiceError(grpc.StatusCode.NOT_FOUND, f"unknown router session {session_id!r}", session_id)
+        return rec
+
+    def _place(self, session_id: str, rec: _SessionRecord, avoid: str | None = None) -> None:
+        """(Re)open the session on the best live replica and replay its committed tokens."""
+        last_exc: MaskServiceError | None = None
+        for address in self._ranked(session_id):
+            if address == avoid and len(self._clients) > 1:
+                continue
+            client = self._clients[address]
+            try:
+                remote = client.open_session(rec.tokenizer_id, rec.spec, rec.vocab_size)
+                if rec.committed:
+                    client.commit(remote, rec.last_seq, rec.committed)
+            except MaskServiceError as exc:
+                if exc.code in _FAILOVER_CODES:
+                    self._mark_dead(address)
+                    last_exc = exc
+                    continue
+                raise
+            if rec.remote_id:
+                logger.info("session %s moved %s -> %s (%d tokens replayed)", session_id, rec.address, address, len(rec.committed))
+            rec.address, rec.remote_id = address, remote
+            return
+        raise last_exc or MaskServiceError(grpc.StatusCode.UNAVAILABLE, "no mask-service replica reachable")
+
+    # -- API ----------------------------------------------------------------
+    def validate_grammar(self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None) -> None:
+        for address in self._ranked(spec.cache_key()):
+            try:
+                return self._clients[address].validate_grammar(tokenizer_id, spec, vocab_size)
+            except MaskServiceError as exc:
+                if exc.code not in _FAILOVER_CODES:
+                    raise
+                self._mark_dead(address)
+        raise MaskServiceError(grpc.StatusCode.UNAVAILABLE, "no mask-service replica reachable")
+
+    def open_session(self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None) -> str:
+        session_id = uuid.uuid4().hex
+        rec = _SessionRecord(tokenizer_id, spec, vocab_size)
+        self._place(session_id, rec)
+        with self._lock:
+            self._sessions[session_id] = rec
+        return session_id
+
+    def _recover(self, session_id: str, rec: _SessionRecord, exc: MaskServiceError) -> None:
+        failed = rec.address
+        if exc.code in _FAILOVER_CODES:
+            self._mark_dead(failed)
+            self._place(session_id, rec, avoid=failed)
+        else:  # NOT_FOUND: the replica lost it (restart/TTL); reopen wherever hashing says
+            self._place(session_id, rec)
+
+    def commit(self, session_id: str, seq: int, tokens: Sequence[int]) -> bool:
+        rec = self._record(session_id)
+        with rec.lock:
+            for attempt in range(len(self._clients) + 1):
+                try:
+                    terminated = self._clients[rec.address].commit(rec.remote_id, seq, tokens)
+                    break
+                except MaskServiceError as exc:
+                    if attempt == len(self._clients) or exc.code not in (*_FAILOVER_CODES, grpc.StatusCode.NOT_FOUND):
+                        exc.session_id = session_id
+                        raise
+                    self._recover(session_id, rec, exc)
+            if tokens and seq > rec.last_seq:
+                rec.committed.extend(int(t) for t in tokens)
+                rec.last_seq = seq
+            return terminated
+
+    def draft_masks(self, items: Sequence[DraftMaskItem]) -> list[DraftMaskResult]:
+        recs = [self._record(it.session_id) for it in items]
+        results: list[DraftMaskResult | None] = [None] * len(items)
+        pending = list(range(len(items)))
+        for attempt in range(len(self._clients) + 2):
+            groups: dict[str, list[int]] = {}
+            for i in pending:
+                groups.setdefault(recs[i].address, []).append(i)
+            futs = {a: self._pool.submit(self._group_call, a, idx, items, recs) for a, idx in groups.items()}
+            pending = []
+            for address, fut in futs.items():
+                try:
+                    for i, res in zip(groups[address], fut.result()):
+                        results[i] = res
+                except MaskServiceError as exc:
+                    retryable = exc.code in _FAILOVER_CODES or exc.code == grpc.StatusCode.NOT_FOUND
+                    if not retryable or attempt == len(self._clients) + 1:
+                        raise
+                    if exc.code == grpc.StatusCode.NOT_FOUND:
+                        lost = [i for i in groups[address] if recs[i].remote_id == exc.session_id] or groups[address]
+                    else:
+                        lost = groups[address]
+                    for i in sorted(set(lost), key=lambda j: items[j].session_id):
+                        with recs[i].lock:
+                            if recs[i].address == address:
+                                self._recover(items[i].session_id, recs[i], exc)
+                    pending.extend(groups[address])
+            if not pending:
+                break
+        for it, rec in zip(items, recs):
+            if it.commit_tokens and it.commit_seq > rec.last_seq:
+                with rec.lock:
+                    rec.committed.extend(int(t) for t in it.commit_tokens)
+                    rec.last_seq = it.commit_seq
+        return [r for r in results if r is not None]
+
+    def _group_call(self, address: str, idx: list[int], items: Sequence[DraftMaskItem], recs: list[_SessionRecord]) -> list[DraftMaskResult]:
+        remote_items = [replace(items[i], session_id=recs[i].remote_id) for i in idx]
+        return self._clients[address].draft_masks(remote_items)
+
+    def close_session(self, session_id: str) -> None:
+        with self._lock:
+            rec = self._sessions.pop(session_id, None)
+        if rec is None:
+            return
+        try:
+            self._clients[rec.address].close_session(rec.remote_id)
+        except MaskServiceError as exc:
+            logger.info("close of session %s on %s failed (%s); the replica's TTL reclaims it", session_id, rec.address, exc.code.name)
+
+    def session_count(self) -> int:
+        """Sessions this router holds (replica-side counts may include other routers' sessions)."""
+        return len(self._sessions)
+
+    def close(self) -> None:
+        for c in self._clients.values():
+            c.close()
+        self._pool.shutdown(wait=False)

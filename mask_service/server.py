@@ -1,0 +1,107 @@
+"""Build the mask-service gRPC server from a config: ``create_server(config) -> (server, port)``.
+
+Kept apart from the process entry point (main.py) so tests can bind port 0 on
+127.0.0.1 and run several servers in one process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from mask_service.compiler_cache import CompilerCache
+from mask_service.config import MaskServiceConfig
+from mask_service.draft_masks import DraftMaskEngine
+from mask_service.servicer import MaskServicer
+from mask_service.sessions import SessionStore
+from mask_service.tokenizers import TokenizerRegistry
+from mask_service.wire import RowInterner
+from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+from proto.gen.specmask.mask.v1 import mask_service_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MaskService"].full_name
+
+
+@dataclass
+class MaskServiceHandle:
+    """The parts a process (or test) needs to stop cleanly."""
+
+    server: grpc.Server
+    port: int
+    servicer: MaskServicer
+    health: health.HealthServicer
+    sessions: SessionStore
+    registry: TokenizerRegistry
+    _stop: threading.Event
+    _parts: tuple[CompilerCache, DraftMaskEngine]
+
+    def stop(self, grace_s: float | None = 5.0) -> None:
+        """Report NOT_SERVING, drain in-flight RPCs for ``grace_s``, then release pools."""
+        self.health.enter_graceful_shutdown()
+        self._stop.set()
+        self.server.stop(grace_s).wait()
+        for part in self._parts:
+            part.shutdown()
+
+
+def create_server(config: MaskServiceConfig) -> tuple[grpc.Server, int]:
+    """Load tokenizers, wire the parts, bind. Returns (server, bound port); call server.start()."""
+    handle = build_service(config)
+    return handle.server, handle.port
+
+
+def build_service(config: MaskServiceConfig, registry: TokenizerRegistry | None = None) -> MaskServiceHandle:
+    """Like create_server, but returns the handle (graceful stop, session store) for processes and tests.
+
+    ``registry`` lets tests share one loaded tokenizer set across servers.
+    """
+    registry = registry or TokenizerRegistry(list(config.tokenizers))
+    cache = CompilerCache(
+        registry,
+        max_bytes=config.grammar_cache_bytes,
+        compile_threads=config.compile_threads,
+        compile_timeout_s=config.compile_timeout_s,
+    )
+    sessions = SessionStore(max_sessions=config.max_sessions, ttl_s=config.session_ttl_s)
+    engine = DraftMaskEngine(
+        sessions,
+        RowInterner(config.row_cache_bytes),
+        num_threads=config.mask_threads,
+        max_batch=config.max_batch,
+        max_k=config.max_k,
+    )
+    servicer = MaskServicer(cache, sessions, engine)
+    opts = [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.server(ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="grpc"), options=opts)
+    pb_grpc.add_MaskServiceServicer_to_server(servicer, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"could not bind {config.host}:{config.port}")
+    stop = threading.Event()
+
+    def janitor() -> None:
+        while not stop.wait(config.janitor_interval_s):
+            sessions.evict_idle()
+
+    threading.Thread(target=janitor, name="session-janitor", daemon=True).start()
+    handle = MaskServiceHandle(server, port, servicer, health_servicer, sessions, registry, stop, (cache, engine))
+    logger.info("mask service bound on %s:%d, tokenizers %s", config.host, port, registry.ids())
+    return handle

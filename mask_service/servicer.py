@@ -1,0 +1,121 @@
+"""gRPC servicer: translates protobuf <-> domain calls and maps errors to status codes. No logic."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any, Callable, TypeVar
+
+import grpc
+
+from mask_service import metrics
+from mask_service.compiler_cache import CompilerCache
+from mask_service.convert import grammar_from_proto
+from mask_service.draft_masks import DraftMaskEngine, DraftRequest
+from mask_service.errors import MaskError
+from mask_service.sessions import SessionStore
+from mask_service.wire import ClientBeliefs
+from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+from proto.gen.specmask.mask.v1 import mask_service_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class MaskServicer(pb_grpc.MaskServiceServicer):
+    def __init__(self, cache: CompilerCache, sessions: SessionStore, engine: DraftMaskEngine) -> None:
+        self._cache = cache
+        self._sessions = sessions
+        self._engine = engine
+        self._beliefs = ClientBeliefs()
+        # A new epoch per process: clients see in responses when the server restarted.
+        self.epoch = uuid.uuid4().hex
+
+    def _guard(self, context: grpc.ServicerContext, fn: Callable[[], T], what: str) -> T:
+        try:
+            return fn()
+        except MaskError as exc:
+            logger.info("%s -> %s: %s", what, exc.code.value, exc.message)
+            metrics.RPC_ERRORS.labels(exc.code.value).inc()
+            context.abort(getattr(grpc.StatusCode, exc.code.value), exc.message)
+        except Exception:  # noqa: BLE001 — last line of defence: never a traceback to the client
+            logger.exception("%s failed", what)
+            metrics.RPC_ERRORS.labels("INTERNAL").inc()
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {what}")
+        raise AssertionError("unreachable")
+
+    def _compile(self, target: pb.GrammarTarget) -> tuple[Any, bool]:
+        spec = grammar_from_proto(target.grammar)
+        return self._cache.get(target.tokenizer_id, target.vocab_size or None, spec)
+
+    def ValidateGrammar(self, request: pb.ValidateGrammarRequest, context: grpc.ServicerContext) -> pb.ValidateGrammarResponse:
+        def run() -> pb.ValidateGrammarResponse:
+            entry, hit = self._compile(request.target)
+            return pb.ValidateGrammarResponse(compiled_bytes=entry.size_bytes, cache_hit=hit)
+
+        return self._guard(context, run, "ValidateGrammar")
+
+    def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
+        def run() -> pb.OpenSessionResponse:
+            entry, _ = self._compile(request.target)
+            s = self._sessions.open(entry, entry.vocab_size)
+            metrics.SESSIONS_OPENED.inc()
+            logger.info("session %s opened (tokenizer %s)", s.session_id, request.target.tokenizer_id)
+            stops = list(entry.compiled.tokenizer_info.stop_token_ids)
+            return pb.OpenSessionResponse(
+                session_id=s.session_id, vocab_size=s.vocab_size, num_mask_words=s.num_mask_words, stop_token_ids=stops
+            )
+
+        return self._guard(context, run, "OpenSession")
+
+    def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
+        def run() -> pb.CommitResponse:
+            s = self._sessions.get(request.session_id)
+            with s.lock:
+                applied = s.commit_locked(request.seq, list(request.tokens))
+                return pb.CommitResponse(terminated=bool(s.matcher.is_terminated()), applied=applied)
+
+        return self._guard(context, run, f"Commit[{request.session_id}]")
+
+    def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext) -> pb.CloseSessionResponse:
+        return self._guard(
+            context, lambda: pb.CloseSessionResponse(existed=self._sessions.close(request.session_id)), "CloseSession"
+        )
+
+    def SessionCount(self, request: pb.SessionCountRequest, context: grpc.ServicerContext) -> pb.SessionCountResponse:
+        return pb.SessionCountResponse(count=len(self._sessions))
+
+    def DraftMasks(self, request: pb.DraftMasksRequest, context: grpc.ServicerContext) -> pb.DraftMasksResponse:
+        def run() -> pb.DraftMasksResponse:
+            t0 = time.perf_counter()
+            reqs = [
+                DraftRequest(
+                    session_id=it.session_id,
+                    draft_tokens=list(it.draft_tokens),
+                    commit_tokens=list(it.commit_tokens),
+                    commit_seq=it.commit_seq,
+                    last_row_only=it.last_row_only,
+                )
+                for it in request.items
+            ]
+            outcomes, width = self._engine.run(reqs)
+            resp = pb.DraftMasksResponse(num_mask_words=width, server_epoch=self.epoch)
+            rows = []
+            for req, out in zip(reqs, outcomes):
+                r = resp.results.add(
+                    num_rows=out.num_rows, num_grammar_accepted=out.num_grammar_accepted, terminated=out.terminated
+                )
+                if out.error is not None:
+                    r.error_code = getattr(grpc.StatusCode, out.error.code.value).value[0]
+                    r.error_message = out.error.message
+                    logger.info("DraftMasks[%s] -> %s: %s", req.session_id, out.error.code.value, out.error.message)
+                    metrics.RPC_ERRORS.labels(out.error.code.value).inc()
+                rows.extend(out.rows)
+            self._beliefs.encode_response_rows(request.client_id, request.dict_generation, rows, resp)
+            metrics.DRAFT_ROWS.inc(len(rows))
+            metrics.NEW_ROWS.inc(len(resp.new_rows))
+            metrics.DRAFT_CALL_SECONDS.observe(time.perf_counter() - t0)
+            return resp
+
+        return self._guard(context, run, "DraftMasks")

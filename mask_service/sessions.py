@@ -1,0 +1,113 @@
+"""Per-request grammar sessions: committed matcher state, idempotent commits, TTL eviction.
+
+Request state lives here; engine state (compiled grammars) lives in
+compiler_cache. A session is only ever touched under its own lock, so two
+RPCs naming the same session serialise while different sessions run in
+parallel.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from mask_service.compiler_cache import CompiledEntry
+from mask_service.errors import InvalidArgument, LimitExceeded, SessionNotFound, TokenRejected
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    session_id: str
+    entry: CompiledEntry
+    matcher: Any  # xgrammar.GrammarMatcher, committed state between calls
+    vocab_size: int
+    last_seq: int = 0
+    num_committed: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def num_mask_words(self) -> int:
+        return (self.vocab_size + 31) // 32
+
+    def check_tokens(self, tokens: Sequence[int], what: str) -> None:
+        for t in tokens:
+            if not 0 <= t < self.vocab_size:
+                raise InvalidArgument(f"session {self.session_id}: {what} token {t} outside [0, {self.vocab_size})")
+
+    def commit_locked(self, seq: int, tokens: Sequence[int]) -> bool:
+        """Advance committed state. Caller holds ``lock``. Returns True if applied.
+
+        Invariant: on any error the matcher is exactly as before the call
+        (partial acceptance is rolled back), so a retry or a corrected
+        request starts from the committed state.
+        """
+        if not tokens:
+            return False
+        if seq <= 0:
+            raise InvalidArgument(f"session {self.session_id}: commit seq must be >= 1, got {seq}")
+        if seq <= self.last_seq:
+            return False  # a retried commit: already applied
+        self.check_tokens(tokens, "commit")
+        accepted = 0
+        for t in tokens:
+            if not self.matcher.accept_token(int(t)):
+                if accepted:
+                    self.matcher.rollback(accepted)
+                raise TokenRejected(
+                    f"session {self.session_id}: grammar rejects token {t} at commit position {accepted} (seq {seq})"
+                )
+            accepted += 1
+        self.last_seq = seq
+        self.num_committed += accepted
+        return True
+
+
+class SessionStore:
+    def __init__(self, *, max_sessions: int, ttl_s: float) -> None:
+        self._max = max_sessions
+        self._ttl = ttl_s
+        self._lock = threading.Lock()
+        self._sessions: dict[str, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def open(self, entry: CompiledEntry, vocab_size: int) -> Session:
+        self.evict_idle()
+        matcher = entry.backend.new_matcher(entry.compiled)
+        session = Session(uuid.uuid4().hex, entry, matcher, vocab_size)
+        with self._lock:
+            if len(self._sessions) >= self._max:
+                raise LimitExceeded(f"session limit {self._max} reached")
+            self._sessions[session.session_id] = session
+        return session
+
+    def get(self, session_id: str) -> Session:
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"unknown session {session_id!r} (closed, evicted after idle TTL, or another replica)")
+        session.last_used = time.monotonic()
+        return session
+
+    def close(self, session_id: str) -> bool:
+        with self._lock:
+            return self._sessions.pop(session_id, None) is not None
+
+    def evict_idle(self) -> int:
+        """Drop sessions idle longer than the TTL; returns how many were dropped."""
+        cutoff = time.monotonic() - self._ttl
+        with self._lock:
+            stale = [sid for sid, s in self._sessions.items() if s.last_used < cutoff and not s.lock.locked()]
+            for sid in stale:
+                del self._sessions[sid]
+        if stale:
+            logger.info("evicted %d idle sessions (ttl %.0fs)", len(stale), self._ttl)
+        return len(stale)

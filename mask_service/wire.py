@@ -1,0 +1,265 @@
+"""Compact wire format for bitmask rows: a content-addressed row dictionary.
+
+Why: a dense Llama-3 row is 16,032 bytes, yet most rows repeat an earlier row
+exactly and many allow (or forbid) only a handful of tokens. So every row is
+named by a **content id** (64 bits of sha256 over the row width and bytes;
+id 0 is reserved for the all-ones row) and the response carries
+
+* ``row_ids``: one fixed64 per row (8 bytes), and
+* ``new_rows``: the content of every id the server does not believe the client
+  already holds, in the smallest of: allowed-token list, forbidden-token list,
+  zlib-compressed dense, dense.
+
+Correctness across reconnects and restarts (never apply a wrong row):
+
+* Ids are content hashes, so a row id the client holds always decodes to the
+  right bits, whichever server process or epoch sent it. There is no shared
+  counter to get out of sync.
+* The server's *belief* about what a client holds is keyed by
+  ``(client_id, dict_generation)``; forgetting a belief (server restart, LRU
+  bound) only costs bytes: rows are resent in full.
+* If the belief is wrong the other way (a response was lost, or responses of
+  concurrent calls arrived out of order, or the client cleared its table), the
+  client finds an id it does not hold, bumps its generation and retries the
+  call. Retrying is safe because commits are idempotent by sequence number and
+  masks do not change committed state. On a generation change the server
+  drops its belief and resends every row.
+
+Server side (``RowInterner``, ``ClientBeliefs``) needs only numpy; the client
+side (``RowTable``) decodes with numpy into a packed int32 table that a GPU
+kernel can index (``apply_token_bitmask_indirect_inplace``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+
+ALL_ONES_ID = 0
+# Rows allowing/forbidding at most this many tokens travel as a uint32 id list
+# (4 bytes/token); above it zlib of the dense row is smaller for typical masks.
+SPARSE_MAX_TOKENS = 256
+# zlib level 1: ~4x faster than the default and within a few % of its size on
+# mask rows (long runs of 0x00 / 0xff); compression runs once per distinct row.
+ZLIB_LEVEL = 1
+# Bucket key: every 16th word. Cheap to hash (1/16 of the row); exact bytes are
+# compared on a hit, so bucket collisions cost a memcmp, never a wrong row.
+_SAMPLE_STRIDE = 16
+
+
+def row_content_id(row_bytes: bytes, num_mask_words: int) -> int:
+    """64-bit content id of a dense row (never 0, which means all-ones)."""
+    h = hashlib.sha256(num_mask_words.to_bytes(4, "little") + row_bytes).digest()
+    return int.from_bytes(h[:8], "little") or 1
+
+
+def encode_row(row: np.ndarray) -> tuple[int, bytes]:
+    """Pick the smallest encoding for one dense row. row: [W] int32."""
+    bits = row.view(np.uint32)
+    allowed = int(np.bitwise_count(bits).sum())
+    total = bits.size * 32
+    if allowed <= SPARSE_MAX_TOKENS:
+        ids = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")).astype("<u4")
+        return pb.ROW_ENCODING_ALLOWED, ids.tobytes()
+    if total - allowed <= SPARSE_MAX_TOKENS:
+        ids = np.flatnonzero(np.unpackbits(~row.view(np.uint8), bitorder="little")).astype("<u4")
+        return pb.ROW_ENCODING_FORBIDDEN, ids.tobytes()
+    dense = row.astype("<i4", copy=False).tobytes()
+    packed = zlib.compress(dense, ZLIB_LEVEL)
+    if len(packed) < len(dense):
+        return pb.ROW_ENCODING_ZLIB, packed
+    return pb.ROW_ENCODING_DENSE, dense
+
+
+def decode_row(encoding: int, payload: bytes, out: np.ndarray) -> None:
+    """Write one row into ``out`` ([W] int32) from its wire encoding."""
+    if encoding == pb.ROW_ENCODING_DENSE or encoding == pb.ROW_ENCODING_ZLIB:
+        data = zlib.decompress(payload) if encoding == pb.ROW_ENCODING_ZLIB else payload
+        if len(data) != out.size * 4:
+            raise WireError(f"dense row has {len(data)} bytes, expected {out.size * 4}")
+        out[:] = np.frombuffer(data, dtype="<i4")
+        return
+    ids = np.frombuffer(payload, dtype="<u4")
+    if ids.size and int(ids.max()) >= out.size * 32:
+        raise WireError("sparse row names a token beyond the row width")
+    bits = np.zeros(out.size * 32, dtype=np.uint8)
+    bits[ids] = 1
+    words = np.packbits(bits, bitorder="little").view("<i4")
+    if encoding == pb.ROW_ENCODING_ALLOWED:
+        out[:] = words
+    elif encoding == pb.ROW_ENCODING_FORBIDDEN:
+        out[:] = ~words
+    else:
+        raise WireError(f"unknown row encoding {encoding}")
+
+
+class WireError(Exception):
+    """A response that cannot be decoded (corrupt or from an incompatible server)."""
+
+
+class MissingRow(WireError):
+    """The server referenced a row id this client does not hold: resync and retry."""
+
+
+@dataclass(frozen=True)
+class InternedRow:
+    row_id: int
+    row_bytes: bytes
+    encoding: int
+    payload: bytes
+
+
+class RowInterner:
+    """Server-wide table of distinct rows seen recently, with their chosen encoding.
+
+    Shared by all clients and sessions: the encoding work (popcount, sparse
+    extraction, zlib) is done once per distinct row, not once per occurrence.
+    Bounded by bytes, LRU.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max = max_bytes
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._buckets: OrderedDict[bytes, list[InternedRow]] = OrderedDict()
+
+    def intern(self, row: np.ndarray, num_mask_words: int) -> InternedRow:
+        """row: [W] int32 (C-contiguous). Thread-safe; hashing happens outside the lock."""
+        key = row[::_SAMPLE_STRIDE].tobytes()
+        data = row.tobytes()
+        with self._lock:
+            bucket = self._buckets.get(key)
+            if bucket is not None:
+                self._buckets.move_to_end(key)
+                for cand in bucket:
+                    if cand.row_bytes == data:
+                        return cand
+        encoding, payload = encode_row(row)
+        new = InternedRow(row_content_id(data, num_mask_words), data, encoding, payload)
+        with self._lock:
+            bucket = self._buckets.setdefault(key, [])
+            for cand in bucket:
+                if cand.row_bytes == data:
+                    return cand
+            bucket.append(new)
+            self._buckets.move_to_end(key)
+            self._bytes += len(data) + len(payload)
+            while self._bytes > self._max and len(self._buckets) > 1:
+                _, old = self._buckets.popitem(last=False)
+                self._bytes -= sum(len(r.row_bytes) + len(r.payload) for r in old)
+        return new
+
+
+# Per-client belief bound: forgetting is always safe (rows get resent).
+MAX_BELIEF_ROWS_PER_CLIENT = 8192
+MAX_CLIENTS = 1024
+
+
+class ClientBeliefs:
+    """What the server believes each (client_id, generation) already holds."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._clients: OrderedDict[str, tuple[int, OrderedDict[int, None]]] = OrderedDict()
+
+    def held_set(self, client_id: str, generation: int) -> OrderedDict[int, None]:
+        """The (mutable) belief set for this client; a new generation starts empty."""
+        with self._lock:
+            cur = self._clients.get(client_id)
+            if cur is None or cur[0] != generation:
+                cur = (generation, OrderedDict())
+                self._clients[client_id] = cur
+            self._clients.move_to_end(client_id)
+            while len(self._clients) > MAX_CLIENTS:
+                self._clients.popitem(last=False)
+            return cur[1]
+
+    def encode_response_rows(
+        self, client_id: str, generation: int, rows: list[InternedRow | None], response: pb.DraftMasksResponse
+    ) -> None:
+        """Fill ``row_ids`` and ``new_rows``. ``None`` in rows means all-ones."""
+        if not client_id:
+            held: OrderedDict[int, None] = OrderedDict()  # anonymous client: always full rows
+        else:
+            held = self.held_set(client_id, generation)
+        ids: list[int] = []
+        sent: set[int] = set()
+        with self._lock:
+            for r in rows:
+                if r is None:
+                    ids.append(ALL_ONES_ID)
+                    continue
+                ids.append(r.row_id)
+                if r.row_id in held:
+                    held.move_to_end(r.row_id)
+                    continue
+                if r.row_id in sent:
+                    continue
+                sent.add(r.row_id)
+                response.new_rows.add(row_id=r.row_id, encoding=r.encoding, payload=r.payload)
+                held[r.row_id] = None
+            while len(held) > MAX_BELIEF_ROWS_PER_CLIENT:
+                held.popitem(last=False)
+        response.row_ids.extend(ids)
+
+
+class RowTable:
+    """Client-side interned rows: a packed int32 table plus content id -> slot.
+
+    ``table[:num_rows]`` ([num_table_rows, W] int32) is what a GPU kernel
+    indexes; slot 0 is always the all-ones row. When the table is full it is
+    cleared and the generation bumps, which tells the server to resend.
+    """
+
+    def __init__(self, num_mask_words: int, capacity: int) -> None:
+        if capacity < 2:
+            raise ValueError("capacity must be >= 2")
+        self.num_mask_words = num_mask_words
+        self.capacity = capacity
+        self.table = np.empty((min(capacity, 64), num_mask_words), dtype=np.int32)  # [rows, W]
+        self.clear()
+
+    def clear(self) -> None:
+        self.table[0] = -1
+        self.slot_of: dict[int, int] = {ALL_ONES_ID: 0}
+        self.num_rows = 1
+
+    def _grow(self, need: int) -> None:
+        size = self.table.shape[0]
+        if need <= size:
+            return
+        new_size = min(self.capacity, max(need, size * 2))
+        grown = np.empty((new_size, self.num_mask_words), dtype=np.int32)
+        grown[: self.num_rows] = self.table[: self.num_rows]
+        self.table = grown
+
+    def has_room(self, n: int) -> bool:
+        return self.num_rows + n <= self.capacity
+
+    def absorb(self, new_rows: "list[pb.NewRow] | object", row_ids: "list[int]") -> np.ndarray:
+        """Intern ``new_rows`` and map ``row_ids`` to slots. Returns [num_rows] int32 slots.
+
+        Raises MissingRow if an id is neither held nor sent.
+        """
+        fresh = [r for r in new_rows if r.row_id not in self.slot_of]  # type: ignore[attr-defined]
+        if not self.has_room(len(fresh)):
+            raise MissingRow("row table full")
+        self._grow(self.num_rows + len(fresh))
+        for r in fresh:
+            slot = self.num_rows
+            decode_row(r.encoding, r.payload, self.table[slot])
+            self.slot_of[r.row_id] = slot
+            self.num_rows += 1
+        get = self.slot_of.get
+        slots = [get(i, -1) for i in row_ids]
+        out = np.asarray(slots, dtype=np.int32)
+        if out.size and int(out.min()) < 0:
+            raise MissingRow("response references a row this client does not hold")
+        return out

@@ -1,0 +1,75 @@
+"""Fixtures for mask-service tests: a small trained BPE tokenizer and live servers on 127.0.0.1:0."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from mask_service.client import MaskServiceClient
+from mask_service.config import MaskServiceConfig
+from mask_service.server import MaskServiceHandle, build_service
+from mask_service.tokenizer_id import tokenizer_id_for_path
+from mask_service.tokenizers import TokenizerRegistry, TokenizerSource
+from tests.fixtures.tokenizers import build_bpe_tokenizer
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def shared_data_dir() -> Path | None:
+    env = os.environ.get("SPECMASK_SHARED_DATA")
+    p = Path(env) if env else REPO_ROOT.parent / "shared" / "data"
+    return p if p.is_dir() else None
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    p = shared_data_dir()
+    if p is None:
+        pytest.skip("shared data not found (set SPECMASK_SHARED_DATA or provide ../shared/data)")
+    return p
+
+
+@pytest.fixture(scope="session")
+def bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_bpe_tokenizer(tmp_path_factory.mktemp("bpe"))
+
+
+@pytest.fixture(scope="session")
+def bpe_id(bpe_dir: Path) -> str:
+    return tokenizer_id_for_path(bpe_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_tok(bpe_dir: Path):  # type: ignore[no-untyped-def]
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_file=str(bpe_dir / "tokenizer.json"))
+
+
+@pytest.fixture(scope="session")
+def registry(bpe_dir: Path) -> TokenizerRegistry:
+    return TokenizerRegistry([TokenizerSource(str(bpe_dir))])
+
+
+def make_config(bpe_dir: Path, **overrides: object) -> MaskServiceConfig:
+    base: dict[str, object] = dict(tokenizers=(TokenizerSource(str(bpe_dir)),), host="127.0.0.1", port=0, mask_threads=2)
+    base.update(overrides)
+    return MaskServiceConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def service(bpe_dir: Path, registry: TokenizerRegistry) -> Iterator[MaskServiceHandle]:
+    handle = build_service(make_config(bpe_dir, max_sessions=200, max_batch=64, max_k=8), registry)
+    handle.server.start()
+    yield handle
+    handle.stop(grace_s=1.0)
+
+
+@pytest.fixture()
+def client(service: MaskServiceHandle) -> Iterator[MaskServiceClient]:
+    c = MaskServiceClient(f"127.0.0.1:{service.port}", deadline_s=20.0)
+    yield c
+    c.close()

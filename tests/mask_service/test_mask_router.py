@@ -1,0 +1,66 @@
+"""MaskRouter over two real servers: placement, failover with replay, lost-session recovery."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from conftest import make_config
+from mask_service.client import DraftMaskItem, MaskServiceClient
+from mask_service.grammar import GrammarKind, GrammarSpec
+from mask_service.router import MaskRouter
+from mask_service.server import build_service
+
+SCHEMA = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}}, "required": ["name", "n"]}))
+DOC = '{"name":"alpha beta","n":1234}'
+
+
+def _expected(address: str, bpe_id: str, toks: list[int], p: int) -> np.ndarray:
+    with MaskServiceClient(address) as c:
+        sid = c.open_session(bpe_id, SCHEMA)
+        return c.draft_masks([DraftMaskItem(sid, toks[p : p + 3], commit_tokens=toks[:p], commit_seq=1)])[0].bitmask.numpy().copy()
+
+
+def test_router_failover_and_replay(bpe_dir, registry, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
+    toks = hf_tok.encode(DOC, add_special_tokens=False)
+    handles = [build_service(make_config(bpe_dir), registry) for _ in range(2)]
+    for h in handles:
+        h.server.start()
+    addresses = [f"127.0.0.1:{h.port}" for h in handles]
+    router = MaskRouter(addresses, deadline_s=5.0, max_retries=0)
+    try:
+        router.validate_grammar(bpe_id, SCHEMA)
+        sids = [router.open_session(bpe_id, SCHEMA) for _ in range(8)]
+        counts = [h.sessions.__len__() for h in handles]
+        assert sum(counts) == 8 and min(counts) > 0, counts  # spread over both replicas
+        seq = 0
+        for p in range(0, 4):
+            seq += 1
+            items = [DraftMaskItem(s, toks[p : p + 3], commit_tokens=toks[p - 1 : p] if p else [], commit_seq=seq) for s in sids]
+            router.draft_masks(items)
+        # Kill replica 0: sessions living there are reopened on replica 1 with their tokens replayed.
+        handles[0].stop(grace_s=0)
+        p = 4
+        seq += 1
+        items = [DraftMaskItem(s, toks[p : p + 3], commit_tokens=toks[p - 1 : p], commit_seq=seq) for s in sids]
+        results = router.draft_masks(items)
+        expected = _expected(addresses[1], bpe_id, toks, p)
+        for r in results:
+            np.testing.assert_array_equal(r.bitmask.numpy(), expected)
+        assert len(handles[1].sessions) >= 8
+        # Replica 1 loses a session (TTL/restart): NOT_FOUND -> reopen + replay + retry.
+        victim = router._sessions[sids[0]].remote_id
+        handles[1].sessions.close(victim)
+        p = 5
+        seq += 1
+        assert router.commit(sids[0], seq, toks[p - 1 : p]) is False
+        res = router.draft_masks([DraftMaskItem(sids[0], toks[p : p + 3])])
+        np.testing.assert_array_equal(res[0].bitmask.numpy(), _expected(addresses[1], bpe_id, toks, p))
+        for s in sids:
+            router.close_session(s)
+        assert router.session_count() == 0
+    finally:
+        router.close()
+        for h in handles:
+            h.stop(grace_s=0)

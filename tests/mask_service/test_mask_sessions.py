@@ -1,0 +1,123 @@
+"""Session semantics: masks never move committed state, idempotent commits, rollback, TTL, limits, concurrency."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from conftest import make_config
+from mask_service.client import DraftMaskItem, MaskServiceClient, MaskServiceError
+from mask_service.grammar import GrammarKind, GrammarSpec
+from mask_service.server import build_service
+
+SCHEMA = GrammarSpec(
+    GrammarKind.JSON_SCHEMA,
+    json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "count": {"type": "integer"}}, "required": ["name", "count"]}),
+)
+DOC = '{"name":"hello world","count":42}'
+
+
+def _rows(client: MaskServiceClient, sid: str, drafts: list[int]) -> np.ndarray:
+    return client.draft_masks([DraftMaskItem(sid, drafts)])[0].bitmask.numpy().copy()
+
+
+def test_masks_leave_committed_state_unchanged(client, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
+    toks = hf_tok.encode(DOC, add_special_tokens=False)
+    sid = client.open_session(bpe_id, SCHEMA)
+    client.commit(sid, 1, toks[:2])
+    before = _rows(client, sid, [])
+    for drafts in (toks[2:6], toks[2:4] + [5], [5, 6, 7], toks[2:8]):
+        client.draft_masks([DraftMaskItem(sid, drafts)])
+        np.testing.assert_array_equal(_rows(client, sid, []), before)
+    # The committed state still accepts the true continuation.
+    assert client.draft_masks([DraftMaskItem(sid, toks[2:6])])[0].num_grammar_accepted == 4
+
+
+def test_commit_idempotent_and_rollback(client, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
+    toks = hf_tok.encode(DOC, add_special_tokens=False)
+    sid = client.open_session(bpe_id, SCHEMA)
+    assert client.commit(sid, 1, toks[:3]) is False
+    after3 = _rows(client, sid, [])
+    client.commit(sid, 1, toks[:3])  # retried commit: no-op
+    np.testing.assert_array_equal(_rows(client, sid, []), after3)
+    # A rejected token mid-commit rolls back the accepted prefix.
+    with pytest.raises(MaskServiceError) as exc:
+        client.commit(sid, 2, [toks[3], toks[4], 0])  # 0 = stop token, not allowed mid-document
+    assert exc.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    np.testing.assert_array_equal(_rows(client, sid, []), after3)
+    # The same seq may be used again after a rejection (nothing was applied).
+    client.commit(sid, 2, toks[3:])
+    stop = 0  # the fixture tokenizer's <|endoftext|>
+    assert client.commit(sid, 3, [stop]) is True
+    # Commit riding on draft_masks, retried: applied once.
+    sid2 = client.open_session(bpe_id, SCHEMA)
+    for _ in range(2):
+        res = client.draft_masks([DraftMaskItem(sid2, toks[2:4], commit_tokens=toks[:2], commit_seq=1)])
+        assert res[0].num_grammar_accepted == 2
+
+
+def test_session_ttl_and_limits(bpe_dir, registry, bpe_id) -> None:  # type: ignore[no-untyped-def]
+    handle = build_service(make_config(bpe_dir, max_sessions=2, session_ttl_s=0.3, janitor_interval_s=0.1, max_batch=2, max_k=3), registry)
+    handle.server.start()
+    try:
+        c = MaskServiceClient(f"127.0.0.1:{handle.port}", deadline_s=20.0)
+        a = c.open_session(bpe_id, SCHEMA)
+        b = c.open_session(bpe_id, SCHEMA)
+        with pytest.raises(MaskServiceError) as exc:
+            c.open_session(bpe_id, SCHEMA)
+        assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(MaskServiceError) as exc:
+            c.draft_masks([DraftMaskItem(a, [1, 2, 3, 4])])
+        assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT  # k > max_k
+        with pytest.raises(MaskServiceError) as exc:
+            c.draft_masks([DraftMaskItem(a, [])] * 3)
+        assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT  # batch > max_batch
+        deadline = time.monotonic() + 5
+        while c.session_count() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.session_count() == 0
+        with pytest.raises(MaskServiceError) as exc:
+            c.draft_masks([DraftMaskItem(b, [])])
+        assert exc.value.code == grpc.StatusCode.NOT_FOUND and exc.value.session_id == b
+        c.open_session(bpe_id, SCHEMA)  # room again after eviction
+        c.close()
+    finally:
+        handle.stop(grace_s=0.5)
+
+
+def test_concurrent_clients(service, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
+    toks = hf_tok.encode(DOC, add_special_tokens=False)
+    errors: list[BaseException] = []
+    address = f"127.0.0.1:{service.port}"
+    with MaskServiceClient(address) as ref_client:
+        expected = []
+        for p in range(len(toks) - 3):
+            sid = ref_client.open_session(bpe_id, SCHEMA)
+            res = ref_client.draft_masks([DraftMaskItem(sid, toks[p : p + 3], commit_tokens=toks[:p], commit_seq=1)])
+            expected.append(res[0].bitmask.numpy().copy())
+            ref_client.close_session(sid)
+
+    def worker(n: int) -> None:
+        try:
+            with MaskServiceClient(address, deadline_s=30.0) as c:
+                sids = [c.open_session(bpe_id, SCHEMA) for _ in range(3)]
+                for p in range(len(toks) - 3):
+                    res = c.draft_masks([DraftMaskItem(s, toks[p : p + 3], commit_tokens=toks[p - 1 : p] if p else [], commit_seq=p + 1) for s in sids])
+                    for r in res:
+                        np.testing.assert_array_equal(r.bitmask.numpy(), expected[p])
+                for s in sids:
+                    c.close_session(s)
+        except BaseException as exc:  # noqa: BLE001 — reported to the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors

@@ -1,0 +1,138 @@
+"""Compact row format: round trips, dictionary resync after lost replies, reconnects and server restarts."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import numpy as np
+import pytest
+
+from conftest import make_config
+from mask_service.client import DraftMaskItem, MaskServiceClient
+from mask_service.grammar import GrammarKind, GrammarSpec
+from mask_service.server import build_service
+from mask_service.wire import ALL_ONES_ID, ClientBeliefs, RowInterner, RowTable, decode_row, encode_row
+from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+
+SCHEMA = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}}}, "required": ["tags"]}))
+DOC = '{"tags":["red","green blue","x"]}'
+
+
+@pytest.mark.parametrize("words", [1, 5, 4008, 4009])
+def test_encode_decode_round_trip(words: int) -> None:
+    rng = np.random.default_rng(words)
+    rows = [
+        np.zeros(words, np.int32),
+        np.full(words, -1, np.int32),
+        rng.integers(-(2**31), 2**31, words, dtype=np.int64).astype(np.int32),
+    ]
+    sparse = np.zeros(words, np.int32)
+    sparse[rng.integers(0, words, 3)] = -(2**31)  # only bit 31 set
+    rows += [sparse, ~sparse]
+    mid = np.zeros(words, np.int32)
+    mid[: words // 3] = -1
+    rows.append(mid)
+    seen = set()
+    for row in rows:
+        enc, payload = encode_row(row)
+        seen.add(enc)
+        out = np.empty(words, np.int32)
+        decode_row(enc, payload, out)
+        np.testing.assert_array_equal(out, row)
+    if words >= 4008:
+        assert {pb.ROW_ENCODING_ALLOWED, pb.ROW_ENCODING_FORBIDDEN, pb.ROW_ENCODING_ZLIB} <= seen
+
+
+def test_beliefs_and_table_resync() -> None:
+    w = 10
+    interner = RowInterner(1 << 20)
+    rows = [np.arange(w, dtype=np.int32) * k for k in range(1, 4)]
+    interned = [interner.intern(r, w) for r in rows]
+    assert interner.intern(rows[0].copy(), w) is interned[0]  # content-addressed
+    beliefs = ClientBeliefs()
+    table = RowTable(w, capacity=8)
+    resp = pb.DraftMasksResponse()
+    beliefs.encode_response_rows("c", 1, [interned[0], None, interned[0], interned[1]], resp)
+    assert len(resp.new_rows) == 2 and resp.row_ids[1] == ALL_ONES_ID
+    slots = table.absorb(resp.new_rows, list(resp.row_ids))
+    np.testing.assert_array_equal(table.table[slots], np.stack([rows[0], np.full(w, -1, np.int32), rows[0], rows[1]]))
+    # Second response: refs only.
+    resp2 = pb.DraftMasksResponse()
+    beliefs.encode_response_rows("c", 1, [interned[1]], resp2)
+    assert not resp2.new_rows
+    # A lost reply: the server believes the client holds row 2; the client does not.
+    beliefs.encode_response_rows("c", 1, [interned[2]], pb.DraftMasksResponse())
+    resp3 = pb.DraftMasksResponse()
+    beliefs.encode_response_rows("c", 1, [interned[2]], resp3)
+    with pytest.raises(Exception, match="does not hold"):
+        table.absorb(resp3.new_rows, list(resp3.row_ids))
+    # New generation: full rows again.
+    resp4 = pb.DraftMasksResponse()
+    beliefs.encode_response_rows("c", 2, [interned[2], interned[0]], resp4)
+    assert len(resp4.new_rows) == 2
+    slots = table.absorb(resp4.new_rows, list(resp4.row_ids))
+    np.testing.assert_array_equal(table.table[slots[0]], rows[2])
+
+
+def _walk(client: MaskServiceClient, bpe_id: str, toks: list[int]) -> list[np.ndarray]:
+    sid = client.open_session(bpe_id, SCHEMA)
+    out = []
+    for p in range(len(toks) - 2):
+        res = client.draft_masks([DraftMaskItem(sid, toks[p : p + 2], commit_tokens=toks[p - 1 : p] if p else [], commit_seq=p + 1)])
+        out.append(res[0].bitmask.numpy().copy())
+    client.close_session(sid)
+    return out
+
+
+def test_client_resync_paths(service, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
+    toks = hf_tok.encode(DOC, add_special_tokens=False)
+    address = f"127.0.0.1:{service.port}"
+    with MaskServiceClient(address) as c1:
+        expected = _walk(c1, bpe_id, toks)
+        gen = c1.dict_generation
+        # Client table wiped behind the server's back (as if replies were lost): resync, still exact.
+        for t in c1._tables.values():
+            t.clear()
+        assert [np.array_equal(a, b) for a, b in zip(_walk(c1, bpe_id, toks), expected)] == [True] * len(expected)
+        assert c1.dict_generation > gen
+    # Reconnect as a new client: fresh dictionary, same rows.
+    with MaskServiceClient(address) as c2:
+        assert all(np.array_equal(a, b) for a, b in zip(_walk(c2, bpe_id, toks), expected))
+    # Tiny table capacity: clears and resyncs without ever applying a wrong row.
+    with MaskServiceClient(address, table_capacity=4) as c3:
+        assert all(np.array_equal(a, b) for a, b in zip(_walk(c3, bpe_id, toks), expected))
+    # Indirect form: table rows gathered by ids equal the dense rows.
+    with MaskServiceClient(address) as c4:
+        sid = c4.open_session(bpe_id, SCHEMA)
+        ind = c4.draft_masks_indirect([DraftMaskItem(sid, toks[:2]), DraftMaskItem(sid, toks[:1])])
+        dense = ind.mask_table[ind.row_ids.long()].numpy()
+        assert ind.cu_num_rows == [3, 5]
+        np.testing.assert_array_equal(dense[0], expected[0][0])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_server_restart_keeps_client_correct(bpe_dir, registry, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
+    toks = hf_tok.encode(DOC, add_special_tokens=False)
+    port = _free_port()
+    h1 = build_service(make_config(bpe_dir, port=port), registry)
+    h1.server.start()
+    client = MaskServiceClient(f"127.0.0.1:{port}", deadline_s=20.0)
+    try:
+        expected = _walk(client, bpe_id, toks)
+        h1.stop(grace_s=0.2)
+        h2 = build_service(make_config(bpe_dir, port=port), registry)
+        h2.server.start()
+        try:
+            # Same client object, same generation, new server epoch: rows resent, results exact.
+            got = _walk(client, bpe_id, toks)
+            assert all(np.array_equal(a, b) for a, b in zip(got, expected))
+        finally:
+            h2.stop(grace_s=0.2)
+    finally:
+        client.close()
