@@ -1,16 +1,19 @@
 """Kernel tests run on CPU: Triton kernels execute in the Triton interpreter.
 
-TRITON_INTERPRET=1 is set per test (not process-wide), so other packages' tests
-in the same pytest run keep the default CPU backend (the reference). Triton
-reads the variable when a kernel module is first imported, which in
-`kernels/` only happens inside a dispatcher call, i.e. inside a test.
+tests/conftest.py sets TRITON_INTERPRET=1 for the whole process before triton
+is imported (Triton decorates its own standard library at import time, so the
+variable cannot be switched on later). Here each kernel test additionally asks
+for Triton as the default CPU backend; other packages' tests keep the
+reference backend.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from kernels.backend import BACKEND_ENV
+
 
 @pytest.fixture(autouse=True)
-def triton_interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def triton_default_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(BACKEND_ENV, "triton")

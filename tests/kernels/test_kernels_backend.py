@@ -1,16 +1,23 @@
 import pytest
 import torch
 
-from kernels.backend import Backend, resolve_backend
+from kernels.backend import BACKEND_ENV, Backend, resolve_backend
 
 
-def test_default_cpu_is_reference_without_interpreter(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def test_default_cpu_is_reference(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
     assert resolve_backend(None, torch.device("cpu")) is Backend.REFERENCE
 
 
-def test_default_cpu_is_triton_under_interpreter():
+def test_default_cpu_is_triton_when_asked_and_interpreted():
+    # The kernels conftest sets SPECMASK_KERNEL_BACKEND=triton; tests/conftest.py TRITON_INTERPRET=1.
     assert resolve_backend(None, torch.device("cpu")) is Backend.TRITON
+
+
+def test_default_cpu_triton_without_interpreter_is_an_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        resolve_backend(None, torch.device("cpu"))
 
 
 def test_default_cuda_is_triton(monkeypatch):
