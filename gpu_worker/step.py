@@ -110,35 +110,40 @@ class StepRunner:
         return items
 
     def _collect(self, future: Any, slots: Sequence[DraftSlot], items: list[Any]) -> _MaskReply:
-        """Wait for a batched mask call; isolate failing sequences on error.
+        """Wait for a batched mask call; on a per-item error fail only that sequence.
 
-        A batch call fails as a whole when one item fails, so on failure each item
-        is retried alone to find which sequences are really broken (masks never
-        change committed state and commits are idempotent, so retries are safe).
+        The service fails a batch call for its first failed item and names it
+        (``MaskServiceError.session_id``, the router's id = ``seq.session_id``), so
+        that sequence gets the error and the batch is resent without it. The other
+        items' commits may already be applied; resending them is safe because
+        commits are idempotent by commit_seq and masks never change committed
+        state. An error that names no item of the batch (replicas unreachable,
+        timeout, batch-level refusal) fails every sequence still in the batch.
         """
         assert self.masks is not None
         t0 = time.perf_counter()
-        ids = [s.seq.seq_id for s in slots]
-        try:
-            results, _ = future.result(timeout=self.mask_timeout_s)
-            if len(results) != len(items):
-                raise RuntimeError(f"mask service returned {len(results)} results for {len(items)} items")
-            return _MaskReply(dict(zip(ids, results)), {}, time.perf_counter() - t0)
-        except FutureTimeout:
-            msg = f"mask service did not answer within {self.mask_timeout_s:.1f}s"
-            return _MaskReply({}, {i: msg for i in ids}, time.perf_counter() - t0)
-        except Exception as exc:  # noqa: BLE001 - classified per sequence below
-            batch_error = exc
         reply = _MaskReply({}, {}, 0.0)
-        for seq_id, item in zip(ids, items):
+        remaining = {s.seq.session_id: (s.seq.seq_id, item) for s, item in zip(slots, items)}
+        while remaining:
             try:
-                single, _ = self.masks.draft_masks_async([item]).result(timeout=self.mask_timeout_s)
-                reply.results[seq_id] = single[0]
-            except Exception as exc:  # noqa: BLE001 - reported as this sequence's error
-                reply.errors[seq_id] = f"mask service: {exc}"
-        logger.warning(
-            "batched mask call failed (%s); failing alone: seqs %s of %d", batch_error, sorted(reply.errors), len(ids)
-        )
+                results, _ = future.result(timeout=self.mask_timeout_s)
+                if len(results) != len(remaining):
+                    raise RuntimeError(f"mask service returned {len(results)} results for {len(remaining)} items")
+                reply.results.update((seq_id, res) for (seq_id, _), res in zip(remaining.values(), results))
+                break
+            except FutureTimeout:
+                msg = f"mask service did not answer within {self.mask_timeout_s:.1f}s"
+                reply.errors.update((seq_id, msg) for seq_id, _ in remaining.values())
+                break
+            except Exception as exc:  # noqa: BLE001 - attributed to one sequence or to all below
+                failed = remaining.pop(getattr(exc, "session_id", None) or "", None)
+                if failed is None:
+                    reply.errors.update((seq_id, f"mask service: {exc}") for seq_id, _ in remaining.values())
+                    break
+                reply.errors[failed[0]] = f"mask service: {exc}"
+                logger.warning("mask call failed for seq %s (%s); resending the other %d", failed[0], exc, len(remaining))
+                if remaining:
+                    future = self.masks.draft_masks_async([item for _, item in remaining.values()])
         reply.wait_s = time.perf_counter() - t0
         return reply
 

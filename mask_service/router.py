@@ -9,6 +9,10 @@ NOT_FOUND for a session it should hold (restart, TTL), the router reopens the
 session on a live replica, replays the committed tokens as one commit, and
 retries the call. This is correct because mask-service state is a pure
 function of (grammar, committed tokens) and commits are idempotent by seq.
+
+Errors leave with the router's session ids only: a replica's session id means
+nothing to the caller (and changes on failover), so ``MaskServiceError.session_id``
+is translated back, or cleared when the failure concerns no one session.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import logging
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
@@ -126,7 +130,11 @@ class MaskRouter:
     def open_session(self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None) -> str:
         session_id = uuid.uuid4().hex
         rec = _SessionRecord(tokenizer_id, spec, vocab_size)
-        self._place(session_id, rec)
+        try:
+            self._place(session_id, rec)
+        except MaskServiceError as exc:
+            exc.session_id = None  # the id was never handed out: there is nothing to attribute to
+            raise
         with self._lock:
             self._sessions[session_id] = rec
         return session_id
@@ -142,21 +150,31 @@ class MaskRouter:
     def commit(self, session_id: str, seq: int, tokens: Sequence[int]) -> bool:
         rec = self._record(session_id)
         with rec.lock:
-            for attempt in range(len(self._clients) + 1):
-                try:
-                    terminated = self._clients[rec.address].commit(rec.remote_id, seq, tokens)
-                    break
-                except MaskServiceError as exc:
-                    if attempt == len(self._clients) or exc.code not in (*_FAILOVER_CODES, grpc.StatusCode.NOT_FOUND):
-                        exc.session_id = session_id
-                        raise
-                    self._recover(session_id, rec, exc)
+            try:
+                for attempt in range(len(self._clients) + 1):
+                    try:
+                        terminated = self._clients[rec.address].commit(rec.remote_id, seq, tokens)
+                        break
+                    except MaskServiceError as exc:
+                        if attempt == len(self._clients) or exc.code not in (*_FAILOVER_CODES, grpc.StatusCode.NOT_FOUND):
+                            raise
+                        self._recover(session_id, rec, exc)
+            except MaskServiceError as exc:
+                # Whatever failed (the commit, or reopening/replaying on another
+                # replica), it failed for this one session.
+                exc.session_id = session_id
+                raise
             if tokens and seq > rec.last_seq:
                 rec.committed.extend(int(t) for t in tokens)
                 rec.last_seq = seq
             return terminated
 
     def draft_masks(self, items: Sequence[DraftMaskItem]) -> list[DraftMaskResult]:
+        """Like MaskServiceClient.draft_masks; a per-item error names the router session id.
+
+        As with one replica, commits of the other items may already be applied
+        when an item fails: resend the batch without it (seen seqs are no-ops).
+        """
         recs = [self._record(it.session_id) for it in items]
         results: list[DraftMaskResult | None] = [None] * len(items)
         pending = list(range(len(items)))
@@ -165,6 +183,9 @@ class MaskRouter:
             for i in pending:
                 groups.setdefault(recs[i].address, []).append(i)
             futs = {a: self._pool.submit(self._group_call, a, idx, items, recs) for a, idx in groups.items()}
+            # Let every group finish before raising, so no call of this batch is still
+            # running against a client when the caller resends the batch.
+            wait(futs.values())
             pending = []
             for address, fut in futs.items():
                 try:
@@ -175,13 +196,20 @@ class MaskRouter:
                     if not retryable or attempt == len(self._clients) + 1:
                         raise
                     if exc.code == grpc.StatusCode.NOT_FOUND:
-                        lost = [i for i in groups[address] if recs[i].remote_id == exc.session_id] or groups[address]
+                        lost = [i for i in groups[address] if items[i].session_id == exc.session_id] or groups[address]
                     else:
                         lost = groups[address]
                     for i in sorted(set(lost), key=lambda j: items[j].session_id):
                         with recs[i].lock:
                             if recs[i].address == address:
-                                self._recover(items[i].session_id, recs[i], exc)
+                                try:
+                                    self._recover(items[i].session_id, recs[i], exc)
+                                except MaskServiceError as place_exc:
+                                    # No replica reachable is the whole batch's failure; anything
+                                    # else (e.g. the replay refused) is this session's.
+                                    unreachable = place_exc.code in _FAILOVER_CODES
+                                    place_exc.session_id = None if unreachable else items[i].session_id
+                                    raise
                     pending.extend(groups[address])
             if not pending:
                 break
@@ -194,7 +222,14 @@ class MaskRouter:
 
     def _group_call(self, address: str, idx: list[int], items: Sequence[DraftMaskItem], recs: list[_SessionRecord]) -> list[DraftMaskResult]:
         remote_items = [replace(items[i], session_id=recs[i].remote_id) for i in idx]
-        return self._clients[address].draft_masks(remote_items)
+        try:
+            return self._clients[address].draft_masks(remote_items)
+        except MaskServiceError as exc:
+            # Map the replica's id back by position (ids of both kinds are uuid hex, so
+            # never by looks); an id we did not send (none: batch-level error) maps to None.
+            own = {r.session_id: items[i].session_id for i, r in zip(idx, remote_items)}
+            exc.session_id = own.get(exc.session_id or "")
+            raise
 
     def close_session(self, session_id: str) -> None:
         with self._lock:

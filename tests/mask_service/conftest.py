@@ -8,6 +8,8 @@ from typing import Iterator
 
 import pytest
 
+from tests.mask_service.service_config import make_config
+
 from mask_service.client import MaskServiceClient
 from mask_service.config import MaskServiceConfig
 from mask_service.server import MaskServiceHandle, build_service
@@ -52,12 +54,6 @@ def hf_tok(bpe_dir: Path):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def registry(bpe_dir: Path) -> TokenizerRegistry:
     return TokenizerRegistry([TokenizerSource(str(bpe_dir))])
-
-
-def make_config(bpe_dir: Path, **overrides: object) -> MaskServiceConfig:
-    base: dict[str, object] = dict(tokenizers=(TokenizerSource(str(bpe_dir)),), host="127.0.0.1", port=0, mask_threads=2)
-    base.update(overrides)
-    return MaskServiceConfig(**base)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="session")

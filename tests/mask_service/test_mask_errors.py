@@ -114,7 +114,7 @@ def test_health_and_reflection(service) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_compile_timeout_then_serving(bpe_dir, registry, bpe_id) -> None:  # type: ignore[no-untyped-def]
-    from conftest import make_config
+    from tests.mask_service.service_config import make_config
     from mask_service.server import build_service
 
     handle = build_service(make_config(bpe_dir, compile_timeout_s=1e-6), registry)

@@ -1,13 +1,15 @@
-"""MaskRouter over two real servers: placement, failover with replay, lost-session recovery."""
+"""MaskRouter over two real servers: placement, failover with replay, lost-session recovery, error ids."""
 
 from __future__ import annotations
 
 import json
 
+import grpc
 import numpy as np
+import pytest
 
-from conftest import make_config
-from mask_service.client import DraftMaskItem, MaskServiceClient
+from tests.mask_service.service_config import make_config
+from mask_service.client import DraftMaskItem, MaskServiceClient, MaskServiceError
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.router import MaskRouter
 from mask_service.server import build_service
@@ -60,6 +62,53 @@ def test_router_failover_and_replay(bpe_dir, registry, bpe_id, hf_tok) -> None: 
         for s in sids:
             router.close_session(s)
         assert router.session_count() == 0
+    finally:
+        router.close()
+        for h in handles:
+            h.stop(grace_s=0)
+
+
+def test_router_errors_name_router_session_ids(bpe_dir, registry, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
+    """A per-item failure in a batch spread over replicas names the caller's (router) session id,
+    so the caller can drop that item and resend the rest (their commits are seen-seq no-ops)."""
+    toks = hf_tok.encode(DOC, add_special_tokens=False)
+    handles = [build_service(make_config(bpe_dir), registry) for _ in range(2)]
+    for h in handles:
+        h.server.start()
+    addresses = [f"127.0.0.1:{h.port}" for h in handles]
+    router = MaskRouter(addresses, deadline_s=5.0, max_retries=0)
+    try:
+        sids = [router.open_session(bpe_id, SCHEMA) for _ in range(6)]
+        assert len({router._sessions[s].address for s in sids}) == 2  # the batch spans both replicas
+        p = 3
+        items = [DraftMaskItem(s, toks[p : p + 3], commit_tokens=toks[:p], commit_seq=1) for s in sids]
+        bad = 2
+        items[bad] = DraftMaskItem(sids[bad], [10**6], commit_tokens=toks[:p], commit_seq=1)  # draft id out of range
+        with pytest.raises(MaskServiceError) as err:
+            router.draft_masks(items)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.session_id == sids[bad] != router._sessions[sids[bad]].remote_id
+
+        # Resend without the failed item: commits some replicas already applied are no-ops.
+        rest = [it for i, it in enumerate(items) if i != bad]
+        results = router.draft_masks(rest)
+        expected = _expected(addresses[0], bpe_id, toks, p)
+        for r in results:
+            np.testing.assert_array_equal(r.bitmask.numpy(), expected)
+        assert all(router._sessions[it.session_id].last_seq == 1 for it in rest)
+
+        # A session closed behind the router's back is recovered (reopen + replay), not raised.
+        victim = sids[0]
+        handles[addresses.index(router._sessions[victim].address)].sessions.close(router._sessions[victim].remote_id)
+        results = router.draft_masks([DraftMaskItem(s, toks[p : p + 3]) for s in sids[:2]])
+        for r in results:
+            np.testing.assert_array_equal(r.bitmask.numpy(), expected)
+
+        # commit: a token the grammar rejects (stop token 0 mid-string), and a token id out of range.
+        for tokens, code in (([0], grpc.StatusCode.FAILED_PRECONDITION), ([10**6], grpc.StatusCode.INVALID_ARGUMENT)):
+            with pytest.raises(MaskServiceError) as err:
+                router.commit(sids[1], 2, tokens)
+            assert err.value.code == code and err.value.session_id == sids[1]
     finally:
         router.close()
         for h in handles:

@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
-from conftest import make_config
+from tests.mask_service.service_config import make_config
 from mask_service.client import DraftMaskItem, MaskServiceClient, MaskServiceError
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.server import build_service

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import xgrammar as xgr
 
-from conftest import make_config
+from tests.mask_service.service_config import make_config
 from mask_reference import reference_walk
 from mask_service.client import DraftMaskItem, MaskServiceClient, MaskServiceError
 from mask_service.grammar import GrammarKind, GrammarSpec

@@ -8,7 +8,7 @@ import socket
 import numpy as np
 import pytest
 
-from conftest import make_config
+from tests.mask_service.service_config import make_config
 from mask_service.client import DraftMaskItem, MaskServiceClient
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.server import build_service
