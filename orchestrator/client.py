@@ -1,0 +1,122 @@
+"""Client-side helpers for the orchestrator API (used by `specmask generate`, the demo, bench, tests)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc
+
+FINISH_REASON_NAMES = {
+    value: name.removeprefix("FINISH_REASON_").lower() for name, value in pb.FinishReason.items()
+}
+
+
+def build_request(
+    prompt: str | Sequence[int],
+    *,
+    schema: Any = None,
+    regex: str | None = None,
+    any_json: bool = False,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    seed: int | None = None,
+    max_tokens: int | None = None,
+    stop: Sequence[str] = (),
+    ignore_eos: bool = False,
+    speculation: bool | None = None,
+    k: int | None = None,
+    draft_masking: bool | None = None,
+    request_id: str = "",
+) -> pb.GenerateRequest:
+    """A GenerateRequest; ``schema`` may be a dict or JSON text. Unset options keep server defaults."""
+    req = pb.GenerateRequest(request_id=request_id)
+    if isinstance(prompt, str):
+        req.text = prompt
+    else:
+        req.token_ids.ids.extend(prompt)
+    if schema is not None:
+        req.grammar.json_schema = schema if isinstance(schema, str) else json.dumps(schema)
+    elif regex is not None:
+        req.grammar.regex = regex
+    elif any_json:
+        req.grammar.any_json.SetInParent()
+    s = req.sampling
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
+                        ("max_tokens", max_tokens)):
+        if value is not None:
+            setattr(s, name, value)
+    s.stop.extend(stop)
+    s.ignore_eos = ignore_eos
+    if speculation is not None:
+        req.speculation.enabled = speculation
+    if k is not None:
+        req.speculation.k = k
+    if draft_masking is not None:
+        req.speculation.draft_masking = draft_masking
+    return req
+
+
+@dataclass
+class StreamedResult:
+    """A stream folded back into one result, plus the deltas as they came."""
+
+    request_id: str = ""
+    text_deltas: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: int = pb.FINISH_REASON_UNSPECIFIED
+    error: str = ""
+    usage: pb.Usage | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_deltas)
+
+    @property
+    def finish_reason_name(self) -> str:
+        return FINISH_REASON_NAMES.get(self.finish_reason, str(self.finish_reason))
+
+    def add(self, chunk: pb.GenerateStreamResponse) -> None:
+        self.request_id = chunk.request_id
+        self.text_deltas.append(chunk.text)
+        self.token_ids.extend(chunk.token_ids)
+        if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            self.finish_reason = chunk.finish_reason
+            self.error = chunk.error
+            self.usage = chunk.usage
+
+
+class OrchestratorClient:
+    """A small synchronous client (one channel)."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.OrchestratorServiceStub(self._channel)
+
+    def generate(self, req: pb.GenerateRequest, *, timeout_s: float = 120.0) -> pb.GenerateResponse:
+        return self.stub.Generate(req, timeout=timeout_s)
+
+    def stream(self, req: pb.GenerateRequest, *, timeout_s: float = 120.0) -> Iterator[pb.GenerateStreamResponse]:
+        return self.stub.GenerateStream(req, timeout=timeout_s)
+
+    def stream_all(self, req: pb.GenerateRequest, *, timeout_s: float = 120.0) -> StreamedResult:
+        result = StreamedResult()
+        for chunk in self.stream(req, timeout_s=timeout_s):
+            result.add(chunk)
+        return result
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "OrchestratorClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

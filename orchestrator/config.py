@@ -1,0 +1,81 @@
+"""The orchestrator's one frozen configuration object, built from flags in main.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gpu_worker.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_K, WorkerConfig
+
+# Requests validating or waiting for a batch slot, beyond which new requests
+# get RESOURCE_EXHAUSTED. Bounded so overload shows up as fast, typed refusals
+# the client can back off from, never as an unbounded backlog whose latency
+# grows without limit.
+DEFAULT_MAX_QUEUE = 256
+# Output budget when a request names none (also capped by the model length).
+DEFAULT_MAX_TOKENS = 256
+# Drafts per step when a request names none. k=4 sits near the knee of
+# (1 - a^(k+1)) / (1 - a) for acceptance rates 0.6-0.8 (DESIGN.md).
+DEFAULT_K = 4
+# One worker step is one batched target forward plus one mask round trip:
+# milliseconds on a GPU. The generous bound covers the first CPU steps (lazy
+# init, Triton interpreter); a worker that exceeds it is treated as failed.
+DEFAULT_STEP_TIMEOUT_S = 120.0
+# Loading models (and, on a fresh Ray cluster, starting the actor process).
+DEFAULT_WORKER_START_TIMEOUT_S = 600.0
+# Per ValidateGrammar call; compiling a large schema can take ~100 ms+.
+DEFAULT_MASK_DEADLINE_S = 10.0
+DEFAULT_MASK_MAX_RETRIES = 2
+# Threads that tokenize prompts and validate grammars off the event loop.
+DEFAULT_VALIDATION_THREADS = 8
+# Seconds in-flight RPCs get to finish on shutdown before being cancelled.
+DEFAULT_SHUTDOWN_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    target_dir: str  # HF dir of the target model (its tokenizer is the API's tokenizer)
+    mask_service_addresses: tuple[str, ...]  # every replica; workers spread sessions over them
+    draft_dir: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = pick a free port (tests)
+    ray_address: str = "local"  # "local" = start (or join) an in-process Ray; else a Ray address
+    num_workers: int = 1
+    metrics_port: int | None = None  # Prometheus endpoint; None = off, 0 = pick a free port
+    max_queue: int = DEFAULT_MAX_QUEUE
+    max_batch: int = DEFAULT_MAX_BATCH  # per worker
+    max_k: int = DEFAULT_MAX_K
+    default_k: int = DEFAULT_K
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    max_model_len: int | None = None  # None = the target model's
+    dtype: str = "float32"
+    device: str = "auto"
+    worker_num_gpus: float | None = None  # None = 1 when CUDA is visible to this process, else 0
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
+    worker_start_timeout_s: float = DEFAULT_WORKER_START_TIMEOUT_S
+    mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S
+    mask_max_retries: int = DEFAULT_MASK_MAX_RETRIES
+    validation_threads: int = DEFAULT_VALIDATION_THREADS
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+
+    def __post_init__(self) -> None:
+        if not self.mask_service_addresses:
+            raise ValueError("at least one mask-service address is required")
+        for name in ("num_workers", "max_queue", "max_batch", "default_max_tokens", "validation_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.default_k <= self.max_k:
+            raise ValueError(f"need 0 <= default_k <= max_k, got {self.default_k}, {self.max_k}")
+
+    def worker_config(self) -> WorkerConfig:
+        """What every GPU worker gets: all mask-service replicas, so its router can fail over."""
+        return WorkerConfig(
+            target_dir=self.target_dir,
+            draft_dir=self.draft_dir,
+            dtype=self.dtype,
+            device=self.device,
+            mask_service_addresses=self.mask_service_addresses,
+            max_batch=self.max_batch,
+            max_k=self.max_k,
+            max_model_len=self.max_model_len,
+            mask_deadline_s=self.mask_deadline_s,
+        )

@@ -1,0 +1,183 @@
+"""Protobuf <-> domain translation for the orchestrator API (no logic beyond shape).
+
+Structural problems a message can have (no prompt set, a grammar message with
+no kind, an unknown enum value) raise ``InvalidRequest``; everything semantic
+is ``validation.py``'s job.
+"""
+
+from __future__ import annotations
+
+from gpu_worker.types import FinishReason
+from mask_service.grammar import GrammarKind, GrammarSpec
+from orchestrator.errors import InvalidRequest
+from orchestrator.types import (
+    GenerationRequest,
+    GenerationResult,
+    RequestOutput,
+    SamplingOptions,
+    SpeculationOptions,
+    Usage,
+)
+from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+
+# Proto Proposer enum -> worker proposer registry name.
+PROPOSER_NAMES: dict[int, str] = {
+    pb.PROPOSER_DRAFT_MODEL: "draft_model",
+    pb.PROPOSER_GRAMMAR_FORCED: "grammar_forced",
+    pb.PROPOSER_NGRAM: "ngram",
+}
+PROPOSER_ENUMS: dict[str, int] = {name: value for value, name in PROPOSER_NAMES.items()}
+
+_GRAMMAR_KINDS: dict[str, GrammarKind] = {
+    "json_schema": GrammarKind.JSON_SCHEMA,
+    "regex": GrammarKind.REGEX,
+    "ebnf": GrammarKind.EBNF,
+    "lark": GrammarKind.LARK,
+    "any_json": GrammarKind.ANY_JSON,
+}
+_GRAMMAR_FIELDS: dict[GrammarKind, str] = {kind: name for name, kind in _GRAMMAR_KINDS.items()}
+
+FINISH_REASONS: dict[FinishReason, int] = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.GRAMMAR_COMPLETE: pb.FINISH_REASON_GRAMMAR_COMPLETE,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+
+
+# ---- requests -------------------------------------------------------------
+
+
+def grammar_from_proto(msg: pb.Grammar) -> GrammarSpec:
+    which = msg.WhichOneof("kind")
+    if which is None:
+        raise InvalidRequest("grammar is set but names no kind (json_schema, regex, ebnf, lark, any_json)")
+    kind = _GRAMMAR_KINDS[which]
+    separators = (msg.separators.item, msg.separators.key) if msg.HasField("separators") else None
+    return GrammarSpec(
+        kind=kind,
+        text="" if kind is GrammarKind.ANY_JSON else getattr(msg, which),
+        any_whitespace=msg.any_whitespace,
+        separators=separators,
+        strict=not msg.allow_additional_properties,
+    )
+
+
+def grammar_to_proto(spec: GrammarSpec) -> pb.Grammar:
+    msg = pb.Grammar(any_whitespace=spec.any_whitespace, allow_additional_properties=not spec.strict)
+    if spec.kind is GrammarKind.ANY_JSON:
+        msg.any_json.SetInParent()
+    else:
+        setattr(msg, _GRAMMAR_FIELDS[spec.kind], spec.text)
+    if spec.separators is not None:
+        msg.separators.item, msg.separators.key = spec.separators
+    return msg
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingOptions:
+    return SamplingOptions(
+        temperature=msg.temperature if msg.HasField("temperature") else 0.0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k if msg.HasField("top_k") else 0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
+        stop=tuple(msg.stop),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def speculation_from_proto(msg: pb.SpeculationParams) -> SpeculationOptions:
+    proposers: tuple[str, ...] | None = None
+    if msg.proposers:
+        unknown = [p for p in msg.proposers if p not in PROPOSER_NAMES]
+        if unknown:
+            raise InvalidRequest(f"unknown proposer enum values {unknown}")
+        proposers = tuple(PROPOSER_NAMES[p] for p in msg.proposers)
+    return SpeculationOptions(
+        enabled=msg.enabled if msg.HasField("enabled") else True,
+        k=msg.k if msg.HasField("k") else None,
+        proposers=proposers,
+        draft_masking=msg.draft_masking if msg.HasField("draft_masking") else True,
+    )
+
+
+def request_from_proto(msg: pb.GenerateRequest, request_id: str) -> GenerationRequest:
+    """``request_id`` is the validated id (the client's, or one the server assigned)."""
+    which = msg.WhichOneof("prompt")
+    if which is None:
+        raise InvalidRequest("prompt is empty: set text or token_ids")
+    prompt: str | tuple[int, ...] = msg.text if which == "text" else tuple(msg.token_ids.ids)
+    return GenerationRequest(
+        request_id=request_id,
+        prompt=prompt,
+        grammar=grammar_from_proto(msg.grammar) if msg.HasField("grammar") else None,
+        sampling=sampling_from_proto(msg.sampling),
+        speculation=speculation_from_proto(msg.speculation),
+    )
+
+
+def request_to_proto(req: GenerationRequest) -> pb.GenerateRequest:
+    """The inverse of ``request_from_proto`` (clients, tests, benchmarks)."""
+    msg = pb.GenerateRequest(request_id=req.request_id)
+    if isinstance(req.prompt, str):
+        msg.text = req.prompt
+    else:
+        msg.token_ids.ids.extend(req.prompt)
+    if req.grammar is not None:
+        msg.grammar.CopyFrom(grammar_to_proto(req.grammar))
+    s = req.sampling
+    msg.sampling.temperature = s.temperature
+    msg.sampling.top_p = s.top_p
+    msg.sampling.top_k = s.top_k
+    if s.seed is not None:
+        msg.sampling.seed = s.seed
+    if s.max_tokens is not None:
+        msg.sampling.max_tokens = s.max_tokens
+    msg.sampling.stop.extend(s.stop)
+    msg.sampling.ignore_eos = s.ignore_eos
+    p = req.speculation
+    msg.speculation.enabled = p.enabled
+    if p.k is not None:
+        msg.speculation.k = p.k
+    if p.proposers is not None:
+        msg.speculation.proposers.extend(PROPOSER_ENUMS[name] for name in p.proposers)
+    msg.speculation.draft_masking = p.draft_masking
+    return msg
+
+
+# ---- responses ------------------------------------------------------------
+
+
+def usage_to_proto(usage: Usage) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        completion_tokens=usage.completion_tokens,
+        target_forwards=usage.target_forwards,
+        drafts_proposed=usage.drafts_proposed,
+        drafts_accepted=usage.drafts_accepted,
+        mask_time_s=usage.mask_time_s,
+        tokens_per_target_forward=usage.tokens_per_target_forward,
+        acceptance_rate=usage.acceptance_rate,
+    )
+
+
+def result_to_proto(result: GenerationResult) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        request_id=result.request_id,
+        text=result.text,
+        token_ids=list(result.token_ids),
+        finish_reason=FINISH_REASONS[result.finish_reason],  # type: ignore[arg-type]
+        error=result.error or "",
+        usage=usage_to_proto(result.usage),
+    )
+
+
+def output_to_proto(out: RequestOutput) -> pb.GenerateStreamResponse:
+    msg = pb.GenerateStreamResponse(request_id=out.request_id, token_ids=list(out.token_ids), text=out.text)
+    if out.finish_reason is not None:
+        msg.finish_reason = FINISH_REASONS[out.finish_reason]  # type: ignore[assignment]
+        msg.error = out.error or ""
+    if out.usage is not None:
+        msg.usage.CopyFrom(usage_to_proto(out.usage))
+    return msg

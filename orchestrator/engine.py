@@ -1,0 +1,360 @@
+"""Admission, placement and the step loop: continuous batching over GPU workers.
+
+Life of a request:
+
+1. ``submit`` checks the admission bound (RESOURCE_EXHAUSTED past it),
+   validates on a thread pool (tokenize, sampling checks, ValidateGrammar on
+   the mask service) and queues the request as *waiting*.
+2. ``_place`` moves waiting requests onto the least-loaded healthy worker with
+   a free batch slot (*to_add*).
+3. Each worker has its own step loop (an asyncio task), so a slow worker never
+   stalls the others. One iteration sends, in this order, ``remove`` (cancelled
+   or stop-string-finished sequences), ``add`` (newly placed ones, prefilled by
+   the worker) and ``step`` (one decoding step for every active sequence:
+   propose, masks in flight with the target forward, verify, commit — see
+   docs/INTERFACES.md). Ray runs one caller's calls on an actor in submission
+   order, so the three can be sent back to back and awaited together; every
+   await has a timeout.
+4. Step outputs go to each ``Request`` (detokenize, stop strings, stream);
+   requests the worker finished are freed by the worker, requests finished here
+   (stop string, cancel) are ``remove``d in the next iteration. Freed slots are
+   refilled from the waiting queue at once: requests join and leave the batch
+   every step.
+
+A sequence-level error from the worker finishes only that request (ERROR). A
+failed ``step`` call finishes that worker's batch with ERROR; a dead or
+unresponsive worker is taken out of placement, and the server keeps serving
+while any worker is healthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.exceptions import RayTaskError
+
+from gpu_worker.actor import UnknownSequenceError
+from gpu_worker.types import FinishReason, StepOutput, WorkerInfo
+from orchestrator.detokenizer import Decoder
+from orchestrator.errors import DuplicateRequestId, Overloaded, ShuttingDown, Unavailable
+from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.request import Request
+from orchestrator.types import GenerationRequest
+from orchestrator.validation import RequestValidator
+
+logger = logging.getLogger(__name__)
+
+# On shutdown, remove() frees what the workers still hold: fast (KV caches,
+# session closes), though it may queue behind one in-flight step. Bounded so a
+# stuck worker cannot hold shutdown up; the workers are killed right after.
+_REMOVE_ON_SHUTDOWN_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_queue: int  # requests validating or waiting beyond which submit() refuses
+    step_timeout_s: float  # per Ray call to a worker
+    validation_threads: int
+
+
+@dataclass(eq=False)
+class WorkerSlot:
+    """Engine-side state of one GPU worker actor."""
+
+    index: int
+    actor: Any  # ray.actor.ActorHandle of gpu_worker.actor.GpuWorker
+    info: WorkerInfo
+    capacity: int  # max active sequences (WorkerConfig.max_batch)
+    running: dict[str, Request] = field(default_factory=dict)  # sent to the worker (add in flight or done)
+    to_add: list[Request] = field(default_factory=list)  # placed here, add() not sent yet
+    to_remove: list[str] = field(default_factory=list)  # finished here; the worker still holds them
+    healthy: bool = True
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def load(self) -> int:
+        return len(self.running) + len(self.to_add)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.to_add or self.to_remove)
+
+
+class Engine:
+    """Owns live requests and the per-worker step loops. Runs on one asyncio loop."""
+
+    def __init__(
+        self,
+        slots: Sequence[WorkerSlot],
+        validator: RequestValidator,
+        tokenizer: Decoder,
+        config: EngineConfig,
+        metrics: OrchestratorMetrics,
+    ) -> None:
+        if not slots:
+            raise ValueError("the engine needs at least one worker")
+        self._slots = list(slots)
+        self._validator = validator
+        self._tokenizer = tokenizer
+        self._config = config
+        self._metrics = metrics
+        self._on_health_change: Callable[[bool], None] | None = None
+        self._executor = ThreadPoolExecutor(config.validation_threads, thread_name_prefix="validate")
+        self._live: dict[str, Request | None] = {}  # None: id reserved while validating
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._slot_of: dict[str, WorkerSlot] = {}
+        self._validating = 0
+        self._tasks: list[asyncio.Task] = []
+        self._stopping = False
+        self._metrics.healthy_workers.set(len(self._slots))
+
+    # ---- lifecycle -------------------------------------------------------
+
+    def set_health_listener(self, listener: Callable[[bool], None]) -> None:
+        """Called with False when the last healthy worker is lost."""
+        self._on_health_change = listener
+
+    def start(self) -> None:
+        """Start one step-loop task per worker (call from the serving loop)."""
+        for slot in self._slots:
+            self._tasks.append(asyncio.create_task(self._run_worker(slot), name=f"worker-{slot.index}-loop"))
+
+    async def stop(self) -> None:
+        """Cancel every live request, free its worker state, stop the loops."""
+        self._stopping = True
+        for request_id in list(self._live):
+            self.cancel(request_id)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        removals = [
+            self._await_remove(slot, slot.actor.remove.remote(slot.to_remove), _REMOVE_ON_SHUTDOWN_TIMEOUT_S)
+            for slot in self._slots
+            if slot.healthy and slot.to_remove
+        ]
+        for result in await asyncio.gather(*removals, return_exceptions=True):
+            if isinstance(result, BaseException):
+                logger.warning("freeing sequences on shutdown failed: %r", result)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def healthy(self) -> bool:
+        return not self._stopping and any(s.healthy for s in self._slots)
+
+    @property
+    def queue_depth(self) -> int:
+        return self._validating + len(self._waiting)
+
+    def num_live(self) -> int:
+        """Requests admitted or validating and not finished (0 when idle: nothing leaked)."""
+        return len(self._live)
+
+    # ---- requests --------------------------------------------------------
+
+    async def submit(self, req: GenerationRequest) -> Request:
+        """Validate and queue a request; raises a ``RequestError`` when refused."""
+        arrival = time.monotonic()
+        if self._stopping:
+            raise ShuttingDown("the server is shutting down")
+        if not self.healthy:
+            raise Unavailable("no healthy GPU worker")
+        if self.queue_depth >= self._config.max_queue:
+            raise Overloaded(f"admission queue is full ({self._config.max_queue} requests waiting); retry later")
+        if req.request_id in self._live:
+            raise DuplicateRequestId(f"request_id {req.request_id!r} is already in flight")
+        self._live[req.request_id] = None
+        self._validating += 1
+        self._metrics.queue_depth.set(self.queue_depth)
+        try:
+            loop = asyncio.get_running_loop()
+            seq = await loop.run_in_executor(self._executor, self._validator.validate, req)
+        except BaseException:
+            del self._live[req.request_id]
+            raise
+        finally:
+            self._validating -= 1
+            self._metrics.queue_depth.set(self.queue_depth)
+        if self._stopping or not self.healthy:
+            del self._live[req.request_id]
+            raise Unavailable("no healthy GPU worker")
+        request = Request(seq, tokenizer=self._tokenizer, stop=req.sampling.stop, arrival_time=arrival)
+        self._live[request.request_id] = request
+        self._waiting.append(request)
+        request.log.info(
+            "admitted: %d prompt tokens, max_tokens=%d, grammar=%s, speculation k=%d",
+            len(seq.prompt_token_ids),
+            seq.sampling.max_tokens,
+            seq.grammar.kind.value if seq.grammar else "none",
+            seq.speculation.k if seq.speculation.enabled else 0,
+        )
+        self._place()
+        return request
+
+    def cancel(self, request_id: str) -> None:
+        """Finish a live request (CANCELLED) now; its worker state is freed on the next iteration.
+
+        A no-op for unknown or finished requests, so callers may always call it on the way out.
+        """
+        request = self._live.get(request_id)
+        if request is None or request.finished:
+            return
+        slot = self._slot_of.get(request_id)
+        if slot is None:
+            self._waiting.remove(request)
+        elif request in slot.to_add:
+            slot.to_add.remove(request)
+        else:
+            slot.running.pop(request_id, None)
+            slot.to_remove.append(request_id)
+            slot.wake.set()
+        request.log.info("cancelled")
+        self._finish(request, FinishReason.CANCELLED)
+
+    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        request.finish(reason, error)
+        self._live.pop(request.request_id, None)
+        self._slot_of.pop(request.request_id, None)
+        assert request.finish_time is not None  # set by Request.finish
+        self._metrics.observe_finish(
+            reason, request.usage, request.arrival_time, request.first_token_time, request.finish_time
+        )
+        self._place()
+
+    def _place(self) -> None:
+        """Move waiting requests to the least-loaded healthy workers with free slots."""
+        while self._waiting and not self._stopping:
+            candidates = [s for s in self._slots if s.healthy and s.load < s.capacity]
+            if not candidates:
+                break
+            slot = min(candidates, key=lambda s: s.load)
+            request = self._waiting.popleft()
+            slot.to_add.append(request)
+            self._slot_of[request.request_id] = slot
+            slot.wake.set()
+        self._metrics.queue_depth.set(self.queue_depth)
+
+    # ---- step loop -------------------------------------------------------
+
+    async def _run_worker(self, slot: WorkerSlot) -> None:
+        while not self._stopping and slot.healthy:
+            slot.wake.clear()
+            if not slot.has_work():
+                await slot.wake.wait()
+                continue
+            try:
+                await self._iterate(slot)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a worker failure must never end the server
+                self._on_worker_failure(slot, exc)
+            self._metrics.running.labels(worker=str(slot.index)).set(len(slot.running))
+
+    async def _iterate(self, slot: WorkerSlot) -> None:
+        """One remove/add/step round on one worker."""
+        removes, slot.to_remove = slot.to_remove, []
+        adds, slot.to_add = slot.to_add, []
+        remove_ref = slot.actor.remove.remote(removes) if removes else None
+        add_ref = slot.actor.add.remote([r.seq for r in adds]) if adds else None
+        for request in adds:
+            slot.running[request.request_id] = request
+        step_ref = slot.actor.step.remote() if slot.running else None
+        timeout = self._config.step_timeout_s
+        step_started = time.monotonic()
+        try:
+            if remove_ref is not None:
+                await self._await_remove(slot, remove_ref, timeout)
+                step_started = time.monotonic()
+            if add_ref is not None:
+                add_errors = await _ray_get(add_ref, timeout)
+                # The actor runs remove, add, step in order: the step starts about now.
+                step_started = time.monotonic()
+                for request, add_error in zip(adds, add_errors, strict=True):
+                    # A refused sequence never became active on the worker: nothing to remove.
+                    if add_error is not None and slot.running.pop(request.request_id, None) is not None:
+                        self._finish(request, FinishReason.ERROR, f"worker refused the request: {add_error}")
+            if step_ref is None:
+                return
+            outputs: list[StepOutput] = await _ray_get(step_ref, timeout)
+        except RayTaskError as exc:
+            # A worker method raised: the actor is alive, but this batch's
+            # state is suspect. Fail the batch, free it, keep the worker.
+            self._fail_batch(slot, f"worker call failed: {_describe(exc)}")
+            return
+        self._metrics.observe_step(slot.index, time.monotonic() - step_started, outputs)
+        self._apply(slot, outputs)
+
+    @staticmethod
+    async def _await_remove(slot: WorkerSlot, ref: Any, timeout: float) -> None:
+        """Ids the worker no longer holds are expected, not errors.
+
+        A request can finish on the worker (grammar complete, length) in the
+        same step in which the client cancels it, or be refused by add() while
+        its cancel is queued; the worker frees the rest and names those.
+        """
+        try:
+            await _ray_get(ref, timeout)
+        except RayTaskError as exc:
+            if not isinstance(getattr(exc, "cause", None), UnknownSequenceError):
+                raise
+            logger.debug("worker %d: %s", slot.index, exc.cause)
+
+    def _apply(self, slot: WorkerSlot, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            request = slot.running.get(out.seq_id)
+            if request is None:
+                continue  # cancelled while this step was in flight; remove() is queued
+            hit_stop_string = request.apply_step(out)
+            if out.finish_reason is not None:
+                # The worker already freed this sequence.
+                del slot.running[out.seq_id]
+                self._finish(request, out.finish_reason, out.error)
+            elif hit_stop_string:
+                del slot.running[out.seq_id]
+                slot.to_remove.append(out.seq_id)
+                self._finish(request, FinishReason.STOP)
+
+    def _fail_batch(self, slot: WorkerSlot, message: str) -> None:
+        logger.error("worker %d: %s", slot.index, message)
+        failed = list(slot.running.values())
+        slot.running.clear()
+        slot.to_remove.extend(r.request_id for r in failed)
+        for request in failed:
+            self._finish(request, FinishReason.ERROR, message)
+
+    def _on_worker_failure(self, slot: WorkerSlot, exc: BaseException) -> None:
+        """The worker died or stopped answering: take it out, fail what it held."""
+        what = "timed out" if isinstance(exc, (asyncio.TimeoutError, TimeoutError)) else f"failed: {exc!r}"
+        logger.error("worker %d %s; taking it out of placement", slot.index, what)
+        slot.healthy = False
+        lost = list(slot.running.values()) + slot.to_add
+        slot.running.clear()
+        slot.to_add.clear()
+        slot.to_remove.clear()
+        for request in lost:
+            self._finish(request, FinishReason.ERROR, f"GPU worker {slot.index} {what}")
+        healthy = sum(s.healthy for s in self._slots)
+        self._metrics.healthy_workers.set(healthy)
+        if not healthy:
+            for request in list(self._waiting):
+                self._waiting.remove(request)
+                self._finish(request, FinishReason.ERROR, "no healthy GPU worker left")
+            if self._on_health_change is not None:
+                self._on_health_change(False)
+        self._place()
+
+
+async def _ray_get(ref: Any, timeout_s: float) -> Any:
+    """Await a Ray ObjectRef on the running loop, with a timeout (never a bare ray.get)."""
+    return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for a client: the worker-side exception, not Ray's traceback."""
+    cause = getattr(exc, "cause", None) or exc
+    return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"

@@ -1,0 +1,48 @@
+"""Grammar validation through the mask service (ValidateGrammar), before any GPU work.
+
+The orchestrator asks the same engine the workers will use, so a grammar that
+passes here compiles for the worker's session too (the compiled grammar is
+then already in the replica's cache). The router fails over between replicas;
+each call has a deadline and bounded retries.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from mask_service.client import MaskServiceError
+from mask_service.grammar import GrammarSpec
+from mask_service.router import MaskRouter
+from orchestrator.errors import GrammarTimeout, InvalidRequest, Unavailable
+
+
+class MaskServiceGrammarChecker:
+    """``validation.GrammarChecker`` backed by the mask-service replicas."""
+
+    def __init__(
+        self,
+        addresses: tuple[str, ...],
+        *,
+        tokenizer_id: str,
+        vocab_size: int,
+        deadline_s: float,
+        max_retries: int,
+    ) -> None:
+        self._router = MaskRouter(list(addresses), deadline_s=deadline_s, max_retries=max_retries)
+        self._tokenizer_id = tokenizer_id
+        self._vocab_size = vocab_size
+
+    def check(self, spec: GrammarSpec) -> None:
+        try:
+            self._router.validate_grammar(self._tokenizer_id, spec, self._vocab_size)
+        except MaskServiceError as exc:
+            if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                raise InvalidRequest(f"grammar refused: {exc.message}") from None
+            if exc.code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise GrammarTimeout(f"grammar validation timed out: {exc.message}") from None
+            if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise InvalidRequest(f"grammar exceeds the mask service's limits: {exc.message}") from None
+            raise Unavailable(f"mask service could not validate the grammar ({exc.code.name}): {exc.message}") from None
+
+    def close(self) -> None:
+        self._router.close()

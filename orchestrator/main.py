@@ -1,0 +1,120 @@
+"""`specmask orchestrator`: flags -> config -> server; SIGTERM/SIGINT -> graceful stop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+
+from orchestrator import config as cfg
+from orchestrator.config import OrchestratorConfig
+
+logger = logging.getLogger(__name__)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="interface for the API and metrics (0.0.0.0 in containers)")
+    parser.add_argument("--port", type=int, default=50051, help="API port (0 = pick a free one)")
+    parser.add_argument("--mask-service", required=True, metavar="ADDR[,ADDR...]",
+                        help="mask-service replica addresses (host:port), comma-separated; all go to every worker")
+    parser.add_argument("--ray-address", default="local",
+                        help="Ray cluster address, or 'local' to start one in-process")
+    parser.add_argument("--target", required=True, metavar="DIR", help="target model dir (HF format, with tokenizer)")
+    parser.add_argument("--draft", default=None, metavar="DIR", help="draft model dir (omit: no draft-model proposer)")
+    parser.add_argument("--num-workers", type=int, default=1, help="GPU worker actors")
+    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (omit: off)")
+    parser.add_argument("--max-queue", type=int, default=cfg.DEFAULT_MAX_QUEUE,
+                        help="requests validating or waiting before RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-batch", type=int, default=cfg.DEFAULT_MAX_BATCH, help="active sequences per worker")
+    parser.add_argument("--max-k", type=int, default=cfg.DEFAULT_MAX_K, help="largest k a request may ask for")
+    parser.add_argument("--default-k", type=int, default=cfg.DEFAULT_K, help="k for requests that name none")
+    parser.add_argument("--default-max-tokens", type=int, default=cfg.DEFAULT_MAX_TOKENS)
+    parser.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output (default: the model's)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="auto", help="worker device: auto, cpu, cuda")
+    parser.add_argument("--worker-num-gpus", type=float, default=None,
+                        help="GPUs per worker actor (default: 1 if the Ray cluster has GPUs, else 0)")
+    parser.add_argument("--step-timeout-s", type=float, default=cfg.DEFAULT_STEP_TIMEOUT_S)
+    parser.add_argument("--worker-start-timeout-s", type=float, default=cfg.DEFAULT_WORKER_START_TIMEOUT_S)
+    parser.add_argument("--mask-deadline-s", type=float, default=cfg.DEFAULT_MASK_DEADLINE_S)
+    parser.add_argument("--log-level", default="INFO")
+
+
+def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
+    """The one place flags become configuration."""
+    return OrchestratorConfig(
+        target_dir=args.target,
+        draft_dir=args.draft,
+        mask_service_addresses=tuple(a.strip() for a in args.mask_service.split(",") if a.strip()),
+        host=args.host,
+        port=args.port,
+        ray_address=args.ray_address,
+        num_workers=args.num_workers,
+        metrics_port=args.metrics_port,
+        max_queue=args.max_queue,
+        max_batch=args.max_batch,
+        max_k=args.max_k,
+        default_k=args.default_k,
+        default_max_tokens=args.default_max_tokens,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        device=args.device,
+        worker_num_gpus=args.worker_num_gpus,
+        step_timeout_s=args.step_timeout_s,
+        worker_start_timeout_s=args.worker_start_timeout_s,
+        mask_deadline_s=args.mask_deadline_s,
+    )
+
+
+def install_stop_signals(stop: asyncio.Event) -> None:
+    """SIGTERM / SIGINT set ``stop`` (a second signal is ignored: shutdown is already running).
+
+    Call after Ray is initialised: ray.init installs its own SIGTERM handler,
+    which would otherwise replace this one and exit without a graceful stop.
+    """
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda s=sig: (logger.info("signal %s: graceful shutdown", s.name), stop.set()))
+
+
+async def serve(config: OrchestratorConfig, *, on_ready: Callable[[int], None] | None = None) -> None:
+    """Run until SIGTERM/SIGINT, then stop gracefully."""
+    from orchestrator.server import create_server  # heavy imports (Ray, torch types) once the role is chosen
+
+    server, port = await create_server(config)
+    stop = asyncio.Event()
+    install_stop_signals(stop)
+    await server.start()
+    logger.info("orchestrator serving on %s:%d", config.host, port)
+    if on_ready is not None:
+        on_ready(port)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+        logger.info("orchestrator stopped")
+
+
+def shutdown_local_ray(config: OrchestratorConfig) -> None:
+    if config.ray_address == "local":
+        import ray
+
+        ray.shutdown()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        logger.error("bad configuration: %s", exc)
+        return 2
+    try:
+        asyncio.run(serve(config))
+    finally:
+        shutdown_local_ray(config)
+    return 0

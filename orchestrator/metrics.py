@@ -1,0 +1,130 @@
+"""Prometheus metrics of the orchestrator.
+
+Each server owns a ``CollectorRegistry`` (not the process-global one), so two
+servers in one process (tests) do not collide, and the endpoint shows only
+this server's series.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from gpu_worker.types import FinishReason, StepOutput
+from orchestrator.types import Usage
+
+# Latency buckets spanning a sub-10 ms GPU step to a multi-minute CPU request.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TPS_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
+
+
+class OrchestratorMetrics:
+    """The counters, gauges and histograms the engine and servicer update."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "specmask_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.rejected = Counter(
+            "specmask_requests_rejected", "Requests refused before generation, by status code", ["code"], registry=r
+        )
+        self.request_latency = Histogram(
+            "specmask_request_latency_seconds", "Arrival to final token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.time_to_first_token = Histogram(
+            "specmask_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.request_tokens_per_second = Histogram(
+            "specmask_request_tokens_per_second", "Completion tokens / (finish - first token)",
+            buckets=_TPS_BUCKETS, registry=r,
+        )
+        self.prompt_tokens = Counter("specmask_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generated_tokens = Counter("specmask_generated_tokens", "Completion tokens emitted", registry=r)
+        self.target_forwards = Counter(
+            "specmask_target_forwards", "Per-sequence target forward participations", registry=r
+        )
+        self.drafts_proposed = Counter("specmask_drafts_proposed", "Draft tokens proposed", registry=r)
+        self.drafts_accepted = Counter("specmask_drafts_accepted", "Draft tokens accepted", registry=r)
+        # Ratios as gauges over the process lifetime, for dashboards without PromQL.
+        self.acceptance_rate = Gauge(
+            "specmask_acceptance_rate", "drafts_accepted / drafts_proposed since start", registry=r
+        )
+        self.tokens_per_target_forward = Gauge(
+            "specmask_tokens_per_target_forward", "generated_tokens / target_forwards since start", registry=r
+        )
+        self.mask_wait = Histogram(
+            "specmask_mask_wait_seconds", "Per worker step: time waiting on the mask service",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.step_latency = Histogram(
+            "specmask_worker_step_seconds", "One worker step as seen by the orchestrator (Ray round trip included)",
+            ["worker"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.batch_size = Histogram(
+            "specmask_worker_batch_size", "Sequences per worker step",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r,
+        )
+        self.queue_depth = Gauge("specmask_queue_depth", "Requests validating or waiting for a batch slot", registry=r)
+        self.running = Gauge("specmask_running_requests", "Requests placed on a worker", ["worker"], registry=r)
+        self.healthy_workers = Gauge("specmask_healthy_workers", "Workers accepting requests", registry=r)
+        self._totals = Usage()
+        self._http_server = None
+
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Expose /metrics over HTTP (a daemon thread); returns the bound port (``port=0`` picks one)."""
+        self._http_server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._http_server.server_port)
+
+    def close(self) -> None:
+        if self._http_server is not None:
+            self._http_server.shutdown()
+            self._http_server.server_close()
+            self._http_server = None
+
+    def observe_step(self, worker: int, step_s: float, outputs: list[StepOutput]) -> None:
+        self.step_latency.labels(worker=str(worker)).observe(step_s)
+        self.batch_size.observe(len(outputs))
+        # The worker reports the batch's mask wait on every sequence's output.
+        if outputs:
+            self.mask_wait.observe(max(o.mask_time_s for o in outputs))
+        t = self._totals
+        for o in outputs:
+            t.completion_tokens += len(o.new_token_ids)
+            t.target_forwards += o.target_forwards
+            t.drafts_proposed += o.drafts_proposed
+            t.drafts_accepted += o.drafts_accepted
+            self.generated_tokens.inc(len(o.new_token_ids))
+            self.target_forwards.inc(o.target_forwards)
+            self.drafts_proposed.inc(o.drafts_proposed)
+            self.drafts_accepted.inc(o.drafts_accepted)
+        self.acceptance_rate.set(t.acceptance_rate)
+        self.tokens_per_target_forward.set(t.tokens_per_target_forward)
+
+    def step_totals(self) -> tuple[int, float, int]:
+        """(steps, seconds in steps, sequence-steps) summed over workers, for benchmarks."""
+        steps, seconds = 0, 0.0
+        for metric in self.step_latency.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_count"):
+                    steps += int(sample.value)
+                elif sample.name.endswith("_sum"):
+                    seconds += sample.value
+        sequences = self.registry.get_sample_value("specmask_worker_batch_size_sum") or 0.0
+        return steps, seconds, int(sequences)
+
+    def observe_finish(
+        self,
+        reason: FinishReason,
+        usage: Usage,
+        arrival: float,
+        first_token: float | None,
+        finish: float,
+    ) -> None:
+        self.requests.labels(finish_reason=reason.value).inc()
+        self.request_latency.observe(finish - arrival)
+        self.prompt_tokens.inc(usage.prompt_tokens)
+        if first_token is not None:
+            self.time_to_first_token.observe(first_token - arrival)
+            if finish > first_token and usage.completion_tokens > 1:
+                self.request_tokens_per_second.observe((usage.completion_tokens - 1) / (finish - first_token))

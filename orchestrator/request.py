@@ -1,0 +1,156 @@
+"""Per-request state: what one client is waiting for, apart from engine state.
+
+A ``Request`` turns the worker's per-step ``StepOutput`` into client-facing
+``RequestOutput`` events: it accumulates token ids and usage, detokenizes
+incrementally, applies stop strings, and queues deltas for the servicer. The
+engine decides *when* a request runs; the request decides *what* the client
+sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from gpu_worker.types import FinishReason, NewSequence, StepOutput
+from orchestrator.detokenizer import Decoder, IncrementalDetokenizer
+from orchestrator.stop_strings import StopStringMatcher
+from orchestrator.types import GenerationResult, RequestOutput, Usage
+
+logger = logging.getLogger(__name__)
+
+
+class RequestLog(logging.LoggerAdapter):
+    """Prefixes every line with the request id (STYLE.md: the id in every log line)."""
+
+    def process(self, msg, kwargs):
+        return f"[request_id={self.extra['request_id']}] {msg}", kwargs
+
+
+class Request:
+    """One admitted request, from admission to its final event."""
+
+    def __init__(
+        self,
+        seq: NewSequence,
+        *,
+        tokenizer: Decoder,
+        stop: tuple[str, ...] = (),
+        arrival_time: float | None = None,
+    ) -> None:
+        self.seq = seq
+        self.log = RequestLog(logger, {"request_id": seq.seq_id})
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.usage = Usage(prompt_tokens=len(seq.prompt_token_ids))
+        self.token_ids: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+        self._text_parts: list[str] = []
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._stop = StopStringMatcher(stop)
+        self._events: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.seq_id
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text_parts)
+
+    def apply_step(self, out: StepOutput) -> bool:
+        """Fold one step's output in and queue the delta; return True on a stop-string hit.
+
+        The caller finishes the request (``finish``) when this returns True or
+        when ``out.finish_reason`` is set.
+        """
+        if self.finished:
+            return False
+        self.usage.target_forwards += out.target_forwards
+        self.usage.drafts_proposed += out.drafts_proposed
+        self.usage.drafts_accepted += out.drafts_accepted
+        self.usage.mask_time_s += out.mask_time_s
+        if not out.new_token_ids:
+            return False
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        new_ids = tuple(int(t) for t in out.new_token_ids)
+        self.token_ids.extend(new_ids)
+        self.usage.completion_tokens += len(new_ids)
+        text, stopped = self._stop.feed(self._detokenizer.push(new_ids))
+        self._emit(new_ids, text)
+        return stopped
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        """Queue the final event (remaining text, finish reason, usage). Idempotent."""
+        if self.finished:
+            return
+        self.finish_reason = reason
+        self.error = error
+        self.finish_time = time.monotonic()
+        tail = ""
+        if self._stop.matched is None:
+            # Text held for an incomplete character or a possible stop-string
+            # prefix is released now: it will never be completed.
+            tail, stopped = self._stop.feed(self._detokenizer.flush())
+            if not stopped:
+                tail += self._stop.flush()
+        if tail:
+            self._text_parts.append(tail)
+        if error:
+            self.log.warning("finished with %s: %s", reason.name, error)
+        else:
+            self.log.info(
+                "finished with %s: %d prompt + %d completion tokens, %d target forwards, %.2f tokens/forward",
+                reason.name,
+                self.usage.prompt_tokens,
+                self.usage.completion_tokens,
+                self.usage.target_forwards,
+                self.usage.tokens_per_target_forward,
+            )
+        self._events.put_nowait(
+            RequestOutput(
+                request_id=self.request_id,
+                token_ids=(),
+                text=tail,
+                finish_reason=reason,
+                error=error,
+                usage=dataclasses.replace(self.usage),
+            )
+        )
+
+    def _emit(self, token_ids: tuple[int, ...], text: str) -> None:
+        if text:
+            self._text_parts.append(text)
+        self._events.put_nowait(RequestOutput(request_id=self.request_id, token_ids=token_ids, text=text))
+
+    async def events(self) -> AsyncIterator[RequestOutput]:
+        """The request's output events, ending with the final one."""
+        while True:
+            event = await self._events.get()
+            yield event
+            if event.finished:
+                return
+
+    async def result(self) -> GenerationResult:
+        """Wait for the request to finish and return the whole output."""
+        async for _ in self.events():
+            pass
+        assert self.finish_reason is not None  # events() ends only after finish()
+        return GenerationResult(
+            request_id=self.request_id,
+            text=self.text,
+            token_ids=tuple(self.token_ids),
+            finish_reason=self.finish_reason,
+            error=self.error,
+            usage=dataclasses.replace(self.usage),
+        )

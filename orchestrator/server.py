@@ -1,0 +1,159 @@
+"""Build the orchestrator: workers, engine, gRPC server (API, health, reflection), metrics.
+
+``create_server(config) -> (server, port)`` is separate from the process entry
+point (main.py) so tests run it in-process on port 0. It is a coroutine: the
+grpc.aio server and the step loops live on the caller's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gpu_worker.types import WorkerInfo
+from mask_service.tokenizer_id import tokenizer_id_for_path
+from orchestrator.config import OrchestratorConfig
+from orchestrator.engine import Engine, EngineConfig, WorkerSlot
+from orchestrator.grammar_check import MaskServiceGrammarChecker
+from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.servicer import OrchestratorServicer, add_to_server
+from orchestrator.validation import RequestValidator, ServingDefaults
+from orchestrator.worker_pool import connect_ray, start_workers, stop_workers
+from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
+# Prompts can be long token-id lists; 16 MiB fits a 1M-token prompt as varints
+# with room to spare, far past any model context (validation then refuses it).
+MAX_MESSAGE_BYTES = 16 * 1024**2
+
+
+def load_tokenizer(target_dir: str):
+    """The target model's tokenizer (the `tokenizers` library: no transformers import)."""
+    from tokenizers import Tokenizer
+
+    path = Path(target_dir)
+    return Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
+
+
+class OrchestratorServer:
+    """A built orchestrator: ``start()``, then ``stop()``; holds the gRPC server and the engine."""
+
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        grpc_server: grpc.aio.Server,
+        engine: Engine,
+        health_servicer: health.aio.HealthServicer,
+        metrics: OrchestratorMetrics,
+        grammar_checker: MaskServiceGrammarChecker,
+        slots: list[WorkerSlot],
+    ) -> None:
+        self.config = config
+        self.grpc_server = grpc_server
+        self.engine = engine
+        self.metrics = metrics
+        self.metrics_port: int | None = None
+        self._health = health_servicer
+        self._grammar_checker = grammar_checker
+        self._slots = slots
+        self._stopped = False
+        self._background: set[asyncio.Task] = set()  # strong refs: the loop keeps only weak ones
+
+    @property
+    def info(self) -> WorkerInfo:
+        return self._slots[0].info
+
+    @property
+    def worker_actors(self) -> list:
+        return [s.actor for s in self._slots]
+
+    async def start(self) -> None:
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.config.metrics_port, self.config.host)
+            logger.info("metrics on http://%s:%d/metrics", self.config.host, self.metrics_port)
+        self.engine.start()
+        await self.grpc_server.start()
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Graceful: NOT_SERVING, let in-flight RPCs finish (bounded), free everything."""
+        if self._stopped:
+            return
+        self._stopped = True
+        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        await self._health.enter_graceful_shutdown()
+        await self.grpc_server.stop(grace)
+        await self.engine.stop()
+        self._grammar_checker.close()
+        await asyncio.to_thread(stop_workers, self.worker_actors)
+        self.metrics.close()
+
+    def _on_health_change(self, healthy: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE_NAME):
+            task = asyncio.get_running_loop().create_task(self._health.set(name, status))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+
+async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer, int]:
+    """Connect to Ray, start and wait for the workers, bind the API; not started yet."""
+    connect_ray(config.ray_address)  # blocks briefly; a no-op when the caller already connected
+    slots = await start_workers(config)
+    try:
+        info = slots[0].info
+        local_id = await asyncio.to_thread(tokenizer_id_for_path, config.target_dir)
+        if local_id != info.tokenizer_id:
+            raise RuntimeError(
+                f"the orchestrator's tokenizer ({local_id}) differs from the workers' ({info.tokenizer_id}); "
+                "--target must name the same model files"
+            )
+        tokenizer = await asyncio.to_thread(load_tokenizer, config.target_dir)
+        checker = MaskServiceGrammarChecker(
+            config.mask_service_addresses,
+            tokenizer_id=info.tokenizer_id,
+            vocab_size=info.vocab_size,
+            deadline_s=config.mask_deadline_s,
+            max_retries=config.mask_max_retries,
+        )
+        defaults = ServingDefaults(max_tokens=config.default_max_tokens, k=min(config.default_k, info.max_k))
+        validator = RequestValidator(tokenizer, info, checker, defaults)
+        metrics = OrchestratorMetrics()
+        health_servicer = health.aio.HealthServicer()
+        engine = Engine(
+            slots,
+            validator,
+            tokenizer,
+            EngineConfig(
+                max_queue=config.max_queue,
+                step_timeout_s=config.step_timeout_s,
+                validation_threads=config.validation_threads,
+            ),
+            metrics,
+        )
+        grpc_server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ]
+        )
+        server = OrchestratorServer(config, grpc_server, engine, health_servicer, metrics, checker, slots)
+        engine.set_health_listener(server._on_health_change)
+        add_to_server(OrchestratorServicer(engine, metrics), grpc_server, SERVICE_NAME)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server)
+        port = grpc_server.add_insecure_port(f"{config.host}:{config.port}")
+        if port == 0:
+            raise RuntimeError(f"could not bind {config.host}:{config.port}")
+    except BaseException:
+        stop_workers([s.actor for s in slots])
+        raise
+    return server, port

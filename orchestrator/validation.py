@@ -1,0 +1,216 @@
+"""Request validation, before any GPU work.
+
+Everything a request can get wrong is caught here and raised as
+``InvalidRequest`` (INVALID_ARGUMENT): malformed ids, empty or too-long
+prompts, out-of-range sampling parameters, contradictory speculation settings,
+and grammars the mask service refuses (its message is passed through). The
+result is the ``NewSequence`` a worker can run as is.
+
+``RequestValidator.validate`` blocks (tokenizer, one ValidateGrammar RPC); the
+engine runs it on a thread pool, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams, WorkerInfo
+from mask_service.grammar import GrammarKind, GrammarSpec
+from orchestrator.errors import InvalidRequest
+from orchestrator.types import GenerationRequest
+
+# Client-chosen ids appear in logs and are used as worker sequence ids: keep
+# them short and printable so they cannot forge log lines.
+MAX_REQUEST_ID_CHARS = 128
+_REQUEST_ID_RE = re.compile(r"[\x21-\x7e]+")
+# Above this, softmax(logits / T) is uniform to float32 precision for any
+# realistic logit range; larger values are almost surely client bugs.
+MAX_TEMPERATURE = 100.0
+# Stop strings are searched on every delta and the longest one sets how much
+# streamed text is held back; bound both.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+# A grammar larger than this is refused before any compilation work (the
+# largest JSONSchemaBench schemas are a few hundred KB).
+MAX_GRAMMAR_CHARS = 1 << 20
+# Separators are JSON punctuation with optional whitespace, e.g. ", " / ": ".
+MAX_SEPARATOR_CHARS = 8
+# Proposer names the worker registry knows (gpu_worker.types.SpeculationParams).
+KNOWN_PROPOSERS = frozenset({"draft_model", "grammar_forced", "ngram"})
+# Longest plausible token, in characters (used only to bound tokenizer work).
+MAX_CHARS_PER_TOKEN = 64
+# Seeds arrive as uint64; kernels take int64.
+_SEED_MASK = (1 << 63) - 1
+
+
+class GrammarChecker(Protocol):
+    """Asks the grammar engine whether it accepts a grammar.
+
+    Raises ``InvalidRequest`` (the engine's message) for refused grammars and
+    ``Unavailable`` when the engine cannot be reached.
+    """
+
+    def check(self, spec: GrammarSpec) -> None: ...
+
+
+class Tokenizer(Protocol):
+    """The slice of ``tokenizers.Tokenizer`` validation needs."""
+
+    def encode(self, text: str) -> object: ...
+
+
+@dataclass(frozen=True)
+class ServingDefaults:
+    """What a request gets for parameters it leaves unset."""
+
+    max_tokens: int
+    k: int
+
+
+def _fail(message: str) -> InvalidRequest:
+    return InvalidRequest(message)
+
+
+class RequestValidator:
+    """Turns a ``GenerationRequest`` into a runnable ``NewSequence`` or raises ``InvalidRequest``."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        info: WorkerInfo,
+        grammar_checker: GrammarChecker,
+        defaults: ServingDefaults,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._info = info
+        self._grammar_checker = grammar_checker
+        self._defaults = defaults
+
+    @staticmethod
+    def request_id(requested: str) -> str:
+        """The client's id when well-formed, a fresh one when empty."""
+        if not requested:
+            return uuid.uuid4().hex
+        if len(requested) > MAX_REQUEST_ID_CHARS or not _REQUEST_ID_RE.fullmatch(requested):
+            raise _fail(f"request_id must be 1-{MAX_REQUEST_ID_CHARS} printable ASCII characters without spaces")
+        return requested
+
+    def validate(self, req: GenerationRequest) -> NewSequence:
+        """Check everything; the grammar last, since it is the only remote call."""
+        prompt_ids = self._prompt_ids(req.prompt)
+        sampling = self._sampling(req, len(prompt_ids))
+        speculation = self._speculation(req)
+        if req.grammar is not None:
+            if req.sampling.ignore_eos:
+                raise _fail("ignore_eos cannot be combined with a grammar (a grammar ends where it admits EOS)")
+            self._check_grammar_shape(req.grammar)
+            self._grammar_checker.check(req.grammar)
+        return NewSequence(
+            seq_id=req.request_id,
+            prompt_token_ids=prompt_ids,
+            grammar=req.grammar,
+            sampling=sampling,
+            speculation=speculation,
+            # () = no stop tokens: only max_tokens (or the context) ends the sequence.
+            stop_token_ids=() if req.sampling.ignore_eos else None,
+        )
+
+    def _prompt_ids(self, prompt: str | tuple[int, ...]) -> tuple[int, ...]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise _fail("prompt is empty")
+            # Bound tokenizer work before tokenizing: vocabularies have no tokens
+            # anywhere near MAX_CHARS_PER_TOKEN characters, so such a prompt
+            # cannot fit the context whatever it tokenizes to.
+            if len(prompt) > MAX_CHARS_PER_TOKEN * self._info.max_model_len:
+                raise _fail(f"prompt of {len(prompt)} characters is longer than the model's context")
+            ids = tuple(self._tokenizer.encode(prompt).ids)  # type: ignore[attr-defined]
+        else:
+            ids = prompt
+            bad = next((t for t in ids if not 0 <= t < self._info.vocab_size), None)
+            if bad is not None:
+                raise _fail(f"prompt token id {bad} is outside the vocabulary [0, {self._info.vocab_size})")
+        if not ids:
+            raise _fail("prompt is empty")
+        if len(ids) >= self._info.max_model_len:
+            raise _fail(
+                f"prompt has {len(ids)} tokens; the model's context is {self._info.max_model_len} "
+                "(prompt + output must fit)"
+            )
+        return ids
+
+    def _sampling(self, req: GenerationRequest, prompt_len: int) -> SamplingParams:
+        s = req.sampling
+        if not (math.isfinite(s.temperature) and 0.0 <= s.temperature <= MAX_TEMPERATURE):
+            raise _fail(f"temperature must be in [0, {MAX_TEMPERATURE}], got {s.temperature}")
+        if not (math.isfinite(s.top_p) and 0.0 < s.top_p <= 1.0):
+            raise _fail(f"top_p must be in (0, 1], got {s.top_p}")
+        if s.top_k < 0:
+            raise _fail(f"top_k must be >= 0 (0 = off), got {s.top_k}")
+        # top_k at or above the vocabulary keeps every token: the same as off.
+        top_k = 0 if s.top_k >= self._info.vocab_size else s.top_k
+        if len(s.stop) > MAX_STOP_STRINGS:
+            raise _fail(f"at most {MAX_STOP_STRINGS} stop strings, got {len(s.stop)}")
+        for stop in s.stop:
+            if not stop or len(stop) > MAX_STOP_STRING_CHARS:
+                raise _fail(f"stop strings must be 1-{MAX_STOP_STRING_CHARS} characters")
+        room = self._info.max_model_len - prompt_len
+        if s.max_tokens is None:
+            max_tokens = min(self._defaults.max_tokens, room)
+        else:
+            if s.max_tokens < 1:
+                raise _fail(f"max_tokens must be >= 1, got {s.max_tokens}")
+            if s.max_tokens > room:
+                raise _fail(
+                    f"prompt ({prompt_len} tokens) + max_tokens ({s.max_tokens}) exceeds "
+                    f"the model's context ({self._info.max_model_len})"
+                )
+            max_tokens = s.max_tokens
+        seed = None if s.seed is None else s.seed & _SEED_MASK
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)
+
+    def _speculation(self, req: GenerationRequest) -> SpeculationParams:
+        s = req.speculation
+        if s.proposers is not None:
+            unknown = sorted(set(s.proposers) - KNOWN_PROPOSERS)
+            if unknown:
+                raise _fail(f"unknown proposers {unknown}; known: {sorted(KNOWN_PROPOSERS)}")
+            if not s.proposers:
+                raise _fail("proposers must not be empty (disable speculation with enabled=false)")
+        if not s.enabled:
+            if s.k is not None and s.k > 0:
+                raise _fail(f"speculation is disabled but k={s.k} was requested")
+            if s.proposers is not None:
+                raise _fail("speculation is disabled but proposers were named")
+            return SpeculationParams(enabled=False, k=0, draft_masking=False)
+        k = self._defaults.k if s.k is None else s.k
+        if not 0 <= k <= self._info.max_k:
+            raise _fail(f"k must be in [0, {self._info.max_k}] (0 = no speculation), got {k}")
+        if k == 0:
+            return SpeculationParams(enabled=False, k=0, draft_masking=False)
+        proposers = s.proposers if s.proposers is not None else SpeculationParams().proposers
+        return SpeculationParams(
+            enabled=True, k=k, proposers=tuple(dict.fromkeys(proposers)), draft_masking=s.draft_masking
+        )
+
+    @staticmethod
+    def _check_grammar_shape(spec: GrammarSpec) -> None:
+        """Local checks that need no engine: size, JSON-only options on JSON kinds."""
+        if len(spec.text) > MAX_GRAMMAR_CHARS:
+            raise _fail(f"grammar of {len(spec.text)} characters exceeds the limit of {MAX_GRAMMAR_CHARS}")
+        is_json = spec.kind in (GrammarKind.JSON_SCHEMA, GrammarKind.ANY_JSON)
+        if not is_json and (spec.any_whitespace or spec.separators is not None or not spec.strict):
+            raise _fail(
+                "JSON options (any_whitespace, separators, additional properties) given for a "
+                f"{spec.kind.value} grammar"
+            )
+        if spec.kind is not GrammarKind.ANY_JSON and not spec.text.strip():
+            raise _fail(f"{spec.kind.value} grammar is empty")
+        if spec.separators is not None:
+            for sep, mark in zip(spec.separators, (",", ":")):
+                if len(sep) > MAX_SEPARATOR_CHARS or sep.strip() != mark:
+                    raise _fail(f"JSON separator {sep!r} must be {mark!r} with optional surrounding whitespace")

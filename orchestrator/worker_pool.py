@@ -1,0 +1,111 @@
+"""Ray connection and GPU worker actors: start them, wait for them, stop them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+from gpu_worker.types import WorkerInfo
+from orchestrator.config import OrchestratorConfig
+from orchestrator.engine import WorkerSlot
+
+logger = logging.getLogger(__name__)
+
+# A local Ray on a shared small box: bind to 127.0.0.1, no auth prompts, no
+# usage-stats phone-home (shared/data/README.md). Only set when unset.
+_LOCAL_RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+# Step outputs are a few hundred bytes; the default store (30% of RAM) would
+# only take memory from the models.
+_LOCAL_OBJECT_STORE_BYTES = 100 * 1024**2
+# GpuWorker.shutdown closes its mask sessions: a few RPCs.
+_SHUTDOWN_TIMEOUT_S = 10.0
+
+
+def connect_ray(address: str, *, log_to_driver: bool = True) -> bool:
+    """Join Ray; ``"local"`` starts an in-process cluster. Returns True if this call started Ray.
+
+    Call it from the main thread: Ray installs its signal handlers there.
+    ``log_to_driver=False`` keeps worker output out of this process's terminal.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address == "local":
+        for key, value in _LOCAL_RAY_ENV.items():
+            os.environ.setdefault(key, value)
+        # address="local": always a new cluster, never one that happens to be
+        # running on this machine (ray.init() without an address would join it).
+        ray.init(
+            address="local",
+            num_cpus=os.cpu_count() or 1,
+            include_dashboard=False,
+            object_store_memory=_LOCAL_OBJECT_STORE_BYTES,
+            logging_level=logging.WARNING,
+            log_to_driver=log_to_driver,
+        )
+    else:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=log_to_driver)
+    return True
+
+
+async def start_workers(config: OrchestratorConfig) -> list[WorkerSlot]:
+    """Create ``num_workers`` GpuWorker actors and wait (bounded) until all have loaded."""
+    from gpu_worker.actor import start_remote_worker
+
+    worker_config = config.worker_config()
+    # num_gpus=None: one GPU per worker when the Ray cluster has GPUs (asked of
+    # the cluster, not of this process: the orchestrator may run on a CPU node).
+    actors = [start_remote_worker(worker_config, num_gpus=config.worker_num_gpus) for _ in range(config.num_workers)]
+    try:
+        infos: list[WorkerInfo] = await asyncio.wait_for(
+            asyncio.gather(*(asyncio.wrap_future(a.info.remote().future()) for a in actors)),
+            config.worker_start_timeout_s,
+        )
+    except BaseException as exc:
+        stop_workers(actors)
+        if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+            raise RuntimeError(
+                f"GPU workers did not start within {config.worker_start_timeout_s:.0f} s "
+                "(an actor asking for a GPU the cluster lacks waits forever; see --worker-num-gpus)"
+            ) from None
+        raise
+    first = infos[0]
+    for i, info in enumerate(infos):
+        if (info.tokenizer_id, info.vocab_size, info.max_model_len) != (
+            first.tokenizer_id,
+            first.vocab_size,
+            first.max_model_len,
+        ):
+            stop_workers(actors)
+            raise RuntimeError(f"worker {i} loaded a different model than worker 0: {info} vs {first}")
+        logger.info(
+            "worker %d ready on %s: vocab %d, max_model_len %d", i, info.device, info.vocab_size, info.max_model_len
+        )
+    return [
+        WorkerSlot(index=i, actor=actor, info=info, capacity=config.max_batch)
+        for i, (actor, info) in enumerate(zip(actors, infos))
+    ]
+
+
+def stop_workers(actors: list[Any]) -> None:
+    """Ask workers to free sequences and close mask sessions (bounded), then kill them."""
+    import ray
+
+    if not actors:
+        return
+    refs = [actor.shutdown.remote() for actor in actors]
+    _ready, pending = ray.wait(refs, num_returns=len(refs), timeout=_SHUTDOWN_TIMEOUT_S)
+    if pending:
+        logger.warning("%d worker(s) did not shut down within %.0f s; killing them", len(pending), _SHUTDOWN_TIMEOUT_S)
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception as exc:  # noqa: BLE001 - best effort on shutdown
+            logger.warning("could not kill worker actor: %r", exc)

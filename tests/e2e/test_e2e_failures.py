@@ -1,0 +1,189 @@
+"""Failure handling: a mask-service replica dies mid-generation; overload; worker-reported errors."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import jsonschema
+import pytest
+
+from orchestrator.client import OrchestratorClient, StreamedResult, build_request
+from orchestrator.local_stack import health_status
+from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from tests.e2e.stack import LONG_MAX_TOKENS, LONG_SCHEMA, MAX_BATCH, MAX_QUEUE, PROMPT, ThreadStack
+
+pytestmark = pytest.mark.slow
+
+SERVING = 1  # grpc.health.v1 HealthCheckResponse.SERVING
+
+
+def test_replica_killed_mid_generation(stack: ThreadStack) -> None:
+    """Every in-flight request completes with valid output after SIGKILL of one of two replicas."""
+    assert stack.running is not None
+    replicas = stack.running.mask_services
+    assert len(replicas) == 2
+    stack.wait_idle()
+    n = 8
+    started = threading.Barrier(n + 1, timeout=120)
+    results: list[StreamedResult] = [StreamedResult() for _ in range(n)]
+
+    def run(i: int) -> None:
+        req = build_request(PROMPT, schema=LONG_SCHEMA, temperature=1.0, seed=100 + i, max_tokens=LONG_MAX_TOKENS,
+                            speculation=i % 2 == 0)
+        first = True
+        with OrchestratorClient(stack.address) as client:
+            for chunk in client.stream(req, timeout_s=300):
+                results[i].add(chunk)
+                if first and chunk.token_ids:
+                    first = False
+                    started.wait()
+
+    victim = replicas[0]
+    try:
+        with ThreadPoolExecutor(n) as pool:
+            futures = [pool.submit(run, i) for i in range(n)]
+            started.wait()  # every request is mid-generation, sessions spread over both replicas
+            victim.kill()
+            for f in futures:
+                f.result(timeout=300)
+        for r in results:
+            assert r.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE, (r.finish_reason, r.error)
+            jsonschema.validate(json.loads(r.text), LONG_SCHEMA)
+        active, _ = stack.wait_idle()
+        assert active == [0, 0]
+    finally:
+        # Same port again: routers reach it once its cool-down ends.
+        victim.start()
+    assert health_status(stack.address) == SERVING
+
+
+def test_overload_is_refused_with_resource_exhausted(stack: ThreadStack) -> None:
+    stack.wait_idle()
+    capacity = 2 * MAX_BATCH + MAX_QUEUE
+    n = capacity + 40
+    with OrchestratorClient(stack.address) as client:
+        futures = [
+            client.stub.Generate.future(build_request(PROMPT, schema=LONG_SCHEMA, temperature=1.0, seed=i,
+                                                      max_tokens=LONG_MAX_TOKENS, speculation=False),
+                                        timeout=300)
+            for i in range(n)
+        ]
+        codes = []
+        for f in futures:
+            try:
+                resp = f.result()
+                assert resp.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE, resp.error
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as exc:
+                codes.append(exc.code())  # type: ignore[attr-defined]
+    exhausted = codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert exhausted >= 1, "a burst past batch + queue capacity must be refused, not queued without bound"
+    assert codes.count(grpc.StatusCode.OK) >= 2 * MAX_BATCH
+    stack.wait_idle()
+    assert health_status(stack.address) == SERVING
+
+
+def test_mask_service_down_fails_only_constrained_requests(stack: ThreadStack) -> None:
+    """All replicas die mid-generation: grammar requests finish with ERROR (the worker reports it
+    per sequence), unconstrained neighbours in the same batch finish normally, the server keeps
+    serving, and grammar requests work again once a replica is back."""
+    assert stack.running is not None
+    replicas = stack.running.mask_services
+    stack.wait_idle()
+    n = 6
+    started = threading.Barrier(n + 1, timeout=120)
+    results = [StreamedResult() for _ in range(n)]
+
+    def run(i: int) -> None:
+        constrained = i % 2 == 0
+        req = build_request(PROMPT, schema=LONG_SCHEMA if constrained else None, temperature=1.0, seed=200 + i,
+                            max_tokens=LONG_MAX_TOKENS, speculation=False)
+        first = True
+        with OrchestratorClient(stack.address) as client:
+            for chunk in client.stream(req, timeout_s=300):
+                results[i].add(chunk)
+                if first and chunk.token_ids:
+                    first = False
+                    started.wait()
+
+    try:
+        with ThreadPoolExecutor(n) as pool:
+            futures = [pool.submit(run, i) for i in range(n)]
+            started.wait()
+            for r in replicas:
+                r.kill()
+            for f in futures:
+                f.result(timeout=300)
+        for i, r in enumerate(results):
+            if i % 2 == 0:
+                assert r.finish_reason == pb.FINISH_REASON_ERROR and r.error, (i, r.finish_reason)
+            else:
+                assert r.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH), (i, r.error)
+        assert health_status(stack.address) == SERVING
+    finally:
+        for r in replicas:
+            r.start(wait=False)
+        for r in replicas:
+            r.wait_serving()
+    active, _ = stack.wait_idle()
+    assert active == [0, 0]
+    # Routers retry a dead replica after a short cool-down; then grammars work again.
+    deadline = time.monotonic() + 60
+    while True:
+        with OrchestratorClient(stack.address) as client:
+            try:
+                resp = client.generate(
+                    build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0, max_tokens=LONG_MAX_TOKENS)
+                )
+            except grpc.RpcError as exc:
+                resp = None
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc  # type: ignore[attr-defined]
+        if resp is not None and resp.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE:
+            break
+        assert time.monotonic() < deadline, "grammar requests did not recover after the replicas came back"
+        time.sleep(1.0)
+
+
+def test_health_and_reflection(stack: ThreadStack) -> None:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    assert health_status(stack.address) == SERVING
+    assert health_status(stack.address, service="specmask.orchestrator.v1.OrchestratorService") == SERVING
+    with grpc.insecure_channel(stack.address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                   timeout=10))
+    names = {s.name for s in responses[0].list_services_response.service}
+    assert "specmask.orchestrator.v1.OrchestratorService" in names
+    assert "grpc.health.v1.Health" in names
+
+
+def test_metrics_endpoint(stack: ThreadStack) -> None:
+    import urllib.request
+
+    assert stack.running is not None
+    with OrchestratorClient(stack.address) as client:
+        client.generate(build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0, max_tokens=LONG_MAX_TOKENS))
+    port = stack.running.server.metrics_port
+    assert port
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    for name in (
+        'specmask_requests_total{finish_reason="grammar_complete"}',
+        "specmask_request_latency_seconds_count",
+        "specmask_time_to_first_token_seconds_count",
+        "specmask_request_tokens_per_second_count",
+        "specmask_generated_tokens_total",
+        "specmask_target_forwards_total",
+        "specmask_acceptance_rate",
+        "specmask_tokens_per_target_forward",
+        "specmask_mask_wait_seconds_count",
+        "specmask_worker_step_seconds_count",
+        "specmask_queue_depth",
+        "specmask_healthy_workers 2.0",
+    ):
+        assert name in body, name

@@ -1,0 +1,187 @@
+"""Generation semantics through the full stack: greedy exactness, streaming, stop strings, cancellation."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import grpc
+import pytest
+
+from orchestrator.client import OrchestratorClient, build_request
+from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from tests.e2e.stack import (
+    BOUNDED_SCHEMA,
+    ENDLESS_MAX_TOKENS,
+    ENDLESS_SCHEMA,
+    LONG_MAX_TOKENS,
+    LONG_SCHEMA,
+    PROMPT,
+    ThreadStack,
+)
+
+pytestmark = pytest.mark.slow
+
+
+
+@pytest.fixture()
+def client(stack: ThreadStack):
+    with OrchestratorClient(stack.address) as c:
+        yield c
+
+
+@pytest.mark.parametrize(
+    ("label", "grammar"),
+    [
+        ("schema", {"schema": BOUNDED_SCHEMA}),
+        ("long-schema", {"schema": LONG_SCHEMA}),
+        ("regex", {"regex": r"[a-z]{3,12}( [a-z]{2,9}){2,4}\."}),
+        ("none", {}),
+    ],
+)
+def test_greedy_speculation_equals_plain_decoding(client: OrchestratorClient, label: str, grammar: dict) -> None:
+    """DESIGN.md: greedy output with speculation equals plain (constrained) greedy decoding, token for token."""
+    common = dict(temperature=0.0, max_tokens=LONG_MAX_TOKENS, **grammar)
+    plain = client.generate(build_request(PROMPT, speculation=False, **common))
+    assert plain.finish_reason != pb.FINISH_REASON_ERROR, plain.error
+    assert plain.usage.drafts_proposed == 0
+    assert plain.usage.target_forwards >= plain.usage.completion_tokens
+    variants = [
+        dict(k=4),
+        dict(k=1),
+        dict(k=8, draft_masking=False),
+    ]
+    for v in variants:
+        spec = client.generate(build_request(PROMPT, speculation=True, **v, **common))
+        assert list(spec.token_ids) == list(plain.token_ids), (label, v)
+        assert spec.text == plain.text and spec.finish_reason == plain.finish_reason
+        assert spec.usage.drafts_proposed > 0
+    if grammar.get("schema") is not None:
+        assert plain.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE
+        json.loads(plain.text)
+
+
+def test_stream_deltas_concatenate_to_final_text(client: OrchestratorClient) -> None:
+    req = build_request(PROMPT, temperature=1.0, seed=11, max_tokens=80)  # unconstrained: random bytes, partial UTF-8
+    unary = client.generate(req)
+    chunks = list(client.stream(req))
+    assert all(c.request_id == chunks[0].request_id for c in chunks)
+    assert [c.finish_reason for c in chunks[:-1]] == [pb.FINISH_REASON_UNSPECIFIED] * (len(chunks) - 1)
+    final = chunks[-1]
+    assert final.finish_reason == unary.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    assert final.HasField("usage") and not any(c.HasField("usage") for c in chunks[:-1])
+    # A seeded request reproduces exactly; stream deltas fold into the unary answer.
+    assert "".join(c.text for c in chunks) == unary.text
+    assert [t for c in chunks for t in c.token_ids] == list(unary.token_ids)
+    assert final.usage.completion_tokens == len(unary.token_ids)
+    assert len(chunks) > 2  # it really streamed
+
+
+def test_stream_text_matches_tokenizer_decode(client: OrchestratorClient, tiny_pair) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_pair[0] / "tokenizer.json"))
+    for seed in range(3):
+        chunks = list(client.stream(build_request(PROMPT, temperature=1.0, seed=seed, max_tokens=40)))
+        ids = [t for c in chunks for t in c.token_ids]
+        assert "".join(c.text for c in chunks) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_string(client: OrchestratorClient) -> None:
+    base = client.generate(build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0, max_tokens=LONG_MAX_TOKENS))
+    assert base.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE
+    stop = '"level"'
+    cut = base.text.index(stop)
+    stopped = client.generate(build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0, max_tokens=LONG_MAX_TOKENS,
+                                            stop=[stop]))
+    assert stopped.finish_reason == pb.FINISH_REASON_STOP
+    assert stopped.text == base.text[:cut]
+    chunks = list(client.stream(build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0,
+                                              max_tokens=LONG_MAX_TOKENS, stop=[stop])))
+    assert "".join(c.text for c in chunks) == base.text[:cut]
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP
+
+
+def test_client_cancel_mid_stream_frees_session_and_kv(stack: ThreadStack, client: OrchestratorClient) -> None:
+    stack.wait_idle()
+    req = build_request(PROMPT, schema=ENDLESS_SCHEMA, temperature=1.0, seed=3, max_tokens=ENDLESS_MAX_TOKENS,
+                        speculation=False)
+    call = client.stream(req)
+    received = 0
+    for chunk in call:
+        received += len(chunk.token_ids)
+        if received >= 5:
+            break
+    # Mid-generation: the worker holds the sequence and a replica holds its session.
+    assert sum(stack.worker_num_active()) == 1
+    assert stack.mask_session_count() == 1
+    call.cancel()
+    active, sessions = stack.wait_idle()
+    assert active == [0, 0] and sessions == 0
+
+
+def test_deadline_frees_session_and_kv(stack: ThreadStack, client: OrchestratorClient) -> None:
+    stack.wait_idle()
+    req = build_request(PROMPT, schema=ENDLESS_SCHEMA, temperature=1.0, seed=4, max_tokens=ENDLESS_MAX_TOKENS,
+                        speculation=False)
+    with pytest.raises(grpc.RpcError) as exc:
+        client.generate(req, timeout_s=0.5)
+    assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+    active, sessions = stack.wait_idle()
+    assert active == [0, 0] and sessions == 0
+
+
+def test_unary_cancel_frees_everything(stack: ThreadStack, client: OrchestratorClient) -> None:
+    stack.wait_idle()
+    futures = [
+        client.stub.Generate.future(build_request(PROMPT, schema=ENDLESS_SCHEMA, temperature=1.0, seed=s,
+                                                  max_tokens=ENDLESS_MAX_TOKENS, speculation=False), timeout=120)
+        for s in range(6)
+    ]
+    deadline = time.monotonic() + 30
+    while sum(stack.worker_num_active()) < 6 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sum(stack.worker_num_active()) == 6
+    # Both workers got work: least-loaded placement spreads the batch.
+    assert all(n > 0 for n in stack.worker_num_active())
+    for f in futures:
+        f.cancel()
+    active, sessions = stack.wait_idle()
+    assert active == [0, 0] and sessions == 0
+
+
+def test_nothing_leaks_over_many_requests(stack: ThreadStack, client: OrchestratorClient) -> None:
+    """A churn of finished, cancelled and timed-out requests leaves no request, sequence or session behind."""
+    assert stack.running is not None
+    rng = random.Random(5)
+    calls = []
+    for i in range(120):
+        schema = rng.choice([BOUNDED_SCHEMA, LONG_SCHEMA, None])
+        req = build_request(PROMPT, schema=schema, temperature=1.0, seed=i, max_tokens=rng.randint(4, 64),
+                            speculation=rng.random() < 0.7)
+        timeout = rng.choice([60.0, 60.0, 0.05, 0.3])
+        stream = i % 2 == 1
+        rpc = client.stub.GenerateStream if stream else client.stub.Generate.future
+        call = rpc(req, timeout=timeout)
+        calls.append((stream, call))
+        if rng.random() < 0.3:
+            call.cancel()
+        time.sleep(0.005)
+    for stream, call in calls:
+        try:
+            list(call) if stream else call.result()
+        except grpc.FutureCancelledError:
+            pass
+        except grpc.RpcError as exc:
+            assert exc.code() in (  # type: ignore[attr-defined]
+                grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED
+            )
+    active, sessions = stack.wait_idle()
+    assert active == [0, 0] and sessions == 0
+    engine = stack.running.server.engine
+    assert stack.run(_engine_counts(engine)) == (0, 0)
+
+
+async def _engine_counts(engine) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+    return engine.num_live(), engine.queue_depth

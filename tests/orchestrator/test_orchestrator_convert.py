@@ -1,0 +1,79 @@
+"""Proto <-> domain translation: round trips and structural errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpu_worker.types import FinishReason
+from mask_service.grammar import GrammarKind, GrammarSpec
+from orchestrator import convert
+from orchestrator.errors import InvalidRequest
+from orchestrator.types import (
+    GenerationRequest,
+    GenerationResult,
+    RequestOutput,
+    SamplingOptions,
+    SpeculationOptions,
+    Usage,
+)
+from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        None,
+        GrammarSpec(
+            GrammarKind.JSON_SCHEMA, '{"type":"integer"}', any_whitespace=True, separators=(", ", ": "), strict=False
+        ),
+        GrammarSpec(GrammarKind.REGEX, "[0-9]+"),
+        GrammarSpec(GrammarKind.EBNF, 'root ::= "a"'),
+        GrammarSpec(GrammarKind.LARK, 'start: "a"'),
+        GrammarSpec(GrammarKind.ANY_JSON),
+    ],
+)
+def test_request_round_trip(grammar) -> None:
+    req = GenerationRequest(
+        request_id="abc",
+        prompt="hi" if grammar is None else (1, 2, 3),
+        grammar=grammar,
+        sampling=SamplingOptions(temperature=0.5, top_p=0.75, top_k=7, seed=2**64 - 1, max_tokens=9, stop=("x", "yz"),
+                                 ignore_eos=grammar is None),
+        speculation=SpeculationOptions(enabled=True, k=3, proposers=("ngram", "draft_model"), draft_masking=False),
+    )
+    assert convert.request_from_proto(convert.request_to_proto(req), "abc") == req
+
+
+def test_defaults_when_unset() -> None:
+    req = convert.request_from_proto(pb.GenerateRequest(text="hi"), "id")
+    assert req.sampling == SamplingOptions()
+    assert req.speculation == SpeculationOptions()
+    assert req.grammar is None
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        pb.GenerateRequest(),  # no prompt
+        pb.GenerateRequest(text="x", grammar=pb.Grammar(any_whitespace=True)),  # grammar without a kind
+        pb.GenerateRequest(text="x", speculation=pb.SpeculationParams(proposers=[0])),  # UNSPECIFIED
+        pb.GenerateRequest(text="x", speculation=pb.SpeculationParams(proposers=[99])),  # unknown value
+    ],
+)
+def test_structural_errors(msg) -> None:
+    with pytest.raises(InvalidRequest):
+        convert.request_from_proto(msg, "id")
+
+
+def test_responses() -> None:
+    usage = Usage(prompt_tokens=3, completion_tokens=8, target_forwards=4, drafts_proposed=10, drafts_accepted=5,
+                  mask_time_s=0.25)
+    msg = convert.result_to_proto(GenerationResult("r", "text", (1, 2), FinishReason.GRAMMAR_COMPLETE, None, usage))
+    assert msg.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE and msg.error == ""
+    assert msg.usage.tokens_per_target_forward == 2.0 and msg.usage.acceptance_rate == 0.5
+    delta = convert.output_to_proto(RequestOutput("r", (5,), "a"))
+    assert delta.finish_reason == pb.FINISH_REASON_UNSPECIFIED and not delta.HasField("usage")
+    final = convert.output_to_proto(RequestOutput("r", (), "", FinishReason.ERROR, "boom", usage))
+    assert final.finish_reason == pb.FINISH_REASON_ERROR and final.error == "boom"
+    assert final.usage.completion_tokens == 8
+    assert set(convert.FINISH_REASONS) == set(FinishReason)

@@ -1,0 +1,181 @@
+"""Request validation before any GPU work: typed INVALID_ARGUMENT for everything a client can get wrong."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from gpu_worker.types import WorkerInfo
+from mask_service.grammar import GrammarKind, GrammarSpec
+from mask_service.tokenizer_id import tokenizer_id_for_path
+from orchestrator.errors import ErrorCode, InvalidRequest, Unavailable
+from orchestrator.grammar_check import MaskServiceGrammarChecker
+from orchestrator.types import GenerationRequest, SamplingOptions, SpeculationOptions
+from orchestrator.validation import MAX_STOP_STRINGS, RequestValidator, ServingDefaults
+
+MAX_MODEL_LEN = 64
+MAX_K = 6
+
+
+@pytest.fixture(scope="module")
+def info(bpe_dir, bpe_tokenizer) -> WorkerInfo:
+    return WorkerInfo(
+        vocab_size=bpe_tokenizer.get_vocab_size(),
+        max_model_len=MAX_MODEL_LEN,
+        tokenizer_id=tokenizer_id_for_path(bpe_dir),
+        eos_token_ids=(0,),
+        device="cpu",
+        has_draft_model=True,
+        max_k=MAX_K,
+    )
+
+
+@pytest.fixture(scope="module")
+def checker(info, mask_service_address):
+    c = MaskServiceGrammarChecker(
+        (mask_service_address,), tokenizer_id=info.tokenizer_id, vocab_size=info.vocab_size, deadline_s=10.0,
+        max_retries=1,
+    )
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def validator(bpe_tokenizer, info, checker) -> RequestValidator:
+    return RequestValidator(bpe_tokenizer, info, checker, ServingDefaults(max_tokens=32, k=4))
+
+
+def _req(prompt="hello", grammar=None, **kw) -> GenerationRequest:
+    sampling = SamplingOptions(**{k: v for k, v in kw.items() if k in SamplingOptions.__dataclass_fields__})
+    spec = SpeculationOptions(**{k: v for k, v in kw.items() if k in SpeculationOptions.__dataclass_fields__})
+    return GenerationRequest(request_id="r1", prompt=prompt, grammar=grammar, sampling=sampling, speculation=spec)
+
+
+SCHEMA = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}))
+
+
+def test_valid_request_becomes_a_sequence(validator, bpe_tokenizer) -> None:
+    seq = validator.validate(_req("hello", SCHEMA, temperature=0.7, top_k=10**9, seed=2**64 - 1, stop=("x",)))
+    assert seq.seq_id == "r1"
+    assert seq.prompt_token_ids == tuple(bpe_tokenizer.encode("hello").ids)
+    assert seq.grammar == SCHEMA
+    assert seq.sampling.temperature == pytest.approx(0.7)
+    assert seq.sampling.top_k == 0  # >= vocab size means off
+    assert 0 <= seq.sampling.seed < 2**63  # kernels take int64
+    assert seq.sampling.max_tokens == 32  # the server default
+    assert seq.speculation.enabled and seq.speculation.k == 4
+
+
+def test_default_max_tokens_is_capped_by_context(validator) -> None:
+    prompt = tuple(range(1, MAX_MODEL_LEN - 4))  # 59 tokens: 5 left
+    assert validator.validate(_req(prompt)).sampling.max_tokens == 5
+
+
+def test_stop_tokens(validator) -> None:
+    assert validator.validate(_req()).stop_token_ids is None  # the tokenizer's EOS ids
+    assert validator.validate(_req(ignore_eos=True)).stop_token_ids == ()  # none: only max_tokens ends it
+
+
+def test_speculation_off(validator) -> None:
+    seq = validator.validate(_req(enabled=False))
+    assert not seq.speculation.enabled and seq.speculation.k == 0
+    assert not validator.validate(_req(k=0)).speculation.enabled
+
+
+@pytest.mark.parametrize(
+    ("req", "needle"),
+    [
+        (_req(""), "prompt is empty"),
+        (_req(()), "prompt is empty"),
+        (_req((1, 10**6)), "outside the vocabulary"),
+        (_req(tuple(range(1, MAX_MODEL_LEN + 1))), "context"),
+        (_req("x" * (64 * MAX_MODEL_LEN + 1)), "longer than the model"),
+        (_req(temperature=-0.1), "temperature"),
+        (_req(temperature=math.nan), "temperature"),
+        (_req(temperature=math.inf), "temperature"),
+        (_req(temperature=1e9), "temperature"),
+        (_req(top_p=0.0), "top_p"),
+        (_req(top_p=1.5), "top_p"),
+        (_req(top_p=math.nan), "top_p"),
+        (_req(top_k=-1), "top_k"),
+        (_req(max_tokens=0), "max_tokens"),
+        (_req(max_tokens=-5), "max_tokens"),
+        (_req(max_tokens=MAX_MODEL_LEN), "exceeds"),
+        (_req(stop=("",)), "stop strings"),
+        (_req(stop=("x" * 1000,)), "stop strings"),
+        (_req(stop=tuple(str(i) for i in range(MAX_STOP_STRINGS + 1))), "stop strings"),
+        (_req(k=MAX_K + 1), "k must be"),
+        (_req(k=-1), "k must be"),
+        (_req(enabled=False, k=3), "disabled"),
+        (_req(enabled=False, proposers=("ngram",)), "disabled"),
+        (_req(proposers=("oracle",)), "unknown proposers"),
+        (_req(proposers=()), "must not be empty"),
+        (_req(grammar=GrammarSpec(GrammarKind.REGEX, "a+", any_whitespace=True)), "JSON options"),
+        (_req(grammar=GrammarSpec(GrammarKind.EBNF, "   ")), "empty"),
+        (_req(grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, "{}", separators=("x", ":"))), "separator"),
+        (_req(grammar=SCHEMA, ignore_eos=True), "ignore_eos"),
+    ],
+)
+def test_invalid_requests(validator, req: GenerationRequest, needle: str) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        validator.validate(req)
+    assert exc.value.code is ErrorCode.INVALID_ARGUMENT
+    assert needle in exc.value.message
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GrammarSpec(GrammarKind.JSON_SCHEMA, "{not json"),
+        GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "object", "not": {"required": ["a"]}})),
+        GrammarSpec(GrammarKind.REGEX, "(unclosed"),
+        GrammarSpec(GrammarKind.EBNF, "root ::= undefined_rule"),
+    ],
+)
+def test_grammar_refused_by_the_mask_service_carries_its_message(validator, spec: GrammarSpec) -> None:
+    with pytest.raises(InvalidRequest) as exc:
+        validator.validate(_req(grammar=spec))
+    assert exc.value.message.startswith("grammar refused: ")
+    assert len(exc.value.message) > len("grammar refused: ")
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        GrammarSpec(GrammarKind.REGEX, "[a-z]+"),
+        GrammarSpec(GrammarKind.EBNF, 'root ::= "yes" | "no"'),
+        GrammarSpec(GrammarKind.ANY_JSON),
+        GrammarSpec(GrammarKind.JSON_SCHEMA, "{}", separators=(", ", ": ")),
+    ],
+)
+def test_grammar_kinds_accepted(validator, spec: GrammarSpec) -> None:
+    assert validator.validate(_req(grammar=spec)).grammar == spec
+
+
+def test_unreachable_mask_service_is_unavailable(bpe_tokenizer, info) -> None:
+    from orchestrator.local_stack import free_port
+
+    checker = MaskServiceGrammarChecker(
+        (f"127.0.0.1:{free_port()}",), tokenizer_id=info.tokenizer_id, vocab_size=info.vocab_size, deadline_s=0.5,
+        max_retries=0,
+    )
+    try:
+        v = RequestValidator(bpe_tokenizer, info, checker, ServingDefaults(max_tokens=8, k=2))
+        with pytest.raises(Unavailable):
+            v.validate(_req(grammar=SCHEMA))
+    finally:
+        checker.close()
+
+
+@pytest.mark.parametrize("rid", ["a b", "x" * 129, "tab\there", "ünï", "new\nline"])
+def test_bad_request_ids(rid: str) -> None:
+    with pytest.raises(InvalidRequest):
+        RequestValidator.request_id(rid)
+
+
+def test_request_ids() -> None:
+    assert RequestValidator.request_id("client-1") == "client-1"
+    a, b = RequestValidator.request_id(""), RequestValidator.request_id("")
+    assert a != b and len(a) == 32
