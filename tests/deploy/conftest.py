@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.fixtures.shared_data import shared_data_dir
 
-
-def shared_data_dir() -> Path:
-    return Path(os.environ.get("SPECMASK_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 
 
 @pytest.fixture(scope="session")
 def kuberay_crd_path() -> Path:
-    path = shared_data_dir() / "kuberay" / "ray.io_rayclusters.yaml"
-    if not path.is_file():
+    data = shared_data_dir()
+    path = (data / "kuberay" / "ray.io_rayclusters.yaml") if data else None
+    if path is None or not path.is_file():
         pytest.skip(f"KubeRay CRD not found at {path} (set SPECMASK_SHARED_DATA)")
     return path

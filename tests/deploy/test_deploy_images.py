@@ -57,7 +57,7 @@ def test_entrypoint_is_a_specmask_subcommand(image: str) -> None:
     assert argv[0] == "specmask", argv
     assert argv[1] in SUBCOMMANDS, f"{argv[1]!r} is not one of {sorted(SUBCOMMANDS)}"
     assert argv[1] == CLI_IMAGES[image][0]
-    assert f"--port" in argv and str(CLI_IMAGES[image][1]) in argv
+    assert "--port" in argv and str(CLI_IMAGES[image][1]) in argv
 
 
 def test_gpu_worker_runs_ray_and_has_specmask_installed() -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -53,12 +52,6 @@ LONG_MAX_TOKENS = 256
 ENDLESS_SCHEMA = {"type": "array", "items": _ITEM, "minItems": 40, "maxItems": 40}
 ENDLESS_MAX_TOKENS = 450
 PROMPT = "Generate JSON for schema user:\n"
-
-
-def shared_data_dir() -> Path | None:
-    env = os.environ.get("SPECMASK_SHARED_DATA")
-    p = Path(env) if env else REPO_ROOT.parent / "shared" / "data"
-    return p if p.is_dir() else None
 
 
 def load_schema_records(directory: Path) -> list[tuple[str, dict[str, Any]]]:

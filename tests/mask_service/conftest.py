@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Iterator
 
@@ -11,19 +10,12 @@ import pytest
 from tests.mask_service.service_config import make_config
 
 from mask_service.client import MaskServiceClient
-from mask_service.config import MaskServiceConfig
 from mask_service.server import MaskServiceHandle, build_service
 from mask_service.tokenizer_id import tokenizer_id_for_path
 from mask_service.tokenizers import TokenizerRegistry, TokenizerSource
+from tests.fixtures.shared_data import shared_data_dir
 from tests.fixtures.tokenizers import build_bpe_tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def shared_data_dir() -> Path | None:
-    env = os.environ.get("SPECMASK_SHARED_DATA")
-    p = Path(env) if env else REPO_ROOT.parent / "shared" / "data"
-    return p if p.is_dir() else None
 
 
 @pytest.fixture(scope="session")

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.fixtures.shared_data import shared_data_dir
 from tests.fixtures.tokenizers import build_bpe_tokenizer
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def shared_data_dir() -> Path | None:
-    env = os.environ.get("SPECMASK_SHARED_DATA")
-    p = Path(env) if env else REPO_ROOT.parent / "shared" / "data"
-    return p if p.is_dir() else None
 
 
 @pytest.fixture(scope="session")
