@@ -2,7 +2,8 @@
 
 Module map: grammar (GrammarSpec), tokenizer_id (content ids), tokenizers (registry),
 backends (engine registry; xgrammar), schema_check (refused JSON-Schema features),
-compiler_cache (byte-bounded LRU, off-thread compile), sessions, draft_masks (hot path),
+schema_rewrite + json_regex (rewrites that make the rest enforceable), compiler_cache
+(byte-bounded LRU, off-thread compile), sessions, draft_masks (hot path),
 wire (compact row format), convert (spec <-> proto), servicer, server, config, main,
 client, router.
 
@@ -13,7 +14,24 @@ keywords xgrammar 0.2.8 compiles but does not enforce: not, if/then/else,
 uniqueItems: true, dependencies/dependentRequired/dependentSchemas,
 contains/minContains/maxContains, multipleOf, unevaluatedProperties/Items,
 non-local $ref, $dynamicRef/$recursiveRef, lookaround/backreferences in pattern or
-patternProperties, pattern combined with minLength/maxLength. Lark IS supported
-(xgrammar Grammar.from_lark). Known gap: xgrammar relaxes a oneOf it cannot prove
-disjoint to anyOf (logged by xgrammar), which is not refused.
+patternProperties, pattern combined with minLength/maxLength, allOf with more than
+one subschema (xgrammar compiles it to "any JSON value") or next to other validation
+keywords (xgrammar drops them), a format xgrammar enforces (email, date, date-time,
+time, duration, ipv4, ipv6, hostname, uuid, uri, uri-reference, uri-template,
+json-pointer, relative-json-pointer) combined with pattern/minLength/maxLength
+(xgrammar drops those), and a pattern/patternProperties key that needs a '"', a
+backslash or a control character (xgrammar would emit it raw), inline flags or \b.
+
+What is rewritten instead (schema_rewrite; always equal or stricter than the
+schema): every pattern is re-emitted with its character classes limited to
+characters a JSON string may hold raw; format email / json-pointer /
+relative-json-pointer become JSON-safe patterns (xgrammar's admit invalid escapes
+or raw control characters); a schema without a type whose string or number
+keywords xgrammar would ignore gets that type; and the character class of
+minLength/maxLength strings is narrowed in xgrammar's grammar to exclude
+U+0000-U+001F (xgrammar admits them raw; escapes stay unavailable there).
+Lark IS supported (xgrammar Grammar.from_lark). Known gaps, not refused: xgrammar
+relaxes a oneOf it cannot prove disjoint to anyOf (logged by xgrammar), and keeps
+only the anyOf/oneOf/$ref/enum/const of a schema, dropping validation keywords
+next to them.
 """

@@ -15,6 +15,7 @@ from typing import Any, Callable, Protocol
 from mask_service.errors import GrammarError
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.schema_check import check_schema
+from mask_service.schema_rewrite import needs_ebnf_repair, repair_ebnf, rewrite_schema
 
 
 def _ebnf_literal(text: str) -> str:
@@ -75,13 +76,21 @@ class XGrammarBackend:
             raise GrammarError(f"schema is not valid JSON: {exc}") from exc
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("a JSON schema must be an object or a boolean")
-        check_schema(schema)
-        return compiler.compile_json_schema(
-            spec.text,
+        import xgrammar as xgr
+
+        check_schema(schema)  # refuse what xgrammar would silently not enforce
+        rewritten = rewrite_schema(schema)  # make the rest enforceable (stricter, never looser)
+        text = spec.text if rewritten == schema else json.dumps(rewritten, ensure_ascii=False)
+        grammar = xgr.Grammar.from_json_schema(
+            text,
             any_whitespace=spec.any_whitespace,
             separators=spec.effective_separators(),
             strict_mode=spec.strict,
         )
+        ebnf = str(grammar)
+        if needs_ebnf_repair(ebnf):
+            return compiler.compile_grammar(repair_ebnf(ebnf))
+        return compiler.compile_grammar(grammar)
 
     @staticmethod
     def _any_json(compiler: Any, spec: GrammarSpec) -> Any:

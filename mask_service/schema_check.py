@@ -14,6 +14,18 @@ over-allow, so these are refused up front with INVALID_ARGUMENT:
 * ``$ref`` to anything but a local JSON pointer (``#...``); ``$dynamicRef``, ``$recursiveRef``
 * ``pattern`` / ``patternProperties`` keys using lookaround or backreferences
 * ``pattern`` together with ``minLength``/``maxLength`` (xgrammar drops the length bounds)
+* ``allOf`` with more than one subschema (xgrammar compiles it to "any JSON
+  value", warning "Support for allOf with multiple options is still ongoing"),
+  and ``allOf`` next to other validation keywords (xgrammar keeps only one
+  of the two: ``$ref``/``enum``/``anyOf`` win over ``allOf``, ``allOf`` over
+  ``type`` and the rest)
+* a ``format`` xgrammar enforces (email, date, date-time, uuid, ...; see
+  ``schema_rewrite.XGRAMMAR_FORMATS``) together with ``pattern``/``minLength``/
+  ``maxLength`` (xgrammar drops all three)
+
+What can be enforced after a rewrite (JSON-safe patterns, format email /
+json-pointer, minLength/maxLength strings without control characters, schemas
+without a type) is done by ``schema_rewrite`` after this check.
 
 Known and *not* refused: xgrammar treats ``oneOf`` whose branches it cannot
 prove disjoint as ``anyOf`` (it logs a warning); refusing every ``oneOf``
@@ -29,6 +41,7 @@ import re
 from typing import Any
 
 from mask_service.errors import GrammarError
+from mask_service.schema_rewrite import XGRAMMAR_FORMATS, is_stringish
 
 _REFUSED_KEYWORDS: dict[str, str] = {
     "not": "'not' is not enforced by the grammar engine",
@@ -52,11 +65,48 @@ _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 # Keys whose value is instance data, never a schema.
 _DATA_KEYS = ("const", "enum", "default", "examples", "example")
 _LOOKAROUND_OR_BACKREF = re.compile(r"\(\?<?[=!]|\\[1-9]|\\k<")
+# Keywords that constrain an instance (annotations, unknown keywords and $defs do not).
+_VALIDATION_KEYWORDS = frozenset(
+    {
+        "type", "enum", "const", "$ref", "$dynamicRef", "$recursiveRef", "anyOf", "oneOf", "not",
+        "if", "then", "else", "properties", "patternProperties", "additionalProperties",
+        "unevaluatedProperties", "required", "minProperties", "maxProperties", "propertyNames",
+        "dependencies", "dependentRequired", "dependentSchemas", "items", "prefixItems",
+        "additionalItems", "unevaluatedItems", "contains", "minContains", "maxContains", "minItems",
+        "maxItems", "uniqueItems", "minLength", "maxLength", "pattern", "minimum", "maximum",
+        "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+    }
+)
 
 
 def _check_regex(regex: str, where: str) -> None:
     if _LOOKAROUND_OR_BACKREF.search(regex):
         raise GrammarError(f"{where}: regex {regex!r} uses lookaround or backreferences, which cannot be enforced")
+
+
+def _check_node(schema: dict[str, Any], path: str) -> None:
+    """Refusals that depend on a schema's keywords together rather than one keyword."""
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list):
+        if len(all_of) > 1:
+            raise GrammarError(
+                f"unsupported JSON Schema keyword at {path}/allOf: 'allOf' with {len(all_of)} subschemas is not "
+                "enforced by the grammar engine (it would allow any JSON value); merge them into one schema"
+            )
+        siblings = sorted(_VALIDATION_KEYWORDS & schema.keys())
+        if siblings:
+            raise GrammarError(
+                f"unsupported JSON Schema keyword at {path}/allOf: 'allOf' next to {', '.join(siblings)} is not "
+                "enforced by the grammar engine (it enforces one or the other, not both); move them into the subschema"
+            )
+    fmt = schema.get("format")
+    if isinstance(fmt, str) and fmt in XGRAMMAR_FORMATS and is_stringish(schema):
+        dropped = [k for k in ("pattern", "minLength", "maxLength") if k in schema]
+        if dropped:
+            raise GrammarError(
+                f"unsupported at {path}: 'format: {fmt}' combined with {'/'.join(dropped)} is not enforced "
+                "by the grammar engine (it drops them for the format)"
+            )
 
 
 def check_schema(schema: Any, path: str = "#") -> None:
@@ -67,6 +117,7 @@ def check_schema(schema: Any, path: str = "#") -> None:
         return
     if not isinstance(schema, dict):
         return
+    _check_node(schema, path)
     for key, value in schema.items():
         where = f"{path}/{key}"
         if key in _DATA_KEYS:

@@ -10,7 +10,7 @@ import pytest
 import xgrammar as xgr
 
 from mask_reference import reference_rows, reference_walk
-from mask_service.backends import any_json_ebnf
+from mask_service.backends import XGrammarBackend, any_json_ebnf
 from mask_service.client import DraftMaskItem, MaskServiceClient
 from mask_service.grammar import GrammarKind, GrammarSpec
 
@@ -39,7 +39,9 @@ OTHER = [
 def _compile_direct(registry, bpe_id, spec: GrammarSpec):  # type: ignore[no-untyped-def]
     compiler = xgr.GrammarCompiler(registry.info(bpe_id, None))
     if spec.kind is GrammarKind.JSON_SCHEMA:
-        return compiler.compile_json_schema(spec.text, any_whitespace=False, separators=(",", ":"), strict_mode=True)
+        # The backend's JSON-schema path (check, rewrite, EBNF repair: schema_rewrite) is
+        # what the service compiles; rows must match a matcher over that same grammar.
+        return XGrammarBackend().compile(compiler, spec)
     if spec.kind is GrammarKind.REGEX:
         return compiler.compile_regex(spec.text)
     if spec.kind is GrammarKind.EBNF:

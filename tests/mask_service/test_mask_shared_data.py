@@ -11,6 +11,7 @@ import xgrammar as xgr
 
 from tests.mask_service.service_config import make_config
 from mask_reference import reference_walk
+from mask_service.backends import XGrammarBackend
 from mask_service.client import DraftMaskItem, MaskServiceClient, MaskServiceError
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.server import build_service
@@ -56,7 +57,7 @@ def test_llama3_maskbench_rows_exact(shared_data) -> None:  # type: ignore[no-un
                 assert exc.message
                 refused += 1
                 continue
-            compiled = compiler.compile_json_schema(spec.text, any_whitespace=False, separators=(",", ":"), strict_mode=True)
+            compiled = XGrammarBackend().compile(compiler, spec)  # the service's path (schema_rewrite)
             toks = hf.encode(json.dumps(inst[0], separators=(",", ":")), add_special_tokens=False) + [128009]
             probe = xgr.GrammarMatcher(compiled)
             if not all(probe.accept_token(t) for t in toks):
