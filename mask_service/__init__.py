@@ -16,7 +16,12 @@ contains/minContains/maxContains, multipleOf, unevaluatedProperties/Items,
 non-local $ref, $dynamicRef/$recursiveRef, lookaround/backreferences in pattern or
 patternProperties, pattern combined with minLength/maxLength, allOf with more than
 one subschema (xgrammar compiles it to "any JSON value") or next to other validation
-keywords (xgrammar drops them), a format xgrammar enforces (email, date, date-time,
+keywords (xgrammar drops them), $ref/const/enum/anyOf/oneOf next to other validation
+keywords (xgrammar keeps only the first of $ref > const > enum > anyOf/oneOf; a
+redundant or movable `type` excepted), a type no enum/const value or anyOf/oneOf
+branch can have (unsatisfiable), a `type` next to $ref whose target may have another
+type, required names missing from properties next to patternProperties/propertyNames
+or with additionalProperties: false, a format xgrammar enforces (email, date, date-time,
 time, duration, ipv4, ipv6, hostname, uuid, uri, uri-reference, uri-template,
 json-pointer, relative-json-pointer) combined with pattern/minLength/maxLength
 (xgrammar drops those), and a pattern/patternProperties key that needs a '"', a
@@ -26,12 +31,15 @@ What is rewritten instead (schema_rewrite; always equal or stricter than the
 schema): every pattern is re-emitted with its character classes limited to
 characters a JSON string may hold raw; format email / json-pointer /
 relative-json-pointer become JSON-safe patterns (xgrammar's admit invalid escapes
-or raw control characters); a schema without a type whose string or number
-keywords xgrammar would ignore gets that type; and the character class of
+or raw control characters); a schema without a type whose string, number,
+object (required, min/maxProperties, propertyNames, patternProperties) or array
+(minItems, maxItems, additionalItems) keywords xgrammar would ignore gets that type;
+required names missing from properties are added with the additionalProperties
+schema; a type next to anyOf/oneOf is moved into every branch (intersected with the
+branch's type, filtering its enum/const, dropping branches that cannot match) and a
+type next to enum filters its values; and the character class of
 minLength/maxLength strings is narrowed in xgrammar's grammar to exclude
 U+0000-U+001F (xgrammar admits them raw; escapes stay unavailable there).
 Lark IS supported (xgrammar Grammar.from_lark). Known gaps, not refused: xgrammar
-relaxes a oneOf it cannot prove disjoint to anyOf (logged by xgrammar), and keeps
-only the anyOf/oneOf/$ref/enum/const of a schema, dropping validation keywords
-next to them.
+relaxes a oneOf it cannot prove disjoint to anyOf (logged by xgrammar).
 """

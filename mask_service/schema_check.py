@@ -19,6 +19,16 @@ over-allow, so these are refused up front with INVALID_ARGUMENT:
   and ``allOf`` next to other validation keywords (xgrammar keeps only one
   of the two: ``$ref``/``enum``/``anyOf`` win over ``allOf``, ``allOf`` over
   ``type`` and the rest)
+* ``$ref``, ``const``, ``enum``, ``anyOf`` or ``oneOf`` next to other
+  validation keywords (xgrammar keeps the first of ``$ref`` > ``const`` >
+  ``enum`` > ``anyOf``/``oneOf`` and drops the rest), except a ``type`` that is
+  redundant (the enum values / the ``$ref`` target all have it) or that
+  ``schema_rewrite`` moves into every ``anyOf``/``oneOf`` branch or uses to
+  filter an ``enum``; a ``const`` or ``enum`` with no value of that type, or a
+  ``type`` no ``anyOf``/``oneOf`` branch can match, is unsatisfiable
+* ``required`` names missing from ``properties`` (xgrammar ignores them) next to
+  ``patternProperties`` or ``propertyNames``, or with ``additionalProperties:
+  false`` (unsatisfiable); otherwise ``schema_rewrite`` adds them to ``properties``
 * a ``format`` xgrammar enforces (email, date, date-time, uuid, ...; see
   ``schema_rewrite.XGRAMMAR_FORMATS``) together with ``pattern``/``minLength``/
   ``maxLength`` (xgrammar drops all three)
@@ -41,7 +51,14 @@ import re
 from typing import Any
 
 from mask_service.errors import GrammarError
-from mask_service.schema_rewrite import XGRAMMAR_FORMATS, is_stringish
+from mask_service.schema_rewrite import (
+    XGRAMMAR_FORMATS,
+    is_stringish,
+    is_subtype,
+    push_type,
+    types_of,
+    value_has_type,
+)
 
 _REFUSED_KEYWORDS: dict[str, str] = {
     "not": "'not' is not enforced by the grammar engine",
@@ -84,8 +101,64 @@ def _check_regex(regex: str, where: str) -> None:
         raise GrammarError(f"{where}: regex {regex!r} uses lookaround or backreferences, which cannot be enforced")
 
 
-def _check_node(schema: dict[str, Any], path: str) -> None:
+_WINNERS = ("$ref", "const", "enum", "anyOf", "oneOf")  # the first one present is all xgrammar enforces
+
+
+def _check_winner(schema: dict[str, Any], path: str, root: Any) -> None:
+    winner = next((k for k in _WINNERS if k in schema), None)
+    if winner is None:
+        return
+    siblings = set(_VALIDATION_KEYWORDS & schema.keys()) - {winner, "type"}
+    fmt = schema.get("format")
+    if isinstance(fmt, str) and fmt in XGRAMMAR_FORMATS:
+        siblings.add("format")
+    if siblings:
+        raise GrammarError(
+            f"unsupported JSON Schema keyword at {path}/{winner}: '{winner}' next to {', '.join(sorted(siblings))} is "
+            f"not enforced by the grammar engine (it keeps only '{winner}'); move them into the subschema"
+        )
+    if "type" not in schema:
+        return
+    t = schema["type"]
+    if winner in ("const", "enum"):
+        values = [schema["const"]] if winner == "const" else schema["enum"]
+        if isinstance(values, list) and not any(value_has_type(v, t) for v in values):
+            raise GrammarError(f"unsupported at {path}/{winner}: no '{winner}' value has the 'type' next to it (unsatisfiable schema)")
+    elif winner == "$ref":
+        if not is_subtype(schema, t, root):
+            raise GrammarError(
+                f"unsupported JSON Schema keyword at {path}/$ref: 'type' next to '$ref' is not enforced by the grammar "
+                "engine (it keeps only '$ref'); move the type into the referenced schema"
+            )
+    elif isinstance(schema[winner], list):
+        push_type(schema[winner], t, root, f"{path}/{winner}")  # raises where the type cannot be moved in
+
+
+def _check_required(schema: dict[str, Any], path: str) -> None:
+    required = schema.get("required")
+    if not isinstance(required, list) or not types_of(schema.get("type")) & {"object", None}:
+        return
+    props = schema.get("properties")
+    missing = [r for r in required if isinstance(r, str) and not (isinstance(props, dict) and r in props)]
+    if not missing:
+        return
+    if schema.get("additionalProperties") is False:
+        raise GrammarError(
+            f"unsupported at {path}/required: {missing[0]!r} is required but not in 'properties' and "
+            "additionalProperties is false (unsatisfiable schema)"
+        )
+    for key in ("patternProperties", "propertyNames"):
+        if key in schema:
+            raise GrammarError(
+                f"unsupported at {path}/required: {missing[0]!r} is required but not in 'properties', which is not "
+                f"enforced by the grammar engine next to '{key}'; list it in 'properties'"
+            )
+
+
+def _check_node(schema: dict[str, Any], path: str, root: Any = None) -> None:
     """Refusals that depend on a schema's keywords together rather than one keyword."""
+    _check_winner(schema, path, root)
+    _check_required(schema, path)
     all_of = schema.get("allOf")
     if isinstance(all_of, list):
         if len(all_of) > 1:
@@ -109,15 +182,17 @@ def _check_node(schema: dict[str, Any], path: str) -> None:
             )
 
 
-def check_schema(schema: Any, path: str = "#") -> None:
+def check_schema(schema: Any, path: str = "#", root: Any = None) -> None:
     """Raise GrammarError at the first refused feature; return None if the schema is acceptable."""
+    if root is None:
+        root = schema
     if isinstance(schema, list):
         for i, sub in enumerate(schema):
-            check_schema(sub, f"{path}/{i}")
+            check_schema(sub, f"{path}/{i}", root)
         return
     if not isinstance(schema, dict):
         return
-    _check_node(schema, path)
+    _check_node(schema, path, root)
     for key, value in schema.items():
         where = f"{path}/{key}"
         if key in _DATA_KEYS:
@@ -136,7 +211,7 @@ def check_schema(schema: Any, path: str = "#") -> None:
             for name, sub in value.items():
                 if key == "patternProperties":
                     _check_regex(name, f"{where}/{name}")
-                check_schema(sub, f"{where}/{name}")
+                check_schema(sub, f"{where}/{name}", root)
             continue
         if isinstance(value, (dict, list)):
-            check_schema(value, where)
+            check_schema(value, where, root)

@@ -17,6 +17,18 @@ Checked by hand against xgrammar 0.2.8 and by tests/mask_service/test_mask_schem
   they carry string or number keywords (``{"minLength": 3}``,
   ``{"minimum": 0}``): xgrammar drops those keywords, so the type they
   constrain is added (``"string"``, ``"number"`` or both), which is stricter.
+  Likewise object keywords (``required``, ``minProperties``, ``maxProperties``,
+  ``propertyNames``, ``patternProperties``) add ``"object"`` and array keywords
+  (``minItems``, ``maxItems``, ``additionalItems``) add ``"array"``.
+* ``required`` names missing from ``properties`` (xgrammar ignores them): each
+  is added to ``properties`` with the ``additionalProperties`` schema (``{}``
+  if none), which is the same constraint. (``schema_check`` refuses it next to
+  ``patternProperties``/``propertyNames`` or ``additionalProperties: false``.)
+* ``type`` next to ``anyOf``/``oneOf`` (xgrammar drops the ``type``): pushed
+  into every branch (``T and (A or B)`` is ``(T and A) or (T and B)``, and the
+  same for "exactly one of"); a branch's own type is intersected with it, a
+  branch's enum/const is filtered to values of that type, and a branch that
+  cannot match is dropped. ``type`` next to ``enum`` filters the values.
 
 And one repair on xgrammar's output rather than its input:
 ``minLength``/``maxLength`` strings compile to ``[^"\\\\\\r\\n]{m,n}``, which admits
@@ -63,6 +75,8 @@ _DISPATCH_KEYS = frozenset(
 )
 _STRING_KEYS = ("minLength", "maxLength", "pattern")
 _NUMBER_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_OBJECT_KEYS = ("required", "minProperties", "maxProperties", "propertyNames", "patternProperties")
+_ARRAY_KEYS = ("minItems", "maxItems", "additionalItems")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
 _DATA_KEYS = ("const", "enum", "default", "examples", "example")
 
@@ -73,7 +87,125 @@ def is_stringish(schema: dict[str, Any]) -> bool:
     return t is None or t == "string" or (isinstance(t, list) and "string" in t)
 
 
-def _rewrite_node(node: dict[str, Any], path: str, property_names: bool) -> dict[str, Any]:
+_JSON_TYPES = ("null", "boolean", "object", "array", "number", "string", "integer")
+
+
+def types_of(t: Any) -> set[Any]:
+    """The type names a ``type`` value allows; {None} when it is absent (any type)."""
+    if t is None:
+        return {None}
+    return {x for x in (t if isinstance(t, list) else [t]) if isinstance(x, str)}
+
+
+def value_has_type(value: Any, t: Any) -> bool:
+    """Whether a JSON value is an instance of ``type`` t (a name or list of names)."""
+    for name in types_of(t):
+        if name is None:
+            return True
+        if name == "null" and value is None or name == "boolean" and isinstance(value, bool):
+            return True
+        if name in ("number", "integer") and isinstance(value, (int, float)) and not isinstance(value, bool):
+            if name == "number" or isinstance(value, int) or value.is_integer():
+                return True
+        if (name, type(value)) in (("string", str), ("array", list), ("object", dict)):
+            return True
+    return False
+
+
+def _intersect(a: Any, b: Any) -> list[str]:
+    out = []
+    ta, tb = types_of(a), types_of(b)
+    for name in _JSON_TYPES:
+        if (name in ta or None in ta or (name == "integer" and "number" in ta)) and (
+            name in tb or None in tb or (name == "integer" and "number" in tb)
+        ):
+            out.append(name)
+    if "number" in out and "integer" in out:
+        out.remove("integer")
+    return out
+
+
+def resolve_ref(root: Any, ref: str) -> Any:
+    """The subschema a local ``$ref`` points to, or None."""
+    if not isinstance(ref, str) or not ref.startswith("#"):
+        return None
+    node = root
+    for part in [p for p in ref[1:].split("/") if p]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def only_types(schema: Any, root: Any, depth: int = 0) -> set[str] | None:
+    """Type names every instance of schema has (integer counted as number too); None if unknown."""
+    if not isinstance(schema, dict) or depth > 20:
+        return None
+    if "$ref" in schema:
+        return only_types(resolve_ref(root, schema["$ref"]), root, depth + 1)
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    if isinstance(values, list):
+        return {n for v in values for n in _JSON_TYPES if value_has_type(v, n)}
+    branches = schema.get("anyOf", schema.get("oneOf"))
+    if isinstance(branches, list):
+        sets = [only_types(b, root, depth + 1) for b in branches]
+        return None if any(s is None for s in sets) else set().union(*sets)
+    if "type" in schema and None not in types_of(schema["type"]):
+        names = types_of(schema["type"])
+        return names | ({"number"} if "integer" in names else set())
+    return None
+
+
+def is_subtype(schema: Any, t: Any, root: Any) -> bool:
+    """Whether every instance of schema is already of ``type`` t."""
+    names = only_types(schema, root)
+    allowed = types_of(t)
+    if "number" in allowed:
+        allowed = allowed | {"integer"}
+    return names is not None and (names - {"number"} <= allowed if "integer" in names else names <= allowed)
+
+
+def push_type(branches: list[Any], t: Any, root: Any, path: str) -> list[Any]:
+    """anyOf/oneOf branches each narrowed to ``type`` t (unsatisfiable ones dropped); GrammarError if not possible."""
+    out = []
+    for i, branch in enumerate(branches):
+        if branch is True:
+            branch = {}
+        if not isinstance(branch, dict):
+            continue  # false: matches nothing
+        if is_subtype(branch, t, root):
+            out.append(branch)
+            continue
+        if any(k in branch for k in ("$ref", "anyOf", "oneOf", "allOf")):
+            raise GrammarError(
+                f"unsupported JSON Schema keyword at {path}/{i}: 'type' next to anyOf/oneOf is not enforced by the "
+                "grammar engine and cannot be moved into this branch; move the type into every branch"
+            )
+        branch = dict(branch)
+        if "const" in branch or isinstance(branch.get("enum"), list):
+            values = [branch["const"]] if "const" in branch else branch["enum"]
+            kept = [v for v in values if value_has_type(v, t)]
+            if not kept:
+                continue
+            branch.pop("const", None)
+            branch["enum"] = kept
+            out.append(branch)
+            continue
+        narrowed = _intersect(t, branch.get("type"))
+        if not narrowed:
+            continue
+        branch["type"] = narrowed[0] if len(narrowed) == 1 else narrowed
+        out.append(branch)
+    if not out:
+        raise GrammarError(f"unsupported at {path}: no branch can match the 'type' next to it (unsatisfiable schema)")
+    return out
+
+
+def _rewrite_node(node: dict[str, Any], path: str, property_names: bool, root: Any = None) -> dict[str, Any]:
     out = dict(node)
     if not (_DISPATCH_KEYS & out.keys()):
         inferred = []
@@ -81,8 +213,27 @@ def _rewrite_node(node: dict[str, Any], path: str, property_names: bool) -> dict
             inferred.append("number")
         if any(k in out for k in _STRING_KEYS):
             inferred.append("string")
+        if any(k in out for k in _OBJECT_KEYS) and not property_names:
+            inferred.append("object")
+        if any(k in out for k in _ARRAY_KEYS) and not property_names:
+            inferred.append("array")
         if inferred:
             out["type"] = inferred[0] if len(inferred) == 1 else inferred
+    for combinator in ("anyOf", "oneOf"):
+        if "type" in out and isinstance(out.get(combinator), list):
+            out[combinator] = push_type(out[combinator], out["type"], root, f"{path}/{combinator}")
+            del out["type"]
+            break
+    else:
+        if "type" in out and isinstance(out.get("enum"), list) and "const" not in out and "$ref" not in out:
+            out["enum"] = [v for v in out["enum"] if value_has_type(v, out["type"])]
+    if isinstance(out.get("required"), list) and types_of(out.get("type")) & {"object", None}:
+        props = out.get("properties")
+        missing = [r for r in out["required"] if isinstance(r, str) and not (isinstance(props, dict) and r in props)]
+        if missing:
+            extra = out.get("additionalProperties")
+            out["properties"] = {**(props if isinstance(props, dict) else {}),
+                                 **{r: (extra if isinstance(extra, dict) else {}) for r in missing}}
     t = out.get("type")
     if t == "string" or (isinstance(t, list) and "string" in t) or (property_names and t is None):
         fmt = out.get("format")  # on a schema without a type, xgrammar ignores format
@@ -94,13 +245,13 @@ def _rewrite_node(node: dict[str, Any], path: str, property_names: bool) -> dict
     return out
 
 
-def _walk(schema: Any, path: str, property_names: bool = False) -> Any:
+def _walk(schema: Any, path: str, property_names: bool = False, root: Any = None) -> Any:
     if isinstance(schema, list):
-        return [_walk(sub, f"{path}/{i}") for i, sub in enumerate(schema)]
+        return [_walk(sub, f"{path}/{i}", root=root) for i, sub in enumerate(schema)]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
-    for key, value in _rewrite_node(schema, path, property_names).items():
+    for key, value in _rewrite_node(schema, path, property_names, root).items():
         where = f"{path}/{key}"
         if key in _DATA_KEYS or key == "pattern":
             out[key] = value
@@ -110,10 +261,10 @@ def _walk(schema: Any, path: str, property_names: bool = False) -> Any:
                 new_name = json_safe_pattern(name, f"{where}/{name}") if key == "patternProperties" else name
                 if new_name in sub:
                     raise GrammarError(f"unsupported patternProperties at {where}: two keys become {new_name!r} when made JSON-safe")
-                sub[new_name] = _walk(s, f"{where}/{name}")
+                sub[new_name] = _walk(s, f"{where}/{name}", root=root)
             out[key] = sub
         elif isinstance(value, (dict, list)):
-            out[key] = _walk(value, where, property_names=key == "propertyNames")
+            out[key] = _walk(value, where, property_names=key == "propertyNames", root=root)
         else:
             out[key] = value
     return out
@@ -124,7 +275,7 @@ def rewrite_schema(schema: Any) -> Any:
 
     Raises GrammarError where a pattern cannot be made JSON-safe.
     """
-    return _walk(schema, "#")
+    return _walk(schema, "#", root=schema)
 
 
 # xgrammar 0.2.8 prints the character rule of a minLength/maxLength string as

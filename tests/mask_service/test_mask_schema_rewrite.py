@@ -51,6 +51,21 @@ REFUSED: list[tuple[Any, str]] = [
     ({"type": "string", "pattern": "(?i)abc"}, "pattern"),
     ({"type": "string", "pattern": "\\bfoo"}, "pattern"),
     ({"type": "object", "patternProperties": {'^["a]$': {}, "^a$": {"type": "integer"}}}, "patternProperties"),
+    # Validation keywords next to $ref/const/enum/anyOf/oneOf: xgrammar keeps only the first of those.
+    ({"type": "integer", "minimum": 0, "anyOf": [{"maximum": 5}]}, "anyOf"),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "oneOf": [{"required": ["b"]}]}, "oneOf"),
+    ({"$ref": "#/$defs/a", "maxLength": 3, "$defs": {"a": {"type": "string"}}}, "$ref"),
+    ({"enum": ["a", "bb"], "maxLength": 1}, "enum"),
+    ({"const": "x", "enum": ["x", "y"]}, "const"),
+    ({"type": "string", "$ref": "#/$defs/n", "$defs": {"n": {"type": "integer"}}}, "$ref"),
+    ({"type": "string", "anyOf": [{"$ref": "#/$defs/n"}], "$defs": {"n": {}}}, "anyOf"),
+    # A type nothing next to it can have: unsatisfiable.
+    ({"type": "object", "enum": ["a", "b"]}, "unsatisfiable"),
+    ({"type": "integer", "anyOf": [{"type": "string"}, {"enum": ["x", 1.5]}]}, "unsatisfiable"),
+    # required names not in properties, where adding them is not the same constraint.
+    ({"type": "object", "additionalProperties": False, "required": ["a"]}, "unsatisfiable"),
+    ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "required": ["a"]}, "required"),
+    ({"type": "object", "propertyNames": {"maxLength": 3}, "required": ["a"]}, "required"),
 ]
 
 # Accepted and enforced (some after a rewrite). Every one is walked.
@@ -89,6 +104,21 @@ ACCEPTED: list[Any] = [
     # allOf with one subschema and no siblings is enforced.
     {"allOf": [{"type": "object", "properties": {"a": {"type": "integer", "minimum": 0}}, "required": ["a"]}]},
     {"type": "object", "properties": {"v": {"allOf": [{"type": "string", "maxLength": 3}]}}, "required": ["v"]},
+    # required names missing from properties: added with the additionalProperties schema.
+    {"type": "object", "required": ["a"]},
+    {"type": "object", "required": ["a", "b"], "properties": {"a": {"type": "integer"}},
+     "additionalProperties": {"type": "string", "maxLength": 3}},
+    # No type, only object keywords: becomes an object.
+    {"required": ["k"]},
+    # type next to anyOf/oneOf/enum/const/$ref: redundant, pushed into the branches, or filtering the enum.
+    {"type": "integer", "anyOf": [{"minimum": 0, "maximum": 5}, {"type": "number", "minimum": 100, "maximum": 105},
+                                  {"type": "string"}, {"enum": [7, "x", 8.5]}]},
+    {"type": ["string", "null"], "oneOf": [{"type": "string", "maxLength": 2}, {"type": "null"}]},
+    {"type": "string", "oneOf": [{"maxLength": 1}, {"minLength": 3, "maxLength": 4}]},
+    {"type": "string", "enum": ["a", 1, "b", None]},
+    {"type": "integer", "const": 3},
+    {"type": "object", "$ref": "#/$defs/o",
+     "$defs": {"o": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},
 ]
 WALKS = 30
 MAX_STEPS = 120
@@ -247,6 +277,19 @@ def test_rewrite_schema_shapes() -> None:
     # Data is never rewritten.
     data = {"const": {"minLength": 1, "pattern": "\\t"}, "examples": [{"pattern": "\\t"}]}
     assert rewrite_schema(data) == data
+
+
+def test_rewrite_type_and_required_shapes() -> None:
+    out = rewrite_schema({"type": "integer", "anyOf": [{"minimum": 0}, {"type": ["number", "string"]}, {"type": "string"},
+                                                       {"enum": [1, "a"]}, {"const": 2.5}, False]})
+    assert out == {"anyOf": [{"minimum": 0, "type": "integer"}, {"type": "integer"}, {"enum": [1]}]}
+    assert rewrite_schema({"type": "string", "enum": ["a", 1]}) == {"type": "string", "enum": ["a"]}
+    assert rewrite_schema({"required": ["a"]}) == {"required": ["a"], "type": "object", "properties": {"a": {}}}
+    assert rewrite_schema({"minItems": 1})["type"] == "array"
+    out = rewrite_schema({"type": "object", "properties": {"b": {}}, "required": ["a", "b"], "additionalProperties": {"type": "integer"}})
+    assert out["properties"] == {"b": {}, "a": {"type": "integer"}}
+    # A non-object type makes required vacuous: nothing added.
+    assert "properties" not in rewrite_schema({"type": "string", "required": ["a"]})
 
 
 def test_ecma_class_dash() -> None:
