@@ -22,21 +22,32 @@ def _valid_bits(rows: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [n, W] 
     return rows
 
 
+def _popcounts(valid_rows: torch.Tensor) -> torch.Tensor:  # [n, W] int32 (tail cleared) -> [n] int32
+    as_bytes = valid_rows.contiguous().view(torch.uint8).long()  # [n, 4W]
+    return _BYTE_POPCOUNT[as_bytes].sum(dim=-1, dtype=torch.int32)
+
+
 def allowed_counts(rows: torch.Tensor, vocab_size: int) -> torch.Tensor:  # -> [n] int32
     """Number of allowed tokens < vocab_size in each row of ``rows`` [n, W] int32."""
-    as_bytes = _valid_bits(rows.cpu(), vocab_size).contiguous().view(torch.uint8).long()  # [n, 4W]
-    return _BYTE_POPCOUNT[as_bytes].sum(dim=-1, dtype=torch.int32)
+    return _popcounts(_valid_bits(rows.cpu(), vocab_size))
+
+
+def single_allowed_tokens(rows: torch.Tensor, vocab_size: int) -> list[int | None]:
+    """Per row of ``rows`` [n, W] int32: the token id if the row allows exactly one
+    token < vocab_size, else None. One popcount over all rows: forced detection runs
+    for the whole batch at every draft position."""
+    valid = _valid_bits(rows.cpu(), vocab_size)  # [n, W]
+    out: list[int | None] = [None] * valid.shape[0]
+    for r in torch.nonzero(_popcounts(valid) == 1).flatten().tolist():
+        word = int(torch.nonzero(valid[r]).flatten()[0])
+        bits = int(valid[r, word]) & 0xFFFFFFFF  # int32 -> its unsigned bit pattern
+        out[r] = 32 * word + bits.bit_length() - 1
+    return out
 
 
 def single_allowed_token(row: torch.Tensor, vocab_size: int) -> int | None:
     """The token id if ``row`` [W] allows exactly one token < vocab_size, else None."""
-    row = row.cpu()
-    if int(allowed_counts(row.unsqueeze(0), vocab_size)[0]) != 1:
-        return None
-    words = _valid_bits(row.unsqueeze(0), vocab_size)[0]
-    word = int(torch.nonzero(words).flatten()[0])
-    bits = int(words[word]) & 0xFFFFFFFF  # int32 -> its unsigned bit pattern
-    return 32 * word + bits.bit_length() - 1
+    return single_allowed_tokens(row.unsqueeze(0), vocab_size)[0]
 
 
 def is_allowed(row: torch.Tensor, token_id: int) -> bool:

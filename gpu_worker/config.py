@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # Largest proposal length a request may ask for. Each draft position costs one
-# draft forward (or one mask round trip with draft masking) before the target
-# forward; past ~8 the expected gain (1 - a^(k+1)) / (1 - a) saturates for any
-# realistic acceptance rate a, so larger k only burns draft time.
+# draft forward (with draft masking, overlapped with one mask round trip) before
+# the target forward; past ~8 the expected gain (1 - a^(k+1)) / (1 - a) saturates
+# for any realistic acceptance rate a, so larger k only burns draft time.
 DEFAULT_MAX_K = 8
 # Active sequences per worker. KV caches are per sequence and unpaged, so this
 # is the memory guard: add() refuses sequences past it with a per-sequence error.

@@ -2,10 +2,13 @@
 
 Every mask-service call goes through one single-threaded executor, so (a) the
 router, which keeps per-session replay logs, is only ever used from one thread,
-(b) the verify-path request can be in flight while the main thread runs the
-target forward (torch and gRPC both release the GIL while they wait), and (c)
-closes of finished sessions never block a step and stay ordered after that
-session's last request.
+(b) a mask request can be in flight while the main thread runs a forward (the
+target forward on the verify path, the draft forward during proposal; torch and
+gRPC both release the GIL while they wait), and (c) closes of finished sessions
+never block a step and stay ordered after that session's last request.
+
+A batched request is a ``PendingMasks``: submitted at once, waited for only when
+its rows are needed, with per-sequence error attribution on the wait.
 """
 
 from __future__ import annotations
@@ -14,9 +17,15 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mask_service.grammar import GrammarSpec
+
+if TYPE_CHECKING:
+    from gpu_worker.sequence import SequenceState
+    from mask_service.client import DraftMaskItem
 
 logger = logging.getLogger(__name__)
 
@@ -67,9 +76,100 @@ class MaskChannel:
 
         self._submit(call)
 
+    def request(self, items: Sequence[DraftMaskItem], *, timeout_s: float) -> PendingMasks:
+        """Submit one batched DraftMasks call now; wait for it with ``PendingMasks.wait``."""
+        return PendingMasks(self, items, timeout_s=timeout_s)
+
     def close(self) -> None:
         """Drain pending closes, then release the router."""
         self._pool.shutdown(wait=True)
         close = getattr(self._router, "close", None)
         if close is not None:
             close()
+
+
+def mask_item(seq: SequenceState, drafts: Sequence[int], *, last_row_only: bool) -> DraftMaskItem:
+    """``seq``'s request for the rows after ``drafts`` (M_0..M_k, or only M_k with
+    ``last_row_only``), carrying its pending commit. Every request of a step carries
+    the same (commit_tokens, commit_seq): whichever reaches the service first
+    applies it, the rest are no-ops, so there is never a separate commit call."""
+    from mask_service.client import DraftMaskItem
+
+    assert seq.session_id is not None, f"seq {seq.seq_id} has no mask session"
+    commit_tokens, commit_seq = seq.next_commit()
+    return DraftMaskItem(
+        session_id=seq.session_id,
+        draft_tokens=list(drafts),
+        commit_tokens=commit_tokens,
+        commit_seq=commit_seq,
+        last_row_only=last_row_only,
+    )
+
+
+@dataclass
+class MaskReply:
+    """What one batched request gave, keyed by mask session id (unique per sequence)."""
+
+    results: dict[str, Any] = field(default_factory=dict)  # session_id -> mask_service.client.DraftMaskResult
+    errors: dict[str, str] = field(default_factory=dict)  # session_id -> message; only that sequence fails
+    wait_s: float = 0.0  # time the caller was blocked in wait()
+
+
+class PendingMasks:
+    """One batched DraftMasks call in flight on the channel's I/O thread."""
+
+    def __init__(self, channel: MaskChannel, items: Sequence[DraftMaskItem], *, timeout_s: float) -> None:
+        self._channel = channel
+        self._items = {item.session_id: item for item in items}
+        self._timeout_s = timeout_s
+        self._future = channel.draft_masks_async(list(self._items.values()))
+        self._reply: MaskReply | None = None
+
+    @property
+    def session_ids(self) -> frozenset[str]:
+        """The sessions this request covers."""
+        return frozenset(self._items)
+
+    def wait(self) -> MaskReply:
+        """Block until the answer is in; on a per-item error fail only that sequence.
+
+        The service fails a batch call for its first failed item and names it
+        (``MaskServiceError.session_id``, the router's id = the item's session id),
+        so that item gets the error and the batch is resent without it. The other
+        items' commits may already be applied; resending them is safe because
+        commits are idempotent by commit_seq and masks never change committed
+        state. An error that names no item of the batch (replicas unreachable,
+        timeout, batch-level refusal) fails every item still in the batch.
+        Waiting again returns the same reply.
+        """
+        if self._reply is not None:
+            return self._reply
+        t0 = time.perf_counter()
+        reply = MaskReply()
+        remaining = dict(self._items)
+        future = self._future
+        while remaining:
+            try:
+                results, _ = future.result(timeout=self._timeout_s)
+                if len(results) != len(remaining):
+                    raise RuntimeError(f"mask service returned {len(results)} results for {len(remaining)} items")
+                reply.results.update(zip(remaining, results))
+                break
+            except FutureTimeout:
+                msg = f"mask service did not answer within {self._timeout_s:.1f}s"
+                reply.errors.update((session_id, msg) for session_id in remaining)
+                break
+            except Exception as exc:  # noqa: BLE001 - attributed to one item or to all below
+                failed = getattr(exc, "session_id", None) or ""
+                if remaining.pop(failed, None) is None:
+                    reply.errors.update((session_id, f"mask service: {exc}") for session_id in remaining)
+                    break
+                reply.errors[failed] = f"mask service: {exc}"
+                logger.warning(
+                    "mask call failed for session %s (%s); resending the other %d", failed, exc, len(remaining)
+                )
+                if remaining:
+                    future = self._channel.draft_masks_async(list(remaining.values()))
+        reply.wait_s = time.perf_counter() - t0
+        self._reply = reply
+        return reply

@@ -59,7 +59,8 @@ class SpeculationParams:
     grammar_forced, then ngram, then draft_model. "draft_model" is ignored on a
     worker configured without a draft model.
     ``draft_masking``: mask the draft model's logits at position i with the grammar
-    state after d_1..d_{i-1} (one mask round trip per draft position, batched).
+    state after d_1..d_{i-1} (one batched mask round trip per draft position, in flight
+    while that position's draft forward runs; see gpu_worker/drafting.py).
     """
 
     enabled: bool = True

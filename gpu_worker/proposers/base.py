@@ -5,6 +5,10 @@ still-open sequence asks the enabled proposers, in registry priority order, for
 d_i; the first proposal wins. Proposing per position is what lets cheap
 proposers (grammar-forced, n-gram) fill some positions and the draft model the
 rest, and what lets draft-side masks use the grammar state after d_1..d_{i-1}.
+
+A proposer with work that needs no mask (a model forward) splits it out into
+``prepare``: the step runs it while the position's mask request is in flight,
+and ``propose`` finishes from the prepared result once the mask row is known.
 """
 
 from __future__ import annotations
@@ -41,6 +45,12 @@ class DraftSlot:
     # [W] int32: grammar mask for the position being proposed, after d_1..d_{i-1};
     # None when this sequence has no grammar or no proposer asked for masks.
     mask_row: torch.Tensor | None = None
+    # Every [W] int32 row the draft-side mask requests returned, in order: row j is
+    # M_j, the mask after d_1..d_j. The verify path reuses them rather than ask again.
+    grammar_rows: list[torch.Tensor] = field(default_factory=list)
+    # Proposer.prepare results for the position being proposed, keyed by proposer
+    # name (e.g. the draft model's [V] float32 logits); cleared after each position.
+    prepared: dict[str, Any] = field(default_factory=dict)
     open: bool = True  # False once drafting stopped for this sequence this step
 
     def context(self) -> list[int]:
@@ -68,11 +78,15 @@ class Proposer(ABC):
 
     name: ClassVar[str]
     # Lower runs first. Cheap, certain sources go before the draft model so its
-    # forward is skipped at positions they fill.
+    # forward is skipped at positions they fill (where their inputs, e.g. the
+    # mask row, are known before the forward would start).
     priority: ClassVar[int]
     # True if this proposer needs DraftSlot.mask_row at every position (the step
     # then fetches masks for grammar sequences that enable it).
     needs_masks: ClassVar[bool] = False
+    # True if prepare() does work: the step then calls it for every slot that may
+    # reach this proposer, before the position's masks arrive.
+    prepares: ClassVar[bool] = False
 
     @classmethod
     def create(cls, resources: ProposerResources) -> "Proposer | None":
@@ -82,3 +96,9 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, slots: Sequence[DraftSlot], position: int) -> list[Proposal | None]:
         """Propose d_position (1-based) for each slot; None leaves the slot to the next proposer."""
+
+    def prepare(self, slots: Sequence[DraftSlot], position: int) -> None:
+        """Optional first half of ``propose`` that must not read ``slot.mask_row``:
+        store per-slot results in ``slot.prepared[self.name]``. ``propose`` must give
+        the same proposals whether or not this ran first (up to float rounding of a
+        differently batched forward), and must not rely on every slot being prepared."""

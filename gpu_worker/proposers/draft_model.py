@@ -7,6 +7,10 @@ exactly. With ``SpeculationParams.draft_masking`` the logits are masked with the
 grammar state after d_1..d_{i-1} before sampling, and q is then the masked,
 renormalised draft distribution (DESIGN.md step 1). Greedy requests take the
 argmax and return no q (one-hot).
+
+The forward needs only d_1..d_{i-1}, like the mask request for position i, so it
+is ``prepare`` (run while that request is in flight); ``propose`` masks and
+samples, forwarding any slot that was not prepared.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from gpu_worker.proposers.registry import register
 class DraftModelProposer(Proposer):
     name = "draft_model"
     priority = 20  # the expensive fallback: only positions nobody else filled
+    prepares = True  # the forward overlaps the position's mask request
 
     def __init__(self, runner: ModelRunner, vocab_size: int, kernel_backend=None) -> None:
         self.runner = runner
@@ -48,13 +53,10 @@ class DraftModelProposer(Proposer):
         pad = torch.full((logits.shape[0], self.vocab_size - width), float("-inf"), device=logits.device)
         return torch.cat([logits, pad], dim=1)
 
-    def propose(self, slots: Sequence[DraftSlot], position: int) -> list[Proposal | None]:
-        from kernels.bitmask import apply_token_bitmask_indirect_inplace
-        from kernels.draft_sampling import sample_draft
-        from kernels.sampling_params import SamplingTensors
-
+    def prepare(self, slots: Sequence[DraftSlot], position: int) -> None:
+        """One batched draft forward; stores each slot's [V] float32 logits for this position."""
         if not slots:
-            return []
+            return
         items = []
         for slot in slots:
             kv = slot.seq.draft_kv
@@ -62,6 +64,19 @@ class DraftModelProposer(Proposer):
                 raise RuntimeError(f"seq {slot.seq.seq_id}: draft_model enabled without a draft cache")
             items.append(ForwardItem(kv, slot.context()[kv.length :], num_logits=1))
         logits = self._fit_width(torch.cat(self.runner.forward(items), dim=0))  # [n, V] float32
+        for slot, row in zip(slots, logits):
+            slot.prepared[self.name] = row  # [V] float32
+
+    def propose(self, slots: Sequence[DraftSlot], position: int) -> list[Proposal | None]:
+        from kernels.bitmask import apply_token_bitmask_indirect_inplace
+        from kernels.draft_sampling import sample_draft
+        from kernels.sampling_params import SamplingTensors
+
+        if not slots:
+            return []
+        self.prepare([s for s in slots if self.name not in s.prepared], position)
+        # A fresh [n, V] tensor: masking below writes into it, never into prepared rows.
+        logits = torch.stack([s.prepared.pop(self.name) for s in slots])  # [n, V] float32
 
         masked = [
             s.mask_row is not None and s.seq.request.speculation.draft_masking for s in slots

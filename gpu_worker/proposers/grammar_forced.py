@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpu_worker.bitmask_rows import single_allowed_token
+import torch
+
+from gpu_worker.bitmask_rows import single_allowed_tokens
 from gpu_worker.proposers.base import DraftSlot, Proposal, Proposer, ProposerResources
 from gpu_worker.proposers.registry import register
 
@@ -30,8 +32,10 @@ class GrammarForcedProposer(Proposer):
         return cls(resources.vocab_size)
 
     def propose(self, slots: Sequence[DraftSlot], position: int) -> list[Proposal | None]:
-        out: list[Proposal | None] = []
-        for slot in slots:
-            token = None if slot.mask_row is None else single_allowed_token(slot.mask_row, self.vocab_size)
-            out.append(None if token is None else Proposal(token))
+        out: list[Proposal | None] = [None] * len(slots)
+        known = [i for i, slot in enumerate(slots) if slot.mask_row is not None]
+        if known:
+            rows = torch.stack([slots[i].mask_row for i in known])  # [n_known, W] int32
+            for i, token in zip(known, single_allowed_tokens(rows, self.vocab_size)):
+                out[i] = None if token is None else Proposal(token)
         return out

@@ -181,3 +181,41 @@ def test_step_output_statistics(make_worker):
     assert out.mask_time_s > 0
     info = worker.info()
     assert info.vocab_size == 300 and info.eos_token_ids == EOS and info.has_draft_model
+
+
+def test_mask_traffic_per_step(make_worker):
+    """Per step: the position-1 draft mask was sent right after the previous commit (and
+    carries it), one request per further draft position, then one verify request that
+    asks only for M_k (the draft-side requests returned M_0..M_{k-1}); a sequence
+    without a grammar adds nothing."""
+    worker = make_worker()
+    requests: list[list] = []
+    send = worker.masks.draft_masks_async
+
+    def spy(items):
+        requests.append(list(items))
+        return send(items)
+
+    worker.masks.draft_masks_async = spy
+    spec = SpeculationParams(k=3, proposers=("draft_model",), draft_masking=True)
+    seqs = [
+        NewSequence("g", (5, 6), GRAMMAR, SamplingParams(max_tokens=40), spec),
+        NewSequence("n", (5, 6), None, SamplingParams(max_tokens=40), spec),
+    ]
+    assert worker.add(seqs) == [None, None]
+    session = worker._seqs["g"].session_id
+    prefetched = False  # whether the previous step ended by sending this step's M_0
+    steps = 0
+    while "g" in worker._seqs:
+        requests.clear()
+        out = {o.seq_id: o for o in worker.step()}["g"]
+        steps += 1
+        assert all(len(r) == 1 and r[0].session_id == session and r[0].last_row_only for r in requests)
+        prefetch = out.finish_reason is None and worker.stepper.plan_k(worker._seqs["g"]) > 0
+        positions = list(range(1 if prefetched else 0, out.drafts_proposed))
+        verify = [out.drafts_proposed]
+        assert [len(r[0].draft_tokens) for r in requests] == positions + verify + ([0] if prefetch else [])
+        if prefetch:
+            assert list(requests[-1][0].commit_tokens) == out.new_token_ids
+        prefetched = prefetch
+    assert steps > 3
