@@ -15,5 +15,5 @@ def kuberay_crd_path() -> Path:
     data = shared_data_dir()
     path = (data / "kuberay" / "ray.io_rayclusters.yaml") if data else None
     if path is None or not path.is_file():
-        pytest.skip(f"KubeRay CRD not found at {path} (set SPECMASK_SHARED_DATA)")
+        pytest.skip("KubeRay CRD not found (set SPECMASK_SHARED_DATA or provide ../shared/data/kuberay)")
     return path
