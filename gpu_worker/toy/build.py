@@ -49,7 +49,7 @@ class ToyBuildConfig:
     target: ModelShape = ModelShape(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2)
     draft: ModelShape = ModelShape(hidden_size=64, intermediate_size=192, num_layers=1, num_heads=2, num_kv_heads=1)
     target_steps: int = 400
-    draft_steps: int = 150            # distillation: each step also runs the target forward
+    draft_steps: int = 300            # distillation (each step also runs the target forward); 150 gave alpha 0.62, 300 gives 0.90
     batch_size: int = 32
     target_lr: float = 3e-3
     draft_lr: float = 5e-3
