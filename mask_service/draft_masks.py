@@ -58,17 +58,26 @@ class DraftOutcome:
     error: MaskError | None = None
 
 
-def walk_drafts(matcher: object, drafts: Sequence[int], out: np.ndarray, last_row_only: bool) -> tuple[int, list[bool]]:
+def walk_drafts(
+    matcher: object,
+    drafts: Sequence[int],
+    out: np.ndarray,
+    last_row_only: bool,
+    *,
+    terminated: bool | None = None,
+) -> tuple[int, list[bool]]:
     """Fill mask rows for one request; leave ``matcher`` as it was.
 
     out: [k+1, W] int32 (or [1, W] when last_row_only), pre-filled with -1.
+    ``terminated``: whether the matcher's committed state is terminated, when the
+    caller already asked (saves a second engine call per request on the hot path).
     Returns (number of drafts the grammar accepts, which rows were filled).
     """
     m = matcher
     k = len(drafts)
     filled = [False] * out.shape[0]
     accepted = 0
-    stopped = m.is_terminated()  # type: ignore[attr-defined]
+    stopped = m.is_terminated() if terminated is None else terminated  # type: ignore[attr-defined]
     if not stopped and not last_row_only:
         m.fill_next_token_bitmask(out, 0)  # type: ignore[attr-defined]
         filled[0] = True
@@ -116,7 +125,7 @@ class DraftMaskEngine:
                 session.check_tokens(req.draft_tokens, "draft")
                 res.terminated = bool(session.matcher.is_terminated())
                 res.num_grammar_accepted, filled = walk_drafts(
-                    session.matcher, req.draft_tokens, out, req.last_row_only
+                    session.matcher, req.draft_tokens, out, req.last_row_only, terminated=res.terminated
                 )
         except MaskError as exc:
             res.error = exc
