@@ -42,6 +42,7 @@ import jsonschema
 
 from orchestrator.client import StreamedResult, build_request
 from orchestrator.local_stack import RunningStack, StackConfig, ensure_toy_models, running_stack
+from orchestrator.types import Usage
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc
 
@@ -64,10 +65,7 @@ class PhaseStats:
     truncated: int = 0  # finish LENGTH: cut before the document closed
     refused: int = 0  # INVALID_ARGUMENT
     errors: int = 0  # other RPC errors, finish ERROR
-    completion_tokens: int = 0
-    target_forwards: int = 0
-    drafts_proposed: int = 0
-    drafts_accepted: int = 0
+    usage: Usage = field(default_factory=Usage)  # summed over the phase's requests
     wall_s: float = 0.0
     steps: int = 0
     step_s: float = 0.0
@@ -76,7 +74,7 @@ class PhaseStats:
 
     @property
     def tokens_per_s(self) -> float:
-        return self.completion_tokens / self.wall_s if self.wall_s else 0.0
+        return self.usage.completion_tokens / self.wall_s if self.wall_s else 0.0
 
     @property
     def mean_step_ms(self) -> float:
@@ -85,14 +83,6 @@ class PhaseStats:
     @property
     def mean_batch(self) -> float:
         return self.sequence_steps / self.steps if self.steps else 0.0
-
-    @property
-    def tokens_per_target_forward(self) -> float:
-        return self.completion_tokens / self.target_forwards if self.target_forwards else 0.0
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
 
 
 TOY_SCHEMAS = "toy"
@@ -156,10 +146,10 @@ async def _one(
             return
     usage = result.usage or pb.Usage()
     lengths[index] = usage.completion_tokens
-    stats.completion_tokens += usage.completion_tokens
-    stats.target_forwards += usage.target_forwards
-    stats.drafts_proposed += usage.drafts_proposed
-    stats.drafts_accepted += usage.drafts_accepted
+    stats.usage.completion_tokens += usage.completion_tokens
+    stats.usage.target_forwards += usage.target_forwards
+    stats.usage.drafts_proposed += usage.drafts_proposed
+    stats.usage.drafts_accepted += usage.drafts_accepted
     if result.finish_reason == pb.FINISH_REASON_ERROR:
         stats.errors += 1
         stats.error_samples.append(f"{case.name}: finish ERROR: {result.error}")
@@ -211,9 +201,9 @@ def print_table(phases: list[PhaseStats]) -> None:
     cols = ("phase", "req", "valid", "invalid", "cut", "refused", "errors", "tokens", "wall s", "tok/s",
             "step ms", "batch", "tok/fwd", "accept")
     rows = [
-        (p.phase, p.requests, p.valid, p.invalid, p.truncated, p.refused, p.errors, p.completion_tokens,
+        (p.phase, p.requests, p.valid, p.invalid, p.truncated, p.refused, p.errors, p.usage.completion_tokens,
          f"{p.wall_s:.1f}", f"{p.tokens_per_s:.0f}", f"{p.mean_step_ms:.2f}", f"{p.mean_batch:.1f}",
-         f"{p.tokens_per_target_forward:.2f}", f"{p.acceptance_rate:.0%}")
+         f"{p.usage.tokens_per_target_forward:.2f}", f"{p.usage.acceptance_rate:.0%}")
         for p in phases
     ]
     widths = [max(len(str(c)), *(len(str(r[i])) for r in rows)) for i, c in enumerate(cols)]
@@ -251,8 +241,8 @@ async def bench(args: argparse.Namespace, cases: list[Case], stack: StackConfig)
         "truncated": constrained.truncated,
         "refused": constrained.refused,
         "errors": constrained.errors + unconstrained.errors + nodraftmask.errors + nospec.errors,
-        "tokens_per_target_forward": round(constrained.tokens_per_target_forward, 3),
-        "acceptance_rate": round(constrained.acceptance_rate, 3),
+        "tokens_per_target_forward": round(constrained.usage.tokens_per_target_forward, 3),
+        "acceptance_rate": round(constrained.usage.acceptance_rate, 3),
         "constrained_step_ms": round(constrained.mean_step_ms, 3),
         "unconstrained_step_ms": round(unconstrained.mean_step_ms, 3),
         "constrained_nodraftmask_step_ms": round(nodraftmask.mean_step_ms, 3),

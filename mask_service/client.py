@@ -40,6 +40,15 @@ _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 DEFAULT_TABLE_CAPACITY = 2048
 _BACKOFF_S = 0.05
 MAX_MESSAGE_BYTES = 64 * 1024**2
+# gRPC's default reconnect backoff grows to 120 s, and a channel in backoff
+# fails every call at once with UNAVAILABLE: a replica that restarts would stay
+# unreachable long after it is back, defeating the router's 5 s cool-down.
+# Capped at 2 s, a restarted replica is used again within a cool-down or two.
+RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
 # Resyncs per call before giving up: one is enough unless the table is
 # thrashing (a batch needs more distinct rows than the table holds).
 _MAX_RESYNCS = 2
@@ -112,6 +121,7 @@ class MaskServiceClient:
             options=[
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                *RECONNECT_OPTIONS,
             ],
         )
         self._stub = pb_grpc.MaskServiceStub(self._channel)

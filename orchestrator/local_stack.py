@@ -49,7 +49,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def health_status(address: str, *, service: str = "", timeout_s: float = 2.0) -> int | None:
     """The standard gRPC health status of ``service`` at ``address``; None if unreachable."""
-    with grpc.insecure_channel(address) as channel:
+    # A channel of its own: a probe reports the server as it is now, never the
+    # reconnect backoff of another channel to the same address in this process.
+    with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
@@ -144,6 +146,19 @@ class MaskServiceProcess:
     @property
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once the process has ended (negative: killed by that signal)."""
+        return None if self.process is None else self.process.poll()
+
+    def log_tail(self, max_bytes: int = 4000) -> str:
+        """The end of this replica's log file ('' when its output is discarded)."""
+        if self._log_path is None or not self._log_path.exists():
+            return ""
+        with open(self._log_path, "rb") as f:
+            f.seek(max(0, self._log_path.stat().st_size - max_bytes))
+            return f.read().decode(errors="replace")
 
 
 @dataclass(frozen=True)

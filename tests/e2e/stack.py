@@ -135,6 +135,18 @@ class ThreadStack:
                 client.close()
         return total
 
+    def assert_replicas_serving(self) -> None:
+        """Every mask-service replica is alive and SERVING; otherwise fail with its exit status and log."""
+        from orchestrator.local_stack import health_status
+
+        assert self.running is not None
+        for i, proc in enumerate(self.running.mask_services):
+            status = health_status(proc.address, timeout_s=10.0) if proc.running else None
+            assert status == 1, (
+                f"mask-service replica {i} at {proc.address} is not serving (health {status}, "
+                f"exit status {proc.returncode}); its log ends:\n{proc.log_tail()}"
+            )
+
     def wait_idle(self, timeout_s: float = 30.0) -> tuple[list[int], int]:
         """Wait until no worker holds a sequence and no replica holds a session; return the last counts."""
         deadline = time.monotonic() + timeout_s

@@ -132,6 +132,7 @@ def test_mask_service_down_fails_only_constrained_requests(stack: ThreadStack) -
             r.wait_serving()
     active, _ = stack.wait_idle()
     assert active == [0, 0]
+    stack.assert_replicas_serving()
     # Routers retry a dead replica after a short cool-down; then grammars work again.
     deadline = time.monotonic() + 60
     while True:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import grpc
 import numpy as np
@@ -113,3 +114,35 @@ def test_router_errors_name_router_session_ids(bpe_dir, registry, bpe_id, hf_tok
         router.close()
         for h in handles:
             h.stop(grace_s=0)
+
+
+def test_client_reaches_a_restarted_replica_within_seconds(bpe_dir, registry) -> None:  # type: ignore[no-untyped-def]
+    """A replica down for half a minute, then back on its port: an existing client (what a
+    router holds) uses it again within seconds. gRPC's default reconnect backoff would have
+    grown past 10 s by then, failing every call fast with UNAVAILABLE long after the restart."""
+    handle = build_service(make_config(bpe_dir), registry)
+    handle.server.start()
+    port = handle.port
+    client = MaskServiceClient(f"127.0.0.1:{port}", deadline_s=1.0, max_retries=0)
+    try:
+        assert client.session_count() == 0
+        handle.stop(grace_s=0)
+        down_until = time.monotonic() + 32.0
+        while time.monotonic() < down_until:  # keep calling, as a router would: backoff grows
+            with pytest.raises(MaskServiceError) as err:
+                client.session_count()
+            assert err.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            time.sleep(0.5)
+        handle = build_service(make_config(bpe_dir, port=port), registry)
+        handle.server.start()
+        restarted = time.monotonic()
+        while True:
+            try:
+                assert client.session_count() == 0
+                break
+            except MaskServiceError:
+                assert time.monotonic() - restarted < 5.0, "restarted replica still unreachable after 5 s"
+                time.sleep(0.1)
+    finally:
+        client.close()
+        handle.stop(grace_s=0)
