@@ -186,11 +186,24 @@ async def run_phase(
     async with grpc.aio.insecure_channel(running.address) as channel:
         stub = pb_grpc.OrchestratorServiceStub(channel)
         started = time.monotonic()
-        await asyncio.gather(*(
-            _one(stub, c, i, stats, constrained=constrained, speculation=speculation, draft_masking=draft_masking,
-                 max_tokens=max(1, budgets[i]), ignore_eos=exact, gate=gate, lengths=lengths)
-            for i, c in enumerate(cases)
-        ))
+        await asyncio.gather(
+            *(
+                _one(
+                    stub,
+                    c,
+                    i,
+                    stats,
+                    constrained=constrained,
+                    speculation=speculation,
+                    draft_masking=draft_masking,
+                    max_tokens=max(1, budgets[i]),
+                    ignore_eos=exact,
+                    gate=gate,
+                    lengths=lengths,
+                )
+                for i, c in enumerate(cases)
+            )
+        )
         stats.wall_s = time.monotonic() - started
     steps1, step_s1, seqs1 = metrics.step_totals()
     stats.steps, stats.step_s, stats.sequence_steps = steps1 - steps0, step_s1 - step_s0, seqs1 - seqs0
@@ -198,12 +211,39 @@ async def run_phase(
 
 
 def print_table(phases: list[PhaseStats]) -> None:
-    cols = ("phase", "req", "valid", "invalid", "cut", "refused", "errors", "tokens", "wall s", "tok/s",
-            "step ms", "batch", "tok/fwd", "accept")
+    cols = (
+        "phase",
+        "req",
+        "valid",
+        "invalid",
+        "cut",
+        "refused",
+        "errors",
+        "tokens",
+        "wall s",
+        "tok/s",
+        "step ms",
+        "batch",
+        "tok/fwd",
+        "accept",
+    )
     rows = [
-        (p.phase, p.requests, p.valid, p.invalid, p.truncated, p.refused, p.errors, p.usage.completion_tokens,
-         f"{p.wall_s:.1f}", f"{p.tokens_per_s:.0f}", f"{p.mean_step_ms:.2f}", f"{p.mean_batch:.1f}",
-         f"{p.usage.tokens_per_target_forward:.2f}", f"{p.usage.acceptance_rate:.0%}")
+        (
+            p.phase,
+            p.requests,
+            p.valid,
+            p.invalid,
+            p.truncated,
+            p.refused,
+            p.errors,
+            p.usage.completion_tokens,
+            f"{p.wall_s:.1f}",
+            f"{p.tokens_per_s:.0f}",
+            f"{p.mean_step_ms:.2f}",
+            f"{p.mean_batch:.1f}",
+            f"{p.usage.tokens_per_target_forward:.2f}",
+            f"{p.usage.acceptance_rate:.0%}",
+        )
         for p in phases
     ]
     widths = [max(len(str(c)), *(len(str(r[i])) for r in rows)) for i, c in enumerate(cols)]
@@ -220,14 +260,30 @@ async def bench(args: argparse.Namespace, cases: list[Case], stack: StackConfig)
         # Warm-up: first steps pay for lazy init (allocator, kernels, grammar compiles).
         await run_phase(running, cases, "warmup", constrained=True, max_tokens=8, concurrency=args.concurrency)
         common = dict(concurrency=args.concurrency)
-        constrained, lengths = await run_phase(running, cases, "constrained", constrained=True,
-                                               max_tokens=args.max_tokens, **common)
-        unconstrained, _ = await run_phase(running, cases, "unconstrained", constrained=False,
-                                           max_tokens=lengths, **common)
-        nodraftmask, _ = await run_phase(running, cases, "constrained-nodraftmask", constrained=True,
-                                         draft_masking=False, max_tokens=args.max_tokens, **common)
-        nospec, _ = await run_phase(running, cases, "constrained-nospec", constrained=True, speculation=False,
-                                    max_tokens=args.max_tokens, **common)
+        constrained, lengths = await run_phase(
+            running, cases, "constrained", constrained=True, max_tokens=args.max_tokens, **common
+        )
+        unconstrained, _ = await run_phase(
+            running, cases, "unconstrained", constrained=False, max_tokens=lengths, **common
+        )
+        nodraftmask, _ = await run_phase(
+            running,
+            cases,
+            "constrained-nodraftmask",
+            constrained=True,
+            draft_masking=False,
+            max_tokens=args.max_tokens,
+            **common,
+        )
+        nospec, _ = await run_phase(
+            running,
+            cases,
+            "constrained-nospec",
+            constrained=True,
+            speculation=False,
+            max_tokens=args.max_tokens,
+            **common,
+        )
         device = running.server.info.device
     print_table([constrained, unconstrained, nodraftmask, nospec])
 
@@ -257,8 +313,11 @@ async def bench(args: argparse.Namespace, cases: list[Case], stack: StackConfig)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schemas", required=True,
-                        help="dir of *.json schemas (bare or JSONSchemaBench), or 'toy' for the toy pair's schemas")
+    parser.add_argument(
+        "--schemas",
+        required=True,
+        help="dir of *.json schemas (bare or JSONSchemaBench), or 'toy' for the toy pair's schemas",
+    )
     parser.add_argument("--n", type=int, default=None, help="requests (cycles through the schemas; default: one each)")
     parser.add_argument("--concurrency", type=int, default=64, help="requests in flight at once")
     parser.add_argument("--max-tokens", type=int, default=400)

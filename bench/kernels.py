@@ -78,7 +78,11 @@ def _inputs(batch: int, num_drafts: int, vocab: int, device: torch.device, gen: 
     bitmask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32).to(device)  # [num_tokens, W]
     num_disallowed = int((~allowed).sum())
     draft_probs = torch.softmax(torch.randn(batch * num_drafts, vocab, generator=gen), -1).to(device)
-    draft_ids = torch.multinomial(draft_probs.cpu(), 1, generator=gen).squeeze(1).to(device) if num_drafts else torch.empty(0, dtype=torch.long, device=device)
+    draft_ids = (
+        torch.multinomial(draft_probs.cpu(), 1, generator=gen).squeeze(1).to(device)
+        if num_drafts
+        else torch.empty(0, dtype=torch.long, device=device)
+    )
     cu = (torch.arange(1, batch + 1, dtype=torch.int32) * num_drafts).to(device)  # [B]
     sampling = SamplingTensors.from_lists(
         [0.0 if r % 2 == 0 else 1.0 for r in range(batch)], seeds=list(range(batch)), device=device
@@ -95,7 +99,9 @@ def run(grid: dict, device: torch.device, reps: int) -> list[Row]:
     gen = torch.Generator().manual_seed(0)
     rows: list[Row] = []
     for batch, num_drafts, vocab in itertools.product(grid["batch"], grid["num_drafts"], grid["vocab"]):
-        logits, bitmask, num_disallowed, draft_probs, draft_ids, cu, sampling = _inputs(batch, num_drafts, vocab, device, gen)
+        logits, bitmask, num_disallowed, draft_probs, draft_ids, cu, sampling = _inputs(
+            batch, num_drafts, vocab, device, gen
+        )
         elem = logits.element_size()
         shape = dict(batch=batch, num_drafts=num_drafts, vocab=vocab)
 
@@ -105,19 +111,36 @@ def run(grid: dict, device: torch.device, reps: int) -> list[Row]:
         mask_bytes = bitmask.numel() * 4 + num_disallowed * elem
         work = logits.clone()
         for name, backend in impls:
-            add("apply_bitmask", name, _timeit(lambda: apply_token_bitmask_inplace(work, bitmask, backend=backend), device, reps), mask_bytes)
-        add("apply_bitmask", "xgrammar", _timeit(lambda: xgrammar.apply_token_bitmask_inplace(work, bitmask), device, reps), mask_bytes)
+            add(
+                "apply_bitmask",
+                name,
+                _timeit(lambda: apply_token_bitmask_inplace(work, bitmask, backend=backend), device, reps),
+                mask_bytes,
+            )
+        add(
+            "apply_bitmask",
+            "xgrammar",
+            _timeit(lambda: xgrammar.apply_token_bitmask_inplace(work, bitmask), device, reps),
+            mask_bytes,
+        )
 
         apply_token_bitmask_inplace(logits, bitmask, backend=Backend.REFERENCE)
         reject_bytes = logits.numel() * elem + draft_probs.numel() * 4
         for name, backend in impls:
-            ms = _timeit(lambda: rejection_sample(draft_ids, cu, draft_probs, logits, sampling, backend=backend), device, reps)
+            ms = _timeit(
+                lambda: rejection_sample(draft_ids, cu, draft_probs, logits, sampling, backend=backend), device, reps
+            )
             add("rejection_sample", name, ms, reject_bytes)
 
         draft_logits = logits[:batch]
         draft_bytes = draft_logits.numel() * elem + draft_logits.numel() * 4
         for name, backend in impls:
-            add("sample_draft", name, _timeit(lambda: sample_draft(draft_logits, sampling, backend=backend), device, reps), draft_bytes)
+            add(
+                "sample_draft",
+                name,
+                _timeit(lambda: sample_draft(draft_logits, sampling, backend=backend), device, reps),
+                draft_bytes,
+            )
     return rows
 
 
@@ -134,12 +157,15 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"{'op':<17} {'impl':<10} {'B':>3} {'k':>2} {'V':>7} {'ms':>9} {'MB':>8} {'GB/s':>8}")
     for r in rows:
-        print(f"{r.op:<17} {r.impl:<10} {r.batch:>3} {r.num_drafts:>2} {r.vocab:>7} {r.ms:>9.3f} {r.bytes / 1e6:>8.2f} {r.gbps:>8.2f}")
+        shape = f"{r.batch:>3} {r.num_drafts:>2} {r.vocab:>7}"
+        print(f"{r.op:<17} {r.impl:<10} {shape} {r.ms:>9.3f} {r.bytes / 1e6:>8.2f} {r.gbps:>8.2f}")
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result = {
         "device": device_name,
         "quick": args.quick,
-        "triton": "timed" if device.type == "cuda" else "not timed: no CUDA device (interpreter timings are meaningless)",
+        "triton": "timed"
+        if device.type == "cuda"
+        else "not timed: no CUDA device (interpreter timings are meaningless)",
         "rows": [asdict(r) for r in rows],
     }
     print("RESULT " + json.dumps(result))

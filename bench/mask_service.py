@@ -96,7 +96,7 @@ def _select_docs(args: argparse.Namespace, hf: Any, registry: Any, tid: str) -> 
             ll = llguidance.LLMatcher.grammar_from_json_schema(
                 spec.text, defaults={"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
             )
-        except Exception:  # noqa: BLE001 — llguidance is only a comparison; skip what it cannot compile
+        except Exception:
             ll = None
         docs.append(Doc(spec, data["schema"], toks + stops[:1], compiled, ll))
     logger.info("selected %d schemas (%d refused)", len(docs), refused)
@@ -220,7 +220,9 @@ def run_batch_matcher(docs: list[Doc], steps: list[list[SlotStep]], k: int, w: i
         for pos in range(k + 1):
             if not active:
                 break
-            bm.batch_fill_next_token_bitmask([matchers[step[i].slot] for i in active], out, indices=[int(offs[i]) + pos for i in active])
+            bm.batch_fill_next_token_bitmask(
+                [matchers[step[i].slot] for i in active], out, indices=[int(offs[i]) + pos for i in active]
+            )
             cand = [i for i in active if pos < len(step[i].drafts)]
             if not cand:
                 break
@@ -238,7 +240,9 @@ def run_batch_matcher(docs: list[Doc], steps: list[list[SlotStep]], k: int, w: i
     return times
 
 
-def run_llguidance(docs: list[Doc], steps: list[list[SlotStep]], hf: Any, vocab: int, stops: list[int], threads: int) -> list[float]:
+def run_llguidance(
+    docs: list[Doc], steps: list[list[SlotStep]], hf: Any, vocab: int, stops: list[int], threads: int
+) -> list[float]:
     import llguidance
     import llguidance.hf
     import llguidance.numpy as lln
@@ -273,10 +277,26 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_service(args: argparse.Namespace, docs: list[Doc], steps: list[list[SlotStep]], tid: str, serial_out: list[np.ndarray]) -> dict[str, Any]:
+def run_service(
+    args: argparse.Namespace, docs: list[Doc], steps: list[list[SlotStep]], tid: str, serial_out: list[np.ndarray]
+) -> dict[str, Any]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "orchestrator.cli", "mask-service", "--host", "127.0.0.1", "--port", str(port),
-           "--tokenizer", args.tokenizer, "--log-level", "WARNING", "--mask-threads", str(args.threads)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "mask-service",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tokenizer",
+        args.tokenizer,
+        "--log-level",
+        "WARNING",
+        "--mask-threads",
+        str(args.threads),
+    ]
     proc = subprocess.Popen(cmd)
     client = MaskServiceClient(f"127.0.0.1:{port}", deadline_s=120.0, track_bytes=True)
     try:
@@ -285,7 +305,7 @@ def run_service(args: argparse.Namespace, docs: list[Doc], steps: list[list[Slot
             try:
                 client.session_count()
                 break
-            except Exception:  # noqa: BLE001 — not up yet
+            except Exception:
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise RuntimeError("mask service did not start") from None
                 time.sleep(0.3)
@@ -303,7 +323,9 @@ def run_service(args: argparse.Namespace, docs: list[Doc], steps: list[list[Slot
                     sessions[ss.slot] = client.open_session(tid, docs[ss.doc].spec)
                     seqs[ss.slot] = 0
                 seqs[ss.slot] += 1
-                items.append(DraftMaskItem(sessions[ss.slot], ss.drafts, commit_tokens=ss.commit, commit_seq=seqs[ss.slot]))
+                items.append(
+                    DraftMaskItem(sessions[ss.slot], ss.drafts, commit_tokens=ss.commit, commit_seq=seqs[ss.slot])
+                )
             t0 = time.perf_counter()
             dense, _ = client.draft_masks_numpy(items)  # [num_rows, W]
             times.append(time.perf_counter() - t0)
@@ -361,8 +383,20 @@ def main(argv: list[str] | None = None) -> int:
     serial_t, serial_out = run_serial(docs, steps, args.k, w)
     extra = []
     if args.strategies:
-        extra.append((f"xgrammar threads x{args.threads} (in-process)", run_threads(docs, steps, args.k, w, args.threads)[wu:], None))
-        extra.append((f"xgrammar BatchGrammarMatcher x{args.threads}", run_batch_matcher(docs, steps, args.k, w, args.threads)[wu:], None))
+        extra.append(
+            (
+                f"xgrammar threads x{args.threads} (in-process)",
+                run_threads(docs, steps, args.k, w, args.threads)[wu:],
+                None,
+            )
+        )
+        extra.append(
+            (
+                f"xgrammar BatchGrammarMatcher x{args.threads}",
+                run_batch_matcher(docs, steps, args.k, w, args.threads)[wu:],
+                None,
+            )
+        )
     ll_t = run_llguidance(docs, steps, hf, vocab, list(registry.get(tid).stop_token_ids), args.threads)
     svc = run_service(args, docs, steps, tid, serial_out)
     rows_per_step = svc["rows"] / len(steps)
@@ -372,11 +406,13 @@ def main(argv: list[str] | None = None) -> int:
         (f"llguidance par ({args.threads} thr)", ll_t[wu:], None),
         ("mask service (gRPC loopback)", svc["times"][wu:], svc["bytes"] / svc["rows"]),
     ]
-    print(f"\nB={args.batch} k={args.k} steps={len(steps)} rows/step={rows_per_step:.1f} vocab={vocab} schemas={len(docs)}")
+    print(f"\nB={args.batch} k={args.k} steps={len(steps)} rows/step={rows_per_step:.1f}", end=" ")
+    print(f"vocab={vocab} schemas={len(docs)}")
     print(f"{'method':34s} {'us/row':>8s} {'p50 ms':>8s} {'p99 ms':>8s} {'bytes/row':>10s}")
     for name, ts, bpr in table:
         us = float(np.median(ts)) / rows_per_step * 1e6
-        print(f"{name:34s} {us:8.2f} {_pct(ts, 50):8.3f} {_pct(ts, 99):8.3f} {('%.1f' % bpr) if bpr else str(w * 4):>10s}")
+        row_bytes = f"{bpr:.1f}" if bpr else str(w * 4)
+        print(f"{name:34s} {us:8.2f} {_pct(ts, 50):8.3f} {_pct(ts, 99):8.3f} {row_bytes:>10s}")
     result = {
         "service_step_p50_ms": round(_pct(svc["times"][wu:], 50), 4),
         "service_step_p99_ms": round(_pct(svc["times"][wu:], 99), 4),

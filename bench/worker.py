@@ -183,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                 ratio = rows[AWARE]["tokens_per_forward"] / rows[BLIND]["tokens_per_forward"]
             report[split] = {"schemas": len(schemas), "modes": rows, "grammar_aware_vs_blind": ratio}
             print(f"\n{split} schemas ({len(schemas)} sequences, greedy, identical outputs across modes)")
-            print(f"{'mode':<20} {'tok/fwd':>8} {'accept':>7} {'ms/tok':>8} {'tokens':>7} {'fwds':>6} {'draft fwds':>10}")
+            print(
+                f"{'mode':<20} {'tok/fwd':>8} {'accept':>7} {'ms/tok':>8} {'tokens':>7} {'fwds':>6} {'draft fwds':>10}"
+            )
             for mode, r in rows.items():
                 print(
                     f"{mode:<20} {r['tokens_per_forward']:>8.2f} {r['acceptance_rate']:>7.2f} "

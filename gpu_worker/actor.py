@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpu_worker.config import WorkerConfig
+from gpu_worker.kv_cache import SequenceKV
 from gpu_worker.loading import (
     eos_token_ids,
     has_tokenizer,
@@ -27,7 +28,6 @@ from gpu_worker.loading import (
     resolve_device,
     resolve_dtype,
 )
-from gpu_worker.kv_cache import SequenceKV
 from gpu_worker.masks import MaskChannel
 from gpu_worker.model_runner import ForwardItem, ModelRunner
 from gpu_worker.proposers.base import ProposerResources
@@ -103,7 +103,12 @@ class GpuWorker:
         self._rng = random.Random(config.seed)
         logger.info(
             "worker ready: target=%s draft=%s device=%s V=%d max_len=%d proposers=%s",
-            config.target_dir, config.draft_dir, self.device, self.vocab_size, self.max_model_len, sorted(self.proposers),
+            config.target_dir,
+            config.draft_dir,
+            self.device,
+            self.vocab_size,
+            self.max_model_len,
+            sorted(self.proposers),
         )
 
     def _check_shared_tokenizer(self, draft_dir: str) -> None:
@@ -151,7 +156,7 @@ class GpuWorker:
             if state.request.grammar is not None:
                 try:
                     state.session_id = self.masks.open_session(state.request.grammar)  # type: ignore[union-attr]
-                except Exception as exc:  # noqa: BLE001 - MaskServiceError (bad grammar) or transport
+                except Exception as exc:
                     errors[i] = f"grammar refused by the mask service: {exc}"
                     logger.warning("seq %s: opening mask session failed: %s", state.seq_id, exc)
                     continue
@@ -159,7 +164,7 @@ class GpuWorker:
 
         try:
             self._prefill([s for _, s in opened])
-        except Exception as exc:  # noqa: BLE001 - e.g. out of memory; the worker stays up
+        except Exception as exc:
             logger.exception("prefill of %d sequences failed", len(opened))
             for i, state in opened:
                 errors[i] = f"prefill failed: {exc}"
@@ -169,7 +174,11 @@ class GpuWorker:
             self._seqs[state.seq_id] = state
             logger.info(
                 "seq %s added: prompt=%d grammar=%s k=%d proposers=%s",
-                state.seq_id, state.prompt_len, state.has_grammar, state.k, state.proposers,
+                state.seq_id,
+                state.prompt_len,
+                state.has_grammar,
+                state.k,
+                state.proposers,
             )
         return errors
 
@@ -180,7 +189,7 @@ class GpuWorker:
             return []
         try:
             outputs = self.stepper.run(batch)
-        except Exception as exc:  # noqa: BLE001 - state of the batch is unknown: fail it, keep serving
+        except Exception as exc:
             logger.exception("step failed for %d sequences", len(batch))
             outputs = [StepOutput(s.seq_id, [], FinishReason.ERROR, error=f"step failed: {exc}") for s in batch]
         for out in outputs:
@@ -190,7 +199,10 @@ class GpuWorker:
                 self._free(state)
                 logger.info(
                     "seq %s finished: %s after %d output tokens%s",
-                    out.seq_id, out.finish_reason.name, state.num_output, f" ({out.error})" if out.error else "",
+                    out.seq_id,
+                    out.finish_reason.name,
+                    state.num_output,
+                    f" ({out.error})" if out.error else "",
                 )
         return outputs
 

@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
-    """"auto" -> cuda when present, else cpu. Called at load time, never at import."""
+    """ "auto" -> cuda when present, else cpu. Called at load time, never at import."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)

@@ -43,19 +43,19 @@ class MaskChannel:
         self.num_mask_words = (vocab_size + 31) // 32
 
     @classmethod
-    def connect(cls, addresses: Sequence[str], *, tokenizer_id: str, vocab_size: int, deadline_s: float) -> "MaskChannel":
+    def connect(cls, addresses: Sequence[str], *, tokenizer_id: str, vocab_size: int, deadline_s: float) -> MaskChannel:
         from mask_service.router import MaskRouter
 
         return cls(MaskRouter(list(addresses), deadline_s=deadline_s), tokenizer_id=tokenizer_id, vocab_size=vocab_size)
 
-    def _submit(self, fn: Callable[..., T], *args: Any) -> "Future[T]":
+    def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         return self._pool.submit(fn, *args)
 
     def open_session(self, spec: GrammarSpec) -> str:
         """Open a session for the target tokenizer and logits width (raises MaskServiceError)."""
         return self._submit(self._router.open_session, self.tokenizer_id, spec, self.vocab_size).result()
 
-    def draft_masks_async(self, items: Sequence[Any]) -> "Future[tuple[list[Any], float]]":
+    def draft_masks_async(self, items: Sequence[Any]) -> Future[tuple[list[Any], float]]:
         """Submit a batched DraftMasks call; the future gives (results, seconds on the I/O thread)."""
 
         def call() -> tuple[list[Any], float]:
@@ -71,7 +71,7 @@ class MaskChannel:
         def call() -> None:
             try:
                 self._router.close_session(session_id)
-            except Exception as exc:  # noqa: BLE001 - logged, the service evicts by TTL anyway
+            except Exception as exc:
                 logger.warning("seq %s: closing mask session %s failed: %s", seq_id, session_id, exc)
 
         self._submit(call)
@@ -159,7 +159,7 @@ class PendingMasks:
                 msg = f"mask service did not answer within {self._timeout_s:.1f}s"
                 reply.errors.update((session_id, msg) for session_id in remaining)
                 break
-            except Exception as exc:  # noqa: BLE001 - attributed to one item or to all below
+            except Exception as exc:
                 failed = getattr(exc, "session_id", None) or ""
                 if remaining.pop(failed, None) is None:
                     reply.errors.update((session_id, f"mask service: {exc}") for session_id in remaining)

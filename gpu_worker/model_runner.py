@@ -113,7 +113,9 @@ class ModelRunner:
         for r, it in enumerate(items):
             input_ids[r, : new_lens[r]] = torch.tensor(list(it.token_ids), dtype=torch.long, device=dev)
             attention_mask[r, max_past - past_lens[r] : max_past + new_lens[r]] = 1
-        position_ids = torch.tensor(past_lens, device=dev).unsqueeze(1) + torch.arange(max_new, device=dev)  # [B, T_max]
+        position_ids = torch.tensor(past_lens, device=dev).unsqueeze(1) + torch.arange(
+            max_new, device=dev
+        )  # [B, T_max]
 
         cache = DynamicCache()
         if max_past > 0:

@@ -185,7 +185,12 @@ class StepRunner:
                 kv.crop(valid)
         logger.debug(
             "seq %s: k=%d accepted=%d emitted=%s kept=%d finish=%s",
-            seq.seq_id, len(slot.drafts), num_accepted, emitted, len(kept), reason,
+            seq.seq_id,
+            len(slot.drafts),
+            num_accepted,
+            emitted,
+            len(kept),
+            reason,
         )
         return StepOutput(
             seq.seq_id,

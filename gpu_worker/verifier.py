@@ -85,7 +85,9 @@ def verify(
     needs_q = any(inp.temperature > 0 and any(q is not None for q in inp.q_rows) for inp in inputs)
     draft_probs = None
     if needs_q and flat_drafts:
-        draft_probs = torch.zeros(len(flat_drafts), vocab_size, dtype=torch.float32, device=device)  # [num_draft_tokens, V]
+        draft_probs = torch.zeros(
+            len(flat_drafts), vocab_size, dtype=torch.float32, device=device
+        )  # [num_draft_tokens, V]
         row = 0
         for inp in inputs:
             for tok, q in zip(inp.drafts, inp.q_rows):

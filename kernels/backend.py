@@ -65,7 +65,5 @@ def resolve_backend(backend: Backend | None, device: torch.device) -> Backend:
     elif not isinstance(backend, Backend):
         raise TypeError(f"backend must be a kernels.backend.Backend or None, got {backend!r}")
     if backend is Backend.TRITON and device.type != "cuda" and not triton_interpret_enabled():
-        raise ValueError(
-            f"Backend.TRITON needs CUDA tensors or TRITON_INTERPRET=1; tensors are on {device}"
-        )
+        raise ValueError(f"Backend.TRITON needs CUDA tensors or TRITON_INTERPRET=1; tensors are on {device}")
     return backend

@@ -23,7 +23,7 @@ import torch
 
 from kernels.backend import Backend, resolve_backend
 
-__all__ = ["apply_token_bitmask_inplace", "apply_token_bitmask_indirect_inplace"]
+__all__ = ["apply_token_bitmask_indirect_inplace", "apply_token_bitmask_inplace"]
 
 
 def _check(logits: torch.Tensor, mask: torch.Tensor, name: str) -> None:

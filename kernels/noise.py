@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["REJECTION_STREAM", "draft_stream", "mix_seed", "draw_noise"]
+__all__ = ["REJECTION_STREAM", "draft_stream", "draw_noise", "mix_seed"]
 
 REJECTION_STREAM = 0
 

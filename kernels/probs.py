@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["logits_to_probs", "apply_top_k_top_p"]
+__all__ = ["apply_top_k_top_p", "logits_to_probs"]
 
 
 def apply_top_k_top_p(

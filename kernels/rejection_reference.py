@@ -37,7 +37,11 @@ def rejection_accept(
         # Leviathan et al. 2023: accept with probability min(1, p(d)/q(d)), i.e. u < p/q,
         # written u*q < p so that p = 0 (a grammar-forbidden draft) is never accepted.
         p_d = target_probs[target_row, draft_token_ids]
-        q_d = draft_probs[torch.arange(num_drafts_total, device=device), draft_token_ids] if draft_probs is not None else torch.ones_like(p_d)
+        q_d = (
+            draft_probs[torch.arange(num_drafts_total, device=device), draft_token_ids]
+            if draft_probs is not None
+            else torch.ones_like(p_d)
+        )
         random_accept = uniforms * q_d < p_d
         accept = torch.where(temperature[draft_req] == 0.0, greedy_accept, random_accept)
     else:

@@ -15,7 +15,7 @@ import torch
 
 from kernels.backend import Backend, resolve_backend
 
-__all__ = ["SamplingTensors", "RowSamplingParams", "expand_sampling_params"]
+__all__ = ["RowSamplingParams", "SamplingTensors", "expand_sampling_params"]
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,7 @@ def expand_sampling_params(
 ) -> tuple[RowSamplingParams, Backend]:
     """Broadcast per-request parameters to the k_r + 1 target rows of each request."""
     if cu_num_draft_tokens.dim() != 1 or cu_num_draft_tokens.shape[0] != sampling.batch_size:
-        raise ValueError(
-            f"cu_num_draft_tokens must be [{sampling.batch_size}], got {tuple(cu_num_draft_tokens.shape)}"
-        )
+        raise ValueError(f"cu_num_draft_tokens must be [{sampling.batch_size}], got {tuple(cu_num_draft_tokens.shape)}")
     ran = resolve_backend(backend, cu_num_draft_tokens.device)
     if ran is Backend.TRITON:
         from kernels import sampling_params_triton as impl

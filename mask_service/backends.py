@@ -10,7 +10,8 @@ used by the benchmark as a comparison, not as a serving backend.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from mask_service.errors import GrammarError
 from mask_service.grammar import GrammarKind, GrammarSpec

@@ -16,8 +16,9 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 import numpy as np
@@ -75,7 +76,7 @@ class DraftMaskItem:
 
 @dataclass(frozen=True)
 class DraftMaskResult:
-    bitmask: "torch.Tensor"  # [k+1, W] int32 ([1, W] with last_row_only); rows past the stop are all-ones
+    bitmask: torch.Tensor  # [k+1, W] int32 ([1, W] with last_row_only); rows past the stop are all-ones
     num_grammar_accepted: int  # how many of d_1..d_k the grammar accepts (prefix length)
     terminated: bool  # matcher terminated after commit_tokens (committed state)
     accepts_stop_after: list[bool] | None = None  # not computed by the service (read stop bits from rows)
@@ -91,8 +92,8 @@ class IndirectDraftMasks:
     the table was cleared (a GPU-side mirror must then re-upload everything).
     """
 
-    mask_table: "torch.Tensor"  # [num_table_rows, W] int32
-    row_ids: "torch.Tensor"  # [num_rows] int32, rows of request r at cu_num_rows[r-1]..cu_num_rows[r]
+    mask_table: torch.Tensor  # [num_table_rows, W] int32
+    row_ids: torch.Tensor  # [num_rows] int32, rows of request r at cu_num_rows[r-1]..cu_num_rows[r]
     cu_num_rows: list[int]  # [B] cumulative rows per request
     num_grammar_accepted: list[int]  # [B]
     terminated: list[bool]  # [B]
@@ -154,14 +155,18 @@ class MaskServiceClient:
 
     # -- API ----------------------------------------------------------------
     def validate_grammar(self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None) -> None:
-        self._call(self._stub.ValidateGrammar, pb.ValidateGrammarRequest(target=self._target(tokenizer_id, spec, vocab_size)))
+        self._call(
+            self._stub.ValidateGrammar, pb.ValidateGrammarRequest(target=self._target(tokenizer_id, spec, vocab_size))
+        )
 
     def open_session(self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None) -> str:
         req = pb.OpenSessionRequest(target=self._target(tokenizer_id, spec, vocab_size))
         resp = self._call(self._stub.OpenSession, req, retry_on=(grpc.StatusCode.UNAVAILABLE,))
         return resp.session_id
 
-    def open_session_info(self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None) -> pb.OpenSessionResponse:
+    def open_session_info(
+        self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None
+    ) -> pb.OpenSessionResponse:
         """Like open_session, with vocab_size / num_mask_words / stop_token_ids of the session."""
         req = pb.OpenSessionRequest(target=self._target(tokenizer_id, spec, vocab_size))
         return self._call(self._stub.OpenSession, req, retry_on=(grpc.StatusCode.UNAVAILABLE,))
@@ -184,7 +189,7 @@ class MaskServiceClient:
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> "MaskServiceClient":
+    def __enter__(self) -> MaskServiceClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -230,11 +235,15 @@ class MaskServiceClient:
                 except MissingRow as exc:
                     # Our dictionary and the server's belief diverged (lost reply,
                     # out-of-order replies, server restart, full table): resync.
-                    logger.info("row dictionary resync (%s), generation %d -> %d", exc, self._generation, self._generation + 1)
+                    logger.info(
+                        "row dictionary resync (%s), generation %d -> %d", exc, self._generation, self._generation + 1
+                    )
                     if not table.has_room(len(resp.new_rows)) or not table.has_room(len(resp.row_ids)):
                         table.clear()
                     self._generation += 1
-        raise MaskServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, "row dictionary could not be synchronised; raise table_capacity")
+        raise MaskServiceError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, "row dictionary could not be synchronised; raise table_capacity"
+        )
 
     def draft_masks(self, items: Sequence[DraftMaskItem]) -> list[DraftMaskResult]:
         import torch
@@ -266,7 +275,11 @@ class MaskServiceClient:
             cu.append(total)
             acc.append(r.num_grammar_accepted)
             term.append(r.terminated)
-        mask_table = torch.from_numpy(table.table[: table.num_rows]) if table is not None else torch.empty(0, 0, dtype=torch.int32)
+        mask_table = (
+            torch.from_numpy(table.table[: table.num_rows])
+            if table is not None
+            else torch.empty(0, 0, dtype=torch.int32)
+        )
         return IndirectDraftMasks(mask_table, torch.from_numpy(slots), cu, acc, term, self._generation)
 
 

@@ -23,9 +23,9 @@ tensor set-up dominates for a linear chain) and is not used.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -109,7 +109,9 @@ class DraftMaskEngine:
         self._sessions = sessions
         self._interner = interner
         self._threads = max(1, num_threads)
-        self._pool = ThreadPoolExecutor(max_workers=self._threads - 1, thread_name_prefix="masks") if self._threads > 1 else None
+        self._pool = (
+            ThreadPoolExecutor(max_workers=self._threads - 1, thread_name_prefix="masks") if self._threads > 1 else None
+        )
         self.max_batch = max_batch
         self.max_k = max_k
 
@@ -135,7 +137,9 @@ class DraftMaskEngine:
         res.rows = [self._interner.intern(out[i], w) if filled[i] else None for i in range(out.shape[0])]
         return res
 
-    def _chunk(self, jobs: list[tuple[int, DraftRequest, Session | MaskError, np.ndarray]], results: list[DraftOutcome]) -> None:
+    def _chunk(
+        self, jobs: list[tuple[int, DraftRequest, Session | MaskError, np.ndarray]], results: list[DraftOutcome]
+    ) -> None:
         for idx, req, session, out in jobs:
             if isinstance(session, MaskError):
                 results[idx] = DraftOutcome(error=session)

@@ -22,9 +22,9 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
 
 import grpc
 
@@ -111,7 +111,13 @@ class MaskRouter:
                     continue
                 raise
             if rec.remote_id:
-                logger.info("session %s moved %s -> %s (%d tokens replayed)", session_id, rec.address, address, len(rec.committed))
+                logger.info(
+                    "session %s moved %s -> %s (%d tokens replayed)",
+                    session_id,
+                    rec.address,
+                    address,
+                    len(rec.committed),
+                )
             rec.address, rec.remote_id = address, remote
             return
         raise last_exc or MaskServiceError(grpc.StatusCode.UNAVAILABLE, "no mask-service replica reachable")
@@ -156,7 +162,10 @@ class MaskRouter:
                         terminated = self._clients[rec.address].commit(rec.remote_id, seq, tokens)
                         break
                     except MaskServiceError as exc:
-                        if attempt == len(self._clients) or exc.code not in (*_FAILOVER_CODES, grpc.StatusCode.NOT_FOUND):
+                        if attempt == len(self._clients) or exc.code not in (
+                            *_FAILOVER_CODES,
+                            grpc.StatusCode.NOT_FOUND,
+                        ):
                             raise
                         self._recover(session_id, rec, exc)
             except MaskServiceError as exc:
@@ -220,7 +229,9 @@ class MaskRouter:
                     rec.last_seq = it.commit_seq
         return [r for r in results if r is not None]
 
-    def _group_call(self, address: str, idx: list[int], items: Sequence[DraftMaskItem], recs: list[_SessionRecord]) -> list[DraftMaskResult]:
+    def _group_call(
+        self, address: str, idx: list[int], items: Sequence[DraftMaskItem], recs: list[_SessionRecord]
+    ) -> list[DraftMaskResult]:
         remote_items = [replace(items[i], session_id=recs[i].remote_id) for i in idx]
         try:
             return self._clients[address].draft_masks(remote_items)
@@ -239,7 +250,12 @@ class MaskRouter:
         try:
             self._clients[rec.address].close_session(rec.remote_id)
         except MaskServiceError as exc:
-            logger.info("close of session %s on %s failed (%s); the replica's TTL reclaims it", session_id, rec.address, exc.code.name)
+            logger.info(
+                "close of session %s on %s failed (%s); the replica's TTL reclaims it",
+                session_id,
+                rec.address,
+                exc.code.name,
+            )
 
     def session_count(self) -> int:
         """Sessions this router holds (replica-side counts may include other routers' sessions)."""

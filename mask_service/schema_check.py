@@ -85,13 +85,47 @@ _LOOKAROUND_OR_BACKREF = re.compile(r"\(\?<?[=!]|\\[1-9]|\\k<")
 # Keywords that constrain an instance (annotations, unknown keywords and $defs do not).
 _VALIDATION_KEYWORDS = frozenset(
     {
-        "type", "enum", "const", "$ref", "$dynamicRef", "$recursiveRef", "anyOf", "oneOf", "not",
-        "if", "then", "else", "properties", "patternProperties", "additionalProperties",
-        "unevaluatedProperties", "required", "minProperties", "maxProperties", "propertyNames",
-        "dependencies", "dependentRequired", "dependentSchemas", "items", "prefixItems",
-        "additionalItems", "unevaluatedItems", "contains", "minContains", "maxContains", "minItems",
-        "maxItems", "uniqueItems", "minLength", "maxLength", "pattern", "minimum", "maximum",
-        "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+        "type",
+        "enum",
+        "const",
+        "$ref",
+        "$dynamicRef",
+        "$recursiveRef",
+        "anyOf",
+        "oneOf",
+        "not",
+        "if",
+        "then",
+        "else",
+        "properties",
+        "patternProperties",
+        "additionalProperties",
+        "unevaluatedProperties",
+        "required",
+        "minProperties",
+        "maxProperties",
+        "propertyNames",
+        "dependencies",
+        "dependentRequired",
+        "dependentSchemas",
+        "items",
+        "prefixItems",
+        "additionalItems",
+        "unevaluatedItems",
+        "contains",
+        "minContains",
+        "maxContains",
+        "minItems",
+        "maxItems",
+        "uniqueItems",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "multipleOf",
     }
 )
 
@@ -123,7 +157,9 @@ def _check_winner(schema: dict[str, Any], path: str, root: Any) -> None:
     if winner in ("const", "enum"):
         values = [schema["const"]] if winner == "const" else schema["enum"]
         if isinstance(values, list) and not any(value_has_type(v, t) for v in values):
-            raise GrammarError(f"unsupported at {path}/{winner}: no '{winner}' value has the 'type' next to it (unsatisfiable schema)")
+            raise GrammarError(
+                f"unsupported at {path}/{winner}: no '{winner}' value has the 'type' next to it (unsatisfiable schema)"
+            )
     elif winner == "$ref":
         if not is_subtype(schema, t, root):
             raise GrammarError(
@@ -202,11 +238,15 @@ def check_schema(schema: Any, path: str = "#", root: Any = None) -> None:
         if key == "uniqueItems" and value is True:
             raise GrammarError(f"unsupported JSON Schema keyword at {where}: 'uniqueItems: true' is not enforced")
         if key == "$ref" and isinstance(value, str) and not value.startswith("#"):
-            raise GrammarError(f"unsupported $ref at {where}: only local references ('#/...') are resolved, got {value!r}")
+            raise GrammarError(
+                f"unsupported $ref at {where}: only local references ('#/...') are resolved, got {value!r}"
+            )
         if key == "pattern" and isinstance(value, str):
             _check_regex(value, where)
             if "minLength" in schema or "maxLength" in schema:
-                raise GrammarError(f"unsupported at {path}: 'pattern' combined with minLength/maxLength is not enforced")
+                raise GrammarError(
+                    f"unsupported at {path}: 'pattern' combined with minLength/maxLength is not enforced"
+                )
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             for name, sub in value.items():
                 if key == "patternProperties":

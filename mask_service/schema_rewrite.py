@@ -50,8 +50,20 @@ from mask_service.json_regex import json_safe_pattern
 # plain string). With one of these, xgrammar ignores pattern/minLength/maxLength.
 XGRAMMAR_FORMATS = frozenset(
     {
-        "email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
-        "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer",
+        "email",
+        "date",
+        "time",
+        "date-time",
+        "duration",
+        "ipv4",
+        "ipv6",
+        "hostname",
+        "uuid",
+        "uri",
+        "uri-reference",
+        "uri-template",
+        "json-pointer",
+        "relative-json-pointer",
     }
 )
 _JSON_CHAR = r'[^"\\\x00-\x1f'  # prefix of a negated class of JSON-safe characters
@@ -69,8 +81,19 @@ FORMAT_PATTERNS = {
 # Keys that make xgrammar parse a schema as something other than "any value".
 _DISPATCH_KEYS = frozenset(
     {
-        "type", "$ref", "const", "enum", "anyOf", "oneOf", "allOf", "properties", "additionalProperties",
-        "unevaluatedProperties", "items", "prefixItems", "unevaluatedItems",
+        "type",
+        "$ref",
+        "const",
+        "enum",
+        "anyOf",
+        "oneOf",
+        "allOf",
+        "properties",
+        "additionalProperties",
+        "unevaluatedProperties",
+        "items",
+        "prefixItems",
+        "unevaluatedItems",
     }
 )
 _STRING_KEYS = ("minLength", "maxLength", "pattern")
@@ -102,11 +125,11 @@ def value_has_type(value: Any, t: Any) -> bool:
     for name in types_of(t):
         if name is None:
             return True
-        if name == "null" and value is None or name == "boolean" and isinstance(value, bool):
+        if (name == "null" and value is None) or (name == "boolean" and isinstance(value, bool)):
             return True
-        if name in ("number", "integer") and isinstance(value, (int, float)) and not isinstance(value, bool):
-            if name == "number" or isinstance(value, int) or value.is_integer():
-                return True
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if name in ("number", "integer") and is_number and (name == "number" or float(value).is_integer()):
+            return True
         if (name, type(value)) in (("string", str), ("array", list), ("object", dict)):
             return True
     return False
@@ -232,8 +255,10 @@ def _rewrite_node(node: dict[str, Any], path: str, property_names: bool, root: A
         missing = [r for r in out["required"] if isinstance(r, str) and not (isinstance(props, dict) and r in props)]
         if missing:
             extra = out.get("additionalProperties")
-            out["properties"] = {**(props if isinstance(props, dict) else {}),
-                                 **{r: (extra if isinstance(extra, dict) else {}) for r in missing}}
+            out["properties"] = {
+                **(props if isinstance(props, dict) else {}),
+                **{r: (extra if isinstance(extra, dict) else {}) for r in missing},
+            }
     t = out.get("type")
     if t == "string" or (isinstance(t, list) and "string" in t) or (property_names and t is None):
         fmt = out.get("format")  # on a schema without a type, xgrammar ignores format
@@ -260,7 +285,9 @@ def _walk(schema: Any, path: str, property_names: bool = False, root: Any = None
             for name, s in value.items():
                 new_name = json_safe_pattern(name, f"{where}/{name}") if key == "patternProperties" else name
                 if new_name in sub:
-                    raise GrammarError(f"unsupported patternProperties at {where}: two keys become {new_name!r} when made JSON-safe")
+                    raise GrammarError(
+                        f"unsupported patternProperties at {where}: two keys become {new_name!r} when made JSON-safe"
+                    )
                 sub[new_name] = _walk(s, f"{where}/{name}", root=root)
             out[key] = sub
         elif isinstance(value, (dict, list)):

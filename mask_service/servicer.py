@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import grpc
 
@@ -39,7 +40,7 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
             logger.info("%s -> %s: %s", what, exc.code.value, exc.message)
             metrics.RPC_ERRORS.labels(exc.code.value).inc()
             context.abort(getattr(grpc.StatusCode, exc.code.value), exc.message)
-        except Exception:  # noqa: BLE001 — last line of defence: never a traceback to the client
+        except Exception:
             logger.exception("%s failed", what)
             metrics.RPC_ERRORS.labels("INTERNAL").inc()
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {what}")
@@ -49,7 +50,9 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
         spec = grammar_from_proto(target.grammar)
         return self._cache.get(target.tokenizer_id, target.vocab_size or None, spec)
 
-    def ValidateGrammar(self, request: pb.ValidateGrammarRequest, context: grpc.ServicerContext) -> pb.ValidateGrammarResponse:
+    def ValidateGrammar(
+        self, request: pb.ValidateGrammarRequest, context: grpc.ServicerContext
+    ) -> pb.ValidateGrammarResponse:
         def run() -> pb.ValidateGrammarResponse:
             entry, hit = self._compile(request.target)
             return pb.ValidateGrammarResponse(compiled_bytes=entry.size_bytes, cache_hit=hit)

@@ -12,8 +12,9 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from mask_service.compiler_cache import CompiledEntry
 from mask_service.errors import InvalidArgument, LimitExceeded, SessionNotFound, TokenRejected
@@ -93,7 +94,9 @@ class SessionStore:
         with self._lock:
             session = self._sessions.get(session_id)
         if session is None:
-            raise SessionNotFound(f"unknown session {session_id!r} (closed, evicted after idle TTL, or another replica)")
+            raise SessionNotFound(
+                f"unknown session {session_id!r} (closed, evicted after idle TTL, or another replica)"
+            )
         session.last_used = time.monotonic()
         return session
 

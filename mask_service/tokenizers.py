@@ -38,7 +38,7 @@ class TokenizerSource:
     stop_token_ids: tuple[int, ...] | None = None
 
     @classmethod
-    def parse(cls, flag: str) -> "TokenizerSource":
+    def parse(cls, flag: str) -> TokenizerSource:
         path, sep, size = flag.rpartition(":")
         if sep and size.isdigit() and path:
             return cls(path=path, vocab_size=int(size))

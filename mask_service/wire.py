@@ -243,7 +243,7 @@ class RowTable:
     def has_room(self, n: int) -> bool:
         return self.num_rows + n <= self.capacity
 
-    def absorb(self, new_rows: "list[pb.NewRow] | object", row_ids: "list[int]") -> np.ndarray:
+    def absorb(self, new_rows: list[pb.NewRow] | object, row_ids: list[int]) -> np.ndarray:
         """Intern ``new_rows`` and map ``row_ids`` to slots. Returns [num_rows] int32 slots.
 
         Raises MissingRow if an id is neither held nor sent.

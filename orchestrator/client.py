@@ -12,9 +12,7 @@ import grpc
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc
 
-FINISH_REASON_NAMES = {
-    value: name.removeprefix("FINISH_REASON_").lower() for name, value in pb.FinishReason.items()
-}
+FINISH_REASON_NAMES = {value: name.removeprefix("FINISH_REASON_").lower() for name, value in pb.FinishReason.items()}
 
 
 def build_request(
@@ -48,8 +46,13 @@ def build_request(
     elif any_json:
         req.grammar.any_json.SetInParent()
     s = req.sampling
-    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed),
-                        ("max_tokens", max_tokens)):
+    for name, value in (
+        ("temperature", temperature),
+        ("top_p", top_p),
+        ("top_k", top_k),
+        ("seed", seed),
+        ("max_tokens", max_tokens),
+    ):
         if value is not None:
             setattr(s, name, value)
     s.stop.extend(stop)
@@ -115,7 +118,7 @@ class OrchestratorClient:
     def close(self) -> None:
         self._channel.close()
 
-    def __enter__(self) -> "OrchestratorClient":
+    def __enter__(self) -> OrchestratorClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

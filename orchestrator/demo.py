@@ -107,8 +107,10 @@ async def _demo(stack: StackConfig) -> int:
     schemas = _schemas()
     print("Starting the stack: mask service, Ray worker, orchestrator ...", flush=True)
     async with running_stack(stack) as running:
-        print(f"Stack is up: orchestrator at {running.address}, "
-              f"mask service at {running.mask_services[0].address}.\n", flush=True)
+        print(
+            f"Stack is up: orchestrator at {running.address}, mask service at {running.mask_services[0].address}.\n",
+            flush=True,
+        )
         async with grpc.aio.insecure_channel(running.address) as channel:
             stub = pb_grpc.OrchestratorServiceStub(channel)
             outcomes: list[Outcome] = []
@@ -151,10 +153,14 @@ async def _demo(stack: StackConfig) -> int:
     truncated = sum(o.truncated for o in outcomes)
     bad = len(outcomes) - valid - truncated
     print("\n== Summary " + "=" * 66)
-    print(f"  completed outputs valid against their schema: {valid}/{valid + bad}"
-          + (f"  ({truncated} cut at max_tokens: the toy model loops on a schema it never saw)" if truncated else ""))
-    print(f"  tokens per target forward:          {produced / max(forwards, 1):.2f}  "
-          f"({produced} tokens / {forwards} forwards; 1.00 = no speculation gain)")
+    print(
+        f"  completed outputs valid against their schema: {valid}/{valid + bad}"
+        + (f"  ({truncated} cut at max_tokens: the toy model loops on a schema it never saw)" if truncated else "")
+    )
+    print(
+        f"  tokens per target forward:          {produced / max(forwards, 1):.2f}  "
+        f"({produced} tokens / {forwards} forwards; 1.00 = no speculation gain)"
+    )
     print(f"  draft acceptance:                   {accepted / max(proposed, 1):.0%}  ({accepted}/{proposed} drafts)")
     print("Stack stopped.")
     # Failure = a completed output that does not validate, an error, or a missed refusal.

@@ -251,7 +251,7 @@ class Engine:
                 await self._iterate(slot)
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - a worker failure must never end the server
+            except Exception as exc:
                 self._on_worker_failure(slot, exc)
             self._metrics.running.labels(worker=str(slot.index)).set(len(slot.running))
 

@@ -100,8 +100,18 @@ def run(args: argparse.Namespace) -> int:
     finish_name = FINISH_REASON_NAMES.get(finish, str(finish))
     if args.json:
         usage_dict = {f.name: getattr(usage, f.name) for f in pb.Usage.DESCRIPTOR.fields} if usage is not None else {}
-        print(json.dumps({"request_id": request_id, "text": text, "token_ids": token_ids,
-                          "finish_reason": finish_name, "error": error, "usage": usage_dict}))
+        print(
+            json.dumps(
+                {
+                    "request_id": request_id,
+                    "text": text,
+                    "token_ids": token_ids,
+                    "finish_reason": finish_name,
+                    "error": error,
+                    "usage": usage_dict,
+                }
+            )
+        )
     else:
         sys.stdout.write("\n")
     _print_stats(finish_name, error, usage)

@@ -100,7 +100,7 @@ class MaskServiceProcess:
         self._extra_args = tuple(extra_args)
         self.process: subprocess.Popen | None = None
 
-    def start(self, *, wait: bool = True) -> "MaskServiceProcess":
+    def start(self, *, wait: bool = True) -> MaskServiceProcess:
         cmd = [sys.executable, "-m", "orchestrator.cli", "mask-service"]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
         for tok in self._tokenizer_dirs:
@@ -211,7 +211,6 @@ def stop_all(procs: Sequence[MaskServiceProcess]) -> None:
         p.stop()
 
 
-
 def ensure_toy_models(out_dir: str | Path | None = None, *, progress: bool = True) -> tuple[str, str]:
     """The toy target/draft pair, trained on first use and cached (gpu_worker.toy.build)."""
     from gpu_worker.toy.build import DEFAULT_OUT_DIR, build_toy_models
@@ -222,7 +221,7 @@ def ensure_toy_models(out_dir: str | Path | None = None, *, progress: bool = Tru
 
 @dataclass
 class RunningStack:
-    server: "OrchestratorServer"
+    server: OrchestratorServer
     port: int
     mask_services: list[MaskServiceProcess]
     config: OrchestratorConfig

@@ -19,16 +19,25 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="interface for the API and metrics (0.0.0.0 in containers)")
     parser.add_argument("--port", type=int, default=50051, help="API port (0 = pick a free one)")
-    parser.add_argument("--mask-service", required=True, metavar="ADDR[,ADDR...]",
-                        help="mask-service replica addresses (host:port), comma-separated; all go to every worker")
-    parser.add_argument("--ray-address", default="local",
-                        help="Ray cluster address, or 'local' to start one in-process")
+    parser.add_argument(
+        "--mask-service",
+        required=True,
+        metavar="ADDR[,ADDR...]",
+        help="mask-service replica addresses (host:port), comma-separated; all go to every worker",
+    )
+    parser.add_argument(
+        "--ray-address", default="local", help="Ray cluster address, or 'local' to start one in-process"
+    )
     parser.add_argument("--target", required=True, metavar="DIR", help="target model dir (HF format, with tokenizer)")
     parser.add_argument("--draft", default=None, metavar="DIR", help="draft model dir (omit: no draft-model proposer)")
     parser.add_argument("--num-workers", type=int, default=1, help="GPU worker actors")
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (omit: off)")
-    parser.add_argument("--max-queue", type=int, default=cfg.DEFAULT_MAX_QUEUE,
-                        help="requests validating or waiting before RESOURCE_EXHAUSTED")
+    parser.add_argument(
+        "--max-queue",
+        type=int,
+        default=cfg.DEFAULT_MAX_QUEUE,
+        help="requests validating or waiting before RESOURCE_EXHAUSTED",
+    )
     parser.add_argument("--max-batch", type=int, default=cfg.DEFAULT_MAX_BATCH, help="active sequences per worker")
     parser.add_argument("--max-k", type=int, default=cfg.DEFAULT_MAX_K, help="largest k a request may ask for")
     parser.add_argument("--default-k", type=int, default=cfg.DEFAULT_K, help="k for requests that name none")
@@ -36,8 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output (default: the model's)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="auto", help="worker device: auto, cpu, cuda")
-    parser.add_argument("--worker-num-gpus", type=float, default=None,
-                        help="GPUs per worker actor (default: 1 if the Ray cluster has GPUs, else 0)")
+    parser.add_argument(
+        "--worker-num-gpus",
+        type=float,
+        default=None,
+        help="GPUs per worker actor (default: 1 if the Ray cluster has GPUs, else 0)",
+    )
     parser.add_argument("--step-timeout-s", type=float, default=cfg.DEFAULT_STEP_TIMEOUT_S)
     parser.add_argument("--worker-start-timeout-s", type=float, default=cfg.DEFAULT_WORKER_START_TIMEOUT_S)
     parser.add_argument("--mask-deadline-s", type=float, default=cfg.DEFAULT_MASK_DEADLINE_S)

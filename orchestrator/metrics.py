@@ -36,8 +36,10 @@ class OrchestratorMetrics:
             "specmask_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
         )
         self.request_tokens_per_second = Histogram(
-            "specmask_request_tokens_per_second", "Completion tokens / (finish - first token)",
-            buckets=_TPS_BUCKETS, registry=r,
+            "specmask_request_tokens_per_second",
+            "Completion tokens / (finish - first token)",
+            buckets=_TPS_BUCKETS,
+            registry=r,
         )
         self.prompt_tokens = Counter("specmask_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generated_tokens = Counter("specmask_generated_tokens", "Completion tokens emitted", registry=r)
@@ -54,16 +56,23 @@ class OrchestratorMetrics:
             "specmask_tokens_per_target_forward", "generated_tokens / target_forwards since start", registry=r
         )
         self.mask_wait = Histogram(
-            "specmask_mask_wait_seconds", "Per worker step: time waiting on the mask service",
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "specmask_mask_wait_seconds",
+            "Per worker step: time waiting on the mask service",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.step_latency = Histogram(
-            "specmask_worker_step_seconds", "One worker step as seen by the orchestrator (Ray round trip included)",
-            ["worker"], buckets=_LATENCY_BUCKETS, registry=r,
+            "specmask_worker_step_seconds",
+            "One worker step as seen by the orchestrator (Ray round trip included)",
+            ["worker"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.batch_size = Histogram(
-            "specmask_worker_batch_size", "Sequences per worker step",
-            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r,
+            "specmask_worker_batch_size",
+            "Sequences per worker step",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            registry=r,
         )
         self.queue_depth = Gauge("specmask_queue_depth", "Requests validating or waiting for a batch slot", registry=r)
         self.running = Gauge("specmask_running_requests", "Requests placed on a worker", ["worker"], registry=r)

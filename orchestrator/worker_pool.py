@@ -107,5 +107,5 @@ def stop_workers(actors: list[Any]) -> None:
     for actor in actors:
         try:
             ray.kill(actor)
-        except Exception as exc:  # noqa: BLE001 - best effort on shutdown
+        except Exception as exc:
             logger.warning("could not kill worker actor: %r", exc)

@@ -34,8 +34,8 @@ def _proto_files() -> list[Path]:
 
 def generate(out_dir: Path) -> None:
     """Run protoc over every .proto under proto/src into ``out_dir``."""
-    from grpc_tools import protoc  # dev dependency; imported lazily
     import grpc_tools
+    from grpc_tools import protoc  # dev dependency; imported lazily
 
     out_dir.mkdir(parents=True, exist_ok=True)
     well_known = Path(grpc_tools.__file__).parent / "_proto"

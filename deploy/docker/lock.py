@@ -26,8 +26,14 @@ OUT_DIR = Path(__file__).parent / "requirements"
 # compiler/matcher (see deploy/README.md, "xgrammar and torch").
 XGRAMMAR_IMPORT_DEPS = ["apache-tvm-ffi", "pydantic", "numpy", "typing-extensions", "transformers", "torch"]
 SPECMASK_BASE = [
-    "grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf",
-    "numpy", "prometheus-client", "jsonschema", "tqdm",
+    "grpcio",
+    "grpcio-health-checking",
+    "grpcio-reflection",
+    "protobuf",
+    "numpy",
+    "prometheus-client",
+    "jsonschema",
+    "tqdm",
 ]
 # CPU torch comes from the PyTorch CPU index (no CUDA libraries, no triton).
 CPU_TORCH_INDEX = "--extra-index-url https://download.pytorch.org/whl/cpu"
@@ -36,12 +42,18 @@ IMAGES: dict[str, dict] = {
     "mask-service": {"roots": SPECMASK_BASE + XGRAMMAR_IMPORT_DEPS, "header": [CPU_TORCH_INDEX]},
     # The orchestrator is a Ray client: its ray and Python minor version must
     # equal the cluster's (gpu-worker image).
-    "orchestrator": {"roots": SPECMASK_BASE + XGRAMMAR_IMPORT_DEPS + ["ray", "tokenizers", "safetensors"],
-                     "header": [CPU_TORCH_INDEX]},
+    "orchestrator": {
+        "roots": SPECMASK_BASE + XGRAMMAR_IMPORT_DEPS + ["ray", "tokenizers", "safetensors"],
+        "header": [CPU_TORCH_INDEX],
+    },
     # torch here is the PyPI CUDA build; it pins its nvidia-* libraries and
     # triton itself, so they are not listed (the venv holds the CPU build).
-    "gpu-worker": {"roots": SPECMASK_BASE + XGRAMMAR_IMPORT_DEPS + ["ray", "tokenizers", "safetensors"],
-                   "header": [], "gpu_torch": True, "ray_extras": "default"},
+    "gpu-worker": {
+        "roots": SPECMASK_BASE + XGRAMMAR_IMPORT_DEPS + ["ray", "tokenizers", "safetensors"],
+        "header": [],
+        "gpu_torch": True,
+        "ray_extras": "default",
+    },
 }
 # Build-time only; never copied into the runtime stage.
 EXCLUDE = {"pip", "setuptools", "wheel", "xgrammar", "specmask"}

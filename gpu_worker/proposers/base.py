@@ -89,7 +89,7 @@ class Proposer(ABC):
     prepares: ClassVar[bool] = False
 
     @classmethod
-    def create(cls, resources: ProposerResources) -> "Proposer | None":
+    def create(cls, resources: ProposerResources) -> Proposer | None:
         """Build from worker resources; None when the worker cannot run this proposer."""
         return cls()
 
@@ -97,7 +97,7 @@ class Proposer(ABC):
     def propose(self, slots: Sequence[DraftSlot], position: int) -> list[Proposal | None]:
         """Propose d_position (1-based) for each slot; None leaves the slot to the next proposer."""
 
-    def prepare(self, slots: Sequence[DraftSlot], position: int) -> None:
+    def prepare(self, slots: Sequence[DraftSlot], position: int) -> None:  # noqa: B027 - optional hook
         """Optional first half of ``propose`` that must not read ``slot.mask_row``:
         store per-slot results in ``slot.prepared[self.name]``. ``propose`` must give
         the same proposals whether or not this ran first (up to float rounding of a

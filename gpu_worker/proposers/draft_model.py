@@ -37,7 +37,7 @@ class DraftModelProposer(Proposer):
         self.kernel_backend = kernel_backend
 
     @classmethod
-    def create(cls, resources: ProposerResources) -> "DraftModelProposer | None":
+    def create(cls, resources: ProposerResources) -> DraftModelProposer | None:
         if resources.draft_runner is None:
             return None
         return cls(resources.draft_runner, resources.vocab_size, resources.kernel_backend)
@@ -78,14 +78,12 @@ class DraftModelProposer(Proposer):
         # A fresh [n, V] tensor: masking below writes into it, never into prepared rows.
         logits = torch.stack([s.prepared.pop(self.name) for s in slots])  # [n, V] float32
 
-        masked = [
-            s.mask_row is not None and s.seq.request.speculation.draft_masking for s in slots
-        ]
+        masked = [s.mask_row is not None and s.seq.request.speculation.draft_masking for s in slots]
         if any(masked):
             num_words = next(s.mask_row for s, m in zip(slots, masked) if m).shape[-1]
-            table = torch.stack(
-                [s.mask_row if m else all_ones_row(num_words) for s, m in zip(slots, masked)]
-            ).to(logits.device)  # [n, W] int32
+            table = torch.stack([s.mask_row if m else all_ones_row(num_words) for s, m in zip(slots, masked)]).to(
+                logits.device
+            )  # [n, W] int32
             row_ids = torch.arange(len(slots), dtype=torch.int32, device=logits.device)  # [n]
             apply_token_bitmask_indirect_inplace(logits, table, row_ids, backend=self.kernel_backend)
 

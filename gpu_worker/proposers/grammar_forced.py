@@ -28,7 +28,7 @@ class GrammarForcedProposer(Proposer):
         self.vocab_size = vocab_size  # V: bits >= V stand for no token
 
     @classmethod
-    def create(cls, resources: ProposerResources) -> "GrammarForcedProposer":
+    def create(cls, resources: ProposerResources) -> GrammarForcedProposer:
         return cls(resources.vocab_size)
 
     def propose(self, slots: Sequence[DraftSlot], position: int) -> list[Proposal | None]:

@@ -39,7 +39,7 @@ class NgramProposer(Proposer):
         self.n_max = n_max
 
     @classmethod
-    def create(cls, resources: ProposerResources) -> "NgramProposer":
+    def create(cls, resources: ProposerResources) -> NgramProposer:
         return cls(resources.ngram_min, resources.ngram_max)
 
     def propose(self, slots: Sequence[DraftSlot], position: int) -> list[Proposal | None]:

@@ -12,8 +12,8 @@ present with its recorded size; otherwise it is rebuilt from scratch.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import fcntl
+import hashlib
 import json
 import logging
 import shutil
@@ -37,25 +37,28 @@ BUILD_FORMAT_VERSION = 1
 # Modules whose source is part of the recipe: editing any of them rebuilds.
 _RECIPE_MODULES = (corpus, schemas, tokenizer, train, values)
 
+TARGET_SHAPE = ModelShape(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2)
+DRAFT_SHAPE = ModelShape(hidden_size=64, intermediate_size=192, num_layers=1, num_heads=2, num_kv_heads=1)
+
 
 @dataclass(frozen=True)
 class ToyBuildConfig:
     seed: int = 0
-    vocab_size: int = 768            # BPE size incl. EOS and the 256 byte tokens
-    num_train_docs: int = 12_800     # one epoch of target training at 400 x 32
-    num_eval_docs: int = 256         # per split (train-distribution, held-out schemas)
+    vocab_size: int = 768  # BPE size incl. EOS and the 256 byte tokens
+    num_train_docs: int = 12_800  # one epoch of target training at 400 x 32
+    num_eval_docs: int = 256  # per split (train-distribution, held-out schemas)
     max_position_embeddings: int = 512
     # Feasibility note (shared/data/README.md): 4x128 target, 400 steps x 32 ~ 70 s on 2 cores.
-    target: ModelShape = ModelShape(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2)
-    draft: ModelShape = ModelShape(hidden_size=64, intermediate_size=192, num_layers=1, num_heads=2, num_kv_heads=1)
+    target: ModelShape = TARGET_SHAPE
+    draft: ModelShape = DRAFT_SHAPE
     target_steps: int = 400
-    draft_steps: int = 300            # distillation (each step also runs the target forward); 150 gave alpha 0.62, 300 gives 0.90
+    draft_steps: int = 300  # distillation (each step also runs the target forward); 150 gave alpha 0.62, 300 gives 0.90
     batch_size: int = 32
     target_lr: float = 3e-3
     draft_lr: float = 5e-3
 
     @classmethod
-    def tiny(cls, seed: int = 0) -> "ToyBuildConfig":
+    def tiny(cls, seed: int = 0) -> ToyBuildConfig:
         """Seconds-long build for tests: same pipeline, toy-of-a-toy sizes."""
         return cls(
             seed=seed,
@@ -79,7 +82,7 @@ class BuildResult:
     out_dir: Path
     target_dir: Path
     draft_dir: Path
-    rebuilt: bool                    # False: served from the cache
+    rebuilt: bool  # False: served from the cache
     manifest: dict[str, Any] = field(repr=False)
 
 
@@ -196,17 +199,27 @@ def _train_into(staging: Path, config: ToyBuildConfig, *, progress: bool) -> tup
         def on_step(loss: float) -> None:
             bar.set_postfix_str(f"{phase} loss={loss:.3f}", refresh=False)
             bar.update(1)
+
         return on_step
 
     common = dict(batch_size=config.batch_size, pad_id=eos_id)
     t0 = time.perf_counter()
     target = train.init_model(config.target, vocab_size, eos_id, max_len, seed)
-    target_loss = train.train(target, data, steps=config.target_steps, lr=config.target_lr, seed=seed,
-                              on_step=tick("target"), **common)
+    target_loss = train.train(
+        target, data, steps=config.target_steps, lr=config.target_lr, seed=seed, on_step=tick("target"), **common
+    )
     t1 = time.perf_counter()
     draft = train.init_model(config.draft, vocab_size, eos_id, max_len, seed + 1)
-    draft_loss = train.train(draft, data, steps=config.draft_steps, lr=config.draft_lr, seed=seed + 1,
-                             teacher=target, on_step=tick("draft"), **common)
+    draft_loss = train.train(
+        draft,
+        data,
+        steps=config.draft_steps,
+        lr=config.draft_lr,
+        seed=seed + 1,
+        teacher=target,
+        on_step=tick("draft"),
+        **common,
+    )
     t2 = time.perf_counter()
     bar.close()
 

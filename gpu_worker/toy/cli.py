@@ -14,12 +14,20 @@ logger = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["build"], help="build: train the pair unless an up-to-date build exists")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT_DIR,
-                        help=f"output dir (default: ./{DEFAULT_OUT_DIR}); gets target/, draft/, manifest.json")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=DEFAULT_OUT_DIR,
+        help=f"output dir (default: ./{DEFAULT_OUT_DIR}); gets target/, draft/, manifest.json",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even if an up-to-date build exists")
     parser.add_argument("--seed", type=int, default=0, help="seed of corpus, tokenizer and training (default 0)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice); results are reproducible per thread count")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's choice); results are reproducible per thread count",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from gpu_worker.toy.schemas import Schema, prompt_for
 from gpu_worker.toy.values import string_generator
@@ -29,8 +30,8 @@ _P_NOT_NULL = 0.7
 @dataclass(frozen=True)
 class Example:
     schema_name: str
-    prompt: str     # text before the document
-    document: str   # compact JSON; the model must emit this, then EOS
+    prompt: str  # text before the document
+    document: str  # compact JSON; the model must emit this, then EOS
 
 
 def generate_value(schema: Schema, rng: random.Random, schema_name: str, prop: str = "") -> Any:

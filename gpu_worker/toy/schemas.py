@@ -173,7 +173,14 @@ HELDOUT_SCHEMAS: dict[str, Schema] = {
             "pnr": _STR,
             "passenger": _obj({"given_names": _STR, "surname": _STR, "frequent_flyer": _BOOL}),
             "segments": _arr(
-                _obj({"flight_no": _STR, "origin_iata": _STR, "dest_iata": _STR, "cabin": _enum("economy", "premium", "business", "first")}),
+                _obj(
+                    {
+                        "flight_no": _STR,
+                        "origin_iata": _STR,
+                        "dest_iata": _STR,
+                        "cabin": _enum("economy", "premium", "business", "first"),
+                    }
+                ),
                 1,
                 3,
             ),
@@ -212,7 +219,14 @@ HELDOUT_SCHEMAS: dict[str, Schema] = {
         {
             "station": _STR,
             "days": _arr(
-                _obj({"weekday": _enum("mon", "tue", "wed", "thu", "fri", "sat", "sun"), "high_c": _int(-30, 50), "low_c": _int(-40, 40), "precip_mm": _num(0, 300)}),
+                _obj(
+                    {
+                        "weekday": _enum("mon", "tue", "wed", "thu", "fri", "sat", "sun"),
+                        "high_c": _int(-30, 50),
+                        "low_c": _int(-40, 40),
+                        "precip_mm": _num(0, 300),
+                    }
+                ),
                 1,
                 4,
             ),

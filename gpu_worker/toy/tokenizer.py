@@ -9,8 +9,8 @@ digits and punctuation runs apart, so merges form JSON punctuation such as
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 

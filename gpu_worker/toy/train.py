@@ -8,8 +8,8 @@ models run in float32 on CPU.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,8 +36,8 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class EncodedExample:
-    input_ids: tuple[int, ...]   # [seq_len] prompt + document + EOS
-    prompt_len: int              # loss and metrics cover positions >= prompt_len
+    input_ids: tuple[int, ...]  # [seq_len] prompt + document + EOS
+    prompt_len: int  # loss and metrics cover positions >= prompt_len
 
 
 def llama_config(shape: ModelShape, vocab_size: int, eos_token_id: int, max_position_embeddings: int):
@@ -86,7 +86,7 @@ def collate(batch: Sequence[EncodedExample], pad_id: int) -> tuple[torch.Tensor,
     are next-token targets already shifted, IGNORE_INDEX on prompt and padding."""
     seq_len = max(len(e.input_ids) for e in batch)
     input_ids = torch.full((len(batch), seq_len), pad_id, dtype=torch.long)  # [B, T]
-    attention = torch.zeros((len(batch), seq_len), dtype=torch.long)        # [B, T]
+    attention = torch.zeros((len(batch), seq_len), dtype=torch.long)  # [B, T]
     labels = torch.full((len(batch), seq_len), IGNORE_INDEX, dtype=torch.long)  # [B, T]
     for i, e in enumerate(batch):
         n = len(e.input_ids)
@@ -154,7 +154,7 @@ def train(
             group["lr"] = _lr_at(step, steps, lr)
         input_ids, attention, labels = collate([data[i] for i in idx], pad_id)
         logits = model(input_ids=input_ids, attention_mask=attention).logits  # [B, T, V]
-        valid = labels != IGNORE_INDEX                                         # [B, T]
+        valid = labels != IGNORE_INDEX  # [B, T]
         if teacher is None:
             loss = F.cross_entropy(logits[valid], labels[valid])
         else:
@@ -197,9 +197,9 @@ def acceptance(
     count = 0
     for start in range(0, len(data), batch_size):
         input_ids, attention, labels = collate(data[start : start + batch_size], pad_id)
-        valid = labels != IGNORE_INDEX                                          # [B, T]
+        valid = labels != IGNORE_INDEX  # [B, T]
         p = target(input_ids=input_ids, attention_mask=attention).logits[valid].softmax(-1)  # [N, V]
-        q = draft(input_ids=input_ids, attention_mask=attention).logits[valid].softmax(-1)   # [N, V]
+        q = draft(input_ids=input_ids, attention_mask=attention).logits[valid].softmax(-1)  # [N, V]
         agree += (p.argmax(-1) == q.argmax(-1)).sum().item()
         alpha += torch.minimum(p, q).sum().item()
         correct += (p.argmax(-1) == labels[valid]).sum().item()

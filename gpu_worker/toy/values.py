@@ -10,28 +10,142 @@ from __future__ import annotations
 
 import random
 import string
-from typing import Callable
+from collections.abc import Callable
 
 StringGen = Callable[[random.Random], str]
 
-FIRST = ["Alice", "Bob", "Carla", "David", "Elena", "Farid", "Grace", "Hiro", "Ines", "Jamal", "Kira", "Luis",
-         "Maya", "Noah", "Olga", "Priya", "Quinn", "Rosa", "Sven", "Tara", "Umar", "Vera", "Wei", "Yusuf", "Zoe"]
-LAST = ["Smith", "Garcia", "Chen", "Müller", "Rossi", "Kowalski", "Okafor", "Tanaka", "Dubois", "Silva",
-        "Johnson", "Novak", "Haddad", "Larsen", "Patel", "Kim", "Nguyen", "Brown", "Ivanova", "Lopez"]
+FIRST = [
+    "Alice",
+    "Bob",
+    "Carla",
+    "David",
+    "Elena",
+    "Farid",
+    "Grace",
+    "Hiro",
+    "Ines",
+    "Jamal",
+    "Kira",
+    "Luis",
+    "Maya",
+    "Noah",
+    "Olga",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sven",
+    "Tara",
+    "Umar",
+    "Vera",
+    "Wei",
+    "Yusuf",
+    "Zoe",
+]
+LAST = [
+    "Smith",
+    "Garcia",
+    "Chen",
+    "Müller",
+    "Rossi",
+    "Kowalski",
+    "Okafor",
+    "Tanaka",
+    "Dubois",
+    "Silva",
+    "Johnson",
+    "Novak",
+    "Haddad",
+    "Larsen",
+    "Patel",
+    "Kim",
+    "Nguyen",
+    "Brown",
+    "Ivanova",
+    "Lopez",
+]
 DOMAINS = ["example.com", "mail.org", "acme.io", "shop.net", "corp.dev"]
-CITIES = [("Berlin", "DE"), ("Paris", "FR"), ("Austin", "US"), ("Toronto", "CA"), ("Lisbon", "PT"), ("Osaka", "JP"),
-          ("Leeds", "GB"), ("Madrid", "ES"), ("Denver", "US"), ("Milan", "IT"), ("Krakow", "PL"), ("Lyon", "FR")]
+CITIES = [
+    ("Berlin", "DE"),
+    ("Paris", "FR"),
+    ("Austin", "US"),
+    ("Toronto", "CA"),
+    ("Lisbon", "PT"),
+    ("Osaka", "JP"),
+    ("Leeds", "GB"),
+    ("Madrid", "ES"),
+    ("Denver", "US"),
+    ("Milan", "IT"),
+    ("Krakow", "PL"),
+    ("Lyon", "FR"),
+]
 STREETS = ["Main St", "Oak Avenue", "Elm Road", "Market Street", "Station Road", "Hill Lane", "Park Way", "River Drive"]
-PRODUCTS = ["Wireless Mouse", "USB-C Cable", "Desk Lamp", "Coffee Mug", "Running Shoes", "Backpack", "Notebook",
-            "Water Bottle", "Headphones", "Keyboard", "Phone Case", "Sunglasses", "Yoga Mat", "Toaster"]
-TAGS = ["sale", "new", "popular", "eco", "gift", "limited", "tech", "home", "outdoor", "kids", "travel", "python",
-        "design", "news", "tutorial"]
-WORDS = ["quick", "update", "report", "great", "simple", "weekly", "review", "fix", "guide", "notes", "launch",
-         "plan", "idea", "summary", "release", "meeting", "budget", "draft", "final", "team"]
+PRODUCTS = [
+    "Wireless Mouse",
+    "USB-C Cable",
+    "Desk Lamp",
+    "Coffee Mug",
+    "Running Shoes",
+    "Backpack",
+    "Notebook",
+    "Water Bottle",
+    "Headphones",
+    "Keyboard",
+    "Phone Case",
+    "Sunglasses",
+    "Yoga Mat",
+    "Toaster",
+]
+TAGS = [
+    "sale",
+    "new",
+    "popular",
+    "eco",
+    "gift",
+    "limited",
+    "tech",
+    "home",
+    "outdoor",
+    "kids",
+    "travel",
+    "python",
+    "design",
+    "news",
+    "tutorial",
+]
+WORDS = [
+    "quick",
+    "update",
+    "report",
+    "great",
+    "simple",
+    "weekly",
+    "review",
+    "fix",
+    "guide",
+    "notes",
+    "launch",
+    "plan",
+    "idea",
+    "summary",
+    "release",
+    "meeting",
+    "budget",
+    "draft",
+    "final",
+    "team",
+]
 PAGES = ["/home", "/cart", "/checkout", "/products", "/about", "/login", "/search", "/blog", "/account"]
 SKILLS = ["python", "sql", "excel", "negotiation", "design", "go", "rust", "writing", "support", "accounting"]
-COMMENTS = ["Works as expected.", "Great value for the price.", "Arrived late but fine.", "Would buy again.",
-            "Not what I expected.", "Excellent quality!", "Battery could be better.", "Five stars."]
+COMMENTS = [
+    "Works as expected.",
+    "Great value for the price.",
+    "Arrived late but fine.",
+    "Would buy again.",
+    "Not what I expected.",
+    "Excellent quality!",
+    "Battery could be better.",
+    "Five stars.",
+]
 
 # Held-out vocabulary: never used by a training schema.
 AIRPORTS = ["FRA", "JFK", "LHR", "NRT", "CDG", "SFO", "DXB", "SIN", "GRU", "SYD"]
@@ -71,8 +185,10 @@ def _upper(rng: random.Random, n: int) -> str:
 
 
 def _timestamp(rng: random.Random) -> str:
-    return (f"2024-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
-            f"T{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}:{rng.randint(0, 59):02d}Z")
+    return (
+        f"2024-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
+        f"T{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}:{rng.randint(0, 59):02d}Z"
+    )
 
 
 STRING_GENERATORS: dict[str, StringGen] = {

@@ -9,7 +9,6 @@ import pytest
 from tests.fixtures.shared_data import shared_data_dir
 
 
-
 @pytest.fixture(scope="session")
 def kuberay_crd_path() -> Path:
     data = shared_data_dir()

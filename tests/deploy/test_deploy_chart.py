@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +31,29 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "autoscaling-off": {"maskService": {"autoscaling": {"enabled": False}, "pdb": {"enabled": False}}},
     "three-mask-replicas": {"maskService": {"autoscaling": {"enabled": False}, "replicas": 3}},
-    "ingress-on": {"orchestrator": {"ingress": {"enabled": True, "host": "api.example.com",
-                                                "tls": {"enabled": True, "secretName": "api-tls"}}}},
-    "custom-models": {"models": {"mountPath": "/mnt/llm", "target": "qwen3-8b", "draft": "qwen3-0.6b",
-                                 "vocabSize": 151936,
-                                 "volume": {"type": "hostPath", "hostPath": {"path": "/data/models"}}},
-                      "maskService": {"metrics": {"enabled": True}, "autoscaling": {"maxReplicas": 20}},
-                      "rayCluster": {"gpuWorkers": {"minReplicas": 2, "replicas": 2, "maxReplicas": 6,
-                                                    "gpusPerWorker": 2}}},
-    "external-ray": {"rayCluster": {"enabled": False},
-                     "orchestrator": {"rayAddress": "ray://ray-head.other:10001",
-                                      "maskServiceAddresses": ["mask-0.x:50051", "mask-1.x:50051"]}},
+    "ingress-on": {
+        "orchestrator": {
+            "ingress": {"enabled": True, "host": "api.example.com", "tls": {"enabled": True, "secretName": "api-tls"}}
+        }
+    },
+    "custom-models": {
+        "models": {
+            "mountPath": "/mnt/llm",
+            "target": "qwen3-8b",
+            "draft": "qwen3-0.6b",
+            "vocabSize": 151936,
+            "volume": {"type": "hostPath", "hostPath": {"path": "/data/models"}},
+        },
+        "maskService": {"metrics": {"enabled": True}, "autoscaling": {"maxReplicas": 20}},
+        "rayCluster": {"gpuWorkers": {"minReplicas": 2, "replicas": 2, "maxReplicas": 6, "gpusPerWorker": 2}},
+    },
+    "external-ray": {
+        "rayCluster": {"enabled": False},
+        "orchestrator": {
+            "rayAddress": "ray://ray-head.other:10001",
+            "maskServiceAddresses": ["mask-0.x:50051", "mask-1.x:50051"],
+        },
+    },
 }
 
 
@@ -60,7 +72,7 @@ def render(values: dict[str, Any]) -> list[dict[str, Any]]:
     return docs
 
 
-@lru_cache(maxsize=None)
+@cache
 def _render_cached(name: str) -> str:
     return json.dumps(render(VALUE_SETS[name]))
 
@@ -85,6 +97,7 @@ def flags(c: dict[str, Any]) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------- lint + schemas
+
 
 def test_lint_strict() -> None:
     report = helm.lint(str(CHART_DIR), strict=True)
@@ -115,8 +128,12 @@ def _crd_to_jsonschema(node: Any) -> Any:
     if node.get("x-kubernetes-int-or-string"):
         out.pop("type", None)
         out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
-    if out.get("type") == "object" and "properties" in out and "additionalProperties" not in out \
-            and not node.get("x-kubernetes-preserve-unknown-fields"):
+    if (
+        out.get("type") == "object"
+        and "properties" in out
+        and "additionalProperties" not in out
+        and not node.get("x-kubernetes-preserve-unknown-fields")
+    ):
         out["additionalProperties"] = False
     return out
 
@@ -147,6 +164,7 @@ def test_crd_conversion_catches_typos(raycluster_validator) -> None:
 
 # ---------------------------------------------------------------- content
 
+
 def test_mask_service_ports_probes_and_flags() -> None:
     docs = rendered("defaults")
     dep = one(docs, "Deployment", "-mask")
@@ -172,8 +190,11 @@ def test_hpa_targets_mask_deployment_and_pdb_selects_it() -> None:
     docs = rendered("defaults")
     dep = one(docs, "Deployment", "-mask")
     hpa = one(docs, "HorizontalPodAutoscaler")
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
-                                             "name": dep["metadata"]["name"]}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": dep["metadata"]["name"],
+    }
     assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
     assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
     pdb = one(docs, "PodDisruptionBudget")
@@ -243,8 +264,12 @@ def _pod_specs(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 @pytest.mark.parametrize("name", ["defaults", "custom-models"])
 def test_gpu_requests_on_worker_group_only(name: str) -> None:
     docs = rendered(name)
-    gpus = {pod: [c["resources"].get(k, {}).get("nvidia.com/gpu") for c in spec["containers"] for k in ("requests", "limits")]
-            for pod, spec in _pod_specs(docs).items()}
+    gpus = {
+        pod: [
+            c["resources"].get(k, {}).get("nvidia.com/gpu") for c in spec["containers"] for k in ("requests", "limits")
+        ]
+        for pod, spec in _pod_specs(docs).items()
+    }
     want = VALUE_SETS[name].get("rayCluster", {}).get("gpuWorkers", {}).get("gpusPerWorker", 1)
     assert gpus.pop("ray-gpu") == [want, want]
     assert all(v is None for vals in gpus.values() for v in vals), gpus
@@ -317,10 +342,13 @@ def test_schema_refuses_bad_values(name: str) -> None:
         _chart().render(copy.deepcopy(BAD_VALUES[name]), name=RELEASE, namespace=NAMESPACE)
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"maskService": {"autoscaling": {"minReplicas": 5, "maxReplicas": 3}}}, "minReplicas must be <= maxReplicas"),
-    ({"rayCluster": {"gpuWorkers": {"minReplicas": 3, "replicas": 1}}}, "minReplicas <= replicas <= maxReplicas"),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"maskService": {"autoscaling": {"minReplicas": 5, "maxReplicas": 3}}}, "minReplicas must be <= maxReplicas"),
+        ({"rayCluster": {"gpuWorkers": {"minReplicas": 3, "replicas": 1}}}, "minReplicas <= replicas <= maxReplicas"),
+    ],
+)
 def test_inconsistent_bounds_refused(values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm.HelmError, match=message):
         render(values)

@@ -24,7 +24,7 @@ IMAGES = [*CLI_IMAGES, "gpu-worker"]
 def instructions(image: str) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
     text = (DOCKER_DIR / f"{image}.Dockerfile").read_text()
-    text = re.sub(r"\\\n", " ", "\n".join(l for l in text.splitlines() if not l.lstrip().startswith("#")))
+    text = re.sub(r"\\\n", " ", "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#")))
     out = []
     for line in text.splitlines():
         if line.strip():
@@ -77,7 +77,7 @@ def test_images_are_non_root_pinned_and_multistage(image: str) -> None:
     assert len(froms) >= 2, "multi-stage build expected"
     args = dict(a.split("=", 1) for k, a in ins if k == "ARG" and "=" in a)
     for base in args.values():
-        name, _, tag = base.partition(":")
+        _, _, tag = base.partition(":")
         assert tag and tag != "latest" and re.search(r"\d+\.\d+", tag), f"unpinned base image {base}"
     users = [a for k, a in final_stage(image) if k == "USER"]
     assert users and users[-1].split(":")[0] not in ("root", "0"), users
@@ -91,15 +91,19 @@ def test_images_are_non_root_pinned_and_multistage(image: str) -> None:
 
 @pytest.mark.parametrize("image", IMAGES)
 def test_requirements_fully_pinned(image: str) -> None:
-    lines = [l for l in (DOCKER_DIR / "requirements" / f"{image}.txt").read_text().splitlines()
-             if l and not l.startswith(("#", "--"))]
+    lines = [
+        ln
+        for ln in (DOCKER_DIR / "requirements" / f"{image}.txt").read_text().splitlines()
+        if ln and not ln.startswith(("#", "--"))
+    ]
     assert lines
-    bad = [l for l in lines if not re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==[A-Za-z0-9_.+\-]+", l)]
+    bad = [ln for ln in lines if not re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==[A-Za-z0-9_.+\-]+", ln)]
     assert not bad, bad
     if image == "mask-service":
-        names = {l.split("==")[0] for l in lines}
+        names = {ln.split("==")[0] for ln in lines}
         assert not names & {"triton", "ray"} and not any(n.startswith("nvidia-") for n in names)
-        assert "torch==" in "\n".join(lines) and "+cpu" in [l for l in lines if l.startswith("torch==")][0]
+        torch_pin = next((ln for ln in lines if ln.startswith("torch==")), "")
+        assert "+cpu" in torch_pin, torch_pin
 
 
 @pytest.mark.parametrize("image", CLI_IMAGES)
@@ -112,8 +116,11 @@ def test_healthcheck_probes_the_service_port(image: str) -> None:
 def test_lock_files_match_venv() -> None:
     lock = _load("lock", DOCKER_DIR / "lock.py")
     try:
-        drift = [image for image in lock.IMAGES
-                 if (DOCKER_DIR / "requirements" / f"{image}.txt").read_text() != lock.render(image)]
+        drift = [
+            image
+            for image in lock.IMAGES
+            if (DOCKER_DIR / "requirements" / f"{image}.txt").read_text() != lock.render(image)
+        ]
     except Exception as err:  # a distribution missing from this venv
         pytest.skip(f"venv lacks a locked distribution: {err}")
     assert not drift, f"regenerate with deploy/docker/lock.py: {drift}"

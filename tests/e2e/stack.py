@@ -71,7 +71,7 @@ class ThreadStack:
         self._done: Any = None
         self.running: RunningStack | None = None
 
-    def start(self) -> "ThreadStack":
+    def start(self) -> ThreadStack:
         self._thread.start()
         ready = threading.Event()
         failure: list[BaseException] = []

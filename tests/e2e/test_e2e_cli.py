@@ -65,9 +65,25 @@ def test_up_generate_and_ctrl_c(tiny_pair, tmp_path: Path) -> None:
     port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     up = subprocess.Popen(
-        _cli("up", "--target", str(target), "--draft", str(draft), "--port", str(port), "--metrics-port", "-1",
-             "--log-dir", str(tmp_path / "logs"), "--log-level", "WARNING"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
+        _cli(
+            "up",
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--port",
+            str(port),
+            "--metrics-port",
+            "-1",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--log-level",
+            "WARNING",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
     )
     lines: list[str] = []
     try:
@@ -83,9 +99,25 @@ def test_up_generate_and_ctrl_c(tiny_pair, tmp_path: Path) -> None:
         schema_file = tmp_path / "schema.json"
         schema_file.write_text(json.dumps(BOUNDED_SCHEMA))
         gen = subprocess.run(
-            _cli("generate", "--address", f"127.0.0.1:{port}", "--schema", str(schema_file), "--prompt", "A user:\n",
-                 "--stream", "--temperature", "0.8", "--seed", "5", "--json"),
-            capture_output=True, text=True, timeout=120, env=env,
+            _cli(
+                "generate",
+                "--address",
+                f"127.0.0.1:{port}",
+                "--schema",
+                str(schema_file),
+                "--prompt",
+                "A user:\n",
+                "--stream",
+                "--temperature",
+                "0.8",
+                "--seed",
+                "5",
+                "--json",
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
         )
         assert gen.returncode == 0, gen.stderr
         out = json.loads(gen.stdout)
@@ -94,7 +126,10 @@ def test_up_generate_and_ctrl_c(tiny_pair, tmp_path: Path) -> None:
         assert "tokens/forward=" in gen.stderr
         refused = subprocess.run(
             _cli("generate", "--address", f"127.0.0.1:{port}", "--regex", "(", "--prompt", "x"),
-            capture_output=True, text=True, timeout=120, env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
         )
         assert refused.returncode == 1 and "INVALID_ARGUMENT" in refused.stderr
         children = _descendants(up.pid)
@@ -127,9 +162,23 @@ def test_orchestrator_process_serves_and_stops_on_sigterm(tiny_pair, tmp_path: P
     port, metrics_port = free_port(), free_port()
     log = open(tmp_path / "orchestrator.log", "wb")  # noqa: SIM115
     orch = subprocess.Popen(
-        _cli("orchestrator", "--port", str(port), "--mask-service", mask.address, "--target", str(target),
-             "--draft", str(draft), "--metrics-port", str(metrics_port), "--ray-address", "local"),
-        stdout=log, stderr=subprocess.STDOUT,
+        _cli(
+            "orchestrator",
+            "--port",
+            str(port),
+            "--mask-service",
+            mask.address,
+            "--target",
+            str(target),
+            "--draft",
+            str(draft),
+            "--metrics-port",
+            str(metrics_port),
+            "--ray-address",
+            "local",
+        ),
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         wait_serving(f"127.0.0.1:{port}", UP_TIMEOUT_S, process=orch)

@@ -32,8 +32,14 @@ def test_replica_killed_mid_generation(stack: ThreadStack) -> None:
     results: list[StreamedResult] = [StreamedResult() for _ in range(n)]
 
     def run(i: int) -> None:
-        req = build_request(PROMPT, schema=LONG_SCHEMA, temperature=1.0, seed=100 + i, max_tokens=LONG_MAX_TOKENS,
-                            speculation=i % 2 == 0)
+        req = build_request(
+            PROMPT,
+            schema=LONG_SCHEMA,
+            temperature=1.0,
+            seed=100 + i,
+            max_tokens=LONG_MAX_TOKENS,
+            speculation=i % 2 == 0,
+        )
         first = True
         with OrchestratorClient(stack.address) as client:
             for chunk in client.stream(req, timeout_s=300):
@@ -67,9 +73,12 @@ def test_overload_is_refused_with_resource_exhausted(stack: ThreadStack) -> None
     n = capacity + 40
     with OrchestratorClient(stack.address) as client:
         futures = [
-            client.stub.Generate.future(build_request(PROMPT, schema=LONG_SCHEMA, temperature=1.0, seed=i,
-                                                      max_tokens=LONG_MAX_TOKENS, speculation=False),
-                                        timeout=300)
+            client.stub.Generate.future(
+                build_request(
+                    PROMPT, schema=LONG_SCHEMA, temperature=1.0, seed=i, max_tokens=LONG_MAX_TOKENS, speculation=False
+                ),
+                timeout=300,
+            )
             for i in range(n)
         ]
         codes = []
@@ -101,8 +110,14 @@ def test_mask_service_down_fails_only_constrained_requests(stack: ThreadStack) -
 
     def run(i: int) -> None:
         constrained = i % 2 == 0
-        req = build_request(PROMPT, schema=LONG_SCHEMA if constrained else None, temperature=1.0, seed=200 + i,
-                            max_tokens=LONG_MAX_TOKENS, speculation=False)
+        req = build_request(
+            PROMPT,
+            schema=LONG_SCHEMA if constrained else None,
+            temperature=1.0,
+            seed=200 + i,
+            max_tokens=LONG_MAX_TOKENS,
+            speculation=False,
+        )
         first = True
         with OrchestratorClient(stack.address) as client:
             for chunk in client.stream(req, timeout_s=300):
@@ -157,8 +172,9 @@ def test_health_and_reflection(stack: ThreadStack) -> None:
     assert health_status(stack.address, service="specmask.orchestrator.v1.OrchestratorService") == SERVING
     with grpc.insecure_channel(stack.address) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        responses = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                                   timeout=10))
+        responses = list(
+            stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+        )
     names = {s.name for s in responses[0].list_services_response.service}
     assert "specmask.orchestrator.v1.OrchestratorService" in names
     assert "grpc.health.v1.Health" in names

@@ -117,21 +117,29 @@ def _mutations() -> list[Callable[[pb.GenerateRequest, random.Random], None]]:
         r.grammar.json_schema = rng.choice(["{", "nope", "[1,2", '{"type": }', "\x00\x01"])
 
     def schema_unsupported(r, rng):
-        r.grammar.json_schema = json.dumps(rng.choice([
-            {"type": "object", "not": {"type": "string"}},
-            {"if": {"type": "string"}, "then": {"minLength": 2}},
-            {"type": "array", "uniqueItems": True},
-            {"type": "integer", "multipleOf": 7},
-            {"$ref": "http://example.com/remote.json"},
-        ]))
+        r.grammar.json_schema = json.dumps(
+            rng.choice(
+                [
+                    {"type": "object", "not": {"type": "string"}},
+                    {"if": {"type": "string"}, "then": {"minLength": 2}},
+                    {"type": "array", "uniqueItems": True},
+                    {"type": "integer", "multipleOf": 7},
+                    {"$ref": "http://example.com/remote.json"},
+                ]
+            )
+        )
 
     def schema_contradictory(r, rng):
-        r.grammar.json_schema = json.dumps(rng.choice([
-            {"type": "integer", "minimum": 10, "maximum": 1},
-            {"type": "string", "minLength": 5, "maxLength": 2},
-            {"type": "array", "minItems": 4, "maxItems": 1},
-            {"enum": []},
-        ]))
+        r.grammar.json_schema = json.dumps(
+            rng.choice(
+                [
+                    {"type": "integer", "minimum": 10, "maximum": 1},
+                    {"type": "string", "minLength": 5, "maxLength": 2},
+                    {"type": "array", "minItems": 4, "maxItems": 1},
+                    {"enum": []},
+                ]
+            )
+        )
 
     def regex_bad(r, rng):
         r.grammar.regex = rng.choice(["(", "[a-", "a{2,1}", "(?<=a)b", "\\"])
@@ -160,10 +168,34 @@ def _mutations() -> list[Callable[[pb.GenerateRequest, random.Random], None]]:
     def request_id_bad(r, rng):
         r.request_id = rng.choice(["has space", "x" * 129, "tab\tid", "ünïcode", "new\nline"])
 
-    return [prompt_empty, prompt_unset, ids_empty, ids_out_of_vocab, prompt_too_long, text_oversized, temperature,
-            top_p, top_k, max_tokens, stop_bad, k_bad, contradictory_spec, proposer_bad, grammar_no_kind,
-            schema_not_json, schema_unsupported, schema_contradictory, regex_bad, ebnf_bad, lark_bad,
-            json_opts_on_regex, separators_bad, grammar_oversized, grammar_empty, request_id_bad]
+    return [
+        prompt_empty,
+        prompt_unset,
+        ids_empty,
+        ids_out_of_vocab,
+        prompt_too_long,
+        text_oversized,
+        temperature,
+        top_p,
+        top_k,
+        max_tokens,
+        stop_bad,
+        k_bad,
+        contradictory_spec,
+        proposer_bad,
+        grammar_no_kind,
+        schema_not_json,
+        schema_unsupported,
+        schema_contradictory,
+        regex_bad,
+        ebnf_bad,
+        lark_bad,
+        json_opts_on_regex,
+        separators_bad,
+        grammar_oversized,
+        grammar_empty,
+        request_id_bad,
+    ]
 
 
 def _structured_cases(n: int, seed: int = 0) -> list[tuple[str, pb.GenerateRequest]]:
@@ -249,18 +281,38 @@ def test_orchestrator_raw_bytes_fuzz(stack: ThreadStack) -> None:
 def _mask_cases(n: int, tokenizer_id: str, seed: int = 2) -> list[tuple[str, object]]:
     rng = random.Random(seed)
     kinds = [0, 1, 2, 3, 4, 5, 6, 99]
-    texts = ["", "{", '{"type":"integer"}', "[a-z]+", "(", 'root ::= "a"', "start: x", "\x00" * 3, "a" * 5000,
-             json.dumps({"not": {}}), json.dumps({"type": "string", "pattern": "(?=a)"})]
+    texts = [
+        "",
+        "{",
+        '{"type":"integer"}',
+        "[a-z]+",
+        "(",
+        'root ::= "a"',
+        "start: x",
+        "\x00" * 3,
+        "a" * 5000,
+        json.dumps({"not": {}}),
+        json.dumps({"type": "string", "pattern": "(?=a)"}),
+    ]
     tok_ids = [tokenizer_id, "", "tok-unknown", "x" * 300, "tok-" + "0" * 32]
     cases: list[tuple[str, object]] = []
     for i in range(n):
         which = i % 6
-        grammar = mpb.Grammar(kind=rng.choice(kinds), text=rng.choice(texts), any_whitespace=rng.random() < 0.3,
-                              has_separators=rng.random() < 0.2, item_separator=rng.choice(["", ",", ";;"]),
-                              key_separator=rng.choice(["", ":", "=>"]), strict=rng.random() < 0.5)
+        grammar = mpb.Grammar(
+            kind=rng.choice(kinds),
+            text=rng.choice(texts),
+            any_whitespace=rng.random() < 0.3,
+            has_separators=rng.random() < 0.2,
+            item_separator=rng.choice(["", ",", ";;"]),
+            key_separator=rng.choice(["", ":", "=>"]),
+            strict=rng.random() < 0.5,
+        )
         if which == 0:
-            target = mpb.GrammarTarget(tokenizer_id=rng.choice(tok_ids), grammar=grammar,
-                                       vocab_size=rng.choice([0, 1, 31, VOCAB - 1, VOCAB, 2**20, 2**32 - 1]))
+            target = mpb.GrammarTarget(
+                tokenizer_id=rng.choice(tok_ids),
+                grammar=grammar,
+                vocab_size=rng.choice([0, 1, 31, VOCAB - 1, VOCAB, 2**20, 2**32 - 1]),
+            )
             cases.append(("ValidateGrammar", mpb.ValidateGrammarRequest(target=target)))
         elif which == 1:
             # Never a valid tokenizer: an accepted open would leak a session.
@@ -268,18 +320,37 @@ def _mask_cases(n: int, tokenizer_id: str, seed: int = 2) -> list[tuple[str, obj
             cases.append(("OpenSession", mpb.OpenSessionRequest(target=target)))
         elif which == 2:
             tokens = [rng.randint(-(2**31), 2**31 - 1) for _ in range(rng.randint(0, 20))]
-            cases.append(("Commit", mpb.CommitRequest(session_id=rng.choice(["", "nope", "x" * 1000]),
-                                                      seq=rng.choice([0, 1, 2**64 - 1]), tokens=tokens)))
+            cases.append(
+                (
+                    "Commit",
+                    mpb.CommitRequest(
+                        session_id=rng.choice(["", "nope", "x" * 1000]),
+                        seq=rng.choice([0, 1, 2**64 - 1]),
+                        tokens=tokens,
+                    ),
+                )
+            )
         elif which == 3:
             items = [
-                mpb.DraftMaskItem(session_id=rng.choice(["", "missing", "y" * 500]),
-                                  draft_tokens=[rng.randint(-5, 10**6) for _ in range(rng.randint(0, 40))],
-                                  commit_tokens=[rng.randint(-5, 10**6) for _ in range(rng.randint(0, 5))],
-                                  commit_seq=rng.choice([0, 1, 7]), last_row_only=rng.random() < 0.5)
+                mpb.DraftMaskItem(
+                    session_id=rng.choice(["", "missing", "y" * 500]),
+                    draft_tokens=[rng.randint(-5, 10**6) for _ in range(rng.randint(0, 40))],
+                    commit_tokens=[rng.randint(-5, 10**6) for _ in range(rng.randint(0, 5))],
+                    commit_seq=rng.choice([0, 1, 7]),
+                    last_row_only=rng.random() < 0.5,
+                )
                 for _ in range(rng.randint(0, 6))
             ]
-            cases.append(("DraftMasks", mpb.DraftMasksRequest(items=items, client_id=rng.choice(["", "c", "z" * 300]),
-                                                               dict_generation=rng.choice([0, 1, 2**64 - 1]))))
+            cases.append(
+                (
+                    "DraftMasks",
+                    mpb.DraftMasksRequest(
+                        items=items,
+                        client_id=rng.choice(["", "c", "z" * 300]),
+                        dict_generation=rng.choice([0, 1, 2**64 - 1]),
+                    ),
+                )
+            )
         elif which == 4:
             cases.append(("CloseSession", mpb.CloseSessionRequest(session_id=rng.choice(["", "gone", "q" * 999]))))
         else:
@@ -292,8 +363,13 @@ def test_mask_service_fuzz(stack: ThreadStack) -> None:
     stack.assert_replicas_serving()
     tokenizer_id = stack.running.server.info.tokenizer_id
     cases = _mask_cases(N_MASK, tokenizer_id)
-    allowed = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-               grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    allowed = {
+        grpc.StatusCode.OK,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
     # Its own connection (not one in another channel's reconnect backoff), and
     # connected before the burst: this test is about answers, not reconnects.
     options = [("grpc.use_local_subchannel_pool", 1), *RECONNECT_OPTIONS]
@@ -307,8 +383,9 @@ def test_mask_service_fuzz(stack: ThreadStack) -> None:
                 return method, _call(lambda: getattr(stub, method)(req, timeout=60))
 
             with ThreadPoolExecutor(THREADS) as pool:
-                results = list(pool.map(one, cases[: N_MASK // 2] if replica is not stack.running.mask_services[0]
-                                        else cases))
+                results = list(
+                    pool.map(one, cases[: N_MASK // 2] if replica is not stack.running.mask_services[0] else cases)
+                )
         wrong = Counter(f"{m}:{c.name}" for m, c in results if c not in allowed)
         assert not wrong, (wrong, replica.returncode, replica.log_tail())
         assert health_status(replica.address) == SERVING

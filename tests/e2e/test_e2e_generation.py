@@ -24,7 +24,6 @@ from tests.e2e.stack import (
 pytestmark = pytest.mark.slow
 
 
-
 @pytest.fixture()
 def client(stack: ThreadStack):
     with OrchestratorClient(stack.address) as c:
@@ -93,20 +92,25 @@ def test_stop_string(client: OrchestratorClient) -> None:
     assert base.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE
     stop = '"level"'
     cut = base.text.index(stop)
-    stopped = client.generate(build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0, max_tokens=LONG_MAX_TOKENS,
-                                            stop=[stop]))
+    stopped = client.generate(
+        build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0, max_tokens=LONG_MAX_TOKENS, stop=[stop])
+    )
     assert stopped.finish_reason == pb.FINISH_REASON_STOP
     assert stopped.text == base.text[:cut]
-    chunks = list(client.stream(build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0,
-                                              max_tokens=LONG_MAX_TOKENS, stop=[stop])))
+    chunks = list(
+        client.stream(
+            build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0, max_tokens=LONG_MAX_TOKENS, stop=[stop])
+        )
+    )
     assert "".join(c.text for c in chunks) == base.text[:cut]
     assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP
 
 
 def test_client_cancel_mid_stream_frees_session_and_kv(stack: ThreadStack, client: OrchestratorClient) -> None:
     stack.wait_idle()
-    req = build_request(PROMPT, schema=ENDLESS_SCHEMA, temperature=1.0, seed=3, max_tokens=ENDLESS_MAX_TOKENS,
-                        speculation=False)
+    req = build_request(
+        PROMPT, schema=ENDLESS_SCHEMA, temperature=1.0, seed=3, max_tokens=ENDLESS_MAX_TOKENS, speculation=False
+    )
     call = client.stream(req)
     received = 0
     for chunk in call:
@@ -123,8 +127,9 @@ def test_client_cancel_mid_stream_frees_session_and_kv(stack: ThreadStack, clien
 
 def test_deadline_frees_session_and_kv(stack: ThreadStack, client: OrchestratorClient) -> None:
     stack.wait_idle()
-    req = build_request(PROMPT, schema=ENDLESS_SCHEMA, temperature=1.0, seed=4, max_tokens=ENDLESS_MAX_TOKENS,
-                        speculation=False)
+    req = build_request(
+        PROMPT, schema=ENDLESS_SCHEMA, temperature=1.0, seed=4, max_tokens=ENDLESS_MAX_TOKENS, speculation=False
+    )
     with pytest.raises(grpc.RpcError) as exc:
         client.generate(req, timeout_s=0.5)
     assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
@@ -135,8 +140,12 @@ def test_deadline_frees_session_and_kv(stack: ThreadStack, client: OrchestratorC
 def test_unary_cancel_frees_everything(stack: ThreadStack, client: OrchestratorClient) -> None:
     stack.wait_idle()
     futures = [
-        client.stub.Generate.future(build_request(PROMPT, schema=ENDLESS_SCHEMA, temperature=1.0, seed=s,
-                                                  max_tokens=ENDLESS_MAX_TOKENS, speculation=False), timeout=120)
+        client.stub.Generate.future(
+            build_request(
+                PROMPT, schema=ENDLESS_SCHEMA, temperature=1.0, seed=s, max_tokens=ENDLESS_MAX_TOKENS, speculation=False
+            ),
+            timeout=120,
+        )
         for s in range(6)
     ]
     deadline = time.monotonic() + 30
@@ -158,8 +167,14 @@ def test_nothing_leaks_over_many_requests(stack: ThreadStack, client: Orchestrat
     calls = []
     for i in range(120):
         schema = rng.choice([BOUNDED_SCHEMA, LONG_SCHEMA, None])
-        req = build_request(PROMPT, schema=schema, temperature=1.0, seed=i, max_tokens=rng.randint(4, 64),
-                            speculation=rng.random() < 0.7)
+        req = build_request(
+            PROMPT,
+            schema=schema,
+            temperature=1.0,
+            seed=i,
+            max_tokens=rng.randint(4, 64),
+            speculation=rng.random() < 0.7,
+        )
         timeout = rng.choice([60.0, 60.0, 0.05, 0.3])
         stream = i % 2 == 1
         rpc = client.stub.GenerateStream if stream else client.stub.Generate.future
@@ -175,7 +190,9 @@ def test_nothing_leaks_over_many_requests(stack: ThreadStack, client: Orchestrat
             pass
         except grpc.RpcError as exc:
             assert exc.code() in (  # type: ignore[attr-defined]
-                grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED
+                grpc.StatusCode.CANCELLED,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
             )
     active, sessions = stack.wait_idle()
     assert active == [0, 0] and sessions == 0

@@ -52,8 +52,12 @@ def _run(client: OrchestratorClient, index: int, name: str, schema: Any) -> Outc
     # Sampling (seeded) rather than greedy: a random-init model's argmax tends
     # to repeat one token forever inside a string; sampling reaches the closing quote.
     req = build_request(
-        f"Generate JSON for schema {name}:\n", schema=schema, temperature=1.0, seed=1000 + index,
-        max_tokens=MAX_TOKENS, request_id=f"schema-{index}",
+        f"Generate JSON for schema {name}:\n",
+        schema=schema,
+        temperature=1.0,
+        seed=1000 + index,
+        max_tokens=MAX_TOKENS,
+        request_id=f"schema-{index}",
     )
     try:
         return Outcome(name, schema, grpc.StatusCode.OK, response=client.generate(req, timeout_s=300))

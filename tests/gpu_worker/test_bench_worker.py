@@ -17,7 +17,21 @@ def test_bench_worker_runs_and_reports(tmp_path_factory, capsys):
     with torch_threads(1):
         target_dir, draft_dir = build_tiny_trained_pair(tmp_path_factory.mktemp("tiny-trained"))
     # main() itself asserts that greedy output is identical across all modes.
-    assert main(["--target-dir", str(target_dir), "--draft-dir", str(draft_dir), "--max-tokens", "24", "--splits", "heldout"]) == 0
+    assert (
+        main(
+            [
+                "--target-dir",
+                str(target_dir),
+                "--draft-dir",
+                str(draft_dir),
+                "--max-tokens",
+                "24",
+                "--splits",
+                "heldout",
+            ]
+        )
+        == 0
+    )
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("RESULT ")
     result = json.loads(last[len("RESULT ") :])

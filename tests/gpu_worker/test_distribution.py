@@ -18,7 +18,7 @@ from tests.gpu_worker.reference import compile_grammar, exact_distribution
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
-GRAMMAR = 'root ::= [a-d] [a-d] [a-d]?'
+GRAMMAR = "root ::= [a-d] [a-d] [a-d]?"
 PROMPT = [5, 6, 7]
 TEMPERATURE = 0.25  # sharpens the random-init models so p and q differ clearly
 NUM_SAMPLES = 800
@@ -29,7 +29,9 @@ EOS = 0
 @pytest.fixture(scope="module")
 def exact(tiny_pair):
     with torch_threads(1):
-        return exact_distribution(tiny_pair[0], PROMPT, compile_grammar(tiny_pair[0], "ebnf", GRAMMAR, (EOS,)), TEMPERATURE)
+        return exact_distribution(
+            tiny_pair[0], PROMPT, compile_grammar(tiny_pair[0], "ebnf", GRAMMAR, (EOS,)), TEMPERATURE
+        )
 
 
 def _chi_square_pvalue(counts: dict, exact: dict, n: int) -> float:

@@ -34,13 +34,17 @@ def test_cuda_worker_matches_cpu_reference(make_worker, tiny_pair, k):
     prompt = [5, 6, 7]
     spec = SpeculationParams(k=k, proposers=("draft_model", "grammar_forced", "ngram"))
     seqs = [
-        NewSequence("g", tuple(prompt), GrammarSpec(GrammarKind.JSON_SCHEMA, SCHEMA), SamplingParams(max_tokens=40), spec),
+        NewSequence(
+            "g", tuple(prompt), GrammarSpec(GrammarKind.JSON_SCHEMA, SCHEMA), SamplingParams(max_tokens=40), spec
+        ),
         NewSequence("p", tuple(prompt), None, SamplingParams(max_tokens=20), spec),
     ]
     assert worker.add(seqs) == [None, None]
     results = run_to_completion(worker)
     with torch_threads(1):
-        ref_g = greedy_constrained(tiny_pair[0], prompt, compile_grammar(tiny_pair[0], "json_schema", SCHEMA, (0,)), (0,), 40)
+        ref_g = greedy_constrained(
+            tiny_pair[0], prompt, compile_grammar(tiny_pair[0], "json_schema", SCHEMA, (0,)), (0,), 40
+        )
         ref_p = greedy_constrained(tiny_pair[0], prompt, None, (0,), 20)
     assert results["g"].tokens == ref_g.tokens
     assert results["p"].tokens == ref_p.tokens

@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.fixtures.tiny_models import build_tiny_model_pair  # noqa: E402
+from tests.fixtures.tiny_models import build_tiny_model_pair
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,7 +65,11 @@ def test_transformers_ignores_our_kernels_package_and_loads_llama(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, "-c", _PROBE, str(target_dir)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240,
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -173,14 +173,17 @@ def test_cli_parses_and_dispatches(monkeypatch, tmp_path, capsys):
 
     def fake_build(out_dir, config, **kwargs):
         calls.append((Path(out_dir), config, kwargs))
-        manifest = {"build_seconds": 0.0, "metrics": {"acceptance_train_distribution": {},
-                                                      "acceptance_heldout_schemas": {}}}
-        return toy_build.BuildResult(Path(out_dir), Path(out_dir) / "target", Path(out_dir) / "draft",
-                                     rebuilt=False, manifest=manifest)
+        manifest = {
+            "build_seconds": 0.0,
+            "metrics": {"acceptance_train_distribution": {}, "acceptance_heldout_schemas": {}},
+        }
+        return toy_build.BuildResult(
+            Path(out_dir), Path(out_dir) / "target", Path(out_dir) / "draft", rebuilt=False, manifest=manifest
+        )
 
     monkeypatch.setattr(toy_build, "build_toy_models", fake_build)
     assert cli.main(["toy-models", "build", "--out", str(tmp_path), "--seed", "3", "--force", "--quiet"]) == 0
-    (out, config, kwargs), = calls
+    ((out, config, kwargs),) = calls
     assert out == tmp_path and config == ToyBuildConfig(seed=3)
     assert kwargs["force"] and not kwargs["progress"]
     assert "cached" in capsys.readouterr().out
@@ -217,7 +220,9 @@ def test_tiny_model_pair_fixture(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("SPECMASK_SLOW_TESTS"), reason="full toy build (~2 min); set SPECMASK_SLOW_TESTS=1")
+@pytest.mark.skipif(
+    not os.environ.get("SPECMASK_SLOW_TESTS"), reason="full toy build (~2 min); set SPECMASK_SLOW_TESTS=1"
+)
 def test_full_build_meets_acceptance_and_time(tmp_path):
     start = time.perf_counter()
     result = build_toy_models(tmp_path / "full", progress=False)

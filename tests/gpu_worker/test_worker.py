@@ -135,7 +135,9 @@ def test_grammar_forced_drafts_are_always_accepted_and_valid(make_worker, tiny_p
 def test_sampled_outputs_are_grammar_valid_and_seeded_reproducible(make_worker, tiny_pair, draft_masking):
     spec = SpeculationParams(k=4, proposers=("draft_model", "grammar_forced", "ngram"), draft_masking=draft_masking)
     seqs = [
-        NewSequence(f"r{i}", (5, 6, 7), GRAMMAR, SamplingParams(max_tokens=50, temperature=1.0, top_p=0.95, seed=i), spec)
+        NewSequence(
+            f"r{i}", (5, 6, 7), GRAMMAR, SamplingParams(max_tokens=50, temperature=1.0, top_p=0.95, seed=i), spec
+        )
         for i in range(6)
     ]
     runs = []

@@ -21,4 +21,9 @@ def test_bench_quick_runs():
     assert last.startswith("RESULT ")
     payload = json.loads(last[len("RESULT ") :])
     ops = {(row["op"], row["impl"]) for row in payload["rows"]}
-    assert {("apply_bitmask", "reference"), ("apply_bitmask", "xgrammar"), ("rejection_sample", "reference"), ("sample_draft", "reference")} <= ops
+    assert {
+        ("apply_bitmask", "reference"),
+        ("apply_bitmask", "xgrammar"),
+        ("rejection_sample", "reference"),
+        ("sample_draft", "reference"),
+    } <= ops

@@ -41,14 +41,27 @@ def position_model(num_positions: int, seed: int, *, masked: bool):
     return logits, q
 
 
-def run_step(logits, q, first_position, num_drafts, step, *, fixed_drafts=None, params=None, backend=Backend.REFERENCE, num_requests=NUM_REQUESTS):
+def run_step(
+    logits,
+    q,
+    first_position,
+    num_drafts,
+    step,
+    *,
+    fixed_drafts=None,
+    params=None,
+    backend=Backend.REFERENCE,
+    num_requests=NUM_REQUESTS,
+):
     """One verification step for every request at positions first_position..first_position+k."""
     positions = torch.arange(first_position, first_position + num_drafts + 1)
     target = logits[positions].repeat(num_requests, 1)  # [N*(k+1), V], request-major
     draft_q = q[positions[:-1]].repeat(num_requests, 1)  # [N*k, V]
     gen = torch.Generator().manual_seed(1000 + step)
     if fixed_drafts is None:
-        draft_ids = torch.multinomial(draft_q, 1, generator=gen).squeeze(1) if num_drafts else torch.empty(0, dtype=torch.long)
+        draft_ids = (
+            torch.multinomial(draft_q, 1, generator=gen).squeeze(1) if num_drafts else torch.empty(0, dtype=torch.long)
+        )
         draft_probs = draft_q
     else:  # a proposer without a distribution (n-gram, grammar-forced): q = 1
         draft_ids = torch.tensor(fixed_drafts[first_position : first_position + num_drafts]).repeat(num_requests)
@@ -95,9 +108,13 @@ def test_first_and_first_two_tokens_follow_the_masked_target(masked, with_q):
 
 def test_temperature_top_k_top_p_are_applied_to_the_target():
     logits, q = position_model(3, seed=17, masked=True)
-    params = sampling([0.7] * NUM_REQUESTS, top_k=[3] * NUM_REQUESTS, top_p=[0.95] * NUM_REQUESTS, seeds=list(range(NUM_REQUESTS)))
+    params = sampling(
+        [0.7] * NUM_REQUESTS, top_k=[3] * NUM_REQUESTS, top_p=[0.95] * NUM_REQUESTS, seeds=list(range(NUM_REQUESTS))
+    )
     out = run_step(logits, q, 0, 2, step=0, params=params)
-    processed = logits_to_probs(logits[:1], torch.tensor([0.7]), torch.tensor([3], dtype=torch.int32), torch.tensor([0.95]))
+    processed = logits_to_probs(
+        logits[:1], torch.tensor([0.7]), torch.tensor([3], dtype=torch.int32), torch.tensor([0.95])
+    )
     assert (processed[0] == 0).sum() >= 3  # the filter really removed tokens
     counts = np.bincount(out.output_token_ids[:, 0].numpy(), minlength=VOCAB)
     assert chi_square_p_value(counts, processed[0].double().numpy()) > P_MIN
@@ -128,8 +145,26 @@ def test_expected_tokens_per_step(num_drafts):
 def test_triton_makes_the_same_decisions():
     logits, q = position_model(4, seed=50, masked=True)
     for fixed in (None, [1, 3, 2, 4]):
-        by_triton = run_step(logits, q, 0, 2, step=0, fixed_drafts=fixed, backend=Backend.TRITON, num_requests=120,
-                             params=sampling([1.0, 0.0, 0.8] * 40, seeds=list(range(120)), step=[0] * 120))
-        by_reference = run_step(logits, q, 0, 2, step=0, fixed_drafts=fixed, backend=Backend.REFERENCE, num_requests=120,
-                                params=sampling([1.0, 0.0, 0.8] * 40, seeds=list(range(120)), step=[0] * 120))
+        by_triton = run_step(
+            logits,
+            q,
+            0,
+            2,
+            step=0,
+            fixed_drafts=fixed,
+            backend=Backend.TRITON,
+            num_requests=120,
+            params=sampling([1.0, 0.0, 0.8] * 40, seeds=list(range(120)), step=[0] * 120),
+        )
+        by_reference = run_step(
+            logits,
+            q,
+            0,
+            2,
+            step=0,
+            fixed_drafts=fixed,
+            backend=Backend.REFERENCE,
+            num_requests=120,
+            params=sampling([1.0, 0.0, 0.8] * 40, seeds=list(range(120)), step=[0] * 120),
+        )
         assert torch.equal(by_triton.output_token_ids, by_reference.output_token_ids)

@@ -27,7 +27,9 @@ def make_batch(num_drafts, vocab, seed, *, with_q=True, mask_density=None, tempe
     verify_rows = torch.arange(num_draft_tokens) + request_of_draft
     draft_logits = 0.3 * draft_logits + target_logits[verify_rows].clamp_min(-30)
     q = torch.softmax(draft_logits, dim=-1)
-    draft_ids = torch.multinomial(q, 1, generator=gen).squeeze(1) if num_draft_tokens else torch.empty(0, dtype=torch.long)
+    draft_ids = (
+        torch.multinomial(q, 1, generator=gen).squeeze(1) if num_draft_tokens else torch.empty(0, dtype=torch.long)
+    )
     temps = temperature if temperature is not None else [0.0 if r % 3 == 0 else 1.0 for r in range(batch)]
     params = sampling(temps, seeds=[1000 + r for r in range(batch)], step=[7] * batch)
     return draft_ids, cumulative(num_drafts), (q if with_q else None), target_logits, params, bitmask
@@ -114,7 +116,9 @@ def test_greedy_equals_sequential_argmax():
 def test_greedy_ties_pick_the_lowest_index():
     logits = torch.tensor([[0.0, 5.0, 5.0, 1.0]])
     for backend in (Backend.TRITON, Backend.REFERENCE):
-        out = rejection_sample(torch.empty(0, dtype=torch.long), cumulative([0]), None, logits, sampling([0.0]), backend=backend)
+        out = rejection_sample(
+            torch.empty(0, dtype=torch.long), cumulative([0]), None, logits, sampling([0.0]), backend=backend
+        )
         assert out.output_token_ids.tolist() == [[1]]
 
 
@@ -129,11 +133,18 @@ def test_seeded_requests_reproduce_and_steps_differ():
     assert torch.equal(runs[0][0].output_token_ids, runs[0][1].output_token_ids)
     # A request's randomness depends on its own seed only, not on its batch neighbours.
     alone = rejection_sample(
-        draft_ids[:2], cumulative([2]), q[:2], logits[:3], sampling([1.0], seeds=[5], step=[0]), backend=Backend.REFERENCE
+        draft_ids[:2],
+        cumulative([2]),
+        q[:2],
+        logits[:3],
+        sampling([1.0], seeds=[5], step=[0]),
+        backend=Backend.REFERENCE,
     )
     assert torch.equal(alone.output_token_ids[0], runs[0][0].output_token_ids[0, :3])
     many_steps = [
-        rejection_sample(draft_ids, cu, q, logits, sampling([1.0] * 4, seeds=[5, 6, 7, 8], step=[s] * 4), backend=Backend.REFERENCE)
+        rejection_sample(
+            draft_ids, cu, q, logits, sampling([1.0] * 4, seeds=[5, 6, 7, 8], step=[s] * 4), backend=Backend.REFERENCE
+        )
         for s in range(8)
     ]
     assert len({tuple(o.output_token_ids.flatten().tolist()) for o in many_steps}) > 1
@@ -158,7 +169,10 @@ def test_every_emitted_token_is_allowed_by_its_mask():
             for i in range(int(out.num_emitted[r])):
                 assert allowed[start + r + i, out.output_token_ids[r, i]], (r, i)
             start += k
-        forbidden = ~allowed[torch.arange(len(draft_ids)) + torch.repeat_interleave(torch.arange(300), torch.tensor(num_drafts)), draft_ids]
+        forbidden = ~allowed[
+            torch.arange(len(draft_ids)) + torch.repeat_interleave(torch.arange(300), torch.tensor(num_drafts)),
+            draft_ids,
+        ]
         assert forbidden.any()  # the test really offered forbidden drafts
 
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
-
-from tests.mask_service.service_config import make_config
 
 from mask_service.client import MaskServiceClient
 from mask_service.server import MaskServiceHandle, build_service
@@ -15,7 +13,7 @@ from mask_service.tokenizer_id import tokenizer_id_for_path
 from mask_service.tokenizers import TokenizerRegistry, TokenizerSource
 from tests.fixtures.shared_data import shared_data_dir
 from tests.fixtures.tokenizers import build_bpe_tokenizer
-
+from tests.mask_service.service_config import make_config
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +39,8 @@ def reference_walk(
     return rows, accepted, False
 
 
-def reference_rows(compiled: Any, committed: Sequence[int], drafts: Sequence[int], vocab_size: int) -> tuple[np.ndarray, int]:
+def reference_rows(
+    compiled: Any, committed: Sequence[int], drafts: Sequence[int], vocab_size: int
+) -> tuple[np.ndarray, int]:
     rows, accepted, _ = reference_walk(compiled, committed, drafts, vocab_size)
     return rows, accepted

@@ -10,6 +10,8 @@ from mask_service.tokenizers import TokenizerSource
 
 def make_config(bpe_dir: Path, **overrides: object) -> MaskServiceConfig:
     """A loopback, port-0 config over the test BPE tokenizer; keyword overrides win."""
-    base: dict[str, object] = dict(tokenizers=(TokenizerSource(str(bpe_dir)),), host="127.0.0.1", port=0, mask_threads=2)
+    base: dict[str, object] = dict(
+        tokenizers=(TokenizerSource(str(bpe_dir)),), host="127.0.0.1", port=0, mask_threads=2
+    )
     base.update(overrides)
     return MaskServiceConfig(**base)  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ BAD_GRAMMARS = [
     GrammarSpec(GrammarKind.REGEX, "(unclosed"),
     GrammarSpec(GrammarKind.REGEX, "(?=a)a"),
     GrammarSpec(GrammarKind.EBNF, "root ::= "),
-    GrammarSpec(GrammarKind.EBNF, "no_root ::= \"a\""),
+    GrammarSpec(GrammarKind.EBNF, 'no_root ::= "a"'),
     GrammarSpec(GrammarKind.LARK, "start: undefined_rule"),
     GrammarSpec(GrammarKind.JSON_SCHEMA, "{not json"),
     GrammarSpec(GrammarKind.JSON_SCHEMA, "[1, 2]"),
@@ -56,8 +56,20 @@ def test_invalid_grammars(client: MaskServiceClient, bpe_id: str) -> None:
         err = _assert_code(lambda: client.open_session(bpe_id, spec), grpc.StatusCode.INVALID_ARGUMENT)
         assert "unsupported" in err.message or "lookaround" in err.message
     # Allowed: local refs, annotations, uniqueItems false.
-    client.validate_grammar(bpe_id, GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(
-        {"$defs": {"a": {"type": "integer"}}, "type": "object", "properties": {"v": {"$ref": "#/$defs/a", "description": "not a keyword: not"}}, "uniqueItems": False})))
+    client.validate_grammar(
+        bpe_id,
+        GrammarSpec(
+            GrammarKind.JSON_SCHEMA,
+            json.dumps(
+                {
+                    "$defs": {"a": {"type": "integer"}},
+                    "type": "object",
+                    "properties": {"v": {"$ref": "#/$defs/a", "description": "not a keyword: not"}},
+                    "uniqueItems": False,
+                }
+            ),
+        ),
+    )
     client.validate_grammar(bpe_id, OK)  # still serving
 
 
@@ -71,11 +83,18 @@ def test_request_errors(client: MaskServiceClient, bpe_id: str, service) -> None
     _assert_code(lambda: client.commit(sid, 1, [-1]), grpc.StatusCode.INVALID_ARGUMENT)
     _assert_code(lambda: client.commit(sid, 0, [1]), grpc.StatusCode.INVALID_ARGUMENT)
     _assert_code(lambda: client.draft_masks([DraftMaskItem(sid, [600])]), grpc.StatusCode.INVALID_ARGUMENT)
-    _assert_code(lambda: client.draft_masks([DraftMaskItem(sid, [], commit_tokens=[9999], commit_seq=1)]), grpc.StatusCode.INVALID_ARGUMENT)
+    _assert_code(
+        lambda: client.draft_masks([DraftMaskItem(sid, [], commit_tokens=[9999], commit_seq=1)]),
+        grpc.StatusCode.INVALID_ARGUMENT,
+    )
     # One bad item does not fail the others' commits: a retry without it works.
     sid2 = client.open_session(bpe_id, OK)
     stub = pb_grpc.MaskServiceStub(grpc.insecure_channel(f"127.0.0.1:{service.port}"))
-    resp = stub.DraftMasks(pb.DraftMasksRequest(items=[pb.DraftMaskItem(session_id="nope"), pb.DraftMaskItem(session_id=sid2, draft_tokens=[1])]))
+    resp = stub.DraftMasks(
+        pb.DraftMasksRequest(
+            items=[pb.DraftMaskItem(session_id="nope"), pb.DraftMaskItem(session_id=sid2, draft_tokens=[1])]
+        )
+    )
     assert resp.results[0].error_code == grpc.StatusCode.NOT_FOUND.value[0]
     assert resp.results[1].error_code == 0 and resp.results[1].num_rows == 2
     # Unspecified grammar kind over raw proto.
@@ -108,14 +127,16 @@ def test_health_and_reflection(service) -> None:  # type: ignore[no-untyped-def]
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-    replies = list(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+    replies = list(
+        stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
+    )
     names = {s.name for s in replies[0].list_services_response.service}
     assert "specmask.mask.v1.MaskService" in names
 
 
 def test_compile_timeout_then_serving(bpe_dir, registry, bpe_id) -> None:  # type: ignore[no-untyped-def]
-    from tests.mask_service.service_config import make_config
     from mask_service.server import build_service
+    from tests.mask_service.service_config import make_config
 
     handle = build_service(make_config(bpe_dir, compile_timeout_s=1e-6), registry)
     handle.server.start()

@@ -20,7 +20,18 @@ def test_process_sigterm(bpe_dir) -> None:  # type: ignore[no-untyped-def]
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.cli", "mask-service", "--host", "127.0.0.1", "--port", str(port), "--tokenizer", f"{bpe_dir}:640"],
+        [
+            sys.executable,
+            "-m",
+            "orchestrator.cli",
+            "mask-service",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--tokenizer",
+            f"{bpe_dir}:640",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
@@ -29,7 +40,10 @@ def test_process_sigterm(bpe_dir) -> None:  # type: ignore[no-untyped-def]
         deadline = time.monotonic() + 60
         while True:
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     break
             except grpc.RpcError:
                 pass

@@ -9,20 +9,33 @@ import grpc
 import numpy as np
 import pytest
 
-from tests.mask_service.service_config import make_config
 from mask_service.client import DraftMaskItem, MaskServiceClient, MaskServiceError
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.router import MaskRouter
 from mask_service.server import build_service
+from tests.mask_service.service_config import make_config
 
-SCHEMA = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}}, "required": ["name", "n"]}))
+SCHEMA = GrammarSpec(
+    GrammarKind.JSON_SCHEMA,
+    json.dumps(
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+            "required": ["name", "n"],
+        }
+    ),
+)
 DOC = '{"name":"alpha beta","n":1234}'
 
 
 def _expected(address: str, bpe_id: str, toks: list[int], p: int) -> np.ndarray:
     with MaskServiceClient(address) as c:
         sid = c.open_session(bpe_id, SCHEMA)
-        return c.draft_masks([DraftMaskItem(sid, toks[p : p + 3], commit_tokens=toks[:p], commit_seq=1)])[0].bitmask.numpy().copy()
+        return (
+            c.draft_masks([DraftMaskItem(sid, toks[p : p + 3], commit_tokens=toks[:p], commit_seq=1)])[0]
+            .bitmask.numpy()
+            .copy()
+        )
 
 
 def test_router_failover_and_replay(bpe_dir, registry, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
@@ -40,7 +53,10 @@ def test_router_failover_and_replay(bpe_dir, registry, bpe_id, hf_tok) -> None: 
         seq = 0
         for p in range(0, 4):
             seq += 1
-            items = [DraftMaskItem(s, toks[p : p + 3], commit_tokens=toks[p - 1 : p] if p else [], commit_seq=seq) for s in sids]
+            items = [
+                DraftMaskItem(s, toks[p : p + 3], commit_tokens=toks[p - 1 : p] if p else [], commit_seq=seq)
+                for s in sids
+            ]
             router.draft_masks(items)
         # Kill replica 0: sessions living there are reopened on replica 1 with their tokens replayed.
         handles[0].stop(grace_s=0)

@@ -8,18 +8,45 @@ import random
 import numpy as np
 import pytest
 import xgrammar as xgr
-
 from mask_reference import reference_rows, reference_walk
+
 from mask_service.backends import XGrammarBackend, any_json_ebnf
 from mask_service.client import DraftMaskItem, MaskServiceClient
 from mask_service.grammar import GrammarKind, GrammarSpec
 
 SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]},
-    {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "integer"}}, "enabled": {"type": "boolean"}}, "required": ["items"]},
-    {"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer"}, "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}}}, "required": ["id", "tags"]}},
-    {"type": "object", "properties": {"price": {"type": "number"}, "title": {"type": "string", "maxLength": 12}}, "required": ["price", "title"]},
-    {"anyOf": [{"type": "integer"}, {"type": "object", "properties": {"value": {"type": "null"}}, "required": ["value"]}]},
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    },
+    {
+        "type": "object",
+        "properties": {"items": {"type": "array", "items": {"type": "integer"}}, "enabled": {"type": "boolean"}},
+        "required": ["items"],
+    },
+    {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {
+                "id": {"type": "integer"},
+                "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}},
+            },
+            "required": ["id", "tags"],
+        },
+    },
+    {
+        "type": "object",
+        "properties": {"price": {"type": "number"}, "title": {"type": "string", "maxLength": 12}},
+        "required": ["price", "title"],
+    },
+    {
+        "anyOf": [
+            {"type": "integer"},
+            {"type": "object", "properties": {"value": {"type": "null"}}, "required": ["value"]},
+        ]
+    },
 ]
 DOCS = [
     {"name": "alpha beta", "age": 42},
@@ -30,7 +57,10 @@ DOCS = [
 ]
 OTHER = [
     (GrammarSpec(GrammarKind.REGEX, r"[a-z]{2,5}-[0-9]+"), "gamma-123"),
-    (GrammarSpec(GrammarKind.EBNF, 'root ::= "{" pair ("," pair)* "}"\npair ::= "\\"" [a-z]+ "\\":" [0-9]+'), '{"ab":12,"c":3}'),
+    (
+        GrammarSpec(GrammarKind.EBNF, 'root ::= "{" pair ("," pair)* "}"\npair ::= "\\"" [a-z]+ "\\":" [0-9]+'),
+        '{"ab":12,"c":3}',
+    ),
     (GrammarSpec(GrammarKind.LARK, 'start: "[" NUM ("," NUM)* "]"\nNUM: /[0-9]+/'), "[1,22,333]"),
     (GrammarSpec(GrammarKind.ANY_JSON), '{"x":[1,{"y":null}],"z":"hello"}'),
 ]
@@ -52,7 +82,10 @@ def _compile_direct(registry, bpe_id, spec: GrammarSpec):  # type: ignore[no-unt
 
 
 def _cases() -> list[tuple[GrammarSpec, str]]:
-    out = [(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(s)), json.dumps(d, separators=(",", ":"))) for s, d in zip(SCHEMAS, DOCS)]
+    out = [
+        (GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(s)), json.dumps(d, separators=(",", ":")))
+        for s, d in zip(SCHEMAS, DOCS)
+    ]
     return out + OTHER
 
 
@@ -103,7 +136,7 @@ def test_batch_mixed_sessions_match_singles(client: MaskServiceClient, registry,
     rng = random.Random(7)
     items, refs = [], []
     vocab = registry.info(bpe_id, None).vocab_size
-    for (spec, doc) in _cases() * 3:
+    for spec, doc in _cases() * 3:
         compiled = _compile_direct(registry, bpe_id, spec)
         toks = hf_tok.encode(doc, add_special_tokens=False)
         sid = client.open_session(bpe_id, spec)

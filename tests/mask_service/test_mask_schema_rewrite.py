@@ -34,10 +34,20 @@ REFUSED: list[tuple[Any, str]] = [
     (_ALLOF_NOTYPE, "allOf"),
     ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf"),
     ({"type": "object", "properties": {"a": {"allOf": [{"type": "string"}, {"maxLength": 3}]}}}, "allOf"),
-    ({"$defs": {"d": {"allOf": [{"type": "string"}, {"type": "string"}]}}, "type": "array", "items": {"$ref": "#/$defs/d"}}, "allOf"),
+    (
+        {
+            "$defs": {"d": {"allOf": [{"type": "string"}, {"type": "string"}]}},
+            "type": "array",
+            "items": {"$ref": "#/$defs/d"},
+        },
+        "allOf",
+    ),
     ({"type": "array", "items": {"allOf": [{"type": "object"}, {"required": ["x"]}]}}, "allOf"),
     # One branch next to other keywords: xgrammar keeps the branch and drops the rest.
-    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "allOf": [{"required": ["b"]}]}, "allOf"),
+    (
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "allOf": [{"required": ["b"]}]},
+        "allOf",
+    ),
     ({"type": "integer", "allOf": [{"minimum": 5}]}, "allOf"),
     # A format xgrammar enforces drops pattern/minLength/maxLength.
     ({"type": "string", "format": "email", "maxLength": 10}, "format"),
@@ -53,7 +63,10 @@ REFUSED: list[tuple[Any, str]] = [
     ({"type": "object", "patternProperties": {'^["a]$': {}, "^a$": {"type": "integer"}}}, "patternProperties"),
     # Validation keywords next to $ref/const/enum/anyOf/oneOf: xgrammar keeps only the first of those.
     ({"type": "integer", "minimum": 0, "anyOf": [{"maximum": 5}]}, "anyOf"),
-    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "oneOf": [{"required": ["b"]}]}, "oneOf"),
+    (
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "oneOf": [{"required": ["b"]}]},
+        "oneOf",
+    ),
     ({"$ref": "#/$defs/a", "maxLength": 3, "$defs": {"a": {"type": "string"}}}, "$ref"),
     ({"enum": ["a", "bb"], "maxLength": 1}, "enum"),
     ({"const": "x", "enum": ["x", "y"]}, "const"),
@@ -75,11 +88,27 @@ ACCEPTED: list[Any] = [
     {"type": "string", "minLength": 2, "maxLength": 5},
     {"type": "string", "maxLength": 2},
     {"type": ["string", "null"], "minLength": 1, "maxLength": 3},
-    {"type": "object", "properties": {"a": {"type": "string", "minLength": 1, "maxLength": 4}, "b": {"type": "array", "items": {"type": "string", "maxLength": 2}, "maxItems": 3}}, "required": ["a", "b"]},
+    {
+        "type": "object",
+        "properties": {
+            "a": {"type": "string", "minLength": 1, "maxLength": 4},
+            "b": {"type": "array", "items": {"type": "string", "maxLength": 2}, "maxItems": 3},
+        },
+        "required": ["a", "b"],
+    },
     {"type": "object", "additionalProperties": {"type": "string", "minLength": 1, "maxLength": 3}, "maxProperties": 2},
-    {"type": "object", "propertyNames": {"maxLength": 3}, "maxProperties": 2, "additionalProperties": {"type": "integer"}},
+    {
+        "type": "object",
+        "propertyNames": {"maxLength": 3},
+        "maxProperties": 2,
+        "additionalProperties": {"type": "integer"},
+    },
     # No type: xgrammar would allow any value and ignore these keywords.
-    {"type": "object", "properties": {"s": {"minLength": 2, "maxLength": 4}, "n": {"minimum": 3, "maximum": 9}}, "required": ["s", "n"]},
+    {
+        "type": "object",
+        "properties": {"s": {"minLength": 2, "maxLength": 4}, "n": {"minimum": 3, "maximum": 9}},
+        "required": ["s", "n"],
+    },
     {"pattern": "^[a-c]{1,3}$"},
     # Patterns: sanitised classes, small and large automata (the large one is compiled raw by xgrammar).
     {"type": "string", "pattern": "^.{1,5}$"},
@@ -106,19 +135,33 @@ ACCEPTED: list[Any] = [
     {"type": "object", "properties": {"v": {"allOf": [{"type": "string", "maxLength": 3}]}}, "required": ["v"]},
     # required names missing from properties: added with the additionalProperties schema.
     {"type": "object", "required": ["a"]},
-    {"type": "object", "required": ["a", "b"], "properties": {"a": {"type": "integer"}},
-     "additionalProperties": {"type": "string", "maxLength": 3}},
+    {
+        "type": "object",
+        "required": ["a", "b"],
+        "properties": {"a": {"type": "integer"}},
+        "additionalProperties": {"type": "string", "maxLength": 3},
+    },
     # No type, only object keywords: becomes an object.
     {"required": ["k"]},
     # type next to anyOf/oneOf/enum/const/$ref: redundant, pushed into the branches, or filtering the enum.
-    {"type": "integer", "anyOf": [{"minimum": 0, "maximum": 5}, {"type": "number", "minimum": 100, "maximum": 105},
-                                  {"type": "string"}, {"enum": [7, "x", 8.5]}]},
+    {
+        "type": "integer",
+        "anyOf": [
+            {"minimum": 0, "maximum": 5},
+            {"type": "number", "minimum": 100, "maximum": 105},
+            {"type": "string"},
+            {"enum": [7, "x", 8.5]},
+        ],
+    },
     {"type": ["string", "null"], "oneOf": [{"type": "string", "maxLength": 2}, {"type": "null"}]},
     {"type": "string", "oneOf": [{"maxLength": 1}, {"minLength": 3, "maxLength": 4}]},
     {"type": "string", "enum": ["a", 1, "b", None]},
     {"type": "integer", "const": 3},
-    {"type": "object", "$ref": "#/$defs/o",
-     "$defs": {"o": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}},
+    {
+        "type": "object",
+        "$ref": "#/$defs/o",
+        "$defs": {"o": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}},
+    },
 ]
 WALKS = 30
 MAX_STEPS = 120
@@ -151,11 +194,15 @@ class _Walker:
         self.compiler = XGrammarBackend.make_compiler(info, 1)
         self.vocab = [bytes(t) for t in info.decoded_vocab]
         self.stops = set(info.stop_token_ids)
-        self.ctrl = np.array([any(b < 0x20 for b in t) and i not in self.stops for i, t in enumerate(self.vocab)]
-                             + [False] * (info.vocab_size - len(self.vocab)))
+        self.ctrl = np.array(
+            [any(b < 0x20 for b in t) and i not in self.stops for i, t in enumerate(self.vocab)]
+            + [False] * (info.vocab_size - len(self.vocab))
+        )
         assert self.ctrl.sum() >= 20, "the tokenizer must have raw control-character tokens for this test"
         # Tokens that tend to end a value (a '@' too, for emails): preferred more and more as a walk grows.
-        self.closing = np.array([any(c in t for c in b'"}]@') for t in self.vocab] + [False] * (info.vocab_size - len(self.vocab)))
+        self.closing = np.array(
+            [any(c in t for c in b'"}]@') for t in self.vocab] + [False] * (info.vocab_size - len(self.vocab))
+        )
         self.bitmask = xgr.allocate_token_bitmask(1, info.vocab_size)
 
     def compile(self, schema: Any) -> Any:
@@ -233,15 +280,21 @@ def test_length_strings_admit_no_control_characters(bpe_walker: _Walker) -> None
         # Length is counted in code points.
         m = xgr.GrammarMatcher(bpe_walker.compile({"type": "string", "maxLength": 2}))
         assert m.accept_string('"é😀"'.encode())
-        assert not xgr.GrammarMatcher(bpe_walker.compile({"type": "string", "maxLength": 2})).accept_string('"é😀a'.encode())
+        assert not xgr.GrammarMatcher(bpe_walker.compile({"type": "string", "maxLength": 2})).accept_string(
+            '"é😀a'.encode()
+        )
 
 
 def test_rewritten_formats_reject_raw_and_invalid_escapes(bpe_walker: _Walker) -> None:
-    """xgrammar's own email allows a quoted local part with any escape (\\a: invalid JSON); json-pointer allows raw controls."""
+    """xgrammar's own email allows a quoted local part with any escape (\\a: invalid JSON);
+    json-pointer allows raw controls."""
     import xgrammar as xgr
 
-    cases = [("email", b'"\\"\\a\\"@b.co"', b'"a.b@c.io"'), ("json-pointer", b'"/\x01"', b'"/a~1b/0"'),
-             ("relative-json-pointer", b'"0/\\"', b'"1#"')]
+    cases = [
+        ("email", b'"\\"\\a\\"@b.co"', b'"a.b@c.io"'),
+        ("json-pointer", b'"/\x01"', b'"/a~1b/0"'),
+        ("relative-json-pointer", b'"0/\\"', b'"1#"'),
+    ]
     for fmt, bad, good in cases:
         compiled = bpe_walker.compile({"type": "string", "format": fmt})
         assert not xgr.GrammarMatcher(compiled).accept_string(bad), fmt
@@ -253,8 +306,9 @@ def test_xgrammar_still_prints_the_repaired_class() -> None:
     """Guards the EBNF repair against an xgrammar upgrade changing its output."""
     import xgrammar as xgr
 
-    g = xgr.Grammar.from_json_schema(json.dumps({"type": "string", "minLength": 1}), any_whitespace=False,
-                                     separators=(",", ":"), strict_mode=True)
+    g = xgr.Grammar.from_json_schema(
+        json.dumps({"type": "string", "minLength": 1}), any_whitespace=False, separators=(",", ":"), strict_mode=True
+    )
     ebnf = str(g)
     assert needs_ebnf_repair(ebnf)
     repaired = repair_ebnf(ebnf)
@@ -265,8 +319,15 @@ def test_xgrammar_still_prints_the_repaired_class() -> None:
 
 
 def test_rewrite_schema_shapes() -> None:
-    original = {"type": "object", "properties": {"e": {"type": "string", "format": "email"}, "n": {"minimum": 1},
-                                                  "s": {"maxLength": 2, "enum": ["a"]}}, "patternProperties": {"^x.$": {}}}
+    original = {
+        "type": "object",
+        "properties": {
+            "e": {"type": "string", "format": "email"},
+            "n": {"minimum": 1},
+            "s": {"maxLength": 2, "enum": ["a"]},
+        },
+        "patternProperties": {"^x.$": {}},
+    }
     before = json.dumps(original)
     out = rewrite_schema(original)
     assert json.dumps(original) == before  # input untouched
@@ -280,13 +341,26 @@ def test_rewrite_schema_shapes() -> None:
 
 
 def test_rewrite_type_and_required_shapes() -> None:
-    out = rewrite_schema({"type": "integer", "anyOf": [{"minimum": 0}, {"type": ["number", "string"]}, {"type": "string"},
-                                                       {"enum": [1, "a"]}, {"const": 2.5}, False]})
+    out = rewrite_schema(
+        {
+            "type": "integer",
+            "anyOf": [
+                {"minimum": 0},
+                {"type": ["number", "string"]},
+                {"type": "string"},
+                {"enum": [1, "a"]},
+                {"const": 2.5},
+                False,
+            ],
+        }
+    )
     assert out == {"anyOf": [{"minimum": 0, "type": "integer"}, {"type": "integer"}, {"enum": [1]}]}
     assert rewrite_schema({"type": "string", "enum": ["a", 1]}) == {"type": "string", "enum": ["a"]}
     assert rewrite_schema({"required": ["a"]}) == {"required": ["a"], "type": "object", "properties": {"a": {}}}
     assert rewrite_schema({"minItems": 1})["type"] == "array"
-    out = rewrite_schema({"type": "object", "properties": {"b": {}}, "required": ["a", "b"], "additionalProperties": {"type": "integer"}})
+    out = rewrite_schema(
+        {"type": "object", "properties": {"b": {}}, "required": ["a", "b"], "additionalProperties": {"type": "integer"}}
+    )
     assert out["properties"] == {"b": {}, "a": {"type": "integer"}}
     # A non-object type makes required vacuous: nothing added.
     assert "properties" not in rewrite_schema({"type": "string", "required": ["a"]})
@@ -299,7 +373,22 @@ def test_ecma_class_dash() -> None:
 
 
 # Atoms whose JSON-safe version is checked character by character against Python's re.
-_ATOMS = [".", "\\S", "\\s", "\\d", "\\D", "\\w", "\\W", "[^a\\s]", "[\\s\\S]", "[ -~]", '["a]', "[^\\d,]", "[\\x00-\\x7f]", "[^\"]"]
+_ATOMS = [
+    ".",
+    "\\S",
+    "\\s",
+    "\\d",
+    "\\D",
+    "\\w",
+    "\\W",
+    "[^a\\s]",
+    "[\\s\\S]",
+    "[ -~]",
+    '["a]',
+    "[^\\d,]",
+    "[\\x00-\\x7f]",
+    '[^"]',
+]
 _SAMPLE = [c for c in range(0x3100) if not 0xD800 <= c <= 0xDFFF] + list(range(0x3100, 0x110000, 97))
 
 
@@ -330,6 +419,11 @@ def test_gpt2_sanity(shared_data: Path) -> None:
     hf = PreTrainedTokenizerFast(tokenizer_file=str(tok_dir / "tokenizer.json"))
     eos = hf.convert_tokens_to_ids("<|endoftext|>")
     walker = _Walker(xgr.TokenizerInfo.from_huggingface(hf, stop_token_ids=[eos]))
-    for i, schema in enumerate([{"type": "string", "minLength": 1, "maxLength": 8}, {"type": "string", "format": "email"},
-                                {"type": "object", "properties": {"k": {"type": "string", "pattern": "^.{1,6}$"}}, "required": ["k"]}]):
+    for i, schema in enumerate(
+        [
+            {"type": "string", "minLength": 1, "maxLength": 8},
+            {"type": "string", "format": "email"},
+            {"type": "object", "properties": {"k": {"type": "string", "pattern": "^.{1,6}$"}}, "required": ["k"]},
+        ]
+    ):
         assert _check_walks(walker, schema, seed=100 + i, walks=10) >= 3

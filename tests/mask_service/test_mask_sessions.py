@@ -10,14 +10,20 @@ import grpc
 import numpy as np
 import pytest
 
-from tests.mask_service.service_config import make_config
 from mask_service.client import DraftMaskItem, MaskServiceClient, MaskServiceError
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.server import build_service
+from tests.mask_service.service_config import make_config
 
 SCHEMA = GrammarSpec(
     GrammarKind.JSON_SCHEMA,
-    json.dumps({"type": "object", "properties": {"name": {"type": "string"}, "count": {"type": "integer"}}, "required": ["name", "count"]}),
+    json.dumps(
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "count": {"type": "integer"}},
+            "required": ["name", "count"],
+        }
+    ),
 )
 DOC = '{"name":"hello world","count":42}'
 
@@ -62,7 +68,9 @@ def test_commit_idempotent_and_rollback(client, bpe_id, hf_tok) -> None:  # type
 
 
 def test_session_ttl_and_limits(bpe_dir, registry, bpe_id) -> None:  # type: ignore[no-untyped-def]
-    handle = build_service(make_config(bpe_dir, max_sessions=2, session_ttl_s=0.3, janitor_interval_s=0.1, max_batch=2, max_k=3), registry)
+    handle = build_service(
+        make_config(bpe_dir, max_sessions=2, session_ttl_s=0.3, janitor_interval_s=0.1, max_batch=2, max_k=3), registry
+    )
     handle.server.start()
     try:
         c = MaskServiceClient(f"127.0.0.1:{handle.port}", deadline_s=20.0)
@@ -107,12 +115,19 @@ def test_concurrent_clients(service, bpe_id, hf_tok) -> None:  # type: ignore[no
             with MaskServiceClient(address, deadline_s=30.0) as c:
                 sids = [c.open_session(bpe_id, SCHEMA) for _ in range(3)]
                 for p in range(len(toks) - 3):
-                    res = c.draft_masks([DraftMaskItem(s, toks[p : p + 3], commit_tokens=toks[p - 1 : p] if p else [], commit_seq=p + 1) for s in sids])
+                    res = c.draft_masks(
+                        [
+                            DraftMaskItem(
+                                s, toks[p : p + 3], commit_tokens=toks[p - 1 : p] if p else [], commit_seq=p + 1
+                            )
+                            for s in sids
+                        ]
+                    )
                     for r in res:
                         np.testing.assert_array_equal(r.bitmask.numpy(), expected[p])
                 for s in sids:
                     c.close_session(s)
-        except BaseException as exc:  # noqa: BLE001 — reported to the main thread
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]

@@ -8,15 +8,15 @@ import random
 import numpy as np
 import pytest
 import xgrammar as xgr
-
-from tests.mask_service.service_config import make_config
 from mask_reference import reference_walk
+
 from mask_service.backends import XGrammarBackend
 from mask_service.client import DraftMaskItem, MaskServiceClient, MaskServiceError
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.server import build_service
 from mask_service.tokenizer_id import tokenizer_id_for_path
 from mask_service.tokenizers import TokenizerRegistry, TokenizerSource
+from tests.mask_service.service_config import make_config
 
 pytestmark = [pytest.mark.shared_data, pytest.mark.slow]
 

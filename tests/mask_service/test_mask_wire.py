@@ -8,14 +8,19 @@ import socket
 import numpy as np
 import pytest
 
-from tests.mask_service.service_config import make_config
 from mask_service.client import DraftMaskItem, MaskServiceClient
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.server import build_service
 from mask_service.wire import ALL_ONES_ID, ClientBeliefs, RowInterner, RowTable, decode_row, encode_row
 from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+from tests.mask_service.service_config import make_config
 
-SCHEMA = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}}}, "required": ["tags"]}))
+SCHEMA = GrammarSpec(
+    GrammarKind.JSON_SCHEMA,
+    json.dumps(
+        {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"}}}, "required": ["tags"]}
+    ),
+)
 DOC = '{"tags":["red","green blue","x"]}'
 
 
@@ -79,7 +84,9 @@ def _walk(client: MaskServiceClient, bpe_id: str, toks: list[int]) -> list[np.nd
     sid = client.open_session(bpe_id, SCHEMA)
     out = []
     for p in range(len(toks) - 2):
-        res = client.draft_masks([DraftMaskItem(sid, toks[p : p + 2], commit_tokens=toks[p - 1 : p] if p else [], commit_seq=p + 1)])
+        res = client.draft_masks(
+            [DraftMaskItem(sid, toks[p : p + 2], commit_tokens=toks[p - 1 : p] if p else [], commit_seq=p + 1)]
+        )
         out.append(res[0].bitmask.numpy().copy())
     client.close_session(sid)
     return out

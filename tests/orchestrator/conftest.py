@@ -11,7 +11,6 @@ from tests.fixtures.shared_data import shared_data_dir
 from tests.fixtures.tokenizers import build_bpe_tokenizer
 
 
-
 @pytest.fixture(scope="session")
 def shared_tokenizers() -> Path:
     data = shared_data_dir()

@@ -37,8 +37,15 @@ def test_request_round_trip(grammar) -> None:
         request_id="abc",
         prompt="hi" if grammar is None else (1, 2, 3),
         grammar=grammar,
-        sampling=SamplingOptions(temperature=0.5, top_p=0.75, top_k=7, seed=2**64 - 1, max_tokens=9, stop=("x", "yz"),
-                                 ignore_eos=grammar is None),
+        sampling=SamplingOptions(
+            temperature=0.5,
+            top_p=0.75,
+            top_k=7,
+            seed=2**64 - 1,
+            max_tokens=9,
+            stop=("x", "yz"),
+            ignore_eos=grammar is None,
+        ),
         speculation=SpeculationOptions(enabled=True, k=3, proposers=("ngram", "draft_model"), draft_masking=False),
     )
     assert convert.request_from_proto(convert.request_to_proto(req), "abc") == req
@@ -66,8 +73,9 @@ def test_structural_errors(msg) -> None:
 
 
 def test_responses() -> None:
-    usage = Usage(prompt_tokens=3, completion_tokens=8, target_forwards=4, drafts_proposed=10, drafts_accepted=5,
-                  mask_time_s=0.25)
+    usage = Usage(
+        prompt_tokens=3, completion_tokens=8, target_forwards=4, drafts_proposed=10, drafts_accepted=5, mask_time_s=0.25
+    )
     msg = convert.result_to_proto(GenerationResult("r", "text", (1, 2), FinishReason.GRAMMAR_COMPLETE, None, usage))
     assert msg.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE and msg.error == ""
     assert msg.usage.tokens_per_target_forward == 2.0 and msg.usage.acceptance_rate == 0.5

@@ -63,7 +63,7 @@ def test_real_tokenizers(shared_tokenizers, name: str, text: str) -> None:
     _check(_load(str(shared_tokenizers / name / "tokenizer.json")), text)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load(path: str):  # type: ignore[no-untyped-def]
     from tokenizers import Tokenizer
 

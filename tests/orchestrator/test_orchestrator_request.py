@@ -22,8 +22,14 @@ def _events(request: Request) -> list:
 def _steps(tokenizer, text: str, per_step: int = 2) -> list[StepOutput]:
     ids = tokenizer.encode(text).ids
     return [
-        StepOutput("req-1", ids[i : i + per_step], drafts_proposed=3, drafts_accepted=per_step - 1, target_forwards=1,
-                   mask_time_s=0.001)
+        StepOutput(
+            "req-1",
+            ids[i : i + per_step],
+            drafts_proposed=3,
+            drafts_accepted=per_step - 1,
+            target_forwards=1,
+            mask_time_s=0.001,
+        )
         for i in range(0, len(ids), per_step)
     ]
 

@@ -35,7 +35,10 @@ def info(bpe_dir, bpe_tokenizer) -> WorkerInfo:
 @pytest.fixture(scope="module")
 def checker(info, mask_service_address):
     c = MaskServiceGrammarChecker(
-        (mask_service_address,), tokenizer_id=info.tokenizer_id, vocab_size=info.vocab_size, deadline_s=10.0,
+        (mask_service_address,),
+        tokenizer_id=info.tokenizer_id,
+        vocab_size=info.vocab_size,
+        deadline_s=10.0,
         max_retries=1,
     )
     yield c
@@ -158,7 +161,10 @@ def test_unreachable_mask_service_is_unavailable(bpe_tokenizer, info) -> None:
     from orchestrator.local_stack import free_port
 
     checker = MaskServiceGrammarChecker(
-        (f"127.0.0.1:{free_port()}",), tokenizer_id=info.tokenizer_id, vocab_size=info.vocab_size, deadline_s=0.5,
+        (f"127.0.0.1:{free_port()}",),
+        tokenizer_id=info.tokenizer_id,
+        vocab_size=info.vocab_size,
+        deadline_s=0.5,
         max_retries=0,
     )
     try:
