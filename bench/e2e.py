@@ -16,12 +16,14 @@ pair unless --target/--draft), then sends the same N prompts, all at once
   on the verify path, where they overlap the target forward);
 * ``constrained-nospec``: grammar on, speculation off.
 
-Step time is the orchestrator-side time of one worker step (Ray round trip
-included, prefill excluded), from the server's own metrics.
-constrained_vs_unconstrained_step_time = constrained / unconstrained mean
-step time (goal <= 1.05: mask work hides behind the target forward);
-spec_vs_nonspec_speedup = completion tokens/s of constrained over
-constrained-nospec (greedy: both produce the same tokens).
+The four phases run ``--rounds`` times (default 3), alternating, so drift on a
+shared machine hits every phase alike. Step time is the orchestrator-side time
+of one worker step (Ray round trip included, prefill excluded), from the
+server's own metrics. constrained_vs_unconstrained_step_time = constrained /
+unconstrained mean step time within a round, median over rounds (goal <= 1.05:
+mask work hides behind the target forward); spec_vs_nonspec_speedup =
+completion tokens/s of constrained over constrained-nospec (greedy: both
+produce the same tokens), likewise. The table sums all rounds.
 
 Prints a table and, last, ``RESULT {json}``.
 """
@@ -255,58 +257,109 @@ def print_table(phases: list[PhaseStats]) -> None:
             print(f"  [{p.phase}] {sample}")
 
 
+PHASES = ("constrained", "unconstrained", "constrained-nodraftmask", "constrained-nospec")
+
+
+def merge(rounds: list[PhaseStats]) -> PhaseStats:
+    """One phase's stats summed over rounds (means then weigh every step and token alike)."""
+    total = PhaseStats(phase=rounds[0].phase)
+    for r in rounds:
+        for name in (
+            "requests",
+            "valid",
+            "invalid",
+            "truncated",
+            "refused",
+            "errors",
+            "wall_s",
+            "steps",
+            "step_s",
+            "sequence_steps",
+        ):
+            setattr(total, name, getattr(total, name) + getattr(r, name))
+        for name in ("completion_tokens", "target_forwards", "drafts_proposed", "drafts_accepted"):
+            setattr(total.usage, name, getattr(total.usage, name) + getattr(r.usage, name))
+        total.error_samples += r.error_samples
+    return total
+
+
+async def run_round(running: RunningStack, cases: list[Case], args: argparse.Namespace) -> dict[str, PhaseStats]:
+    """The four phases back to back; the unconstrained one replays the constrained lengths."""
+    common: dict[str, Any] = {"concurrency": args.concurrency}
+    constrained, lengths = await run_phase(
+        running, cases, "constrained", constrained=True, max_tokens=args.max_tokens, **common
+    )
+    unconstrained, _ = await run_phase(running, cases, "unconstrained", constrained=False, max_tokens=lengths, **common)
+    nodraftmask, _ = await run_phase(
+        running,
+        cases,
+        "constrained-nodraftmask",
+        constrained=True,
+        draft_masking=False,
+        max_tokens=args.max_tokens,
+        **common,
+    )
+    nospec, _ = await run_phase(
+        running,
+        cases,
+        "constrained-nospec",
+        constrained=True,
+        speculation=False,
+        max_tokens=args.max_tokens,
+        **common,
+    )
+    return {p.phase: p for p in (constrained, unconstrained, nodraftmask, nospec)}
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = sorted(v for v in values if v is not None)
+    return present[len(present) // 2] if present else None
+
+
 async def bench(args: argparse.Namespace, cases: list[Case], stack: StackConfig) -> dict[str, Any]:
     async with running_stack(stack, max_queue=max(256, 2 * len(cases)), max_batch=args.max_batch) as running:
         # Warm-up: first steps pay for lazy init (allocator, kernels, grammar compiles).
         await run_phase(running, cases, "warmup", constrained=True, max_tokens=8, concurrency=args.concurrency)
-        common = dict(concurrency=args.concurrency)
-        constrained, lengths = await run_phase(
-            running, cases, "constrained", constrained=True, max_tokens=args.max_tokens, **common
-        )
-        unconstrained, _ = await run_phase(
-            running, cases, "unconstrained", constrained=False, max_tokens=lengths, **common
-        )
-        nodraftmask, _ = await run_phase(
-            running,
-            cases,
-            "constrained-nodraftmask",
-            constrained=True,
-            draft_masking=False,
-            max_tokens=args.max_tokens,
-            **common,
-        )
-        nospec, _ = await run_phase(
-            running,
-            cases,
-            "constrained-nospec",
-            constrained=True,
-            speculation=False,
-            max_tokens=args.max_tokens,
-            **common,
-        )
+        # Phases alternate round by round, so drift on a shared box hits all of them
+        # alike; ratios are taken within a round and the median over rounds reported.
+        rounds = [await run_round(running, cases, args) for _ in range(args.rounds)]
         device = running.server.info.device
-    print_table([constrained, unconstrained, nodraftmask, nospec])
+    merged = {name: merge([r[name] for r in rounds]) for name in PHASES}
+    constrained, unconstrained = merged["constrained"], merged["unconstrained"]
+    nodraftmask, nospec = merged["constrained-nodraftmask"], merged["constrained-nospec"]
+    print_table(list(merged.values()))
 
-    def ratio(a: float, b: float) -> float | None:
-        return round(a / b, 3) if b else None
+    def per_round(a: str, b: str, metric: str) -> list[float | None]:
+        return [_ratio(getattr(r[a], metric), getattr(r[b], metric)) for r in rounds]
 
+    step_ratios = per_round("constrained", "unconstrained", "mean_step_ms")
+    nodraftmask_ratios = per_round("constrained-nodraftmask", "unconstrained", "mean_step_ms")
+    speedups = per_round("constrained", "constrained-nospec", "tokens_per_s")
     return {
+        "rounds": args.rounds,
         "requests": constrained.requests,
         "valid": constrained.valid,
         "invalid": constrained.invalid,
         "truncated": constrained.truncated,
         "refused": constrained.refused,
-        "errors": constrained.errors + unconstrained.errors + nodraftmask.errors + nospec.errors,
+        "errors": sum(p.errors for p in merged.values()),
         "tokens_per_target_forward": round(constrained.usage.tokens_per_target_forward, 3),
         "acceptance_rate": round(constrained.usage.acceptance_rate, 3),
         "constrained_step_ms": round(constrained.mean_step_ms, 3),
         "unconstrained_step_ms": round(unconstrained.mean_step_ms, 3),
         "constrained_nodraftmask_step_ms": round(nodraftmask.mean_step_ms, 3),
-        "constrained_vs_unconstrained_step_time": ratio(constrained.mean_step_ms, unconstrained.mean_step_ms),
-        "nodraftmask_vs_unconstrained_step_time": ratio(nodraftmask.mean_step_ms, unconstrained.mean_step_ms),
+        "constrained_vs_unconstrained_step_time": _median(step_ratios),
+        "constrained_vs_unconstrained_step_time_rounds": step_ratios,
+        "nodraftmask_vs_unconstrained_step_time": _median(nodraftmask_ratios),
+        "nodraftmask_vs_unconstrained_step_time_rounds": nodraftmask_ratios,
         "spec_tokens_per_s": round(constrained.tokens_per_s, 1),
         "nonspec_tokens_per_s": round(nospec.tokens_per_s, 1),
-        "spec_vs_nonspec_speedup": ratio(constrained.tokens_per_s, nospec.tokens_per_s),
+        "spec_vs_nonspec_speedup": _median(speedups),
+        "spec_vs_nonspec_speedup_rounds": speedups,
         "device": device,
     }
 
@@ -322,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64, help="requests in flight at once")
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--max-batch", type=int, default=64, help="active sequences per worker")
+    parser.add_argument("--rounds", type=int, default=3, help="times the four phases run, alternating")
     parser.add_argument("--target", default=None, help="target model dir (default: the toy pair)")
     parser.add_argument("--draft", default=None, help="draft model dir (default: the toy pair's)")
     parser.add_argument("--log-level", default="WARNING")

@@ -1,0 +1,37 @@
+"""bench.e2e runs end to end (tiny pair, a few shipped schemas) and its RESULT line holds what the
+README reports: every phase ran, nothing errored, and the per-round ratios are there."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.tiny_models import build_tiny_model_pair
+
+pytestmark = pytest.mark.slow
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_e2e_smoke(tmp_path: Path) -> None:
+    target, draft = build_tiny_model_pair(tmp_path / "pair")
+    # Its own process: the benchmark starts (and stops) a local Ray of its own.
+    cmd = [sys.executable, "-m", "bench.e2e", "--schemas", str(REPO_ROOT / "tests" / "data" / "maskbench"),
+           "--n", "4", "--rounds", "2", "--max-tokens", "24", "--concurrency", "4",
+           "--target", str(target), "--draft", str(draft)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT "), proc.stdout[-2000:]
+    result = json.loads(last.removeprefix("RESULT "))
+    assert result["rounds"] == 2 and result["requests"] == 8
+    assert result["errors"] == 0
+    assert result["valid"] + result["truncated"] + result["refused"] == 8  # nothing invalid
+    for key in ("constrained_vs_unconstrained_step_time", "spec_vs_nonspec_speedup"):
+        assert len(result[f"{key}_rounds"]) == 2 and all(r and r > 0 for r in result[f"{key}_rounds"]), result
+        assert result[key] in result[f"{key}_rounds"]
+    for phase in ("constrained", "unconstrained", "constrained-nodraftmask", "constrained-nospec"):
+        assert phase in proc.stdout
