@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -128,6 +129,7 @@ class GpuWorker:
             device=str(self.device),
             has_draft_model=self.draft is not None,
             max_k=self.config.max_k,
+            pid=os.getpid(),
         )
 
     def num_active(self) -> int:
@@ -219,6 +221,20 @@ class GpuWorker:
             logger.info("seq %s cancelled after %d output tokens", seq_id, state.num_output)
         if unknown:
             raise UnknownSequenceError(f"unknown sequence id(s): {unknown}")
+
+    def reset(self) -> int:
+        """Free every sequence (KV caches, mask sessions); returns how many there were.
+
+        For a caller that lost track of this worker (a step timed out): whatever it
+        still holds belongs to requests that have already been failed."""
+        states = list(self._seqs.values())
+        self._seqs.clear()
+        for state in states:
+            state.finished = FinishReason.CANCELLED
+            self._free(state)
+        if states:
+            logger.warning("reset: freed %d sequences", len(states))
+        return len(states)
 
     def shutdown(self) -> None:
         """Free everything and close the mask-service connection."""

@@ -106,3 +106,4 @@ class WorkerInfo:
     device: str  # "cuda:0", "cpu", ...
     has_draft_model: bool
     max_k: int
+    pid: int = 0  # the worker process (a restarted actor has a new one)

@@ -29,6 +29,10 @@ DEFAULT_MASK_MAX_RETRIES = 2
 DEFAULT_VALIDATION_THREADS = 8
 # Seconds in-flight RPCs get to finish on shutdown before being cancelled.
 DEFAULT_SHUTDOWN_GRACE_S = 5.0
+# Ray restarts a crashed worker actor (process death, OOM) this many times;
+# -1 = always, as a Deployment would. The engine probes a lost worker and puts
+# it back into placement once it answers again.
+DEFAULT_WORKER_MAX_RESTARTS = -1
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,7 @@ class OrchestratorConfig:
     worker_num_gpus: float | None = None  # None = 1 when CUDA is visible to this process, else 0
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
     worker_start_timeout_s: float = DEFAULT_WORKER_START_TIMEOUT_S
+    worker_max_restarts: int = DEFAULT_WORKER_MAX_RESTARTS
     mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S
     mask_max_retries: int = DEFAULT_MASK_MAX_RETRIES
     validation_threads: int = DEFAULT_VALIDATION_THREADS
@@ -63,6 +68,8 @@ class OrchestratorConfig:
         for name in ("num_workers", "max_queue", "max_batch", "default_max_tokens", "validation_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.worker_max_restarts < -1:
+            raise ValueError(f"worker_max_restarts must be >= -1, got {self.worker_max_restarts}")
         if not 0 <= self.default_k <= self.max_k:
             raise ValueError(f"need 0 <= default_k <= max_k, got {self.default_k}, {self.max_k}")
 

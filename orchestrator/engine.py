@@ -23,8 +23,10 @@ Life of a request:
 
 A sequence-level error from the worker finishes only that request (ERROR). A
 failed ``step`` call finishes that worker's batch with ERROR; a dead or
-unresponsive worker is taken out of placement, and the server keeps serving
-while any worker is healthy.
+unresponsive worker is taken out of placement (its requests finish with ERROR),
+and the server keeps serving while any worker is healthy. ``_recover`` then
+probes it: once it answers again (Ray restarted the crashed actor, or a stuck
+call returned) it is reset, checked to serve the same model, and put back.
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ logger = logging.getLogger(__name__)
 # session closes), though it may queue behind one in-flight step. Bounded so a
 # stuck worker cannot hold shutdown up; the workers are killed right after.
 _REMOVE_ON_SHUTDOWN_TIMEOUT_S = 10.0
+# A lost worker is probed (info(), then reset()) at this interval, doubling up
+# to the cap while it does not answer: Ray restarts a crashed actor in seconds
+# (plus model loading); a hung one answers once its stuck call returns.
+_RECOVERY_PROBE_S = 1.0
+_RECOVERY_PROBE_MAX_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -146,6 +153,10 @@ class Engine:
     @property
     def healthy(self) -> bool:
         return not self._stopping and any(s.healthy for s in self._slots)
+
+    def worker_health(self) -> list[bool]:
+        """Per worker, in index order: whether it is in placement."""
+        return [s.healthy for s in self._slots]
 
     @property
     def queue_depth(self) -> int:
@@ -347,6 +358,43 @@ class Engine:
             if self._on_health_change is not None:
                 self._on_health_change(False)
         self._place()
+        if not self._stopping:
+            self._tasks.append(asyncio.create_task(self._recover(slot), name=f"worker-{slot.index}-recover"))
+
+    async def _recover(self, slot: WorkerSlot) -> None:
+        """Probe a lost worker until it answers, reset it, and put it back into placement."""
+        delay = _RECOVERY_PROBE_S
+        while not self._stopping:
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, _RECOVERY_PROBE_MAX_S)
+            try:
+                info: WorkerInfo = await _ray_get(slot.actor.info.remote(), self._config.step_timeout_s)
+                # Requests it held were failed already; a restarted actor holds none,
+                # a hung one that came back still does.
+                freed = await _ray_get(slot.actor.reset.remote(), self._config.step_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                logger.info("worker %d not back yet: %s", slot.index, _describe(exc))
+                continue
+            if (info.tokenizer_id, info.vocab_size, info.max_model_len) != (
+                slot.info.tokenizer_id,
+                slot.info.vocab_size,
+                slot.info.max_model_len,
+            ):
+                logger.error("worker %d came back with a different model (%s); leaving it out", slot.index, info)
+                return
+            was_down = not self.healthy
+            slot.info = info
+            slot.healthy = True
+            healthy = sum(s.healthy for s in self._slots)
+            self._metrics.healthy_workers.set(healthy)
+            logger.warning("worker %d is back (pid %d, freed %d stale sequences)", slot.index, info.pid, freed)
+            if was_down and self._on_health_change is not None:
+                self._on_health_change(True)
+            self._tasks.append(asyncio.create_task(self._run_worker(slot), name=f"worker-{slot.index}-loop"))
+            self._place()
+            return
 
 
 async def _ray_get(ref: Any, timeout_s: float) -> Any:

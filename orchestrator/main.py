@@ -53,6 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--step-timeout-s", type=float, default=cfg.DEFAULT_STEP_TIMEOUT_S)
     parser.add_argument("--worker-start-timeout-s", type=float, default=cfg.DEFAULT_WORKER_START_TIMEOUT_S)
+    parser.add_argument(
+        "--worker-max-restarts",
+        type=int,
+        default=cfg.DEFAULT_WORKER_MAX_RESTARTS,
+        help="times Ray restarts a crashed worker actor (-1 = always); a restarted worker rejoins placement",
+    )
     parser.add_argument("--mask-deadline-s", type=float, default=cfg.DEFAULT_MASK_DEADLINE_S)
     parser.add_argument("--log-level", default="INFO")
 
@@ -79,6 +85,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         worker_num_gpus=args.worker_num_gpus,
         step_timeout_s=args.step_timeout_s,
         worker_start_timeout_s=args.worker_start_timeout_s,
+        worker_max_restarts=args.worker_max_restarts,
         mask_deadline_s=args.mask_deadline_s,
     )
 

@@ -62,7 +62,17 @@ async def start_workers(config: OrchestratorConfig) -> list[WorkerSlot]:
     worker_config = config.worker_config()
     # num_gpus=None: one GPU per worker when the Ray cluster has GPUs (asked of
     # the cluster, not of this process: the orchestrator may run on a CPU node).
-    actors = [start_remote_worker(worker_config, num_gpus=config.worker_num_gpus) for _ in range(config.num_workers)]
+    # max_task_retries=0: a step is never replayed on a restarted actor (its
+    # sequences are gone); the engine fails that batch and re-admits the worker.
+    actors = [
+        start_remote_worker(
+            worker_config,
+            num_gpus=config.worker_num_gpus,
+            max_restarts=config.worker_max_restarts,
+            max_task_retries=0,
+        )
+        for _ in range(config.num_workers)
+    ]
     try:
         infos: list[WorkerInfo] = await asyncio.wait_for(
             asyncio.gather(*(asyncio.wrap_future(a.info.remote().future()) for a in actors)),
