@@ -83,6 +83,7 @@ class GpuWorker:
                 tokenizer_id=self.tokenizer_id,
                 vocab_size=self.vocab_size,
                 deadline_s=config.mask_deadline_s,
+                owner=_session_owner(),
             )
         self.proposers = build_proposers(
             ProposerResources(
@@ -320,6 +321,21 @@ class GpuWorker:
         if state.session_id is not None and self.masks is not None:
             self.masks.close_session_later(state.session_id, state.seq_id)
             state.session_id = None
+
+
+def _session_owner() -> str:
+    """The Ray actor id, which a restarted actor keeps: its sessions name it, so a restart
+    releases what the crashed process left open. Outside an actor: no owner."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            actor_id = ray.get_runtime_context().get_actor_id()
+            if actor_id:
+                return f"gpu-worker-{actor_id}"
+    except Exception as exc:  # an owner is an optimisation; never fail start-up over it
+        logger.warning("no session owner (ray runtime context unavailable: %s)", exc)
+    return ""
 
 
 def start_remote_worker(config: WorkerConfig, *, num_gpus: float | None = None, **ray_options: Any) -> Any:

@@ -43,10 +43,29 @@ class MaskChannel:
         self.num_mask_words = (vocab_size + 31) // 32
 
     @classmethod
-    def connect(cls, addresses: Sequence[str], *, tokenizer_id: str, vocab_size: int, deadline_s: float) -> MaskChannel:
+    def connect(
+        cls,
+        addresses: Sequence[str],
+        *,
+        tokenizer_id: str,
+        vocab_size: int,
+        deadline_s: float,
+        owner: str = "",
+    ) -> MaskChannel:
+        """``owner``: a stable id of this worker; sessions carry it, and the channel first
+        releases whatever an earlier process under that owner left open (a crash)."""
         from mask_service.router import MaskRouter
 
-        return cls(MaskRouter(list(addresses), deadline_s=deadline_s), tokenizer_id=tokenizer_id, vocab_size=vocab_size)
+        router = MaskRouter(list(addresses), deadline_s=deadline_s, owner=owner)
+        if owner:
+            try:
+                released = router.release_owner()
+            except Exception as exc:  # best effort: the service's TTL reclaims them anyway
+                logger.warning("releasing mask sessions of %s failed: %s", owner, exc)
+            else:
+                if released:
+                    logger.warning("released %d mask sessions a previous process of %s left open", released, owner)
+        return cls(router, tokenizer_id=tokenizer_id, vocab_size=vocab_size)
 
     def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         return self._pool.submit(fn, *args)

@@ -159,17 +159,22 @@ class MaskServiceClient:
             self._stub.ValidateGrammar, pb.ValidateGrammarRequest(target=self._target(tokenizer_id, spec, vocab_size))
         )
 
-    def open_session(self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None) -> str:
-        req = pb.OpenSessionRequest(target=self._target(tokenizer_id, spec, vocab_size))
-        resp = self._call(self._stub.OpenSession, req, retry_on=(grpc.StatusCode.UNAVAILABLE,))
-        return resp.session_id
+    def open_session(
+        self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None, *, owner: str = ""
+    ) -> str:
+        """A new session; ``owner`` (optional) lets ``release_owner`` close it with its siblings."""
+        return self.open_session_info(tokenizer_id, spec, vocab_size, owner=owner).session_id
 
     def open_session_info(
-        self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None
+        self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None, *, owner: str = ""
     ) -> pb.OpenSessionResponse:
         """Like open_session, with vocab_size / num_mask_words / stop_token_ids of the session."""
-        req = pb.OpenSessionRequest(target=self._target(tokenizer_id, spec, vocab_size))
+        req = pb.OpenSessionRequest(target=self._target(tokenizer_id, spec, vocab_size), owner=owner)
         return self._call(self._stub.OpenSession, req, retry_on=(grpc.StatusCode.UNAVAILABLE,))
+
+    def release_owner(self, owner: str) -> int:
+        """Close every session opened with ``owner`` on this replica; returns how many. Safe to retry."""
+        return self._call(self._stub.ReleaseOwner, pb.ReleaseOwnerRequest(owner=owner)).closed
 
     def commit(self, session_id: str, seq: int, tokens: Sequence[int]) -> bool:
         """Commit emitted tokens; returns whether the matcher terminated. Safe to retry."""

@@ -63,10 +63,13 @@ class MaskRouter:
         *,
         deadline_s: float = 5.0,
         max_retries: int = 1,
+        owner: str = "",
         client_factory: Callable[[str], MaskServiceClient] | None = None,
     ) -> None:
+        """``owner``: tags every session this router opens, on any replica (see release_owner)."""
         if not addresses:
             raise ValueError("MaskRouter needs at least one address")
+        self.owner = owner
         factory = client_factory or (lambda a: MaskServiceClient(a, deadline_s=deadline_s, max_retries=max_retries))
         self._clients = {a: factory(a) for a in addresses}
         self._dead_until: dict[str, float] = {}
@@ -101,7 +104,7 @@ class MaskRouter:
                 continue
             client = self._clients[address]
             try:
-                remote = client.open_session(rec.tokenizer_id, rec.spec, rec.vocab_size)
+                remote = client.open_session(rec.tokenizer_id, rec.spec, rec.vocab_size, owner=self.owner)
                 if rec.committed:
                     client.commit(remote, rec.last_seq, rec.committed)
             except MaskServiceError as exc:
@@ -256,6 +259,25 @@ class MaskRouter:
                 rec.address,
                 exc.code.name,
             )
+
+    def release_owner(self) -> int:
+        """Close, on every reachable replica, the sessions opened under this router's owner,
+        by this router or an earlier one (a crashed process); returns how many. This
+        router's own sessions are forgotten too. An unreachable replica is skipped: its
+        sessions die with it or expire by TTL."""
+        if not self.owner:
+            raise ValueError("release_owner needs a router created with an owner")
+        with self._lock:
+            self._sessions.clear()
+        closed = 0
+        for address, client in self._clients.items():
+            try:
+                closed += client.release_owner(self.owner)
+            except MaskServiceError as exc:
+                if exc.code not in _FAILOVER_CODES:
+                    raise
+                logger.warning("release of owner %s on %s skipped: %s", self.owner, address, exc.code.name)
+        return closed
 
     def session_count(self) -> int:
         """Sessions this router holds (replica-side counts may include other routers' sessions)."""

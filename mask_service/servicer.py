@@ -62,7 +62,7 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
         def run() -> pb.OpenSessionResponse:
             entry, _ = self._compile(request.target)
-            s = self._sessions.open(entry, entry.vocab_size)
+            s = self._sessions.open(entry, entry.vocab_size, owner=request.owner)
             metrics.SESSIONS_OPENED.inc()
             logger.info("session %s opened (tokenizer %s)", s.session_id, request.target.tokenizer_id)
             stops = list(entry.compiled.tokenizer_info.stop_token_ids)
@@ -84,6 +84,11 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
     def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext) -> pb.CloseSessionResponse:
         return self._guard(
             context, lambda: pb.CloseSessionResponse(existed=self._sessions.close(request.session_id)), "CloseSession"
+        )
+
+    def ReleaseOwner(self, request: pb.ReleaseOwnerRequest, context: grpc.ServicerContext) -> pb.ReleaseOwnerResponse:
+        return self._guard(
+            context, lambda: pb.ReleaseOwnerResponse(closed=self._sessions.release_owner(request.owner)), "ReleaseOwner"
         )
 
     def SessionCount(self, request: pb.SessionCountRequest, context: grpc.ServicerContext) -> pb.SessionCountResponse:

@@ -21,6 +21,8 @@ from mask_service.errors import InvalidArgument, LimitExceeded, SessionNotFound,
 
 logger = logging.getLogger(__name__)
 
+MAX_OWNER_CHARS = 256
+
 
 @dataclass
 class Session:
@@ -28,6 +30,7 @@ class Session:
     entry: CompiledEntry
     matcher: Any  # xgrammar.GrammarMatcher, committed state between calls
     vocab_size: int
+    owner: str = ""  # who holds it ("" = unnamed); see SessionStore.release_owner
     last_seq: int = 0
     num_committed: int = 0
     last_used: float = field(default_factory=time.monotonic)
@@ -80,10 +83,12 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def open(self, entry: CompiledEntry, vocab_size: int) -> Session:
+    def open(self, entry: CompiledEntry, vocab_size: int, owner: str = "") -> Session:
+        if len(owner) > MAX_OWNER_CHARS:
+            raise InvalidArgument(f"owner is {len(owner)} characters; at most {MAX_OWNER_CHARS}")
         self.evict_idle()
         matcher = entry.backend.new_matcher(entry.compiled)
-        session = Session(uuid.uuid4().hex, entry, matcher, vocab_size)
+        session = Session(uuid.uuid4().hex, entry, matcher, vocab_size, owner=owner)
         with self._lock:
             if len(self._sessions) >= self._max:
                 raise LimitExceeded(f"session limit {self._max} reached")
@@ -103,6 +108,21 @@ class SessionStore:
     def close(self, session_id: str) -> bool:
         with self._lock:
             return self._sessions.pop(session_id, None) is not None
+
+    def release_owner(self, owner: str) -> int:
+        """Close every session opened with ``owner``; returns how many. A call in
+        flight on one of them finishes on its own copy, then the session is gone."""
+        if not owner:
+            raise InvalidArgument("owner must be non-empty (sessions opened without one cannot be released)")
+        if len(owner) > MAX_OWNER_CHARS:
+            raise InvalidArgument(f"owner is {len(owner)} characters; at most {MAX_OWNER_CHARS}")
+        with self._lock:
+            mine = [sid for sid, s in self._sessions.items() if s.owner == owner]
+            for sid in mine:
+                del self._sessions[sid]
+        if mine:
+            logger.info("released %d sessions of owner %s", len(mine), owner)
+        return len(mine)
 
     def evict_idle(self) -> int:
         """Drop sessions idle longer than the TTL; returns how many were dropped."""

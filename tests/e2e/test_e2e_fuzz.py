@@ -297,7 +297,7 @@ def _mask_cases(n: int, tokenizer_id: str, seed: int = 2) -> list[tuple[str, obj
     tok_ids = [tokenizer_id, "", "tok-unknown", "x" * 300, "tok-" + "0" * 32]
     cases: list[tuple[str, object]] = []
     for i in range(n):
-        which = i % 6
+        which = i % 7
         grammar = mpb.Grammar(
             kind=rng.choice(kinds),
             text=rng.choice(texts),
@@ -317,7 +317,8 @@ def _mask_cases(n: int, tokenizer_id: str, seed: int = 2) -> list[tuple[str, obj
         elif which == 1:
             # Never a valid tokenizer: an accepted open would leak a session.
             target = mpb.GrammarTarget(tokenizer_id=rng.choice(tok_ids[1:]), grammar=grammar)
-            cases.append(("OpenSession", mpb.OpenSessionRequest(target=target)))
+            owner = rng.choice(["", "fuzz-owner", "o" * 300])
+            cases.append(("OpenSession", mpb.OpenSessionRequest(target=target, owner=owner)))
         elif which == 2:
             tokens = [rng.randint(-(2**31), 2**31 - 1) for _ in range(rng.randint(0, 20))]
             cases.append(
@@ -353,6 +354,10 @@ def _mask_cases(n: int, tokenizer_id: str, seed: int = 2) -> list[tuple[str, obj
             )
         elif which == 4:
             cases.append(("CloseSession", mpb.CloseSessionRequest(session_id=rng.choice(["", "gone", "q" * 999]))))
+        elif which == 5:
+            # Never a live worker's owner ("gpu-worker-<actor id>"): nothing real is released.
+            owner = rng.choice(["", "fuzz-owner", "gpu-worker-", "o" * 300, "\x00"])
+            cases.append(("ReleaseOwner", mpb.ReleaseOwnerRequest(owner=owner)))
         else:
             cases.append(("SessionCount", mpb.SessionCountRequest()))
     return cases

@@ -1,5 +1,6 @@
 """A GPU worker process dies mid-generation: only its requests fail, the others complete, Ray
-restarts the actor, and the orchestrator puts it back into placement."""
+restarts the actor, the new process releases the mask sessions the dead one left open, and the
+orchestrator puts it back into placement."""
 
 from __future__ import annotations
 
@@ -77,6 +78,9 @@ def test_worker_killed_mid_generation_recovers(stack: ThreadStack) -> None:
         time.sleep(0.5)
     new_pids = _worker_pids(stack)
     assert new_pids[0] != pids[0] and new_pids[1] == pids[1]
+    # The dead process's mask sessions were released by its successor (same owner),
+    # not left to the service's 10-minute idle TTL.
+    assert stack.wait_idle() == ([0, 0], 0)
     # Both workers take requests again, and all of them complete.
     seen_busy = [False, False]
 
@@ -88,5 +92,4 @@ def test_worker_killed_mid_generation_recovers(stack: ThreadStack) -> None:
     for r in results:
         assert r.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE, (r.finish_reason, r.error)
         jsonschema.validate(json.loads(r.text), LONG_SCHEMA)
-    active, _ = stack.wait_idle()
-    assert active == [0, 0]
+    assert stack.wait_idle() == ([0, 0], 0)

@@ -162,3 +162,34 @@ def test_client_reaches_a_restarted_replica_within_seconds(bpe_dir, registry) ->
     finally:
         client.close()
         handle.stop(grace_s=0)
+
+
+def test_router_release_owner_reaches_every_replica(bpe_dir, registry, bpe_id) -> None:  # type: ignore[no-untyped-def]
+    """A crashed process's sessions, spread over replicas, are released by its successor
+    (same owner); another owner's are untouched; an owner is required."""
+    handles = [build_service(make_config(bpe_dir), registry) for _ in range(2)]
+    for h in handles:
+        h.server.start()
+    addresses = [f"127.0.0.1:{h.port}" for h in handles]
+    crashed = MaskRouter(addresses, owner="gpu-worker-1")
+    other = MaskRouter(addresses, owner="gpu-worker-2")
+    anonymous = MaskRouter(addresses)
+    try:
+        for _ in range(8):
+            crashed.open_session(bpe_id, SCHEMA)
+        kept = other.open_session(bpe_id, SCHEMA)
+        assert all(len(h.sessions) > 0 for h in handles)  # spread over both replicas
+        successor = MaskRouter(addresses, owner="gpu-worker-1")  # crashed never closes its sessions
+        try:
+            assert successor.release_owner() == 8
+        finally:
+            successor.close()
+        assert sum(len(h.sessions) for h in handles) == 1
+        other.commit(kept, 1, [])
+        with pytest.raises(ValueError):
+            anonymous.release_owner()
+    finally:
+        for r in (crashed, other, anonymous):
+            r.close()
+        for h in handles:
+            h.stop(grace_s=0)

@@ -136,3 +136,30 @@ def test_concurrent_clients(service, bpe_id, hf_tok) -> None:  # type: ignore[no
     for t in threads:
         t.join(60)
     assert not errors, errors
+
+
+def test_release_owner_closes_only_that_owners_sessions(client, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
+    toks = hf_tok.encode(DOC, add_special_tokens=False)
+    mine = [client.open_session(bpe_id, SCHEMA, owner="worker-a") for _ in range(3)]
+    other = client.open_session(bpe_id, SCHEMA, owner="worker-b")
+    unnamed = client.open_session(bpe_id, SCHEMA)
+    before = client.session_count()
+    assert client.release_owner("worker-a") == 3
+    assert client.session_count() == before - 3
+    for sid in mine:
+        with pytest.raises(MaskServiceError) as err:
+            client.commit(sid, 1, toks[:1])
+        assert err.value.code == grpc.StatusCode.NOT_FOUND
+    for sid in (other, unnamed):  # untouched, still serving
+        client.commit(sid, 1, toks[:1])
+        assert _rows(client, sid, toks[1:3]).shape[0] == 3
+    assert client.release_owner("worker-a") == 0  # nothing left: a retry is a no-op
+    for bad in ("", "x" * 257):
+        with pytest.raises(MaskServiceError) as err:
+            client.release_owner(bad)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(MaskServiceError) as err:
+        client.open_session(bpe_id, SCHEMA, owner="x" * 257)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert client.release_owner("worker-b") == 1
+    client.close_session(unnamed)

@@ -192,16 +192,23 @@ class OpenSessionRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TARGET_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    owner: _builtins.str
+    """Optional: who holds the session (a GPU worker's stable id, the same across
+    restarts). ReleaseOwner closes all of an owner's sessions at once, so a
+    restarted worker reclaims what its crashed predecessor left open.
+    """
     @_builtins.property
     def target(self) -> Global___GrammarTarget: ...
     def __init__(
         self,
         *,
         target: Global___GrammarTarget | None = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -486,6 +493,44 @@ class DraftMasksResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DraftMasksResponse: _TypeAlias = DraftMasksResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseOwnerRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OWNER_FIELD_NUMBER: _builtins.int
+    owner: _builtins.str
+    def __init__(
+        self,
+        *,
+        owner: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseOwnerRequest: _TypeAlias = ReleaseOwnerRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseOwnerResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLOSED_FIELD_NUMBER: _builtins.int
+    closed: _builtins.int
+    def __init__(
+        self,
+        *,
+        closed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["closed", b"closed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseOwnerResponse: _TypeAlias = ReleaseOwnerResponse  # noqa: Y015
 
 @_typing.final
 class SessionCountRequest(_message.Message):

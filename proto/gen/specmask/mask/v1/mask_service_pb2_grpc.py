@@ -64,6 +64,11 @@ class MaskServiceStub:
                 request_serializer=specmask_dot_mask_dot_v1_dot_mask__service__pb2.SessionCountRequest.SerializeToString,
                 response_deserializer=specmask_dot_mask_dot_v1_dot_mask__service__pb2.SessionCountResponse.FromString,
                 _registered_method=True)
+        self.ReleaseOwner = channel.unary_unary(
+                '/specmask.mask.v1.MaskService/ReleaseOwner',
+                request_serializer=specmask_dot_mask_dot_v1_dot_mask__service__pb2.ReleaseOwnerRequest.SerializeToString,
+                response_deserializer=specmask_dot_mask_dot_v1_dot_mask__service__pb2.ReleaseOwnerResponse.FromString,
+                _registered_method=True)
 
 
 class MaskServiceServicer:
@@ -105,6 +110,12 @@ class MaskServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseOwner(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MaskServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +148,11 @@ def add_MaskServiceServicer_to_server(servicer, server):
                     servicer.SessionCount,
                     request_deserializer=specmask_dot_mask_dot_v1_dot_mask__service__pb2.SessionCountRequest.FromString,
                     response_serializer=specmask_dot_mask_dot_v1_dot_mask__service__pb2.SessionCountResponse.SerializeToString,
+            ),
+            'ReleaseOwner': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseOwner,
+                    request_deserializer=specmask_dot_mask_dot_v1_dot_mask__service__pb2.ReleaseOwnerRequest.FromString,
+                    response_serializer=specmask_dot_mask_dot_v1_dot_mask__service__pb2.ReleaseOwnerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -301,6 +317,33 @@ class MaskService:
             '/specmask.mask.v1.MaskService/SessionCount',
             specmask_dot_mask_dot_v1_dot_mask__service__pb2.SessionCountRequest.SerializeToString,
             specmask_dot_mask_dot_v1_dot_mask__service__pb2.SessionCountResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseOwner(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmask.mask.v1.MaskService/ReleaseOwner',
+            specmask_dot_mask_dot_v1_dot_mask__service__pb2.ReleaseOwnerRequest.SerializeToString,
+            specmask_dot_mask_dot_v1_dot_mask__service__pb2.ReleaseOwnerResponse.FromString,
             options,
             channel_credentials,
             insecure,

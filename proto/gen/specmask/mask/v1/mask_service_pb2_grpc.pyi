@@ -42,6 +42,7 @@ class MaskServiceStub:
     CloseSession: _grpc.UnaryUnaryMultiCallable[_mask_service_pb2.CloseSessionRequest, _mask_service_pb2.CloseSessionResponse]
     DraftMasks: _grpc.UnaryUnaryMultiCallable[_mask_service_pb2.DraftMasksRequest, _mask_service_pb2.DraftMasksResponse]
     SessionCount: _grpc.UnaryUnaryMultiCallable[_mask_service_pb2.SessionCountRequest, _mask_service_pb2.SessionCountResponse]
+    ReleaseOwner: _grpc.UnaryUnaryMultiCallable[_mask_service_pb2.ReleaseOwnerRequest, _mask_service_pb2.ReleaseOwnerResponse]
 
 @_typing.type_check_only
 class MaskServiceAsyncStub(MaskServiceStub):
@@ -52,6 +53,7 @@ class MaskServiceAsyncStub(MaskServiceStub):
     CloseSession: _aio.UnaryUnaryMultiCallable[_mask_service_pb2.CloseSessionRequest, _mask_service_pb2.CloseSessionResponse]  # type: ignore[assignment]
     DraftMasks: _aio.UnaryUnaryMultiCallable[_mask_service_pb2.DraftMasksRequest, _mask_service_pb2.DraftMasksResponse]  # type: ignore[assignment]
     SessionCount: _aio.UnaryUnaryMultiCallable[_mask_service_pb2.SessionCountRequest, _mask_service_pb2.SessionCountResponse]  # type: ignore[assignment]
+    ReleaseOwner: _aio.UnaryUnaryMultiCallable[_mask_service_pb2.ReleaseOwnerRequest, _mask_service_pb2.ReleaseOwnerResponse]  # type: ignore[assignment]
 
 class MaskServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -95,5 +97,12 @@ class MaskServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _mask_service_pb2.SessionCountRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_mask_service_pb2.SessionCountResponse, _abc.Awaitable[_mask_service_pb2.SessionCountResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ReleaseOwner(
+        self,
+        request: _mask_service_pb2.ReleaseOwnerRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_mask_service_pb2.ReleaseOwnerResponse, _abc.Awaitable[_mask_service_pb2.ReleaseOwnerResponse]]: ...
 
 def add_MaskServiceServicer_to_server(servicer: MaskServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
