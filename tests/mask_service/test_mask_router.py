@@ -38,6 +38,16 @@ def _expected(address: str, bpe_id: str, toks: list[int], p: int) -> np.ndarray:
         )
 
 
+def _open_spread(router: MaskRouter, bpe_id: str, n: int) -> list[str]:
+    """At least ``n`` sessions, more if needed until every replica holds one: placement hashes
+    random session ids, so a fixed n lands on one replica now and then (1 in 2^(n-1) for 2)."""
+    sids = [router.open_session(bpe_id, SCHEMA) for _ in range(n)]
+    while len({router._sessions[s].address for s in sids}) < len(router._clients):
+        assert len(sids) < 64, "placement never reached every replica"
+        sids.append(router.open_session(bpe_id, SCHEMA))
+    return sids
+
+
 def test_router_failover_and_replay(bpe_dir, registry, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
     toks = hf_tok.encode(DOC, add_special_tokens=False)
     handles = [build_service(make_config(bpe_dir), registry) for _ in range(2)]
@@ -47,9 +57,9 @@ def test_router_failover_and_replay(bpe_dir, registry, bpe_id, hf_tok) -> None: 
     router = MaskRouter(addresses, deadline_s=5.0, max_retries=0)
     try:
         router.validate_grammar(bpe_id, SCHEMA)
-        sids = [router.open_session(bpe_id, SCHEMA) for _ in range(8)]
-        counts = [h.sessions.__len__() for h in handles]
-        assert sum(counts) == 8 and min(counts) > 0, counts  # spread over both replicas
+        sids = _open_spread(router, bpe_id, 8)
+        counts = [len(h.sessions) for h in handles]
+        assert sum(counts) == len(sids) and min(counts) > 0, counts  # spread over both replicas
         seq = 0
         for p in range(0, 4):
             seq += 1
@@ -95,8 +105,7 @@ def test_router_errors_name_router_session_ids(bpe_dir, registry, bpe_id, hf_tok
     addresses = [f"127.0.0.1:{h.port}" for h in handles]
     router = MaskRouter(addresses, deadline_s=5.0, max_retries=0)
     try:
-        sids = [router.open_session(bpe_id, SCHEMA) for _ in range(6)]
-        assert len({router._sessions[s].address for s in sids}) == 2  # the batch spans both replicas
+        sids = _open_spread(router, bpe_id, 6)  # the batch spans both replicas
         p = 3
         items = [DraftMaskItem(s, toks[p : p + 3], commit_tokens=toks[:p], commit_seq=1) for s in sids]
         bad = 2
@@ -175,13 +184,11 @@ def test_router_release_owner_reaches_every_replica(bpe_dir, registry, bpe_id) -
     other = MaskRouter(addresses, owner="gpu-worker-2")
     anonymous = MaskRouter(addresses)
     try:
-        for _ in range(8):
-            crashed.open_session(bpe_id, SCHEMA)
+        opened = _open_spread(crashed, bpe_id, 8)  # spread over both replicas
         kept = other.open_session(bpe_id, SCHEMA)
-        assert all(len(h.sessions) > 0 for h in handles)  # spread over both replicas
         successor = MaskRouter(addresses, owner="gpu-worker-1")  # crashed never closes its sessions
         try:
-            assert successor.release_owner() == 8
+            assert successor.release_owner() == len(opened)
         finally:
             successor.close()
         assert sum(len(h.sessions) for h in handles) == 1
