@@ -10,6 +10,11 @@ session on a live replica, replays the committed tokens as one commit, and
 retries the call. This is correct because mask-service state is a pure
 function of (grammar, committed tokens) and commits are idempotent by seq.
 
+Targets are ``host:port`` replicas or ``dns:///name:port`` sets of them
+(mask_service.replicas: e.g. a headless Service, one address per ready pod,
+looked up again every few seconds); clients are made per resolved address on
+first use.
+
 Errors leave with the router's session ids only: a replica's session id means
 nothing to the caller (and changes on failover), so ``MaskServiceError.session_id``
 is translated back, or cleared when the failure concerns no one session.
@@ -22,7 +27,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 
@@ -30,12 +35,15 @@ import grpc
 
 from mask_service.client import DraftMaskItem, DraftMaskResult, MaskServiceClient, MaskServiceError
 from mask_service.grammar import GrammarSpec
+from mask_service.replicas import ReplicaSet
 
 logger = logging.getLogger(__name__)
 
 _FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # A replica that failed is skipped for new placements for this long, then tried again.
 DEAD_REPLICA_COOLDOWN_S = 5.0
+# Concurrent per-replica calls of one batch.
+_MAX_FANOUT = 8
 
 
 @dataclass
@@ -64,28 +72,43 @@ class MaskRouter:
         deadline_s: float = 5.0,
         max_retries: int = 1,
         owner: str = "",
-        client_factory: Callable[[str], MaskServiceClient] | None = None,
     ) -> None:
         """``owner``: tags every session this router opens, on any replica (see release_owner)."""
         if not addresses:
             raise ValueError("MaskRouter needs at least one address")
         self.owner = owner
-        factory = client_factory or (lambda a: MaskServiceClient(a, deadline_s=deadline_s, max_retries=max_retries))
-        self._clients = {a: factory(a) for a in addresses}
+        self._replicas = ReplicaSet(addresses)
+        self._deadline_s = deadline_s
+        self._max_retries = max_retries
+        self._clients: dict[str, MaskServiceClient] = {}  # every address used so far
         self._dead_until: dict[str, float] = {}
         self._sessions: dict[str, _SessionRecord] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=max(1, len(addresses)), thread_name_prefix="router")
+        self._pool = ThreadPoolExecutor(max_workers=_MAX_FANOUT, thread_name_prefix="router")
+
+    def _client(self, address: str) -> MaskServiceClient:
+        with self._lock:
+            client = self._clients.get(address)
+            if client is None:
+                client = MaskServiceClient(address, deadline_s=self._deadline_s, max_retries=self._max_retries)
+                self._clients[address] = client
+            return client
 
     # -- placement ----------------------------------------------------------
     def _live(self) -> list[str]:
         now = time.monotonic()
-        live = [a for a in self._clients if self._dead_until.get(a, 0.0) <= now]
-        return live or list(self._clients)  # all marked dead: try them all again
+        current = self._replicas.addresses()
+        live = [a for a in current if self._dead_until.get(a, 0.0) <= now]
+        return live or current  # all marked dead: try them all again
+
+    def _attempts(self) -> int:
+        """Failovers one call may go through: one per replica, at least one."""
+        return max(1, len(self._replicas.addresses()))
 
     def _mark_dead(self, address: str) -> None:
         logger.warning("mask replica %s unreachable; failing over", address)
         self._dead_until[address] = time.monotonic() + DEAD_REPLICA_COOLDOWN_S
+        self._replicas.refresh(forced=True)  # a pod that left is dropped from a DNS set sooner
 
     def _ranked(self, session_id: str) -> list[str]:
         return sorted(self._live(), key=lambda a: _weight(session_id, a), reverse=True)
@@ -99,10 +122,11 @@ class MaskRouter:
     def _place(self, session_id: str, rec: _SessionRecord, avoid: str | None = None) -> None:
         """(Re)open the session on the best live replica and replay its committed tokens."""
         last_exc: MaskServiceError | None = None
-        for address in self._ranked(session_id):
-            if address == avoid and len(self._clients) > 1:
+        ranked = self._ranked(session_id)
+        for address in ranked:
+            if address == avoid and len(ranked) > 1:
                 continue
-            client = self._clients[address]
+            client = self._client(address)
             try:
                 remote = client.open_session(rec.tokenizer_id, rec.spec, rec.vocab_size, owner=self.owner)
                 if rec.committed:
@@ -129,7 +153,7 @@ class MaskRouter:
     def validate_grammar(self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None) -> None:
         for address in self._ranked(spec.cache_key()):
             try:
-                return self._clients[address].validate_grammar(tokenizer_id, spec, vocab_size)
+                return self._client(address).validate_grammar(tokenizer_id, spec, vocab_size)
             except MaskServiceError as exc:
                 if exc.code not in _FAILOVER_CODES:
                     raise
@@ -160,12 +184,13 @@ class MaskRouter:
         rec = self._record(session_id)
         with rec.lock:
             try:
-                for attempt in range(len(self._clients) + 1):
+                attempts = self._attempts()
+                for attempt in range(attempts + 1):
                     try:
-                        terminated = self._clients[rec.address].commit(rec.remote_id, seq, tokens)
+                        terminated = self._client(rec.address).commit(rec.remote_id, seq, tokens)
                         break
                     except MaskServiceError as exc:
-                        if attempt == len(self._clients) or exc.code not in (
+                        if attempt == attempts or exc.code not in (
                             *_FAILOVER_CODES,
                             grpc.StatusCode.NOT_FOUND,
                         ):
@@ -190,7 +215,8 @@ class MaskRouter:
         recs = [self._record(it.session_id) for it in items]
         results: list[DraftMaskResult | None] = [None] * len(items)
         pending = list(range(len(items)))
-        for attempt in range(len(self._clients) + 2):
+        attempts = self._attempts()
+        for attempt in range(attempts + 2):
             groups: dict[str, list[int]] = {}
             for i in pending:
                 groups.setdefault(recs[i].address, []).append(i)
@@ -205,7 +231,7 @@ class MaskRouter:
                         results[i] = res
                 except MaskServiceError as exc:
                     retryable = exc.code in _FAILOVER_CODES or exc.code == grpc.StatusCode.NOT_FOUND
-                    if not retryable or attempt == len(self._clients) + 1:
+                    if not retryable or attempt == attempts + 1:
                         raise
                     if exc.code == grpc.StatusCode.NOT_FOUND:
                         lost = [i for i in groups[address] if items[i].session_id == exc.session_id] or groups[address]
@@ -237,7 +263,7 @@ class MaskRouter:
     ) -> list[DraftMaskResult]:
         remote_items = [replace(items[i], session_id=recs[i].remote_id) for i in idx]
         try:
-            return self._clients[address].draft_masks(remote_items)
+            return self._client(address).draft_masks(remote_items)
         except MaskServiceError as exc:
             # Map the replica's id back by position (ids of both kinds are uuid hex, so
             # never by looks); an id we did not send (none: batch-level error) maps to None.
@@ -251,7 +277,7 @@ class MaskRouter:
         if rec is None:
             return
         try:
-            self._clients[rec.address].close_session(rec.remote_id)
+            self._client(rec.address).close_session(rec.remote_id)
         except MaskServiceError as exc:
             logger.info(
                 "close of session %s on %s failed (%s); the replica's TTL reclaims it",
@@ -270,9 +296,9 @@ class MaskRouter:
         with self._lock:
             self._sessions.clear()
         closed = 0
-        for address, client in self._clients.items():
+        for address in self._replicas.addresses():
             try:
-                closed += client.release_owner(self.owner)
+                closed += self._client(address).release_owner(self.owner)
             except MaskServiceError as exc:
                 if exc.code not in _FAILOVER_CODES:
                     raise
@@ -284,6 +310,8 @@ class MaskRouter:
         return len(self._sessions)
 
     def close(self) -> None:
-        for c in self._clients.values():
+        with self._lock:
+            clients = list(self._clients.values())
+        for c in clients:
             c.close()
         self._pool.shutdown(wait=False)

@@ -42,7 +42,7 @@ def _open_spread(router: MaskRouter, bpe_id: str, n: int) -> list[str]:
     """At least ``n`` sessions, more if needed until every replica holds one: placement hashes
     random session ids, so a fixed n lands on one replica now and then (1 in 2^(n-1) for 2)."""
     sids = [router.open_session(bpe_id, SCHEMA) for _ in range(n)]
-    while len({router._sessions[s].address for s in sids}) < len(router._clients):
+    while len({router._sessions[s].address for s in sids}) < len(router._replicas.addresses()):
         assert len(sids) < 64, "placement never reached every replica"
         sids.append(router.open_session(bpe_id, SCHEMA))
     return sids

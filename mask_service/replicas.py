@@ -1,0 +1,119 @@
+"""Which mask-service replicas exist right now: fixed addresses and DNS names.
+
+A router is given targets. ``host:port`` is one replica (gRPC resolves the
+name for its own channel). ``dns:///name:port`` is a *set* of replicas: every
+address the name resolves to, e.g. a Kubernetes headless Service, which has one
+A record per ready pod. Handing such a name to a single gRPC channel would send
+every session to whichever pod pick_first chose, so the mask service would not
+scale out; the router instead resolves it here and hashes sessions over the
+answers. The answer is refreshed every ``refresh_s`` and, rate-limited, when a
+replica fails; a failed lookup keeps the last good answer (DNS hiccups must not
+empty the set).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections.abc import Sequence
+
+logger = logging.getLogger(__name__)
+
+DNS_SCHEME = "dns:///"
+# How often a DNS target is looked up again (new pods join within this).
+DNS_REFRESH_S = 10.0
+# A failure-triggered lookup happens at most this often.
+MIN_FORCED_REFRESH_S = 1.0
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6]:port`` -> (host, port); ValueError with the reason otherwise."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port, got {text!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def resolve_all(host: str, port: int) -> list[str]:
+    """Every TCP address ``host`` resolves to, as gRPC targets (``ip:port``, ``[v6]:port``), sorted."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    out = set()
+    for family, _, _, _, sockaddr in infos:
+        ip = sockaddr[0]
+        out.add(f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}")
+    return sorted(out)
+
+
+class ReplicaSet:
+    """The current concrete replica addresses for a list of targets. Thread-safe."""
+
+    def __init__(
+        self,
+        targets: Sequence[str],
+        *,
+        refresh_s: float = DNS_REFRESH_S,
+    ) -> None:
+        if not targets:
+            raise ValueError("at least one mask-service target is required")
+        self._static: list[str] = []
+        self._dns: list[tuple[str, str, int]] = []  # (target, host, port)
+        for target in targets:
+            if target.startswith("dns:"):
+                if not target.startswith(DNS_SCHEME):
+                    raise ValueError(f"{target!r}: only dns:///name:port is supported (no DNS authority)")
+                host, port = split_host_port(target[len(DNS_SCHEME) :])
+                self._dns.append((target, host, port))
+            else:
+                split_host_port(target)  # fail early on a malformed address
+                self._static.append(target)
+        self._refresh_s = refresh_s
+        self._lock = threading.Lock()
+        self._answers: dict[str, list[str]] = {}  # dns target -> last good answer
+        self._next_refresh = 0.0
+        self._last_forced = 0.0
+        self._current: list[str] = list(self._static)
+        self.refresh()
+
+    @property
+    def has_dns(self) -> bool:
+        return bool(self._dns)
+
+    def addresses(self) -> list[str]:
+        """Current replicas (static first, then resolved, no duplicates); refreshed when stale."""
+        if self._dns and time.monotonic() >= self._next_refresh:
+            self.refresh()
+        with self._lock:
+            return list(self._current)
+
+    def refresh(self, *, forced: bool = False) -> None:
+        """Look the DNS targets up again (``forced``: after a failure, rate-limited)."""
+        if not self._dns:
+            return
+        now = time.monotonic()
+        if forced:
+            with self._lock:
+                if now - self._last_forced < MIN_FORCED_REFRESH_S:
+                    return
+                self._last_forced = now
+        answers = {}
+        for target, host, port in self._dns:
+            try:
+                answers[target] = resolve_all(host, port)
+            except OSError as exc:
+                logger.warning("resolving %s failed (%s); keeping its last answer", target, exc)
+        with self._lock:
+            for target, found in answers.items():
+                if found:
+                    before = self._answers.get(target)
+                    if before != found:
+                        logger.info("%s -> %s", target, ", ".join(found))
+                    self._answers[target] = found
+            merged = list(self._static)
+            for target, _, _ in self._dns:
+                merged += [a for a in self._answers.get(target, []) if a not in merged]
+            self._current = merged
+            self._next_refresh = now + self._refresh_s

@@ -1,0 +1,62 @@
+"""Replica discovery: fixed addresses and dns:/// sets, and a router spreading sessions over
+resolved addresses (the Kubernetes headless-Service case), with real DNS resolution of localhost."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mask_service.client import DraftMaskItem
+from mask_service.grammar import GrammarKind, GrammarSpec
+from mask_service.replicas import ReplicaSet, resolve_all, split_host_port
+from mask_service.router import MaskRouter
+from mask_service.server import build_service
+from tests.mask_service.service_config import make_config
+
+SCHEMA = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}}))
+
+
+def test_split_host_port() -> None:
+    assert split_host_port("mask:50061") == ("mask", 50061)
+    assert split_host_port("[::1]:7") == ("::1", 7)
+    for bad in ("mask", "mask:", ":1", "mask:0", "mask:70000", "mask:x"):
+        with pytest.raises(ValueError):
+            split_host_port(bad)
+
+
+def test_replica_set_static_and_dns() -> None:
+    rs = ReplicaSet(["10.0.0.9:1", "dns:///localhost:5", "127.0.0.1:5"])
+    addresses = rs.addresses()
+    assert addresses[:2] == ["10.0.0.9:1", "127.0.0.1:5"]  # static first, then resolved
+    assert len(addresses) == len(set(addresses))  # 127.0.0.1:5 from DNS is not listed twice
+    assert set(resolve_all("localhost", 5)) <= set(addresses)
+    assert rs.has_dns
+    for bad in (["dns://8.8.8.8/mask:1"], ["dns:///mask"], ["mask"], []):
+        with pytest.raises(ValueError):
+            ReplicaSet(bad)
+
+
+def test_router_over_a_dns_target(bpe_dir, registry, bpe_id) -> None:  # type: ignore[no-untyped-def]
+    """dns:///localhost:P1 plus 127.0.0.1:P2: sessions land on both servers, masks agree, and
+    release_owner reaches both. (Where localhost also resolves to ::1, nothing listens there:
+    the router fails over, as it would for a pod that just left.)"""
+    handles = [build_service(make_config(bpe_dir), registry) for _ in range(2)]
+    for h in handles:
+        h.server.start()
+    router = MaskRouter([f"dns:///localhost:{handles[0].port}", f"127.0.0.1:{handles[1].port}"], owner="w")
+    try:
+        sids = []
+        while min(len(h.sessions) for h in handles) == 0:
+            assert len(sids) < 64, [len(h.sessions) for h in handles]
+            sids.append(router.open_session(bpe_id, SCHEMA))
+        results = router.draft_masks([DraftMaskItem(s, []) for s in sids])
+        first = results[0].bitmask.numpy()
+        for r in results:
+            assert (r.bitmask.numpy() == first).all()
+        assert router.release_owner() == len(sids)
+        assert sum(len(h.sessions) for h in handles) == 0
+    finally:
+        router.close()
+        for h in handles:
+            h.stop(grace_s=0)
