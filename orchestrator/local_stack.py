@@ -47,7 +47,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def health_status(address: str, *, service: str = "", timeout_s: float = 2.0) -> int | None:
+def health_status(address: str, *, service: str = "", timeout_s: float = 5.0) -> int | None:
     """The standard gRPC health status of ``service`` at ``address``; None if unreachable."""
     # A channel of its own: a probe reports the server as it is now, never the
     # reconnect backoff of another channel to the same address in this process.

@@ -23,7 +23,9 @@ def ray_local():
         "RAY_USAGE_STATS_ENABLED": "0",
     }.items():
         os.environ.setdefault(key, value)
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024**2, log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024**2, log_to_driver=False
+    )
     yield
     ray.shutdown()
 

@@ -196,9 +196,7 @@ def test_cli_parses_and_dispatches(monkeypatch, tmp_path, capsys):
 
 def test_tiny_model_pair_fixture(tmp_path):
     xgr = pytest.importorskip("xgrammar")
-    start = time.perf_counter()
     target_dir, draft_dir = build_tiny_model_pair(tmp_path / "a", seed=0)
-    assert time.perf_counter() - start < 10
     tok = transformers.AutoTokenizer.from_pretrained(target_dir)
     assert tok.decode(tok.encode(JSON_SAMPLES[1])) == JSON_SAMPLES[1]
     info = xgr.TokenizerInfo.from_huggingface(tok)

@@ -69,7 +69,7 @@ def test_commit_idempotent_and_rollback(client, bpe_id, hf_tok) -> None:  # type
 
 def test_session_ttl_and_limits(bpe_dir, registry, bpe_id) -> None:  # type: ignore[no-untyped-def]
     handle = build_service(
-        make_config(bpe_dir, max_sessions=2, session_ttl_s=0.3, janitor_interval_s=0.1, max_batch=2, max_k=3), registry
+        make_config(bpe_dir, max_sessions=2, session_ttl_s=2.0, janitor_interval_s=0.2, max_batch=2, max_k=3), registry
     )
     handle.server.start()
     try:
@@ -85,7 +85,8 @@ def test_session_ttl_and_limits(bpe_dir, registry, bpe_id) -> None:  # type: ign
         with pytest.raises(MaskServiceError) as exc:
             c.draft_masks([DraftMaskItem(a, [])] * 3)
         assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT  # batch > max_batch
-        deadline = time.monotonic() + 5
+        # TTL 2 s: long enough that a loaded box cannot evict `a` before the limit checks above.
+        deadline = time.monotonic() + 15
         while c.session_count() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert c.session_count() == 0
