@@ -343,6 +343,7 @@ class Engine:
         what = "timed out" if isinstance(exc, (asyncio.TimeoutError, TimeoutError)) else f"failed: {exc!r}"
         logger.error("worker %d %s; taking it out of placement", slot.index, what)
         slot.healthy = False
+        self._metrics.worker_failures.labels(worker=str(slot.index)).inc()
         lost = list(slot.running.values()) + slot.to_add
         slot.running.clear()
         slot.to_add.clear()
@@ -387,6 +388,7 @@ class Engine:
             was_down = not self.healthy
             slot.info = info
             slot.healthy = True
+            self._metrics.worker_recoveries.labels(worker=str(slot.index)).inc()
             healthy = sum(s.healthy for s in self._slots)
             self._metrics.healthy_workers.set(healthy)
             logger.warning("worker %d is back (pid %d, freed %d stale sequences)", slot.index, info.pid, freed)

@@ -77,6 +77,12 @@ class OrchestratorMetrics:
         self.queue_depth = Gauge("specmask_queue_depth", "Requests validating or waiting for a batch slot", registry=r)
         self.running = Gauge("specmask_running_requests", "Requests placed on a worker", ["worker"], registry=r)
         self.healthy_workers = Gauge("specmask_healthy_workers", "Workers accepting requests", registry=r)
+        self.worker_failures = Counter(
+            "specmask_worker_failures", "Workers taken out of placement (died or timed out)", ["worker"], registry=r
+        )
+        self.worker_recoveries = Counter(
+            "specmask_worker_recoveries", "Lost workers that answered again and were put back", ["worker"], registry=r
+        )
         self._totals = Usage()
         self._http_server = None
 

@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -96,6 +97,9 @@ def test_worker_killed_mid_generation_recovers(stack: ThreadStack) -> None:
         time.sleep(0.5)
     new_pids = _worker_pids(stack)
     assert new_pids[0] != pids[0] and new_pids[1] == pids[1]
+    body = urllib.request.urlopen(f"http://127.0.0.1:{stack.running.server.metrics_port}/metrics", timeout=10).read()
+    for line in ('specmask_worker_failures_total{worker="0"} 1.0', 'specmask_worker_recoveries_total{worker="0"} 1.0'):
+        assert line in body.decode(), line
     # The dead process's mask sessions were released by its successor (same owner),
     # not left to the service's 10-minute idle TTL.
     assert stack.wait_idle() == ([0, 0], 0)
