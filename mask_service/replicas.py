@@ -8,7 +8,8 @@ every session to whichever pod pick_first chose, so the mask service would not
 scale out; the router instead resolves it here and hashes sessions over the
 answers. The answer is refreshed every ``refresh_s`` and, rate-limited, when a
 replica fails; a failed lookup keeps the last good answer (DNS hiccups must not
-empty the set).
+empty the set). Lookups after the first run on a background thread: a slow DNS
+server must never stall a decoding step that asks for the current set.
 """
 
 from __future__ import annotations
@@ -73,32 +74,47 @@ class ReplicaSet:
         self._refresh_s = refresh_s
         self._lock = threading.Lock()
         self._answers: dict[str, list[str]] = {}  # dns target -> last good answer
-        self._next_refresh = 0.0
         self._last_forced = 0.0
         self._current: list[str] = list(self._static)
-        self.refresh()
+        self._wake = threading.Event()  # a forced refresh, or close()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        if self._dns:
+            self._resolve_now()  # the first answer before any call needs it
+            self._thread = threading.Thread(target=self._run, name="replica-dns", daemon=True)
+            self._thread.start()
 
     @property
     def has_dns(self) -> bool:
         return bool(self._dns)
 
     def addresses(self) -> list[str]:
-        """Current replicas (static first, then resolved, no duplicates); refreshed when stale."""
-        if self._dns and time.monotonic() >= self._next_refresh:
-            self.refresh()
+        """Current replicas (static first, then resolved, no duplicates). Never blocks on DNS."""
         with self._lock:
             return list(self._current)
 
-    def refresh(self, *, forced: bool = False) -> None:
-        """Look the DNS targets up again (``forced``: after a failure, rate-limited)."""
-        if not self._dns:
-            return
+    def refresh(self) -> None:
+        """Ask for a lookup now (after a failure); rate-limited, done on the background thread."""
         now = time.monotonic()
-        if forced:
-            with self._lock:
-                if now - self._last_forced < MIN_FORCED_REFRESH_S:
-                    return
-                self._last_forced = now
+        with self._lock:
+            if not self._dns or now - self._last_forced < MIN_FORCED_REFRESH_S:
+                return
+            self._last_forced = now
+        self._wake.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self._refresh_s)
+            self._wake.clear()
+            if self._closed:
+                return
+            self._resolve_now()
+
+    def _resolve_now(self) -> None:
         answers = {}
         for target, host, port in self._dns:
             try:
@@ -116,4 +132,3 @@ class ReplicaSet:
             for target, _, _ in self._dns:
                 merged += [a for a in self._answers.get(target, []) if a not in merged]
             self._current = merged
-            self._next_refresh = now + self._refresh_s

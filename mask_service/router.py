@@ -98,6 +98,8 @@ class MaskRouter:
     def _live(self) -> list[str]:
         now = time.monotonic()
         current = self._replicas.addresses()
+        if not current:  # a DNS set that resolved to nothing (yet): look again, soon
+            self._replicas.refresh()
         live = [a for a in current if self._dead_until.get(a, 0.0) <= now]
         return live or current  # all marked dead: try them all again
 
@@ -108,7 +110,7 @@ class MaskRouter:
     def _mark_dead(self, address: str) -> None:
         logger.warning("mask replica %s unreachable; failing over", address)
         self._dead_until[address] = time.monotonic() + DEAD_REPLICA_COOLDOWN_S
-        self._replicas.refresh(forced=True)  # a pod that left is dropped from a DNS set sooner
+        self._replicas.refresh()  # a pod that left is dropped from a DNS set sooner
 
     def _ranked(self, session_id: str) -> list[str]:
         return sorted(self._live(), key=lambda a: _weight(session_id, a), reverse=True)
@@ -310,6 +312,7 @@ class MaskRouter:
         return len(self._sessions)
 
     def close(self) -> None:
+        self._replicas.close()
         with self._lock:
             clients = list(self._clients.values())
         for c in clients:

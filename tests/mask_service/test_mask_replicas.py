@@ -32,6 +32,12 @@ def test_replica_set_static_and_dns() -> None:
     assert len(addresses) == len(set(addresses))  # 127.0.0.1:5 from DNS is not listed twice
     assert set(resolve_all("localhost", 5)) <= set(addresses)
     assert rs.has_dns
+    rs.refresh()  # a failure-triggered lookup runs on the background thread
+    assert set(resolve_all("localhost", 5)) <= set(rs.addresses())
+    rs.close()
+    assert rs._thread is not None
+    rs._thread.join(5)
+    assert not rs._thread.is_alive()
     for bad in (["dns://8.8.8.8/mask:1"], ["dns:///mask"], ["mask"], []):
         with pytest.raises(ValueError):
             ReplicaSet(bad)
