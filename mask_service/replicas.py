@@ -49,6 +49,24 @@ def resolve_all(host: str, port: int) -> list[str]:
     return sorted(out)
 
 
+def parse_targets(targets: Sequence[str]) -> tuple[list[str], list[tuple[str, str, int]]]:
+    """(static ``host:port`` targets, [(dns target, host, port)]); ValueError naming a bad one."""
+    if not targets:
+        raise ValueError("at least one mask-service target is required")
+    static: list[str] = []
+    dns: list[tuple[str, str, int]] = []
+    for target in targets:
+        if target.startswith("dns:"):
+            if not target.startswith(DNS_SCHEME):
+                raise ValueError(f"{target!r}: only dns:///name:port is supported (no DNS authority)")
+            host, port = split_host_port(target[len(DNS_SCHEME) :])
+            dns.append((target, host, port))
+        else:
+            split_host_port(target)
+            static.append(target)
+    return static, dns
+
+
 class ReplicaSet:
     """The current concrete replica addresses for a list of targets. Thread-safe."""
 
@@ -58,19 +76,7 @@ class ReplicaSet:
         *,
         refresh_s: float = DNS_REFRESH_S,
     ) -> None:
-        if not targets:
-            raise ValueError("at least one mask-service target is required")
-        self._static: list[str] = []
-        self._dns: list[tuple[str, str, int]] = []  # (target, host, port)
-        for target in targets:
-            if target.startswith("dns:"):
-                if not target.startswith(DNS_SCHEME):
-                    raise ValueError(f"{target!r}: only dns:///name:port is supported (no DNS authority)")
-                host, port = split_host_port(target[len(DNS_SCHEME) :])
-                self._dns.append((target, host, port))
-            else:
-                split_host_port(target)  # fail early on a malformed address
-                self._static.append(target)
+        self._static, self._dns = parse_targets(targets)  # dns: (target, host, port)
         self._refresh_s = refresh_s
         self._lock = threading.Lock()
         self._answers: dict[str, list[str]] = {}  # dns target -> last good answer

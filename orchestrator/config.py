@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gpu_worker.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_K, WorkerConfig
+from mask_service.replicas import parse_targets
 
 # Requests validating or waiting for a batch slot, beyond which new requests
 # get RESOURCE_EXHAUSTED. Bounded so overload shows up as fast, typed refusals
@@ -65,6 +66,7 @@ class OrchestratorConfig:
     def __post_init__(self) -> None:
         if not self.mask_service_addresses:
             raise ValueError("at least one mask-service address is required")
+        parse_targets(self.mask_service_addresses)  # host:port or dns:///name:port, else ValueError
         for name in ("num_workers", "max_queue", "max_batch", "default_max_tokens", "validation_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -1,0 +1,22 @@
+"""OrchestratorConfig refuses bad values with the reason (main.py turns that into exit code 2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.config import OrchestratorConfig
+
+
+def test_mask_service_targets_are_checked() -> None:
+    for ok in (("mask:50061",), ("dns:///mask-headless.ns.svc.cluster.local:50061", "10.0.0.5:50061")):
+        OrchestratorConfig(target_dir="/m", mask_service_addresses=ok)
+    for bad in ((), ("mask",), ("mask:0",), ("dns://1.1.1.1/mask:50061",), ("dns:///mask",)):
+        with pytest.raises(ValueError):
+            OrchestratorConfig(target_dir="/m", mask_service_addresses=bad)
+
+
+def test_worker_max_restarts() -> None:
+    assert OrchestratorConfig(target_dir="/m", mask_service_addresses=("m:1",)).worker_max_restarts == -1
+    OrchestratorConfig(target_dir="/m", mask_service_addresses=("m:1",), worker_max_restarts=0)
+    with pytest.raises(ValueError, match="worker_max_restarts"):
+        OrchestratorConfig(target_dir="/m", mask_service_addresses=("m:1",), worker_max_restarts=-2)
