@@ -16,13 +16,14 @@ from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.server import build_service
 from mask_service.tokenizer_id import tokenizer_id_for_path
 from mask_service.tokenizers import TokenizerRegistry, TokenizerSource
+from tests.fixtures.shared_data import require
 from tests.mask_service.service_config import make_config
 
 pytestmark = [pytest.mark.shared_data, pytest.mark.slow]
 
 
 def test_stop_tokens_from_config(shared_data) -> None:  # type: ignore[no-untyped-def]
-    reg = TokenizerRegistry([TokenizerSource.parse(str(shared_data / "tokenizers" / "qwen3") + ":151936")])
+    reg = TokenizerRegistry([TokenizerSource.parse(str(require(shared_data, "tokenizers", "qwen3")) + ":151936")])
     [tid] = reg.ids()
     tok = reg.get(tid)
     assert 151645 in tok.stop_token_ids and 128247 not in tok.stop_token_ids
@@ -32,7 +33,7 @@ def test_stop_tokens_from_config(shared_data) -> None:  # type: ignore[no-untype
 def test_llama3_maskbench_rows_exact(shared_data) -> None:  # type: ignore[no-untyped-def]
     from transformers import PreTrainedTokenizerFast
 
-    tok_dir = shared_data / "tokenizers" / "llama3"
+    tok_dir = require(shared_data, "tokenizers", "llama3")
     reg = TokenizerRegistry([TokenizerSource(str(tok_dir))])
     tid = tokenizer_id_for_path(tok_dir)
     assert set(reg.get(tid).stop_token_ids) == {128001, 128009}
@@ -42,7 +43,7 @@ def test_llama3_maskbench_rows_exact(shared_data) -> None:  # type: ignore[no-un
     client = MaskServiceClient(f"127.0.0.1:{handle.port}", deadline_s=60.0)
     compiler = xgr.GrammarCompiler(reg.info(tid, None))
     rng = random.Random(0)
-    files = sorted((shared_data / "maskbench").glob("Github_easy*.json"))[:40]
+    files = sorted(require(shared_data, "maskbench").glob("Github_easy*.json"))[:40]
     checked = refused = 0
     try:
         for f in files:

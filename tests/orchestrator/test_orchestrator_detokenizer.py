@@ -8,6 +8,7 @@ import random
 import pytest
 
 from orchestrator.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from tests.fixtures.shared_data import require
 
 TEXTS = [
     '{"name":"Zoë","city":"Zürich","emoji":"🙂👍🏽","kanji":"日本語テキスト"}',
@@ -60,7 +61,7 @@ def test_byte_level_bpe_multibyte_boundaries(bpe_tokenizer, text: str) -> None:
 @pytest.mark.parametrize("name", ["llama3", "qwen3", "gpt2"])
 @pytest.mark.parametrize("text", TEXTS)
 def test_real_tokenizers(shared_tokenizers, name: str, text: str) -> None:
-    _check(_load(str(shared_tokenizers / name / "tokenizer.json")), text)
+    _check(_load(str(require(shared_tokenizers, name, "tokenizer.json"))), text)
 
 
 @functools.cache
