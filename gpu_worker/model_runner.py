@@ -24,6 +24,7 @@ prompt is never materialised.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -89,14 +90,25 @@ class ModelRunner:
     def _forward_one(self, item: ForwardItem) -> torch.Tensor:  # -> [num_logits, hidden]
         from transformers import DynamicCache
 
-        past_len = item.kv.length
+        kv = item.kv
+        past_len = kv.length
         num_new = len(item.token_ids)
-        cache = DynamicCache(ddp_cache_data=list(zip(item.kv.keys, item.kv.values))) if past_len else DynamicCache()
         input_ids = torch.tensor([list(item.token_ids)], dtype=torch.long, device=self.device)  # [1, T]
         position_ids = torch.arange(past_len, past_len + num_new, device=self.device).unsqueeze(0)  # [1, T]
+        in_place = kv.capacity > 0
+        if not in_place:
+            # First forward: transformers allocates; the entries are then copied in once.
+            cache = DynamicCache()
+        else:
+            k_bufs, v_bufs = kv.buffers()
+            kv.reserve(num_new, k_bufs[0], len(k_bufs))
+            k_bufs, v_bufs = kv.buffers()  # [1, H, capacity, D] per layer, maybe regrown
+            cache = _in_place_cache(k_bufs, v_bufs, filled=past_len)
         out = self._decoder(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
-        # DynamicLayer.update concatenated old and new entries into fresh tensors.
-        item.kv.set([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
+        if in_place:
+            kv.advance(num_new)  # the layers wrote the new entries into kv's own buffers
+        else:
+            kv.append([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
         return out.last_hidden_state[0, num_new - item.num_logits :]  # [num_logits, hidden]
 
     def _forward_padded(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
@@ -117,21 +129,23 @@ class ModelRunner:
             max_new, device=dev
         )  # [B, T_max]
 
-        cache = DynamicCache()
-        if max_past > 0:
+        if max_past == 0:
+            cache: Any = DynamicCache()  # nothing cached yet: transformers allocates
+        else:
             template = next(it.kv for it in items if it.kv.length > 0)
-            layers = []
-            for layer in range(len(template.keys)):
-                _, heads, _, head_dim = template.keys[layer].shape
-                dtype = template.keys[layer].dtype
-                k = torch.zeros(batch, heads, max_past, head_dim, dtype=dtype, device=dev)  # [B, H, L_max, D]
-                v = torch.zeros_like(k)  # [B, H, L_max, D]
-                for r, it in enumerate(items):
-                    if past_lens[r]:
-                        k[r, :, max_past - past_lens[r] :] = it.kv.keys[layer][0]
-                        v[r, :, max_past - past_lens[r] :] = it.kv.values[layer][0]
-                layers.append((k, v))
-            cache = DynamicCache(ddp_cache_data=layers)
+            t_keys, _ = template.buffers()
+            # One batch buffer per layer holding the left-padded pasts, with room for the
+            # new entries, which the cache layers write in place (no per-layer concat).
+            _, heads, _, head_dim = t_keys[0].shape
+            shape = (batch, heads, max_past + max_new, head_dim)
+            k_bufs = [torch.zeros(shape, dtype=t_keys[0].dtype, device=dev) for _ in t_keys]  # [B, H, L+T, D]
+            v_bufs = [torch.zeros_like(k) for k in k_bufs]  # [B, H, L+T, D]
+            for r, it in enumerate(items):
+                if past_lens[r]:
+                    for k, v, src_k, src_v in zip(k_bufs, v_bufs, it.kv.keys, it.kv.values, strict=True):
+                        k[r, :, max_past - past_lens[r] : max_past] = src_k[0]
+                        v[r, :, max_past - past_lens[r] : max_past] = src_v[0]
+            cache = _in_place_cache(k_bufs, v_bufs, filled=max_past)
 
         out = self._decoder(
             input_ids=input_ids,
@@ -144,18 +158,11 @@ class ModelRunner:
         results = []
         for r, it in enumerate(items):
             new_slice = slice(max_past, max_past + new_lens[r])
-            keys, values = [], []
-            for layer_idx, layer in enumerate(cache.layers):
-                new_k = layer.keys[r : r + 1, :, new_slice]  # [1, H, T_r, D]
-                new_v = layer.values[r : r + 1, :, new_slice]  # [1, H, T_r, D]
-                if past_lens[r]:
-                    keys.append(torch.cat([it.kv.keys[layer_idx], new_k], dim=2))
-                    values.append(torch.cat([it.kv.values[layer_idx], new_v], dim=2))
-                else:
-                    # Copy so the sequence does not pin the whole batched tensor.
-                    keys.append(new_k.clone(memory_format=torch.contiguous_format))
-                    values.append(new_v.clone(memory_format=torch.contiguous_format))
-            it.kv.set(keys, values)
+            # Only this step's entries are copied into the sequence's own buffers.
+            it.kv.append(
+                [layer.keys[r : r + 1, :, new_slice] for layer in cache.layers],  # [1, H, T_r, D]
+                [layer.values[r : r + 1, :, new_slice] for layer in cache.layers],  # [1, H, T_r, D]
+            )
             results.append(hidden[r, new_lens[r] - it.num_logits : new_lens[r]])  # [num_logits, hidden]
         return results
 
@@ -168,3 +175,43 @@ class ModelRunner:
         if self._softcap:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return list(torch.split(logits, counts, dim=0))
+
+
+@functools.cache
+def _in_place_layer_class() -> type:
+    """``DynamicLayer`` whose ``update`` writes into a preallocated buffer (built lazily:
+    transformers is imported only when a model runs)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class InPlaceLayer(DynamicLayer):
+        def __init__(self, k_buf: torch.Tensor, v_buf: torch.Tensor, filled: int) -> None:
+            super().__init__()
+            self._k_buf, self._v_buf = k_buf, v_buf  # [B, H, capacity, D]
+            self.dtype, self.device = k_buf.dtype, k_buf.device
+            self.keys, self.values = k_buf[:, :, :filled], v_buf[:, :, :filled]  # [B, H, filled, D] views
+            self.is_initialized = True
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            start = self.keys.shape[-2]
+            end = start + key_states.shape[-2]
+            self._k_buf[:, :, start:end] = key_states  # [B, H, T, D]
+            self._v_buf[:, :, start:end] = value_states
+            self.keys, self.values = self._k_buf[:, :, :end], self._v_buf[:, :, :end]
+            return self.keys, self.values
+
+    return InPlaceLayer
+
+
+def _in_place_cache(k_bufs: Sequence[torch.Tensor], v_bufs: Sequence[torch.Tensor], *, filled: int) -> Any:
+    """A ``DynamicCache`` over preallocated per-layer buffers ``[B, H, capacity, D]`` whose first
+    ``filled`` positions hold the past: the forward appends in place instead of concatenating
+    (``DynamicLayer.update`` copies the whole past of every layer on every forward)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import Cache
+
+    layer_class = _in_place_layer_class()
+    cache = DynamicCache.__new__(DynamicCache)
+    Cache.__init__(cache, layers=[layer_class(k, v, filled) for k, v in zip(k_bufs, v_bufs, strict=True)])
+    return cache

@@ -82,6 +82,10 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child between 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+# Ports tried for a replica whose port we picked (see MaskServiceProcess).
+_PORT_ATTEMPTS = 3
+
+
 class MaskServiceProcess:
     """One `specmask mask-service` subprocess on 127.0.0.1."""
 
@@ -99,8 +103,19 @@ class MaskServiceProcess:
         self._log_path = Path(log_path) if log_path is not None else None
         self._extra_args = tuple(extra_args)
         self.process: subprocess.Popen | None = None
+        # A port we picked can be taken by someone else before the child binds it
+        # (Ray starts beside it and binds many): until the first start has served,
+        # such a port may be swapped for a fresh one. A given port, or a restart, is kept.
+        self._may_repick = port is None
+        self._served = False
 
     def start(self, *, wait: bool = True) -> MaskServiceProcess:
+        self._spawn()
+        if wait:
+            self.wait_serving()
+        return self
+
+    def _spawn(self) -> None:
         cmd = [sys.executable, "-m", "orchestrator.cli", "mask-service"]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
         for tok in self._tokenizer_dirs:
@@ -113,16 +128,24 @@ class MaskServiceProcess:
             if out is not subprocess.DEVNULL:
                 out.close()
         logger.info("mask service starting on %s (pid %d)", self.address, self.process.pid)
-        if wait:
-            self.wait_serving()
-        return self
 
     def wait_serving(self, timeout_s: float = MASK_SERVICE_START_TIMEOUT_S) -> None:
-        try:
-            wait_serving(self.address, timeout_s, process=self.process)
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in range(_PORT_ATTEMPTS):
+            try:
+                wait_serving(self.address, timeout_s, process=self.process)
+                self._served = True
+                return
+            except RuntimeError as exc:  # exited before serving
+                if not self._may_repick or self._served or attempt + 1 == _PORT_ATTEMPTS:
+                    self.stop()
+                    raise
+                logger.warning("mask service on %s did not start (%s); trying another port", self.address, exc)
+                self.port = free_port()
+                self.address = f"127.0.0.1:{self.port}"
+                self._spawn()
+            except BaseException:
+                self.stop()
+                raise
 
     def kill(self) -> None:
         """SIGKILL: the abrupt failure a replica can suffer (tests)."""

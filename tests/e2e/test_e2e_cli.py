@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,7 +14,6 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from orchestrator.local_stack import free_port
 from tests.e2e.stack import BOUNDED_SCHEMA
 
 pytestmark = pytest.mark.slow
@@ -56,13 +56,24 @@ def _alive(pid: int, cmdline: bytes) -> bool:
         return False
 
 
+def _logged_port(log_path: Path, pattern: str, proc: subprocess.Popen) -> int:
+    """The port a child logged (it was started with port 0), once the line appears."""
+    deadline = time.monotonic() + UP_TIMEOUT_S
+    while True:
+        match = re.search(pattern, log_path.read_text(errors="replace"))
+        if match:
+            return int(match.group(1))
+        assert proc.poll() is None, f"exited early:\n{log_path.read_text(errors='replace')[-3000:]}"
+        assert time.monotonic() < deadline, f"no {pattern!r} in the log"
+        time.sleep(0.2)
+
+
 def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "orchestrator.cli", *args]
 
 
 def test_up_generate_and_ctrl_c(tiny_pair, tmp_path: Path) -> None:
     target, draft = tiny_pair
-    port = free_port()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     up = subprocess.Popen(
         _cli(
@@ -71,8 +82,10 @@ def test_up_generate_and_ctrl_c(tiny_pair, tmp_path: Path) -> None:
             str(target),
             "--draft",
             str(draft),
+            # Port 0: the server binds a free port itself and prints it (a port picked
+            # here could be taken before the child binds it, e.g. by Ray starting up).
             "--port",
-            str(port),
+            "0",
             "--metrics-port",
             "-1",
             "--log-dir",
@@ -94,6 +107,9 @@ def test_up_generate_and_ctrl_c(tiny_pair, tmp_path: Path) -> None:
             assert line or up.poll() is None, f"`specmask up` exited early:\n{''.join(lines)}"
             lines.append(line)
             if line.startswith("specmask is up"):
+                match = re.search(r"API 127\.0\.0\.1:(\d+)", line)
+                assert match, line
+                port = int(match.group(1))
                 break
             assert time.monotonic() < deadline, "".join(lines)
         schema_file = tmp_path / "schema.json"
@@ -159,13 +175,13 @@ def test_orchestrator_process_serves_and_stops_on_sigterm(tiny_pair, tmp_path: P
 
     target, draft = tiny_pair
     mask = MaskServiceProcess([str(target)], log_path=tmp_path / "mask.log").start()
-    port, metrics_port = free_port(), free_port()
-    log = open(tmp_path / "orchestrator.log", "wb")  # noqa: SIM115
+    log_path = tmp_path / "orchestrator.log"
+    log = open(log_path, "wb")  # noqa: SIM115
     orch = subprocess.Popen(
         _cli(
             "orchestrator",
             "--port",
-            str(port),
+            "0",
             "--mask-service",
             mask.address,
             "--target",
@@ -173,7 +189,7 @@ def test_orchestrator_process_serves_and_stops_on_sigterm(tiny_pair, tmp_path: P
             "--draft",
             str(draft),
             "--metrics-port",
-            str(metrics_port),
+            "0",
             "--ray-address",
             "local",
         ),
@@ -181,6 +197,9 @@ def test_orchestrator_process_serves_and_stops_on_sigterm(tiny_pair, tmp_path: P
         stderr=subprocess.STDOUT,
     )
     try:
+        # Port 0 for both: the process binds free ports itself and logs them.
+        port = _logged_port(log_path, r"orchestrator serving on 127\.0\.0\.1:(\d+)", orch)
+        metrics_port = _logged_port(log_path, r"metrics on http://127\.0\.0\.1:(\d+)/metrics", orch)
         wait_serving(f"127.0.0.1:{port}", UP_TIMEOUT_S, process=orch)
         with OrchestratorClient(f"127.0.0.1:{port}") as client:
             resp = client.generate(build_request("A user:\n", schema=BOUNDED_SCHEMA, temperature=0.0, max_tokens=64))

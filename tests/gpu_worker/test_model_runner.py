@@ -90,7 +90,10 @@ def test_batched_forward_matches_per_sequence_forwards(model):
         assert ka.length == kb.length == p + n
         for x, y in zip(ka.keys + ka.values, kb.keys + kb.values):
             torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
-            assert x.is_contiguous()
+        # Each sequence owns its buffers (never a view pinning the whole batch tensor).
+        for buf in (*ka.buffers()[0], *ka.buffers()[1]):
+            assert buf.shape[0] == 1 and buf.is_contiguous()
+            assert buf.untyped_storage().nbytes() == buf.numel() * buf.element_size()
 
 
 def test_only_requested_logit_rows(model):

@@ -1,0 +1,78 @@
+"""SequenceKV: growable per-sequence buffers with in-place append and copy-free rollback,
+checked against a plain list of concatenated tensors over random append/crop sequences."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gpu_worker.kv_cache import SequenceKV
+
+LAYERS, HEADS, DIM = 3, 2, 4
+
+
+def _entries(n: int, gen: torch.Generator) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    keys = [torch.randn(1, HEADS, n, DIM, generator=gen) for _ in range(LAYERS)]
+    values = [torch.randn(1, HEADS, n, DIM, generator=gen) for _ in range(LAYERS)]
+    return keys, values
+
+
+def test_append_crop_matches_concatenation() -> None:
+    rng, gen = random.Random(0), torch.Generator().manual_seed(0)
+    kv = SequenceKV()
+    ref_k = [torch.empty(1, HEADS, 0, DIM) for _ in range(LAYERS)]
+    ref_v = [torch.empty(1, HEADS, 0, DIM) for _ in range(LAYERS)]
+    grew = 0
+    for _ in range(300):
+        if kv.length and rng.random() < 0.4:
+            n = rng.randint(0, kv.length)  # roll back rejected drafts
+            kv.crop(n)
+            ref_k, ref_v = [k[:, :, :n] for k in ref_k], [v[:, :, :n] for v in ref_v]
+        else:
+            keys, values = _entries(rng.randint(1, 9), gen)
+            before = kv.capacity
+            kv.append(keys, values)
+            grew += kv.capacity != before
+            ref_k = [torch.cat([a, b], dim=2) for a, b in zip(ref_k, keys)]
+            ref_v = [torch.cat([a, b], dim=2) for a, b in zip(ref_v, values)]
+        assert kv.length == ref_k[0].shape[2] <= kv.capacity
+        for a, b in zip(kv.keys + kv.values, ref_k + ref_v):
+            assert torch.equal(a, b)
+    assert 0 < grew < 10  # grows geometrically, not per append
+
+
+def test_growth_keeps_contents_and_advance_is_bounded() -> None:
+    gen = torch.Generator().manual_seed(1)
+    kv = SequenceKV()
+    keys, values = _entries(5, gen)
+    kv.append(keys, values)
+    first = kv.capacity
+    assert first >= 64  # room for many steps before the next copy
+    big_k, big_v = _entries(first, gen)
+    kv.append(big_k, big_v)  # forces a regrow
+    assert kv.capacity >= 5 + first
+    assert torch.equal(kv.keys[1][:, :, :5], keys[1]) and torch.equal(kv.values[2][:, :, 5:], big_v[2])
+    spare = kv.capacity - kv.length
+    with pytest.raises(ValueError, match="past capacity"):
+        kv.advance(spare + 1)
+    kv.advance(spare)
+    assert kv.length == kv.capacity
+    with pytest.raises(ValueError, match="cannot crop"):
+        kv.crop(kv.length + 1)
+    kv.free()
+    assert kv.length == kv.capacity == kv.nbytes() == 0
+
+
+def test_rejects_inconsistent_entries() -> None:
+    gen = torch.Generator().manual_seed(2)
+    kv = SequenceKV()
+    keys, values = _entries(3, gen)
+    with pytest.raises(ValueError, match="inconsistent"):
+        kv.append(keys, values[:-1])
+    with pytest.raises(ValueError, match="inconsistent"):
+        kv.append(keys, [v[:, :, :2] for v in values])
+    kv.append(keys, values)
+    with pytest.raises(ValueError, match="layers"):
+        kv.append(keys[:2], values[:2])
