@@ -13,9 +13,13 @@ to float rounding (tests/gpu_worker/test_model_runner.py checks float32
 closeness). Right-padding queries always have a real token before them, so no
 attention row is fully masked (that would give NaN rows in SDPA).
 
-After the forward each sequence's new keys/values (columns L_max .. L_max+T_r)
-are appended to its own cache. ``batched=False`` runs one forward per sequence
-with no padding at all; it is the reference for the batched path.
+The batch buffer has room for the new columns, and the cache layers write them
+in place (``_in_place_cache``: transformers' ``DynamicLayer`` would concatenate,
+copying the whole past of every layer once more). After the forward each
+sequence's new keys/values (columns L_max .. L_max+T_r) are appended to its own
+buffers (gpu_worker.kv_cache), so the one full copy per forward is the padding.
+``batched=False`` runs one forward per sequence with no padding at all; it is
+the reference for the batched path.
 
 Logits are computed only for the rows asked for (``num_logits`` trailing rows
 per sequence): prefill asks for none, so the ``[T, V]`` projection of a long
