@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import threading
@@ -55,6 +56,11 @@ def run(args: argparse.Namespace) -> int:
     from mask_service.server import build_service  # heavy imports only once the role is chosen
 
     handle = build_service(config_from_args(args))
+    # Tokenizers (hundreds of thousands of long-lived Python objects) are loaded:
+    # move them out of the cyclic GC's reach, so a full collection on the hot path
+    # scans only request-time objects (it cost ~90 ms per pass with Llama-3 loaded).
+    gc.collect()
+    gc.freeze()
     handle.server.start()
     if args.metrics_port:
         from prometheus_client import start_http_server

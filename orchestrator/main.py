@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 from collections.abc import Callable
@@ -106,6 +107,10 @@ async def serve(config: OrchestratorConfig, *, on_ready: Callable[[int], None] |
     from orchestrator.server import create_server  # heavy imports (Ray, torch types) once the role is chosen
 
     server, port = await create_server(config)
+    # The tokenizer and Ray's state are loaded: keep them out of full GC passes
+    # on the serving path (see mask_service/main.py).
+    gc.collect()
+    gc.freeze()
     stop = asyncio.Event()
     install_stop_signals(stop)
     await server.start()
