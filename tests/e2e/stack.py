@@ -14,10 +14,14 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from orchestrator.client import OrchestratorClient, StreamedResult
 from orchestrator.local_stack import RunningStack, StackConfig, running_stack
+from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEST_DATA = REPO_ROOT / "tests" / "data" / "maskbench"
@@ -57,6 +61,35 @@ PROMPT = "Generate JSON for schema user:\n"
 def load_schema_records(directory: Path) -> list[tuple[str, dict[str, Any]]]:
     """(name, JSONSchemaBench record) for every *.json in ``directory``, sorted by name."""
     return [(p.stem, json.loads(p.read_text())) for p in sorted(directory.glob("*.json"))]
+
+
+def stream_concurrently(
+    address: str, requests: Sequence[pb.GenerateRequest], on_started: Callable[[], None] | None = None
+) -> list[StreamedResult]:
+    """Stream all ``requests`` at once, one client each. Once every one has its first
+    token (all are mid-generation), call ``on_started`` (e.g. kill something); return
+    the results in request order when all have finished."""
+    n = len(requests)
+    started = threading.Barrier(n + 1, timeout=120)
+    results = [StreamedResult() for _ in range(n)]
+
+    def run(i: int) -> None:
+        first = True
+        with OrchestratorClient(address) as client:
+            for chunk in client.stream(requests[i], timeout_s=300):
+                results[i].add(chunk)
+                if first and chunk.token_ids:
+                    first = False
+                    started.wait()
+
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(run, i) for i in range(n)]
+        started.wait()
+        if on_started is not None:
+            on_started()
+        for f in futures:
+            f.result(timeout=300)
+    return results
 
 
 class ThreadStack:

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import jsonschema
 import pytest
 
-from orchestrator.client import OrchestratorClient, StreamedResult, build_request
+from orchestrator.client import OrchestratorClient, build_request
 from orchestrator.local_stack import health_status
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
-from tests.e2e.stack import LONG_MAX_TOKENS, LONG_SCHEMA, MAX_BATCH, MAX_QUEUE, PROMPT, ThreadStack
+from tests.e2e.stack import (
+    LONG_MAX_TOKENS,
+    LONG_SCHEMA,
+    MAX_BATCH,
+    MAX_QUEUE,
+    PROMPT,
+    ThreadStack,
+    stream_concurrently,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -27,12 +33,8 @@ def test_replica_killed_mid_generation(stack: ThreadStack) -> None:
     replicas = stack.running.mask_services
     assert len(replicas) == 2
     stack.wait_idle()
-    n = 8
-    started = threading.Barrier(n + 1, timeout=120)
-    results: list[StreamedResult] = [StreamedResult() for _ in range(n)]
-
-    def run(i: int) -> None:
-        req = build_request(
+    requests = [
+        build_request(
             PROMPT,
             schema=LONG_SCHEMA,
             temperature=1.0,
@@ -40,22 +42,12 @@ def test_replica_killed_mid_generation(stack: ThreadStack) -> None:
             max_tokens=LONG_MAX_TOKENS,
             speculation=i % 2 == 0,
         )
-        first = True
-        with OrchestratorClient(stack.address) as client:
-            for chunk in client.stream(req, timeout_s=300):
-                results[i].add(chunk)
-                if first and chunk.token_ids:
-                    first = False
-                    started.wait()
-
+        for i in range(8)
+    ]
     victim = replicas[0]
     try:
-        with ThreadPoolExecutor(n) as pool:
-            futures = [pool.submit(run, i) for i in range(n)]
-            started.wait()  # every request is mid-generation, sessions spread over both replicas
-            victim.kill()
-            for f in futures:
-                f.result(timeout=300)
+        # Kill once every request is mid-generation, sessions spread over both replicas.
+        results = stream_concurrently(stack.address, requests, on_started=victim.kill)
         for r in results:
             assert r.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE, (r.finish_reason, r.error)
             jsonschema.validate(json.loads(r.text), LONG_SCHEMA)
@@ -104,36 +96,24 @@ def test_mask_service_down_fails_only_constrained_requests(stack: ThreadStack) -
     assert stack.running is not None
     replicas = stack.running.mask_services
     stack.wait_idle()
-    n = 6
-    started = threading.Barrier(n + 1, timeout=120)
-    results = [StreamedResult() for _ in range(n)]
-
-    def run(i: int) -> None:
-        constrained = i % 2 == 0
-        req = build_request(
+    requests = [
+        build_request(
             PROMPT,
-            schema=LONG_SCHEMA if constrained else None,
+            schema=LONG_SCHEMA if i % 2 == 0 else None,  # constrained and unconstrained neighbours
             temperature=1.0,
             seed=200 + i,
             max_tokens=LONG_MAX_TOKENS,
             speculation=False,
         )
-        first = True
-        with OrchestratorClient(stack.address) as client:
-            for chunk in client.stream(req, timeout_s=300):
-                results[i].add(chunk)
-                if first and chunk.token_ids:
-                    first = False
-                    started.wait()
+        for i in range(6)
+    ]
+
+    def kill_all() -> None:
+        for r in replicas:
+            r.kill()
 
     try:
-        with ThreadPoolExecutor(n) as pool:
-            futures = [pool.submit(run, i) for i in range(n)]
-            started.wait()
-            for r in replicas:
-                r.kill()
-            for f in futures:
-                f.result(timeout=300)
+        results = stream_concurrently(stack.address, requests, on_started=kill_all)
         for i, r in enumerate(results):
             if i % 2 == 0:
                 assert r.finish_reason == pb.FINISH_REASON_ERROR and r.error, (i, r.finish_reason)

@@ -7,15 +7,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
 
-from orchestrator.client import OrchestratorClient, StreamedResult, build_request
+from orchestrator.client import build_request
 from orchestrator.local_stack import health_status
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from tests.e2e.stack import (
@@ -26,6 +24,7 @@ from tests.e2e.stack import (
     PROMPT,
     RAY_CALL_TIMEOUT_S,
     ThreadStack,
+    stream_concurrently,
 )
 
 pytestmark = pytest.mark.slow
@@ -42,28 +41,10 @@ def _worker_pids(stack: ThreadStack) -> list[int]:
 
 
 def _run_all(stack: ThreadStack, n: int, seed: int, schema: dict, max_tokens: int, on_started=None):  # type: ignore[no-untyped-def]
-    """n concurrent streamed requests; ``on_started`` runs once every one has a first token."""
-    started = threading.Barrier(n + 1, timeout=120)
-    results = [StreamedResult() for _ in range(n)]
-
-    def run(i: int) -> None:
-        req = build_request(PROMPT, schema=schema, temperature=1.0, seed=seed + i, max_tokens=max_tokens)
-        first = True
-        with OrchestratorClient(stack.address) as client:
-            for chunk in client.stream(req, timeout_s=300):
-                results[i].add(chunk)
-                if first and chunk.token_ids:
-                    first = False
-                    started.wait()
-
-    with ThreadPoolExecutor(n) as pool:
-        futures = [pool.submit(run, i) for i in range(n)]
-        started.wait()  # every request is mid-generation
-        if on_started is not None:
-            on_started()
-        for f in futures:
-            f.result(timeout=300)
-    return results
+    requests = [
+        build_request(PROMPT, schema=schema, temperature=1.0, seed=seed + i, max_tokens=max_tokens) for i in range(n)
+    ]
+    return stream_concurrently(stack.address, requests, on_started)
 
 
 def test_worker_killed_mid_generation_recovers(stack: ThreadStack) -> None:
