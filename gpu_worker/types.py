@@ -107,3 +107,11 @@ class WorkerInfo:
     has_draft_model: bool
     max_k: int
     pid: int = 0  # the worker process (a restarted actor has a new one)
+
+    def serves_same_model(self, other: WorkerInfo) -> bool:
+        """Interchangeable for the orchestrator: same tokenizer, logits width and length limit."""
+        return (self.tokenizer_id, self.vocab_size, self.max_model_len) == (
+            other.tokenizer_id,
+            other.vocab_size,
+            other.max_model_len,
+        )

@@ -378,11 +378,7 @@ class Engine:
             except Exception as exc:
                 logger.info("worker %d not back yet: %s", slot.index, _describe(exc))
                 continue
-            if (info.tokenizer_id, info.vocab_size, info.max_model_len) != (
-                slot.info.tokenizer_id,
-                slot.info.vocab_size,
-                slot.info.max_model_len,
-            ):
+            if not info.serves_same_model(slot.info):
                 logger.error("worker %d came back with a different model (%s); leaving it out", slot.index, info)
                 return
             was_down = not self.healthy

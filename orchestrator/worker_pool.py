@@ -88,11 +88,7 @@ async def start_workers(config: OrchestratorConfig) -> list[WorkerSlot]:
         raise
     first = infos[0]
     for i, info in enumerate(infos):
-        if (info.tokenizer_id, info.vocab_size, info.max_model_len) != (
-            first.tokenizer_id,
-            first.vocab_size,
-            first.max_model_len,
-        ):
+        if not info.serves_same_model(first):
             stop_workers(actors)
             raise RuntimeError(f"worker {i} loaded a different model than worker 0: {info} vs {first}")
         logger.info(
