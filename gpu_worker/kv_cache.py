@@ -49,12 +49,17 @@ class SequenceKV:
         """The whole per-layer buffers (``[1, H, capacity, D]``), for writing in place."""
         return self._k, self._v
 
-    def reserve(self, extra: int, like: torch.Tensor, num_layers: int) -> None:
-        """Room for ``extra`` more positions; new buffers take head count, head dim, dtype
-        and device from ``like`` (any ``[*, H, *, D]`` tensor of this model)."""
+    def reserve(self, extra: int, like: torch.Tensor | None = None, num_layers: int | None = None) -> None:
+        """Room for ``extra`` more positions. New buffers take head count, head dim, dtype
+        and device from ``like`` (any ``[*, H, *, D]`` tensor of this model) and ``num_layers``,
+        which only the first allocation needs: later ones copy the current buffers' shape."""
         need = self.length + extra
         if need <= self.capacity:
             return
+        if like is None or num_layers is None:
+            if not self._k:
+                raise ValueError("the first reserve needs a template tensor and a layer count")
+            like, num_layers = self._k[0], len(self._k)
         cap = max(need, self.capacity + max(self.capacity // 2, _MIN_GROWTH))
         shape = (1, like.shape[1], cap, like.shape[3])
         new_k = [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in range(num_layers)]

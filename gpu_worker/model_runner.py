@@ -104,9 +104,8 @@ class ModelRunner:
             # First forward: transformers allocates; the entries are then copied in once.
             cache = DynamicCache()
         else:
-            k_bufs, v_bufs = kv.buffers()
-            kv.reserve(num_new, k_bufs[0], len(k_bufs))
-            k_bufs, v_bufs = kv.buffers()  # [1, H, capacity, D] per layer, maybe regrown
+            kv.reserve(num_new)
+            k_bufs, v_bufs = kv.buffers()  # [1, H, capacity, D] per layer
             cache = _in_place_cache(k_bufs, v_bufs, filled=past_len)
         out = self._decoder(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
         if in_place:

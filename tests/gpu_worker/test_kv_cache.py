@@ -68,6 +68,8 @@ def test_growth_keeps_contents_and_advance_is_bounded() -> None:
 def test_rejects_inconsistent_entries() -> None:
     gen = torch.Generator().manual_seed(2)
     kv = SequenceKV()
+    with pytest.raises(ValueError, match="first reserve"):
+        kv.reserve(3)  # no buffers yet, no template to shape them
     keys, values = _entries(3, gen)
     with pytest.raises(ValueError, match="inconsistent"):
         kv.append(keys, values[:-1])
