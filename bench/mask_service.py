@@ -18,9 +18,6 @@ import argparse
 import json
 import logging
 import random
-import signal
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -271,44 +268,16 @@ def run_llguidance(
     return times
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_service(
     args: argparse.Namespace, docs: list[Doc], steps: list[list[SlotStep]], tid: str, serial_out: list[np.ndarray]
 ) -> dict[str, Any]:
-    port = _free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "orchestrator.cli",
-        "mask-service",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--tokenizer",
-        args.tokenizer,
-        "--log-level",
-        "WARNING",
-        "--mask-threads",
-        str(args.threads),
-    ]
-    proc = subprocess.Popen(cmd)
-    client = MaskServiceClient(f"127.0.0.1:{port}", deadline_s=120.0, track_bytes=True)
+    from orchestrator.local_stack import MaskServiceProcess
+
+    service = MaskServiceProcess(
+        [args.tokenizer], extra_args=["--log-level", "WARNING", "--mask-threads", str(args.threads)]
+    ).start()
+    client = MaskServiceClient(service.address, deadline_s=120.0, track_bytes=True)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                client.session_count()
-                break
-            except Exception:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("mask service did not start") from None
-                time.sleep(0.3)
         for d in docs:  # compile up front, as the orchestrator's ValidateGrammar would
             client.validate_grammar(tid, d.spec)
         sessions: list[str] = [""] * args.batch
@@ -335,11 +304,7 @@ def run_service(
         return {"times": times, "bytes": nbytes, "rows": rows, "mismatched": mismatched}
     finally:
         client.close()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        service.stop()
 
 
 def _pct(ts: list[float], q: float) -> float:
