@@ -10,6 +10,7 @@ import threading
 
 from mask_service import config as cfg
 from mask_service.config import MaskServiceConfig
+from mask_service.parent_watch import die_with_parent_from_env
 from mask_service.tokenizers import TokenizerSource
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ def config_from_args(args: argparse.Namespace) -> MaskServiceConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    die_with_parent_from_env()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from mask_service.server import build_service  # heavy imports only once the role is chosen
 

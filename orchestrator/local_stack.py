@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
+import os
 import signal
 import socket
 import subprocess
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mask_service.parent_watch import PARENT_PID_ENV
 from orchestrator.config import OrchestratorConfig
 
 if TYPE_CHECKING:
@@ -37,7 +38,6 @@ logger = logging.getLogger(__name__)
 MASK_SERVICE_START_TIMEOUT_S = 60.0
 # SIGTERM first (graceful: the service drains in-flight RPCs), SIGKILL after this.
 STOP_TIMEOUT_S = 10.0
-_PR_SET_PDEATHSIG = 1
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -71,15 +71,6 @@ def wait_serving(address: str, timeout_s: float, *, process: subprocess.Popen | 
             return
         time.sleep(0.2)
     raise TimeoutError(f"{address} was not SERVING within {timeout_s:.0f} s")
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Linux: the child gets SIGTERM when its parent dies, so a killed `up` leaves no orphans."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    # Ctrl-C in a terminal goes to the whole foreground group; the parent
-    # decides when children stop, so children ignore the terminal's SIGINT.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 # Ports tried for a replica whose port we picked (see MaskServiceProcess).
@@ -123,7 +114,17 @@ class MaskServiceProcess:
         cmd += list(self._extra_args)
         out = open(self._log_path, "ab") if self._log_path is not None else subprocess.DEVNULL  # noqa: SIM115
         try:
-            self.process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+            # No preexec_fn: no Python may run between fork and exec here (see
+            # mask_service.parent_watch). The child arranges to die with us itself;
+            # its own process group keeps a terminal's Ctrl-C away from it, so the
+            # parent decides when it stops.
+            self.process = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, PARENT_PID_ENV: str(os.getpid())},
+                process_group=0,
+            )
         finally:
             if out is not subprocess.DEVNULL:
                 out.close()
