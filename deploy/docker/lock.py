@@ -34,6 +34,7 @@ SPECMASK_BASE = [
     "prometheus-client",
     "jsonschema",
     "tqdm",
+    "xxhash",
 ]
 # CPU torch comes from the PyTorch CPU index (no CUDA libraries, no triton).
 CPU_TORCH_INDEX = "--extra-index-url https://download.pytorch.org/whl/cpu"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -11,7 +12,15 @@ import pytest
 from mask_service.client import DraftMaskItem, MaskServiceClient
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.server import build_service
-from mask_service.wire import ALL_ONES_ID, ClientBeliefs, RowInterner, RowTable, decode_row, encode_row
+from mask_service.wire import (
+    ALL_ONES_ID,
+    ClientBeliefs,
+    RowInterner,
+    RowTable,
+    decode_row,
+    encode_row,
+    row_content_id,
+)
 from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
 from tests.mask_service.service_config import make_config
 
@@ -47,6 +56,58 @@ def test_encode_decode_round_trip(words: int) -> None:
         np.testing.assert_array_equal(out, row)
     if words >= 4008:
         assert {pb.ROW_ENCODING_ALLOWED, pb.ROW_ENCODING_FORBIDDEN, pb.ROW_ENCODING_ZLIB} <= seen
+
+
+@pytest.mark.parametrize("n_ids", [0, 1, 37, 256])
+def test_sparse_rows_list_every_token_in_order(n_ids: int) -> None:
+    words = 4008
+    rng = np.random.default_rng(n_ids)
+    ids = np.sort(rng.choice(words * 32, n_ids, replace=False)).astype("<u4")
+    bits = np.zeros(words * 32, np.uint8)
+    bits[ids] = 1
+    row = np.packbits(bits, bitorder="little").view(np.int32)  # [W]
+    for r, want_enc in ((row, pb.ROW_ENCODING_ALLOWED), (~row, pb.ROW_ENCODING_FORBIDDEN)):
+        enc, payload = encode_row(r)
+        assert enc == want_enc
+        np.testing.assert_array_equal(np.frombuffer(payload, "<u4"), ids)
+        out = np.empty(words, np.int32)
+        decode_row(enc, payload, out)
+        np.testing.assert_array_equal(out, r)
+
+
+def test_interner_batches_skip_unfilled_and_share_duplicates() -> None:
+    w = 64
+    rng = np.random.default_rng(1)
+    a, b = (rng.integers(-(2**31), 2**31, w, dtype=np.int64).astype(np.int32) for _ in range(2))
+    interner = RowInterner(1 << 20)
+    rows = np.stack([a, b, a, np.zeros(w, np.int32)])  # [4, W]
+    got = interner.intern_rows(rows, [True, True, True, False], w)
+    assert got[3] is None and got[0] is got[2] and got[0] is not got[1]
+    assert got[0] is not None and got[0].row_id == row_content_id(a.tobytes(), w)
+    assert len(interner) == 2
+    assert interner.intern_rows(rows[1:3].copy(), [True, True], w) == [got[1], got[0]]  # hits
+    # The same leading words in a wider vocabulary are a different row.
+    wide = np.concatenate([a, np.zeros(1, np.int32)])
+    assert interner.intern(wide, w + 1).row_id != got[0].row_id
+    with pytest.raises(ValueError, match="contiguous"):
+        interner.intern_rows(np.stack([a, b])[:, ::2], [True, True], w // 2)
+
+
+def test_interner_is_consistent_across_threads_and_bounded() -> None:
+    w = 32
+    rng = np.random.default_rng(2)
+    rows = rng.integers(-(2**31), 2**31, (64, w), dtype=np.int64).astype(np.int32)  # [64, W], distinct
+    interner = RowInterner(1 << 20)
+    with ThreadPoolExecutor(4) as pool:
+        runs = list(pool.map(lambda _: interner.intern_rows(rows, [True] * len(rows), w), range(8)))
+    for run in runs[1:]:
+        assert all(x is y for x, y in zip(run, runs[0]))  # one object per distinct row
+    assert len(interner) == len(rows)
+    # A small bound evicts least recently used rows; a row interned again gets the same id.
+    small = RowInterner(10 * (256 + 4 * w + 64))
+    ids = [small.intern(r, w).row_id for r in rows]
+    assert len(small) < len(rows)
+    assert small.intern(rows[0], w).row_id == ids[0]
 
 
 def test_beliefs_and_table_resync() -> None:
