@@ -43,3 +43,5 @@ U+0000-U+001F (xgrammar admits them raw; escapes stay unavailable there).
 Lark IS supported (xgrammar Grammar.from_lark). Known gaps, not refused: xgrammar
 relaxes a oneOf it cannot prove disjoint to anyOf (logged by xgrammar).
 """
+
+import proto  # noqa: F401  (before any gRPC use: turns gRPC fork support off; see proto/__init__.py)
