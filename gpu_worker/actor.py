@@ -77,13 +77,14 @@ class GpuWorker:
         self.tokenizer_id = tokenizer_id_for_path(config.target_dir)
         self.eos_token_ids = eos_token_ids(config.target_dir, self.tokenizer)
         self.masks: MaskChannel | None = None
+        self.session_owner = _session_owner() if config.mask_service_addresses else ""
         if config.mask_service_addresses:
             self.masks = MaskChannel.connect(
                 config.mask_service_addresses,
                 tokenizer_id=self.tokenizer_id,
                 vocab_size=self.vocab_size,
                 deadline_s=config.mask_deadline_s,
-                owner=_session_owner(),
+                owner=self.session_owner,
             )
         self.proposers = build_proposers(
             ProposerResources(
@@ -131,6 +132,7 @@ class GpuWorker:
             has_draft_model=self.draft is not None,
             max_k=self.config.max_k,
             pid=os.getpid(),
+            session_owner=self.session_owner,
         )
 
     def num_active(self) -> int:

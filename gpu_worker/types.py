@@ -107,6 +107,9 @@ class WorkerInfo:
     has_draft_model: bool
     max_k: int
     pid: int = 0  # the worker process (a restarted actor has a new one)
+    # Owner its mask sessions carry (stable across actor restarts; '' = none): lets the
+    # orchestrator release them when the worker is lost.
+    session_owner: str = ""
 
     def serves_same_model(self, other: WorkerInfo) -> bool:
         """Interchangeable for the orchestrator: same tokenizer, logits width and length limit."""

@@ -288,23 +288,25 @@ class MaskRouter:
                 exc.code.name,
             )
 
-    def release_owner(self) -> int:
-        """Close, on every reachable replica, the sessions opened under this router's owner,
-        by this router or an earlier one (a crashed process); returns how many. This
-        router's own sessions are forgotten too. An unreachable replica is skipped: its
-        sessions die with it or expire by TTL."""
-        if not self.owner:
-            raise ValueError("release_owner needs a router created with an owner")
-        with self._lock:
-            self._sessions.clear()
+    def release_owner(self, owner: str | None = None) -> int:
+        """Close, on every reachable replica, the sessions opened under ``owner`` (default:
+        this router's), by any process; returns how many. Releasing this router's own
+        owner forgets its sessions too. An unreachable replica is skipped: its sessions
+        die with it or expire by TTL."""
+        owner = self.owner if owner is None else owner
+        if not owner:
+            raise ValueError("release_owner needs an owner (or a router created with one)")
+        if owner == self.owner:
+            with self._lock:
+                self._sessions.clear()
         closed = 0
         for address in self._replicas.addresses():
             try:
-                closed += self._client(address).release_owner(self.owner)
+                closed += self._client(address).release_owner(owner)
             except MaskServiceError as exc:
                 if exc.code not in _FAILOVER_CODES:
                     raise
-                logger.warning("release of owner %s on %s skipped: %s", self.owner, address, exc.code.name)
+                logger.warning("release of owner %s on %s skipped: %s", owner, address, exc.code.name)
         return closed
 
     def session_count(self) -> int:

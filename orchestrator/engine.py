@@ -27,6 +27,8 @@ unresponsive worker is taken out of placement (its requests finish with ERROR),
 and the server keeps serving while any worker is healthy. ``_recover`` then
 probes it: once it answers again (Ray restarted the crashed actor, or a stuck
 call returned) it is reset, checked to serve the same model, and put back.
+Meanwhile the mask sessions it held are released by owner on every replica,
+so a worker that never comes back leaks none.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class WorkerSlot:
     to_remove: list[str] = field(default_factory=list)  # finished here; the worker still holds them
     healthy: bool = True
     wake: asyncio.Event = field(default_factory=asyncio.Event)
+    release: asyncio.Task | None = None  # closing a lost worker's mask sessions
 
     @property
     def load(self) -> int:
@@ -103,7 +106,11 @@ class Engine:
         tokenizer: Decoder,
         config: EngineConfig,
         metrics: OrchestratorMetrics,
+        *,
+        release_sessions: Callable[[str], int] | None = None,
     ) -> None:
+        """``release_sessions(owner)``: closes every mask session a lost worker left open
+        (blocking; returns how many); None leaves them to the mask service's idle TTL."""
         if not slots:
             raise ValueError("the engine needs at least one worker")
         self._slots = list(slots)
@@ -111,6 +118,7 @@ class Engine:
         self._tokenizer = tokenizer
         self._config = config
         self._metrics = metrics
+        self._release_sessions = release_sessions
         self._on_health_change: Callable[[bool], None] | None = None
         self._executor = ThreadPoolExecutor(config.validation_threads, thread_name_prefix="validate")
         self._live: dict[str, Request | None] = {}  # None: id reserved while validating
@@ -350,6 +358,12 @@ class Engine:
         slot.to_remove.clear()
         for request in lost:
             self._finish(request, FinishReason.ERROR, f"GPU worker {slot.index} {what}")
+        if self._release_sessions is not None and slot.info.session_owner and not self._stopping:
+            # Its requests are finished, so their mask sessions are garbage. Release them
+            # now: a worker that never comes back (restarts used up, or hung) would
+            # otherwise hold them until the service's idle TTL.
+            slot.release = asyncio.create_task(self._release_worker_sessions(slot), name=f"worker-{slot.index}-release")
+            self._tasks.append(slot.release)
         healthy = sum(s.healthy for s in self._slots)
         self._metrics.healthy_workers.set(healthy)
         if not healthy:
@@ -361,6 +375,15 @@ class Engine:
         self._place()
         if not self._stopping:
             self._tasks.append(asyncio.create_task(self._recover(slot), name=f"worker-{slot.index}-recover"))
+
+    async def _release_worker_sessions(self, slot: WorkerSlot) -> None:
+        assert self._release_sessions is not None
+        try:
+            closed = await asyncio.to_thread(self._release_sessions, slot.info.session_owner)
+        except Exception as exc:  # the sessions then expire by TTL
+            logger.warning("worker %d: releasing its mask sessions failed: %s", slot.index, exc)
+            return
+        logger.info("worker %d: released %d mask sessions it held", slot.index, closed)
 
     async def _recover(self, slot: WorkerSlot) -> None:
         """Probe a lost worker until it answers, reset it, and put it back into placement."""
@@ -381,6 +404,11 @@ class Engine:
             if not info.serves_same_model(slot.info):
                 logger.error("worker %d came back with a different model (%s); leaving it out", slot.index, info)
                 return
+            if slot.release is not None:
+                # Finish releasing the old sessions first: once the worker is back in
+                # placement, its owner's sessions are live ones.
+                await slot.release
+                slot.release = None
             was_down = not self.healthy
             slot.info = info
             slot.healthy = True

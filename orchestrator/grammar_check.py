@@ -44,5 +44,10 @@ class MaskServiceGrammarChecker:
                 raise InvalidRequest(f"grammar exceeds the mask service's limits: {exc.message}") from None
             raise Unavailable(f"mask service could not validate the grammar ({exc.code.name}): {exc.message}") from None
 
+    def release_sessions(self, owner: str) -> int:
+        """Close every mask session a lost GPU worker (``owner``) left open, on every
+        reachable replica; returns how many. Blocking (gRPC): call off the event loop."""
+        return self._router.release_owner(owner)
+
     def close(self) -> None:
         self._router.close()

@@ -138,6 +138,7 @@ async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer,
                 validation_threads=config.validation_threads,
             ),
             metrics,
+            release_sessions=checker.release_sessions,
         )
         grpc_server = grpc.aio.server(
             options=[
