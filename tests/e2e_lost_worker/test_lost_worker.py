@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 NOT_SERVING = 2
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadStack]:
     from tests.fixtures.tiny_models import build_tiny_model_pair
 
