@@ -118,15 +118,17 @@ class MissingRow(WireError):
     """The server referenced a row id this client does not hold: resync and retry."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class InternedRow:
     row_id: int  # wire content id (sha256-based, the same in every server process)
     encoding: int
     payload: bytes
 
 
-# Accounting per interned row beyond its payload (dict entry, objects, key).
-_ROW_OVERHEAD_BYTES = 256
+# Accounting per interned row beyond its payload: the OrderedDict entry, the
+# 128-bit int key, the InternedRow and the payload's bytes object (measured ~250;
+# rounded up).
+_ROW_OVERHEAD_BYTES = 384
 
 
 class RowInterner:
@@ -140,9 +142,10 @@ class RowInterner:
     engine's buffer. It replaced a sampled-key bucket plus a compare of the
     whole row against the stored copy: that compare read 16 KB from memory per
     Llama-3 row and was ~3 us of GIL-held time per row, the largest Python cost
-    on the hot path. Two distinct rows share a key with probability ~2^-128
-    (the key is seeded per process with a secret, so it cannot be aimed at); the
-    wire's own 64-bit content ids are the weaker link, not this table.
+    on the hot path. Two distinct rows share a key with probability ~2^-128.
+    XXH3 is not a cryptographic hash, but its seed is a per-process secret,
+    which makes a collision hard to aim at. The wire's own 64-bit content ids
+    are the weaker link, not this table.
     """
 
     def __init__(self, max_bytes: int) -> None:
