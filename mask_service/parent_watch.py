@@ -1,12 +1,11 @@
 """Exit with the process that started us (local stacks: `specmask up`, `make demo`, tests).
 
 The spawner cannot arrange this between fork and exec: Python code there
-(``preexec_fn``) forks a process full of gRPC threads, runs gRPC's fork
-handlers in the child, and a poller thread they restart can abort on the fds
-``close_fds`` closes. Abseil's abort handler then arms ``alarm(3)``, which
-survives exec and kills the freshly started service 3 s later with SIGALRM
-(seen in CI). So the spawner only sets ``SPECMASK_PARENT_PID`` and the child
-asks the kernel itself, first thing in ``main``.
+(``preexec_fn``) runs gRPC's fork handlers in a child of a process full of gRPC
+threads, which can abort it and, through an alarm that survives exec, kill the
+started service 3 s later (seen in CI; the full story is in proto/__init__.py).
+So the spawner only sets ``SPECMASK_PARENT_PID`` and the child asks the kernel
+itself, first thing in ``main``.
 """
 
 from __future__ import annotations

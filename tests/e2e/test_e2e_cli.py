@@ -15,6 +15,7 @@ import jsonschema
 import pytest
 
 from tests.e2e.stack import BOUNDED_SCHEMA
+from tests.fixtures.procs import exited
 
 pytestmark = pytest.mark.slow
 
@@ -45,15 +46,6 @@ def _descendants(pid: int) -> dict[int, bytes]:
                     continue
                 frontier.append(child)
     return found
-
-
-def _alive(pid: int, cmdline: bytes) -> bool:
-    try:
-        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-            return False
-        return Path(f"/proc/{pid}/cmdline").read_bytes() == cmdline
-    except OSError:
-        return False
 
 
 def _logged_port(log_path: Path, pattern: str, proc: subprocess.Popen) -> int:
@@ -156,7 +148,7 @@ def test_up_generate_and_ctrl_c(tiny_pair, tmp_path: Path) -> None:
         assert up.returncode == 0, "".join(lines)
         assert "stopped" in rest
         deadline = time.monotonic() + 30
-        while (alive := [p for p, c in children.items() if _alive(p, c)]) and time.monotonic() < deadline:
+        while (alive := [p for p, c in children.items() if not exited(p, c)]) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not alive, {p: children[p] for p in alive}
     finally:
@@ -211,7 +203,7 @@ def test_orchestrator_process_serves_and_stops_on_sigterm(tiny_pair, tmp_path: P
         orch.send_signal(signal.SIGTERM)
         assert orch.wait(STOP_TIMEOUT_S) == 0, (tmp_path / "orchestrator.log").read_text()
         deadline = time.monotonic() + 30
-        while (alive := [p for p, c in children.items() if _alive(p, c)]) and time.monotonic() < deadline:
+        while (alive := [p for p, c in children.items() if not exited(p, c)]) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not alive, {p: children[p] for p in alive}
         assert mask.running  # the orchestrator never owned it

@@ -145,26 +145,18 @@ def test_expected_tokens_per_step(num_drafts):
 def test_triton_makes_the_same_decisions():
     logits, q = position_model(4, seed=50, masked=True)
     for fixed in (None, [1, 3, 2, 4]):
-        by_triton = run_step(
-            logits,
-            q,
-            0,
-            2,
-            step=0,
-            fixed_drafts=fixed,
-            backend=Backend.TRITON,
-            num_requests=120,
-            params=sampling([1.0, 0.0, 0.8] * 40, seeds=list(range(120)), step=[0] * 120),
-        )
-        by_reference = run_step(
-            logits,
-            q,
-            0,
-            2,
-            step=0,
-            fixed_drafts=fixed,
-            backend=Backend.REFERENCE,
-            num_requests=120,
-            params=sampling([1.0, 0.0, 0.8] * 40, seeds=list(range(120)), step=[0] * 120),
+        by_triton, by_reference = (
+            run_step(
+                logits,
+                q,
+                0,
+                2,
+                step=0,
+                fixed_drafts=fixed,
+                backend=backend,
+                num_requests=120,
+                params=sampling([1.0, 0.0, 0.8] * 40, seeds=list(range(120)), step=[0] * 120),
+            )
+            for backend in (Backend.TRITON, Backend.REFERENCE)
         )
         assert torch.equal(by_triton.output_token_ids, by_reference.output_token_ids)

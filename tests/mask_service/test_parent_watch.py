@@ -13,6 +13,7 @@ import pytest
 
 from mask_service.parent_watch import PARENT_PID_ENV
 from orchestrator.local_stack import MaskServiceProcess
+from tests.fixtures.procs import exited
 
 # Set by the test below: where a fork-time hook in this process leaves its mark.
 _FORK_MARKERS: list[str] = []
@@ -24,15 +25,6 @@ def _mark_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_mark_fork_in_child)
-
-
-def _gone(pid: int) -> bool:
-    """Exited (a zombie counts: an orphan's reaper may be slow or absent in a container)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return state in ("Z", "X")
 
 
 def test_spawn_runs_no_python_in_the_forked_child(tmp_path: Path) -> None:
@@ -75,15 +67,15 @@ def test_mask_service_exits_when_its_parent_is_killed(bpe_dir: Path) -> None:
     try:
         assert parent.stdout is not None
         child_pid = int(parent.stdout.readline())  # printed once the child serves
-        assert not _gone(child_pid)
+        assert not exited(child_pid)
         parent.kill()
         parent.wait(30)
         deadline = time.monotonic() + 30
-        while not _gone(child_pid):
+        while not exited(child_pid):
             assert time.monotonic() < deadline, "the mask service outlived its parent"
             time.sleep(0.2)
     finally:
         if parent.poll() is None:
             parent.kill()
-        if child_pid is not None and not _gone(child_pid):
+        if child_pid is not None and not exited(child_pid):
             os.kill(child_pid, signal.SIGKILL)
