@@ -39,6 +39,11 @@ def split_host_port(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def join_host_port(host: str, port: int) -> str:
+    """(host, port) -> a gRPC bind/dial target; IPv6 literals (``::``) get brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def resolve_all(host: str, port: int) -> list[str]:
     """Every TCP address ``host`` resolves to, as gRPC targets (``ip:port``, ``[v6]:port``), sorted."""
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)

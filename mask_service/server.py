@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from mask_service.compiler_cache import CompilerCache
 from mask_service.config import MaskServiceConfig
 from mask_service.draft_masks import DraftMaskEngine
+from mask_service.replicas import join_host_port
 from mask_service.servicer import MaskServicer
 from mask_service.sessions import SessionStore
 from mask_service.tokenizers import TokenizerRegistry
@@ -92,7 +93,7 @@ def build_service(config: MaskServiceConfig, registry: TokenizerRegistry | None 
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = server.add_insecure_port(join_host_port(config.host, config.port))
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
     stop = threading.Event()

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from gpu_worker.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_K, WorkerConfig
 from mask_service.replicas import parse_targets
 
+# Local runs listen on loopback only (a dev box should not expose an
+# unauthenticated API); the images and the Helm chart pass --host 0.0.0.0,
+# since the kubelet probes and the Service reach the pod IP.
+DEFAULT_HOST = "127.0.0.1"
 # Requests validating or waiting for a batch slot, beyond which new requests
 # get RESOURCE_EXHAUSTED. Bounded so overload shows up as fast, typed refusals
 # the client can back off from, never as an unbounded backlog whose latency
@@ -41,7 +45,7 @@ class OrchestratorConfig:
     target_dir: str  # HF dir of the target model (its tokenizer is the API's tokenizer)
     mask_service_addresses: tuple[str, ...]  # every replica; workers spread sessions over them
     draft_dir: str | None = None
-    host: str = "127.0.0.1"
+    host: str = DEFAULT_HOST
     port: int = 50051  # 0 = pick a free port (tests)
     ray_address: str = "local"  # "local" = start (or join) an in-process Ray; else a Ray address
     num_workers: int = 1

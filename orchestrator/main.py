@@ -18,7 +18,12 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="interface for the API and metrics (0.0.0.0 in containers)")
+    parser.add_argument(
+        "--host",
+        default=cfg.DEFAULT_HOST,
+        help="interface for the API and metrics: 127.0.0.1 (local default) keeps it off the network; "
+        "containers pass 0.0.0.0 (or :: for IPv6), as the images and the Helm chart do",
+    )
     parser.add_argument("--port", type=int, default=50051, help="API port (0 = pick a free one)")
     parser.add_argument(
         "--mask-service",

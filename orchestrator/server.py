@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from gpu_worker.types import WorkerInfo
+from mask_service.replicas import join_host_port
 from mask_service.tokenizer_id import tokenizer_id_for_path
 from orchestrator.config import OrchestratorConfig
 from orchestrator.engine import Engine, EngineConfig, WorkerSlot
@@ -151,7 +152,7 @@ async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer,
         add_to_server(OrchestratorServicer(engine, metrics), grpc_server, SERVICE_NAME)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server)
-        port = grpc_server.add_insecure_port(f"{config.host}:{config.port}")
+        port = grpc_server.add_insecure_port(join_host_port(config.host, config.port))
         if port == 0:
             raise RuntimeError(f"could not bind {config.host}:{config.port}")
     except BaseException:

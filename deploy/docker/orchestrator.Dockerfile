@@ -49,4 +49,5 @@ HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
     CMD ["python", "/opt/venv/bin/grpc-healthcheck", "--address", "127.0.0.1:50050"]
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["specmask", "orchestrator"]
-CMD ["--port", "50050", "--metrics-port", "9090"]
+# All interfaces: the container is reached on its own IP, never on loopback.
+CMD ["--host", "0.0.0.0", "--port", "50050", "--metrics-port", "9090"]

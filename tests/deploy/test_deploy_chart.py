@@ -186,6 +186,14 @@ def test_mask_service_ports_probes_and_flags() -> None:
     assert one(docs, "Service", "-mask-headless")["spec"]["clusterIP"] == "None"
 
 
+@pytest.mark.parametrize("suffix", ["-mask", "-orchestrator"])
+def test_servers_bind_all_interfaces(suffix: str) -> None:
+    """The kubelet probes and the Services reach the pod IP, never loopback."""
+    assert flags(container(one(rendered("defaults"), "Deployment", suffix)))["host"] == "0.0.0.0"
+    ipv6 = render({"listenAddress": "::"})
+    assert flags(container(one(ipv6, "Deployment", suffix)))["host"] == "::"
+
+
 def test_hpa_targets_mask_deployment_and_pdb_selects_it() -> None:
     docs = rendered("defaults")
     dep = one(docs, "Deployment", "-mask")
@@ -333,6 +341,7 @@ BAD_VALUES = {
     "bad-service-type": {"orchestrator": {"service": {"type": "ExternalName"}}},
     "bad-cpu-quantity": {"maskService": {"resources": {"requests": {"cpu": "two"}, "limits": {}}}},
     "empty-image-tag": {"rayCluster": {"image": {"tag": ""}}},
+    "loopback-listen-address": {"listenAddress": "127.0.0.1"},
 }
 
 

@@ -60,6 +60,13 @@ def test_entrypoint_is_a_specmask_subcommand(image: str) -> None:
     assert "--port" in argv and str(CLI_IMAGES[image][1]) in argv
 
 
+@pytest.mark.parametrize("image", CLI_IMAGES)
+def test_image_command_binds_all_interfaces(image: str) -> None:
+    """A container is reached on its own IP (probes, Services): loopback would never be Ready."""
+    argv = command_of(image)
+    assert argv[argv.index("--host") + 1] == "0.0.0.0", argv
+
+
 def test_gpu_worker_runs_ray_and_has_specmask_installed() -> None:
     argv = command_of("gpu-worker")
     assert argv[0] == "ray" and argv[1] == "start", argv

@@ -9,7 +9,7 @@ import pytest
 
 from mask_service.client import DraftMaskItem
 from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.replicas import ReplicaSet, resolve_all, split_host_port
+from mask_service.replicas import ReplicaSet, join_host_port, resolve_all, split_host_port
 from mask_service.router import MaskRouter
 from mask_service.server import build_service
 from tests.mask_service.service_config import make_config
@@ -23,6 +23,26 @@ def test_split_host_port() -> None:
     for bad in ("mask", "mask:", ":1", "mask:0", "mask:70000", "mask:x"):
         with pytest.raises(ValueError):
             split_host_port(bad)
+
+
+def test_join_host_port_brackets_ipv6() -> None:
+    assert join_host_port("0.0.0.0", 5) == "0.0.0.0:5"
+    assert join_host_port("::", 5) == "[::]:5"
+    assert join_host_port("[::1]", 5) == "[::1]:5"
+    assert split_host_port(join_host_port("::1", 7)) == ("::1", 7)
+
+
+def test_server_binds_ipv6_any(bpe_dir, registry) -> None:  # type: ignore[no-untyped-def]
+    """``--host ::`` (IPv6 / dual-stack clusters) binds and answers on ::1."""
+    handle = build_service(make_config(bpe_dir, host="::"), registry)
+    handle.server.start()
+    try:
+        assert handle.port > 0
+        from orchestrator.local_stack import health_status
+
+        assert health_status(f"[::1]:{handle.port}", timeout_s=10.0) == 1
+    finally:
+        handle.stop(grace_s=0)
 
 
 def test_replica_set_static_and_dns() -> None:
