@@ -50,4 +50,26 @@ def logits_to_probs(
     # Skipping the O(V log V) sort when no row filters is worth one host sync.
     if bool(((top_k > 0) | (top_p < 1.0)).any()):
         scaled = apply_top_k_top_p(scaled, top_k, top_p)
-    return scaled.softmax(dim=-1)
+    return _finite_or_masked_argmax(scaled.softmax(dim=-1), logits)
+
+
+def _finite_or_masked_argmax(
+    probs: torch.Tensor,  # [num_rows, V] float32, modified in place
+    logits: torch.Tensor,  # [num_rows, V] float, the grammar-masked logits before processing
+) -> torch.Tensor:  # [num_rows, V] float32, every row finite and summing to 1
+    """Rows whose processed distribution is not finite become one-hot at the masked argmax.
+
+    Issue 9, finding 2: a denormal temperature (1e-40) turns logits / T into +-inf,
+    softmax into NaN, and the exponential race then picks token 0 (often EOS)
+    *whatever the mask says*. The T -> 0 limit of softmax(l / T) is the argmax, so
+    the fallback is also the right distribution. NaN logits are skipped (-inf) so
+    the argmax stays on an allowed token; a row with no allowed finite logit at all
+    yields token 0, which the rejection sampler's mask check then reports. Sync-free:
+    a where over the rows instead of a host-side branch.
+    """
+    bad = ~torch.isfinite(probs).all(dim=-1)  # [num_rows]
+    safe = torch.where(torch.isnan(logits), float("-inf"), logits.float())  # [num_rows, V]
+    best = safe.argmax(dim=-1, keepdim=True)  # [num_rows, 1]
+    probs.masked_fill_(bad.unsqueeze(1), 0.0)
+    at_best = torch.where(bad.unsqueeze(1), 1.0, probs.gather(1, best))  # [num_rows, 1]
+    return probs.scatter_(1, best, at_best)

@@ -16,6 +16,13 @@ the masked target (greedy: identical to sequential argmax). A grammar-masked
 token has p = 0, so a forbidden draft is always rejected and recovered/bonus
 tokens are always allowed: every emitted token satisfies its position's mask.
 
+That argument holds only while every stage is correct (issue 9: a denormal
+temperature made NaN probabilities emit EOS outside the mask). So, given the
+mask rows, the accept stage also *checks* it: one bit read per emitted token
+(accepted drafts, recovered, bonus, stop tokens alike). A request with an
+emitted token its row forbids gets ``violation[r] = True``, no emitted tokens
+(placeholders, ``num_emitted = 0``), and the caller must fail it loudly.
+
 Layout (no padding anywhere): cu = cu_num_draft_tokens, drafts of request r
 are draft_token_ids[cu[r-1]:cu[r]], its k_r + 1 target rows start at
 cu[r-1] + r. Randomness comes from kernels.noise, drawn once outside the
@@ -48,8 +55,9 @@ class RejectionOutput:
     output_token_ids: torch.Tensor  # [B, K+1] int64; accepted drafts, then one recovered or
     #                                 bonus token, then PLACEHOLDER_TOKEN_ID
     num_emitted: torch.Tensor  # [B] int32, 1..k_r+1 (= num_accepted + 1)
-    num_accepted: torch.Tensor  # [B] int32, 0..k_r
+    num_accepted: torch.Tensor  # [B] int32, 0..k_r (0 on a violation)
     backend: Backend  # which backend ran every stage
+    violation: torch.Tensor  # [B] bool; True: an emitted token broke its mask row, nothing emitted
 
 
 def _check_inputs(
@@ -58,6 +66,8 @@ def _check_inputs(
     draft_probs: torch.Tensor | None,
     target_logits: torch.Tensor,
     sampling: SamplingTensors,
+    mask_table: torch.Tensor | None,
+    mask_row_ids: torch.Tensor | None,
 ) -> None:
     batch = cu_num_draft_tokens.shape[0] if cu_num_draft_tokens.dim() == 1 else -1
     if batch < 0 or sampling.batch_size != batch:
@@ -75,6 +85,15 @@ def _check_inputs(
         raise ValueError(
             f"draft_probs must be [{num_drafts}, {target_logits.shape[1]}], got {tuple(draft_probs.shape)}"
         )
+    if (mask_table is None) != (mask_row_ids is None):
+        raise ValueError("mask_table and mask_row_ids go together")
+    if mask_table is not None and mask_row_ids is not None:
+        if mask_table.dim() != 2 or mask_table.dtype != torch.int32:
+            raise ValueError(
+                f"mask_table must be [num_table_rows, W] int32, got {mask_table.dtype} {tuple(mask_table.shape)}"
+            )
+        if tuple(mask_row_ids.shape) != (target_logits.shape[0],):
+            raise ValueError(f"mask_row_ids must be [{target_logits.shape[0]}], got {tuple(mask_row_ids.shape)}")
 
 
 def rejection_sample(
@@ -84,10 +103,16 @@ def rejection_sample(
     target_logits: torch.Tensor,  # [num_tokens, V] float, ALREADY grammar-masked; not modified
     sampling: SamplingTensors,
     *,
+    mask_table: torch.Tensor | None = None,  # [num_table_rows, W] int32 rows the logits were masked with
+    mask_row_ids: torch.Tensor | None = None,  # [num_tokens] int32/int64 table row of each target row
     backend: Backend | None = None,
 ) -> RejectionOutput:
-    """Verify a batch of drafts; see the module docstring for the algorithm and layout."""
-    _check_inputs(draft_token_ids, cu_num_draft_tokens, draft_probs, target_logits, sampling)
+    """Verify a batch of drafts; see the module docstring for the algorithm and layout.
+
+    With ``mask_table``/``mask_row_ids`` (the indirect layout of
+    ``kernels.bitmask.apply_token_bitmask_indirect_inplace``), every emitted token is
+    checked against its target row's mask (``RejectionOutput.violation``)."""
+    _check_inputs(draft_token_ids, cu_num_draft_tokens, draft_probs, target_logits, sampling, mask_table, mask_row_ids)
     ran = resolve_backend(backend, target_logits.device)
     device = target_logits.device
     num_tokens, vocab = target_logits.shape
@@ -128,7 +153,7 @@ def rejection_sample(
         from kernels import rejection_triton as impl
     else:
         from kernels import rejection_reference as impl
-    output_token_ids, num_accepted = impl.rejection_accept(
+    output_token_ids, num_accepted, violation = impl.rejection_accept(
         draft_token_ids,
         cu_num_draft_tokens,
         draft_probs,
@@ -137,10 +162,13 @@ def rejection_sample(
         uniforms,
         recovered,
         max_num_drafts,
+        mask_table,
+        mask_row_ids,
     )
     return RejectionOutput(
         output_token_ids=output_token_ids,
-        num_emitted=num_accepted + 1,
+        num_emitted=torch.where(violation, 0, num_accepted + 1).to(torch.int32),
         num_accepted=num_accepted,
         backend=ran,
+        violation=violation,
     )

@@ -17,7 +17,9 @@ def rejection_accept(
     uniforms: torch.Tensor,  # [num_draft_tokens] float32 in [0, 1)
     recovered_token_ids: torch.Tensor,  # [num_tokens] int64, kernels.recovered
     max_num_drafts: int,  # K = max k_r
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([B, K+1] int64, num_accepted [B] int32)
+    mask_table: torch.Tensor | None = None,  # [num_table_rows, W] int32 packed rows; None = no check
+    mask_row_ids: torch.Tensor | None = None,  # [num_tokens] int32/int64 row of mask_table per target row
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # ([B, K+1] int64, num_accepted [B] int32, violation [B] bool)
     batch = cu_num_draft_tokens.shape[0]
     device = draft_token_ids.device
     num_drafts_total = draft_token_ids.shape[0]
@@ -56,4 +58,32 @@ def rejection_accept(
     out[draft_req[kept], draft_pos[kept]] = draft_token_ids[kept]
     stop_row = start + torch.arange(batch, device=device) + num_accepted  # [B] recovered or bonus row
     out[torch.arange(batch, device=device), num_accepted] = recovered_token_ids[stop_row]
-    return out, num_accepted.to(torch.int32)
+    violation = torch.zeros(batch, dtype=torch.bool, device=device)
+    if mask_table is not None and mask_row_ids is not None:
+        violation = _emitted_outside_mask(out, num_accepted, start, mask_table, mask_row_ids)
+        out[violation] = PLACEHOLDER_TOKEN_ID
+        num_accepted = torch.where(violation, 0, num_accepted)
+    return out, num_accepted.to(torch.int32), violation
+
+
+def _emitted_outside_mask(
+    out: torch.Tensor,  # [B, K+1] int64 emitted tokens, then placeholders
+    num_accepted: torch.Tensor,  # [B] int64; slots 0..num_accepted[r] are emitted
+    start: torch.Tensor,  # [B] int64 first draft index of request r (its rows start at start + r)
+    mask_table: torch.Tensor,  # [num_table_rows, W] int32
+    mask_row_ids: torch.Tensor,  # [num_tokens]
+) -> torch.Tensor:  # [B] bool: some emitted token is not allowed by its position's mask row
+    """One bit read per emitted token (issue 9: the structural on-device guarantee)."""
+    batch, slots = out.shape
+    num_words = mask_table.shape[1]
+    pos = torch.arange(slots, device=out.device)  # [K+1]
+    emitted = pos.unsqueeze(0) <= num_accepted.unsqueeze(1)  # [B, K+1]
+    rows = (start + torch.arange(batch, device=out.device)).unsqueeze(1) + pos  # [B, K+1] target row
+    rows = torch.where(emitted, rows, 0).clamp(max=max(mask_row_ids.shape[0] - 1, 0))
+    table_rows = mask_row_ids.long()[rows]  # [B, K+1]
+    word = out >> 5  # [B, K+1]
+    # A token past the mask width (padded vocab) or negative is never allowed.
+    in_range = (out >= 0) & (word < num_words)
+    words = mask_table[table_rows, word.clamp(0, max(num_words - 1, 0))].long()  # [B, K+1]
+    allowed = in_range & (((words >> (out & 31)) & 1) == 1)
+    return (emitted & ~allowed).any(dim=1)

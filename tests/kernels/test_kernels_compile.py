@@ -44,11 +44,14 @@ for has_probs in (True, False):
                  cu_ptr="*i32", request_ptr="*i32", temperature_ptr="*fp32", inv_noise_ptr="*fp32",
                  out_ptr="*i64", V="i32", stride_lr="i32", stride_lc="i32"),
             dict(HAS_PROBS=has_probs, HAS_Q=has_q, BLOCK_V=recovered_triton.BLOCK_V)))
-        cases.append((rejection_triton._rejection_kernel,
-            dict(out_ptr="*i64", num_accepted_ptr="*i32", draft_ids_ptr="*i64", cu_ptr="*i32",
-                 draft_probs_ptr="*fp32", target_probs_ptr="*fp32", temperature_ptr="*fp32",
-                 uniforms_ptr="*fp32", recovered_ptr="*i64", V="i32", out_stride="i32"),
-            dict(HAS_Q=has_q, HAS_PROBS=has_probs)))
+        for has_mask in (True, False):
+            cases.append((rejection_triton._rejection_kernel,
+                dict(out_ptr="*i64", num_accepted_ptr="*i32", violation_ptr="*i32", table_ptr="*i32",
+                     row_ids_ptr="*i64", draft_ids_ptr="*i64", cu_ptr="*i32",
+                     draft_probs_ptr="*fp32", target_probs_ptr="*fp32", temperature_ptr="*fp32",
+                     uniforms_ptr="*fp32", recovered_ptr="*i64", V="i32", W="i32", out_stride="i32"),
+                dict(HAS_Q=has_q, HAS_PROBS=has_probs, HAS_MASK=has_mask,
+                     PLACEHOLDER=rejection_triton.PLACEHOLDER_TOKEN_ID)))
 for fn, signature, constexprs in cases:
     signature = {**signature, **{name: "constexpr" for name in constexprs}}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=target)
@@ -68,4 +71,4 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     if result.returncode != 0 and "ptxas" in result.stderr and "not found" in result.stderr.lower():
         pytest.skip("this Triton install has no ptxas")
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "compiled 11" in result.stdout
+    assert "compiled 15" in result.stdout
