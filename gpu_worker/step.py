@@ -160,6 +160,18 @@ class StepRunner:
             kernel_backend=self.kernel_backend,
         )
         for (s, _), result in zip(to_verify, verified):
+            if result.violation is not None:
+                # Never commit or return the token (issue 9): only this sequence fails.
+                logger.error("seq %s: grammar violation caught on device: %s", s.seq.seq_id, result.violation)
+                outputs[s.seq.seq_id] = StepOutput(
+                    s.seq.seq_id,
+                    [],
+                    FinishReason.GRAMMAR_VIOLATION,
+                    error=f"grammar violation: {result.violation}",
+                    drafts_proposed=len(s.drafts),
+                    target_forwards=1,
+                )
+                continue
             outputs[s.seq.seq_id] = self._commit(s, result.emitted, result.num_accepted)
         for seq_id, message in errors.items():
             outputs[seq_id] = StepOutput(seq_id, [], FinishReason.ERROR, error=message)

@@ -30,6 +30,10 @@ class FinishReason(enum.Enum):
       the budget) or prompt + output reached the model's maximum length.
     * ``CANCELLED``: removed by ``remove()`` (never reported by ``step()``).
     * ``ERROR``: the sequence failed (message in ``StepOutput.error``); it is freed.
+    * ``GRAMMAR_VIOLATION``: output that breaks the grammar was caught (issue 9) —
+      by the rejection sampler's mask check (the offending token is never emitted)
+      or by the orchestrator's end-of-request check; never a success. Message in
+      ``StepOutput.error``; the sequence is freed.
     """
 
     STOP = "stop"
@@ -37,6 +41,7 @@ class FinishReason(enum.Enum):
     GRAMMAR_COMPLETE = "grammar_complete"
     CANCELLED = "cancelled"
     ERROR = "error"
+    GRAMMAR_VIOLATION = "grammar_violation"
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,7 @@ class StepOutput:
     seq_id: str
     new_token_ids: list[int]  # emitted tokens kept after stop/length truncation
     finish_reason: FinishReason | None = None
-    error: str | None = None  # set iff finish_reason is ERROR
+    error: str | None = None  # set iff finish_reason is ERROR or GRAMMAR_VIOLATION
     drafts_proposed: int = 0  # k_r this step
     drafts_accepted: int = 0  # accepted drafts this step (before truncation)
     target_forwards: int = 0  # 1 when the sequence took part in this step's target forward

@@ -4,6 +4,12 @@ Layout follows kernels.rejection: request r owns k_r + 1 consecutive target
 rows; drafts are flattened in request order with cumulative counts
 ``cu_num_draft_tokens``. Masks are applied through the indirect kernel so that
 sequences without a grammar share one all-ones table row.
+
+The same table and row ids go to the rejection sampler, which checks every
+emitted token against its row (issue 9, one bit read per token): a sequence
+whose emitted token breaks its mask gets ``VerifyResult.violation`` (a message)
+and no tokens, and the step finishes only that sequence with
+``FinishReason.GRAMMAR_VIOLATION``.
 """
 
 from __future__ import annotations
@@ -34,8 +40,9 @@ class VerifyInput:
 
 @dataclass(frozen=True)
 class VerifyResult:
-    emitted: list[int]  # accepted drafts + one recovered or bonus token
+    emitted: list[int]  # accepted drafts + one recovered or bonus token; [] on a violation
     num_accepted: int
+    violation: str | None = None  # set when an emitted token broke its mask row (nothing emitted)
 
 
 def verify(
@@ -57,6 +64,7 @@ def verify(
     logits = torch.cat([inp.logits for inp in inputs], dim=0)  # [num_tokens, V]
     device = logits.device
 
+    table = row_ids = None
     if any(inp.mask is not None for inp in inputs):
         tables = [inp.mask for inp in inputs if inp.mask is not None]
         ones_id = sum(t.shape[0] for t in tables)  # the all-ones row goes last
@@ -104,8 +112,31 @@ def verify(
         step=[inp.step for inp in inputs],
         device=device,
     )
-    out = rejection_sample(draft_token_ids, cu, draft_probs, logits, sampling, backend=kernel_backend)
+    out = rejection_sample(
+        draft_token_ids,
+        cu,
+        draft_probs,
+        logits,
+        sampling,
+        mask_table=table,
+        mask_row_ids=row_ids,
+        backend=kernel_backend,
+    )
     tokens = out.output_token_ids.tolist()  # [B, K+1]
     emitted = out.num_emitted.tolist()  # [B]
     accepted = out.num_accepted.tolist()  # [B]
-    return [VerifyResult(tokens[r][: emitted[r]], accepted[r]) for r in range(len(inputs))]
+    violation = out.violation.tolist()  # [B]
+    return [
+        VerifyResult(tokens[r][: emitted[r]], accepted[r])
+        if not violation[r]
+        else VerifyResult(
+            [],
+            0,
+            violation=(
+                f"the sampler produced a token outside the grammar mask ({out.backend.value} backend, "
+                f"temperature={inputs[r].temperature}, top_k={inputs[r].top_k}, top_p={inputs[r].top_p}, "
+                f"k={len(inputs[r].drafts)}); it was not emitted"
+            ),
+        )
+        for r in range(len(inputs))
+    ]

@@ -115,4 +115,4 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
     _print_stats(finish_name, error, usage)
-    return 1 if finish == pb.FINISH_REASON_ERROR else 0
+    return 1 if finish in (pb.FINISH_REASON_ERROR, pb.FINISH_REASON_GRAMMAR_VIOLATION) else 0

@@ -30,6 +30,12 @@ _REQUEST_ID_RE = re.compile(r"[\x21-\x7e]+")
 # Above this, softmax(logits / T) is uniform to float32 precision for any
 # realistic logit range; larger values are almost surely client bugs.
 MAX_TEMPERATURE = 100.0
+# Below this a temperature is treated as greedy (0), as vLLM does (_SAMPLING_EPS).
+# softmax(l / T) with T < 1e-5 differs from the argmax only among logits within
+# ~1e-4 of the maximum, i.e. within the rounding noise of float32/bf16 logits, and
+# T -> 0 is the argmax anyway; below ~1e-38 logits / T overflows float32 to inf and
+# the softmax to NaN (issue 9: temperature 1e-40 emitted EOS outside the grammar).
+GREEDY_TEMPERATURE_FLOOR = 1e-5
 # Stop strings are searched on every delta and the longest one sets how much
 # streamed text is held back; bound both.
 MAX_STOP_STRINGS = 16
@@ -171,7 +177,8 @@ class RequestValidator:
                 )
             max_tokens = s.max_tokens
         seed = None if s.seed is None else s.seed & _SEED_MASK
-        return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)
+        temperature = 0.0 if s.temperature < GREEDY_TEMPERATURE_FLOOR else s.temperature
+        return SamplingParams(temperature=temperature, top_p=s.top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)
 
     def _speculation(self, req: GenerationRequest) -> SpeculationParams:
         s = req.speculation

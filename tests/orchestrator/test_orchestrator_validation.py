@@ -71,6 +71,15 @@ def test_valid_request_becomes_a_sequence(validator, bpe_tokenizer) -> None:
     assert seq.speculation.enabled and seq.speculation.k == 4
 
 
+@pytest.mark.parametrize(
+    ("temperature", "expected"), [(1e-40, 0.0), (5e-324, 0.0), (1e-38, 0.0), (9.9e-6, 0.0), (1e-5, 1e-5), (0.0, 0.0)]
+)
+def test_tiny_temperature_is_greedy(validator, temperature: float, expected: float) -> None:
+    """Issue 9, finding 2: below GREEDY_TEMPERATURE_FLOOR the request is greedy (denormal
+    temperatures made the logits infinite and let EOS through outside the grammar)."""
+    assert validator.validate(_req(temperature=temperature)).sampling.temperature == expected
+
+
 def test_default_max_tokens_is_capped_by_context(validator) -> None:
     prompt = tuple(range(1, MAX_MODEL_LEN - 4))  # 59 tokens: 5 left
     assert validator.validate(_req(prompt)).sampling.max_tokens == 5

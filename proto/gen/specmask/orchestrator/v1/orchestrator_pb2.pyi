@@ -72,6 +72,10 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     FINISH_REASON_CANCELLED: _FinishReason.ValueType  # 4
     FINISH_REASON_ERROR: _FinishReason.ValueType  # 5
     """see `error`; only this request failed"""
+    FINISH_REASON_GRAMMAR_VIOLATION: _FinishReason.ValueType  # 6
+    """The output broke the grammar and was caught (by the sampler's on-device mask
+    check, or the end-of-request output check): never a success; see `error`.
+    """
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper): ...
 
@@ -86,6 +90,10 @@ FINISH_REASON_GRAMMAR_COMPLETE: FinishReason.ValueType  # 3
 FINISH_REASON_CANCELLED: FinishReason.ValueType  # 4
 FINISH_REASON_ERROR: FinishReason.ValueType  # 5
 """see `error`; only this request failed"""
+FINISH_REASON_GRAMMAR_VIOLATION: FinishReason.ValueType  # 6
+"""The output broke the grammar and was caught (by the sampler's on-device mask
+check, or the end-of-request output check): never a success; see `error`.
+"""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final
@@ -426,7 +434,7 @@ class GenerateResponse(_message.Message):
     text: _builtins.str
     finish_reason: Global___FinishReason.ValueType
     error: _builtins.str
-    """set when finish_reason is ERROR"""
+    """set when finish_reason is ERROR or GRAMMAR_VIOLATION"""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
