@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from mask_service.limits import GrammarLimits
 from mask_service.tokenizers import TokenizerSource
 
 # Defaults, each with its reason.
@@ -12,7 +13,17 @@ DEFAULT_MAX_SESSIONS = 4096  # ~ concurrent generations across the workers one r
 DEFAULT_SESSION_TTL_S = 600.0  # a worker that crashed leaves sessions; reclaim after 10 min idle
 DEFAULT_MAX_BATCH = 512  # bounds one RPC's CPU time and response size
 DEFAULT_MAX_K = 16  # speculation beyond 16 drafts has vanishing acceptance
-DEFAULT_COMPILE_TIMEOUT_S = 30.0  # big schemas on 150k vocabs compile in seconds, not minutes
+# A compile's budget in its worker process (then killed: "grammar too complex").
+# Real schemas compile in well under a second on 150k vocabs; the budget must
+# stay below the clients' per-call deadline (orchestrator: 10 s), since an
+# accepted grammar is compiled a second time in the serving process.
+DEFAULT_COMPILE_TIMEOUT_S = 4.0
+DEFAULT_COMPILE_WORKERS = 2  # processes (~330 MB each: xgrammar imports torch)
+# A worker above this RSS is killed with its compile (a 10k-property schema reached 4 GB).
+DEFAULT_COMPILE_MEMORY_BYTES = 1536 * 1024**2
+DEFAULT_COMPILE_QUEUE = 16  # compiles waiting for a worker, all owners
+DEFAULT_COMPILE_QUEUE_PER_OWNER = 4  # so one flooding client cannot fill the queue alone
+DEFAULT_COMPILE_WAITERS = 8  # requests blocked on compiles; half the gRPC threads stay for masks
 DEFAULT_GRAMMAR_CACHE_BYTES = 512 * 1024**2
 DEFAULT_ROW_CACHE_BYTES = 256 * 1024**2  # ~16k distinct Llama-3 rows
 # 64 MiB: a B=512, k=16 batch of dense rows (worst case, first sighting) fits.
@@ -31,6 +42,12 @@ class MaskServiceConfig:
     mask_threads: int = os.cpu_count() or 1
     compile_threads: int = 2
     compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S
+    compile_workers: int = DEFAULT_COMPILE_WORKERS  # 0 = compile in-process only (unbounded; tools)
+    compile_memory_bytes: int = DEFAULT_COMPILE_MEMORY_BYTES
+    compile_queue: int = DEFAULT_COMPILE_QUEUE
+    compile_queue_per_owner: int = DEFAULT_COMPILE_QUEUE_PER_OWNER
+    compile_waiters: int = DEFAULT_COMPILE_WAITERS
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
     grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
     row_cache_bytes: int = DEFAULT_ROW_CACHE_BYTES
     grpc_workers: int = 16

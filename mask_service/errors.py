@@ -39,6 +39,15 @@ class GrammarError(InvalidArgument):
     """The engine refused the grammar (message is the engine's), or we refuse a feature."""
 
 
+class GrammarTooComplex(GrammarError):
+    """The compile passed its time budget or memory cap and was killed (issue 14).
+
+    INVALID_ARGUMENT, not DEADLINE_EXCEEDED: the same grammar would exceed the
+    same budget on any replica, so neither a client retry nor the router's
+    failover may try it again (and no replica is marked dead for it).
+    """
+
+
 class UnknownTokenizer(InvalidArgument):
     pass
 

@@ -9,6 +9,7 @@ import signal
 import threading
 
 from mask_service import config as cfg
+from mask_service import limits
 from mask_service.config import MaskServiceConfig
 from mask_service.parent_watch import die_with_parent_from_env
 from mask_service.tokenizers import TokenizerSource
@@ -33,6 +34,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mask-threads", type=int, default=MaskServiceConfig.mask_threads)
     parser.add_argument("--compile-timeout-s", type=float, default=cfg.DEFAULT_COMPILE_TIMEOUT_S)
     parser.add_argument("--grammar-cache-mb", type=int, default=cfg.DEFAULT_GRAMMAR_CACHE_BYTES // 2**20)
+    parser.add_argument(
+        "--compile-workers",
+        type=int,
+        default=cfg.DEFAULT_COMPILE_WORKERS,
+        help="killable compile processes (0 = compile in-process, unbounded)",
+    )
+    parser.add_argument("--compile-memory-mb", type=int, default=cfg.DEFAULT_COMPILE_MEMORY_BYTES // 2**20)
+    parser.add_argument("--compile-queue", type=int, default=cfg.DEFAULT_COMPILE_QUEUE)
+    parser.add_argument("--compile-queue-per-owner", type=int, default=cfg.DEFAULT_COMPILE_QUEUE_PER_OWNER)
+    parser.add_argument("--max-schema-bytes", type=int, default=limits.DEFAULT_MAX_SCHEMA_BYTES)
+    parser.add_argument("--max-schema-properties", type=int, default=limits.DEFAULT_MAX_PROPERTIES)
+    parser.add_argument("--max-schema-depth", type=int, default=limits.DEFAULT_MAX_NESTING_DEPTH)
+    parser.add_argument("--max-enum-values", type=int, default=limits.DEFAULT_MAX_ENUM_VALUES)
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics HTTP port (0 = off)")
     parser.add_argument("--log-level", default="INFO")
 
@@ -49,6 +63,16 @@ def config_from_args(args: argparse.Namespace) -> MaskServiceConfig:
         mask_threads=args.mask_threads,
         compile_timeout_s=args.compile_timeout_s,
         grammar_cache_bytes=args.grammar_cache_mb * 2**20,
+        compile_workers=args.compile_workers,
+        compile_memory_bytes=args.compile_memory_mb * 2**20,
+        compile_queue=args.compile_queue,
+        compile_queue_per_owner=args.compile_queue_per_owner,
+        grammar_limits=limits.GrammarLimits(
+            max_schema_bytes=args.max_schema_bytes,
+            max_properties=args.max_schema_properties,
+            max_nesting_depth=args.max_schema_depth,
+            max_enum_values=args.max_enum_values,
+        ),
     )
 
 

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from mask_service.compile_pool import CompilePool
 from mask_service.compiler_cache import CompilerCache
 from mask_service.config import MaskServiceConfig
 from mask_service.draft_masks import DraftMaskEngine
@@ -69,7 +70,20 @@ def build_service(config: MaskServiceConfig, registry: TokenizerRegistry | None 
         max_bytes=config.grammar_cache_bytes,
         compile_threads=config.compile_threads,
         compile_timeout_s=config.compile_timeout_s,
+        limits=config.grammar_limits,
+        max_waiters=config.compile_waiters,
     )
+    if config.compile_workers > 0:
+        cache.attach_pool(
+            CompilePool(
+                cache.tokenizer_json,
+                workers=config.compile_workers,
+                budget_s=config.compile_timeout_s,
+                memory_cap_bytes=config.compile_memory_bytes,
+                max_queue=config.compile_queue,
+                max_queue_per_owner=config.compile_queue_per_owner,
+            )
+        )
     sessions = SessionStore(max_sessions=config.max_sessions, ttl_s=config.session_ttl_s)
     engine = DraftMaskEngine(
         sessions,

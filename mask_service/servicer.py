@@ -23,6 +23,23 @@ from proto.gen.specmask.mask.v1 import mask_service_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# Metadata naming the end client a grammar is compiled for (the orchestrator
+# sets it), so the compile queue is fair between API clients, not only between
+# the processes that call the mask service.
+CLIENT_METADATA_KEY = "specmask-client"
+RETRY_AFTER_METADATA_KEY = "retry-after-ms"
+
+
+def compile_owner(context: grpc.ServicerContext, owner: str) -> str:
+    """Whose compile this is, for the compile queue's round-robin."""
+    for key, value in context.invocation_metadata() or ():
+        if key == CLIENT_METADATA_KEY and value:
+            return str(value)[:256]
+    if owner:
+        return owner
+    peer = context.peer() or ""
+    return peer.rsplit(":", 1)[0]  # the host, not the ephemeral port
+
 
 class MaskServicer(pb_grpc.MaskServiceServicer):
     def __init__(self, cache: CompilerCache, sessions: SessionStore, engine: DraftMaskEngine) -> None:
@@ -39,6 +56,9 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
         except MaskError as exc:
             logger.info("%s -> %s: %s", what, exc.code.value, exc.message)
             metrics.RPC_ERRORS.labels(exc.code.value).inc()
+            retry_after = getattr(exc, "retry_after_s", None)
+            if retry_after is not None:  # back-off hint for RESOURCE_EXHAUSTED (compile queue)
+                context.set_trailing_metadata(((RETRY_AFTER_METADATA_KEY, str(int(retry_after * 1000))),))
             context.abort(getattr(grpc.StatusCode, exc.code.value), exc.message)
         except Exception:
             logger.exception("%s failed", what)
@@ -46,22 +66,29 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {what}")
         raise AssertionError("unreachable")
 
-    def _compile(self, target: pb.GrammarTarget) -> tuple[Any, bool]:
+    def _compile(self, target: pb.GrammarTarget, context: grpc.ServicerContext, owner: str = "") -> tuple[Any, bool]:
         spec = grammar_from_proto(target.grammar)
-        return self._cache.get(target.tokenizer_id, target.vocab_size or None, spec)
+        remaining = context.time_remaining()  # None without a client deadline
+        return self._cache.get(
+            target.tokenizer_id,
+            target.vocab_size or None,
+            spec,
+            owner=compile_owner(context, owner),
+            wait_s=remaining,
+        )
 
     def ValidateGrammar(
         self, request: pb.ValidateGrammarRequest, context: grpc.ServicerContext
     ) -> pb.ValidateGrammarResponse:
         def run() -> pb.ValidateGrammarResponse:
-            entry, hit = self._compile(request.target)
+            entry, hit = self._compile(request.target, context)
             return pb.ValidateGrammarResponse(compiled_bytes=entry.size_bytes, cache_hit=hit)
 
         return self._guard(context, run, "ValidateGrammar")
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
         def run() -> pb.OpenSessionResponse:
-            entry, _ = self._compile(request.target)
+            entry, _ = self._compile(request.target, context, request.owner)
             s = self._sessions.open(entry, entry.vocab_size, owner=request.owner)
             metrics.SESSIONS_OPENED.inc()
             logger.info("session %s opened (tokenizer %s)", s.session_id, request.target.tokenizer_id)

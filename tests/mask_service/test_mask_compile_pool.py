@@ -1,0 +1,141 @@
+"""Hostile grammars (issue 14): killable compiles within budget, cached refusals, a fair bounded queue.
+
+Real xgrammar in real worker processes, real gRPC on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from mask_service.client import DraftMaskItem, MaskServiceClient, MaskServiceError
+from mask_service.convert import grammar_to_proto
+from mask_service.grammar import GrammarKind, GrammarSpec
+from mask_service.limits import GrammarLimits
+from mask_service.server import MaskServiceHandle, build_service
+from mask_service.servicer import CLIENT_METADATA_KEY
+from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+from proto.gen.specmask.mask.v1 import mask_service_pb2_grpc as pb_grpc
+from tests.mask_service.service_config import make_config
+
+BUDGET_S = 2.0
+HUGE = GrammarSpec(
+    GrammarKind.JSON_SCHEMA,
+    json.dumps({"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(10_000)}}),
+)
+OPEN = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}}))
+
+
+def _slow(i: int) -> GrammarSpec:
+    """Distinct schemas that each take seconds to compile (thousands of optional properties)."""
+    return GrammarSpec(
+        GrammarKind.JSON_SCHEMA,
+        json.dumps({"type": "object", "properties": {f"s{i}_{j}": {"type": "integer"} for j in range(6000)}}),
+    )
+
+
+@pytest.fixture(scope="module")
+def hostile(bpe_dir, registry) -> Iterator[MaskServiceHandle]:  # type: ignore[no-untyped-def]
+    # Limits raised, so the hostile schemas reach the compile workers and are time-boxed there.
+    cfg = make_config(
+        bpe_dir,
+        compile_timeout_s=BUDGET_S,
+        compile_workers=1,
+        compile_queue=2,
+        compile_queue_per_owner=1,
+        grammar_limits=GrammarLimits(max_schema_bytes=10**7, max_properties=10**6),
+    )
+    handle = build_service(cfg, registry)
+    handle.server.start()
+    yield handle
+    handle.stop(grace_s=0)
+
+
+def _client(handle: MaskServiceHandle) -> MaskServiceClient:
+    return MaskServiceClient(f"127.0.0.1:{handle.port}", deadline_s=30.0, max_retries=0)
+
+
+def test_huge_schema_time_boxed_while_steady_requests_succeed(hostile, bpe_id) -> None:  # type: ignore[no-untyped-def]
+    with _client(hostile) as c, _client(hostile) as steady:
+        sid = steady.open_session(bpe_id, OPEN)
+        latencies: list[float] = []
+        errors: list[BaseException] = []
+        stop = threading.Event()
+
+        def steady_loop() -> None:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                try:
+                    steady.draft_masks([DraftMaskItem(sid, [])])
+                    steady.session_count()
+                except BaseException as exc:
+                    errors.append(exc)
+                latencies.append(time.perf_counter() - t0)
+                time.sleep(0.01)
+
+        t = threading.Thread(target=steady_loop)
+        t.start()
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(MaskServiceError) as info:
+                c.validate_grammar(bpe_id, HUGE)
+            took = time.monotonic() - t0
+        finally:
+            stop.set()
+            t.join()
+        assert info.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        assert f"grammar too complex: compile exceeded {BUDGET_S:g} s" in info.value.message
+        # the budget plus slack for a loaded 2-core box (unbounded, it ran ~11 minutes)
+        assert took < BUDGET_S + 8.0, took
+        assert not errors, errors[:3]
+        assert len(latencies) >= 10
+        # the serving path kept answering during the compile (not blocked behind it)
+        assert max(latencies) < 1.5, max(latencies)
+
+        # The refusal is cached by grammar hash: no second compile.
+        t0 = time.monotonic()
+        with pytest.raises(MaskServiceError, match="too complex"):
+            c.validate_grammar(bpe_id, HUGE)
+        assert time.monotonic() - t0 < 1.0
+        # A fresh worker took over: ordinary grammars still compile.
+        c.validate_grammar(bpe_id, GrammarSpec(GrammarKind.REGEX, "[0-9]{1,4}"))
+        steady.close_session(sid)
+
+
+def test_compile_queue_is_bounded_and_fair(hostile, bpe_id) -> None:  # type: ignore[no-untyped-def]
+    """One owner fills its share of the queue: its next grammar gets RESOURCE_EXHAUSTED with a
+    retry hint, while another owner's grammar is still admitted and compiled."""
+    results: dict[int, grpc.RpcError | None] = {}
+
+    def send(i: int, owner: str, spec: GrammarSpec) -> None:
+        request = pb.ValidateGrammarRequest(
+            target=pb.GrammarTarget(tokenizer_id=bpe_id, grammar=grammar_to_proto(spec))
+        )
+        with grpc.insecure_channel(f"127.0.0.1:{hostile.port}") as channel:
+            try:  # metadata names the end client, as the orchestrator does
+                pb_grpc.MaskServiceStub(channel).ValidateGrammar(
+                    request, metadata=((CLIENT_METADATA_KEY, owner),), timeout=60
+                )
+                results[i] = None
+            except grpc.RpcError as exc:
+                results[i] = exc
+
+    threads = [threading.Thread(target=send, args=(i, "flooder", _slow(i))) for i in range(4)]
+    for th in threads:
+        th.start()
+        time.sleep(0.3)  # in order: one runs, one waits, the rest find the owner's share full
+    other = threading.Thread(target=send, args=(99, "polite", GrammarSpec(GrammarKind.REGEX, "[a-f]{2,3}")))
+    other.start()
+    for th in [*threads, other]:
+        th.join(timeout=60)
+    flood = [results[i] for i in range(4)]
+    full = [e for e in flood if e is not None and e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert full, flood
+    assert all("retry" in e.details() for e in full)
+    assert all(("retry-after-ms" in dict(e.trailing_metadata() or ())) for e in full)
+    assert results[99] is None, results[99]
