@@ -29,6 +29,13 @@ probes it: once it answers again (Ray restarted the crashed actor, or a stuck
 call returned) it is reset, checked to serve the same model, and put back.
 Meanwhile the mask sessions it held are released by owner on every replica,
 so a worker that never comes back leaks none.
+
+Never lie (issue 9): a grammar request the worker reports GRAMMAR_COMPLETE is
+finished only after ``output_check`` accepts its final text against the caller's
+grammar (on the executor, off the loop); otherwise, or if the check itself fails,
+it finishes with GRAMMAR_VIOLATION and a typed error, counted in
+``specmask_grammar_violations`` and logged with the grammar's hash. A violation
+the worker caught on device arrives as GRAMMAR_VIOLATION already.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from gpu_worker.types import FinishReason, StepOutput, WorkerInfo
 from orchestrator.detokenizer import Decoder
 from orchestrator.errors import DuplicateRequestId, Overloaded, ShuttingDown, Unavailable
 from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.output_check import OutputChecker, OutputCheckError, Verdict
 from orchestrator.request import Request
 from orchestrator.types import GenerationRequest
 from orchestrator.validation import RequestValidator
@@ -108,9 +116,11 @@ class Engine:
         metrics: OrchestratorMetrics,
         *,
         release_sessions: Callable[[str], int] | None = None,
+        output_checker: OutputChecker | None = None,
     ) -> None:
         """``release_sessions(owner)``: closes every mask session a lost worker left open
-        (blocking; returns how many); None leaves them to the mask service's idle TTL."""
+        (blocking; returns how many); None leaves them to the mask service's idle TTL.
+        ``output_checker``: the end-of-request grammar check (always on; None = a new one)."""
         if not slots:
             raise ValueError("the engine needs at least one worker")
         self._slots = list(slots)
@@ -119,6 +129,8 @@ class Engine:
         self._config = config
         self._metrics = metrics
         self._release_sessions = release_sessions
+        self.output_checker = output_checker if output_checker is not None else OutputChecker()
+        self._checking: set[asyncio.Task] = set()  # end-of-request checks in flight
         self._on_health_change: Callable[[bool], None] | None = None
         self._executor = ThreadPoolExecutor(config.validation_threads, thread_name_prefix="validate")
         self._live: dict[str, Request | None] = {}  # None: id reserved while validating
@@ -145,9 +157,9 @@ class Engine:
         self._stopping = True
         for request_id in list(self._live):
             self.cancel(request_id)
-        for task in self._tasks:
+        for task in [*self._tasks, *self._checking]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._checking, return_exceptions=True)
         removals = [
             self._await_remove(slot, slot.actor.remove.remote(slot.to_remove), _REMOVE_ON_SHUTDOWN_TIMEOUT_S)
             for slot in self._slots
@@ -332,11 +344,60 @@ class Engine:
             if out.finish_reason is not None:
                 # The worker already freed this sequence.
                 del slot.running[out.seq_id]
+                if out.finish_reason is FinishReason.GRAMMAR_COMPLETE and request.seq.grammar is not None:
+                    self._finish_checked(request)
+                    continue
+                if out.finish_reason is FinishReason.GRAMMAR_VIOLATION:
+                    self._metrics.grammar_violations.labels(stage="device").inc()
+                    self._log_violation(request, "device", out.error or "")
                 self._finish(request, out.finish_reason, out.error)
             elif hit_stop_string:
                 del slot.running[out.seq_id]
                 slot.to_remove.append(out.seq_id)
                 self._finish(request, FinishReason.STOP)
+
+    def _finish_checked(self, request: Request) -> None:
+        """Finish a grammar request the worker calls complete, once its text passes the end check."""
+        assert request.seq.grammar is not None
+        spec = request.seq.grammar
+        text = self._tokenizer.decode(list(request.token_ids), skip_special_tokens=True)
+
+        def check() -> Verdict:
+            try:
+                return self.output_checker.check(spec, text)
+            except OutputCheckError as exc:  # fail closed: unverifiable is not valid
+                return Verdict(False, f"the output could not be verified ({exc})")
+
+        async def run() -> None:
+            try:
+                verdict = await asyncio.get_running_loop().run_in_executor(self._executor, check)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # e.g. the executor is gone: still never a success
+                verdict = Verdict(False, f"the output could not be verified ({exc!r})")
+            if request.finished:  # cancelled meanwhile
+                return
+            if verdict.ok:
+                self._finish(request, FinishReason.GRAMMAR_COMPLETE)
+                return
+            self._metrics.grammar_violations.labels(stage="output_check").inc()
+            self._log_violation(request, "output_check", verdict.reason)
+            self._finish(request, FinishReason.GRAMMAR_VIOLATION, f"grammar violation: {verdict.reason}")
+
+        task = asyncio.create_task(run(), name=f"output-check-{request.request_id}")
+        self._checking.add(task)
+        task.add_done_callback(self._checking.discard)
+
+    @staticmethod
+    def _log_violation(request: Request, stage: str, reason: str) -> None:
+        spec = request.seq.grammar
+        request.log.error(
+            "GRAMMAR VIOLATION caught by %s: grammar %s hash=%s: %s",
+            stage,
+            spec.kind.value if spec is not None else "none",
+            spec.cache_key()[:16] if spec is not None else "-",
+            reason,
+        )
 
     def _fail_batch(self, slot: WorkerSlot, message: str) -> None:
         logger.error("worker %d: %s", slot.index, message)

@@ -80,6 +80,13 @@ class OrchestratorMetrics:
         self.worker_failures = Counter(
             "specmask_worker_failures", "Workers taken out of placement (died or timed out)", ["worker"], registry=r
         )
+        self.grammar_violations = Counter(
+            "specmask_grammar_violations",
+            "Outputs that broke their grammar and were failed (GRAMMAR_VIOLATION), by where they were caught: "
+            "device (the sampler's mask check) or output_check (the end-of-request check)",
+            ["stage"],
+            registry=r,
+        )
         self.worker_recoveries = Counter(
             "specmask_worker_recoveries", "Lost workers that answered again and were put back", ["worker"], registry=r
         )

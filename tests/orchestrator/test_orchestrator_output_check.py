@@ -1,0 +1,95 @@
+"""The end-of-request check (issue 9): independent of the mask path, fails closed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mask_service.grammar import GrammarKind, GrammarSpec
+from orchestrator.output_check import OutputChecker, OutputCheckError, strict_schema
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+
+
+def spec(kind: GrammarKind, text: object = "", **kw) -> GrammarSpec:
+    return GrammarSpec(kind, text if isinstance(text, str) else json.dumps(text), **kw)
+
+
+@pytest.fixture(scope="module")
+def checker() -> OutputChecker:
+    return OutputChecker()
+
+
+@pytest.mark.parametrize(
+    ("grammar", "text", "ok"),
+    [
+        (spec(GrammarKind.JSON_SCHEMA, SCHEMA), '{"a":"x"}', True),
+        (spec(GrammarKind.JSON_SCHEMA, SCHEMA), '{"a":1}', False),
+        (spec(GrammarKind.JSON_SCHEMA, SCHEMA), '{"a":"x","b":1}', False),  # strict: no extra keys
+        (spec(GrammarKind.JSON_SCHEMA, SCHEMA, strict=False), '{"a":"x","b":1}', True),
+        (spec(GrammarKind.JSON_SCHEMA, SCHEMA, strict=False), '{"a":"x","a":"y"}', False),  # duplicate key
+        (spec(GrammarKind.JSON_SCHEMA, SCHEMA), '{"a":"x"', False),  # truncated
+        (spec(GrammarKind.JSON_SCHEMA, SCHEMA), "", False),
+        # Finding 1's output: values of extra keys must follow patternProperties.
+        (
+            spec(
+                GrammarKind.JSON_SCHEMA,
+                {**SCHEMA, "patternProperties": {".*": {"type": "string"}}},
+                strict=False,
+            ),
+            '{"a":"US407","customer":{"id":9663844}}',
+            False,
+        ),
+        (spec(GrammarKind.JSON_SCHEMA, {"type": "object"}), '{"k":[1,2]}', True),  # no properties listed
+        (spec(GrammarKind.JSON_SCHEMA, {"type": "string", "format": "date"}), '"2024-02-30"', False),
+        (spec(GrammarKind.ANY_JSON), '{"x":[1,{"y":null}]}', True),
+        (spec(GrammarKind.ANY_JSON), "NaN", False),
+        (spec(GrammarKind.ANY_JSON), "", False),
+        (spec(GrammarKind.REGEX, "[0-9]{5}"), "12345", True),
+        (spec(GrammarKind.REGEX, "[0-9]{5}"), "1234", False),  # finding 2's empty/short output
+        (spec(GrammarKind.REGEX, "[0-9]{5}"), "", False),
+        (spec(GrammarKind.REGEX, "é+"), "éé", True),
+        (spec(GrammarKind.EBNF, 'root ::= "a" root | "b"'), "aab", True),
+        (spec(GrammarKind.EBNF, 'root ::= "a" root | "b"'), "aa", False),
+        (spec(GrammarKind.LARK, 'start: "x"+ "y"'), "xxy", True),
+        (spec(GrammarKind.LARK, 'start: "x"+ "y"'), "xyx", False),
+    ],
+)
+def test_verdicts(checker: OutputChecker, grammar: GrammarSpec, text: str, ok: bool) -> None:
+    verdict = checker.check(grammar, text)
+    assert verdict.ok is ok, verdict
+    assert ok or verdict.reason
+
+
+def test_checker_failure_is_an_error_not_a_pass(checker: OutputChecker) -> None:
+    """Fail closed: a grammar the checker cannot build raises; the engine turns that into a violation."""
+    with pytest.raises(OutputCheckError):
+        checker.check(spec(GrammarKind.EBNF, "root ::= "), "")
+    with pytest.raises(OutputCheckError):
+        checker.check(spec(GrammarKind.JSON_SCHEMA, "{not json"), "{}")
+
+
+def test_strict_schema_makes_xgrammar_defaults_explicit() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"t": {"type": "array", "prefixItems": [{"type": "integer"}]}},
+        "$defs": {"n": {"properties": {"x": {}}, "additionalProperties": True}},
+        "anyOf": [{"patternProperties": {"^a": {}}}, {"type": "object"}],
+    }
+    out = strict_schema(schema)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["t"]["items"] is False
+    assert out["$defs"]["n"]["additionalProperties"] is True  # the caller's own choice is kept
+    assert out["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in out["anyOf"][1]  # no properties listed: any keys
+    assert "additionalProperties" not in schema  # the original is not modified
+
+
+def test_compiled_checkers_are_cached(checker: OutputChecker) -> None:
+    grammar = spec(GrammarKind.REGEX, "(yes|no)")
+    assert checker._checker(grammar) is checker._checker(grammar)
+    small = OutputChecker(max_cached=1)
+    small.check(grammar, "yes")
+    small.check(spec(GrammarKind.REGEX, "x"), "x")
+    assert len(small._cache) == 1
