@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 TORCH_VERSION := 2.13.0
 
-.PHONY: venv test demo proto proto-check bench clean
+.PHONY: venv test demo proto proto-check bench bench-gpu clean
 
 venv: $(STAMP)
 
@@ -32,6 +32,14 @@ proto: $(STAMP)
 
 proto-check: $(STAMP)
 	$(PY) -m proto.codegen --check
+
+# The GPU-path benchmark (bench/gpu.py). It runs on a bare GPU host with the interpreter that
+# has CUDA torch (PYTHON, default python3), not the CPU-only venv; the Llama-3 tokenizer it needs
+# is copied once into the git-ignored bench/.tokenizers so that it travels with the tree.
+bench-gpu:
+	test -f bench/.tokenizers/llama3/tokenizer.json || { mkdir -p bench/.tokenizers/llama3 && \
+		cp $${SPECMASK_SHARED_DATA:-../shared/data}/tokenizers/llama3/tokenizer*.json bench/.tokenizers/llama3/; }
+	$(PYTHON) -m bench.gpu
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -50,7 +50,11 @@ class UnknownSequenceError(KeyError):
 
 
 class GpuWorker:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, *, target_model: Any = None, draft_model: Any = None) -> None:
+        """``target_model`` / ``draft_model``: causal LMs already built on the config's device and
+        dtype (bench.gpu builds random-initialised ones at real shapes, with no weights on disk);
+        None loads them from ``config.target_dir`` / ``config.draft_dir``, the normal path. The
+        tokenizer is always read from the dirs."""
         from mask_service.tokenizer_id import tokenizer_id_for_path
 
         self.config = config
@@ -61,15 +65,15 @@ class GpuWorker:
         self.device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype)
         self.tokenizer = load_tokenizer(config.target_dir)
-        self.target = ModelRunner(
-            load_causal_lm(config.target_dir, dtype, self.device), batched=config.batched_forward, name="target"
-        )
+        if target_model is None:
+            target_model = load_causal_lm(config.target_dir, dtype, self.device)
+        self.target = ModelRunner(target_model, batched=config.batched_forward, name="target")
         self.draft: ModelRunner | None = None
         if config.draft_dir is not None:
             self._check_shared_tokenizer(config.draft_dir)
-            self.draft = ModelRunner(
-                load_causal_lm(config.draft_dir, dtype, self.device), batched=config.batched_forward, name="draft"
-            )
+            if draft_model is None:
+                draft_model = load_causal_lm(config.draft_dir, dtype, self.device)
+            self.draft = ModelRunner(draft_model, batched=config.batched_forward, name="draft")
         self.vocab_size = self.target.vocab_size  # V: logits width
         self.max_model_len = self.target.max_model_len
         if config.max_model_len is not None:

@@ -1,0 +1,827 @@
+"""Measure the GPU path: bitmask kernels, worker step time, mask wait, tokens per second.
+
+    python -m bench.gpu                 # on a CUDA host: real shapes (Llama-3.1-8B + 3.2-1B pair, SmolLM2-135M)
+    python -m bench.gpu --dry-run       # tiny shapes on CPU: checks the harness end to end (CI)
+    make bench-gpu
+
+Runs on a bare GPU host with no network, no Ray and no weights:
+
+* **Models** are random-initialised from configs at real shapes, directly on the
+  device: a Llama-3.1-8B-shaped target with a Llama-3.2-1B-shaped draft in bf16
+  and the real Llama-3 tokenizer (copied into ``bench/.tokenizers/llama3``, which
+  git ignores; ``make bench-gpu`` copies it from ``../shared/data``), and a
+  SmolLM2-135M-shaped target with an 8-layer early-exit-shaped draft. SmolLM2's
+  tokenizer is not available offline: that pair uses a byte-level stand-in (257
+  tokens, logits padded to SmolLM2's 49,152), so its masks are cheaper than the
+  real tokenizer's would be.
+* **The worker** is the in-process ``GpuWorker`` (the same class Ray runs as an
+  actor) talking gRPC to a real mask service started as a local subprocess on the
+  host's CPUs.
+* **Acceptance is fixed, not measured.** Random weights accept nothing useful, so
+  both models' real logits get a scripted bias (+1e4) on the next token of a fixed
+  valid JSON document per sequence (compact separators, canonical tokenisation);
+  decoding is greedy. The target therefore emits that document, the draft agrees
+  with it on a fixed fraction of positions (``--agreement``, default 1.0: every
+  draft accepted, k + 1 tokens per spec step), and constrained and unconstrained
+  runs emit identical tokens. Every forward, mask, kernel and rejection-sampling
+  call is the real one; the bias is one indexed add per forward.
+
+Measured:
+(a) bitmask apply at B=64, k=4, V=128,256 — our Triton kernel (direct and the
+    indirect-table one the verifier uses) against xgrammar's
+    ``apply_token_bitmask_inplace`` and the memory-bandwidth floor (bytes that
+    must move: the mask words read + -inf written to each disallowed logit, over
+    a measured device-to-device copy rate);
+(b) worker step time (median over timed steps, after warm-up) for no-spec / spec
+    x unconstrained / constrained x draft masks on/off, at B in {1, 8, 32, 64}, k=4;
+(c) the mask wait left on the critical path (``StepOutput.mask_time_s``);
+(d) tokens per second (emitted tokens / timed wall time).
+Prints markdown tables; the last line is ``RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import logging
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+BENCH_DIR = Path(__file__).resolve().parent
+TOKENIZER_CACHE = BENCH_DIR / ".tokenizers"  # git-ignored; `make bench-gpu` fills llama3/ from ../shared/data
+
+# Modules beyond torch/triton/transformers that this path imports, with the wheel that provides each.
+REQUIRED_WHEELS: dict[str, str] = {
+    "torch": "torch",
+    "transformers": "transformers==5.23.0",
+    "tokenizers": "tokenizers>=0.21",
+    "xgrammar": "xgrammar==0.2.8 (needs apache-tvm-ffi, pydantic)",
+    "pydantic": "pydantic",
+    "tvm_ffi": "apache-tvm-ffi",
+    "grpc": "grpcio==1.85.1",
+    "grpc_health": "grpcio-health-checking==1.85.1",
+    "grpc_reflection": "grpcio-reflection==1.85.1",
+    "google.protobuf": "protobuf==7.36.2",
+    "xxhash": "xxhash>=3.4",
+    "prometheus_client": "prometheus-client>=0.20",
+    "numpy": "numpy>=1.26",
+}
+CUDA_WHEELS = {"triton": "triton"}
+
+# Model shapes (LlamaConfig keyword arguments), as published in each model's config.json.
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+    ),
+    "llama-3.2-1b": dict(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=True,
+    ),
+    "smollm2-135m": dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=True,
+    ),
+    # SmolLM2-135M's first 8 layers + its norm and head: the early-exit draft's shape.
+    "smollm2-135m-exit8": dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=8,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=True,
+    ),
+    "tiny": dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+    ),
+    "tiny-draft": dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
+    ),
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Pair:
+    target: str  # key of SHAPES
+    draft: str
+    tokenizer: str  # "llama3" (the real one, from TOKENIZER_CACHE) or "bytes" (byte-level stand-in)
+
+
+PAIRS: dict[str, Pair] = {
+    "llama3-8b-1b": Pair("llama-3.1-8b", "llama-3.2-1b", "llama3"),
+    "smollm2-135m": Pair("smollm2-135m", "smollm2-135m-exit8", "bytes"),
+    "tiny": Pair("tiny", "tiny-draft", "bytes"),
+}
+
+
+@dataclass(frozen=True)
+class Mode:
+    speculate: bool
+    grammar: bool
+    draft_masks: bool
+
+
+MODES: dict[str, Mode] = {
+    "nospec/unconstrained": Mode(False, False, False),
+    "nospec/constrained": Mode(False, True, False),
+    "spec/unconstrained": Mode(True, False, False),
+    "spec/constrained/draft-masks-off": Mode(True, True, False),
+    "spec/constrained/draft-masks-on": Mode(True, True, True),
+}
+
+# Logit bias that makes the scripted token the argmax whatever the random weights say.
+SCRIPT_BIAS = 1e4
+
+# Schemas whose documents can be made arbitrarily long (arrays without maxItems), so no
+# sequence completes its grammar inside the timed window.
+SCHEMAS: dict[str, dict[str, Any]] = {
+    "orders": {
+        "type": "object",
+        "properties": {
+            "customer": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "email": {"type": "string"}},
+                "required": ["name", "email"],
+            },
+            "items": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"sku": {"type": "string"}, "qty": {"type": "integer"}, "price": {"type": "number"}},
+                    "required": ["sku", "qty", "price"],
+                },
+            },
+        },
+        "required": ["customer", "items"],
+    },
+    "events": {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {
+                "id": {"type": "integer"},
+                "kind": {"enum": ["click", "view", "purchase"]},
+                "ok": {"type": "boolean"},
+                "tags": {"type": "array", "items": {"type": "string"}},
+            },
+            "required": ["id", "kind", "ok", "tags"],
+        },
+    },
+    "people": {
+        "type": "object",
+        "properties": {
+            "people": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {
+                        "first": {"type": "string"},
+                        "last": {"type": "string"},
+                        "age": {"type": "integer", "minimum": 0},
+                        "city": {"type": "string"},
+                    },
+                    "required": ["first", "last", "age", "city"],
+                },
+            }
+        },
+        "required": ["people"],
+    },
+}
+_WORDS = (
+    "alpha",
+    "bravo",
+    "delta",
+    "echo",
+    "lima",
+    "oscar",
+    "romeo",
+    "tango",
+    "victor",
+    "zulu",
+    "north",
+    "south",
+    "river",
+    "stone",
+    "maple",
+    "cedar",
+)
+
+
+def missing_wheels(cuda: bool) -> list[str]:
+    """Requirements whose module cannot be imported here (nothing is imported)."""
+    needed = {**REQUIRED_WHEELS, **(CUDA_WHEELS if cuda else {})}
+    missing = []
+    for module, requirement in needed.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a missing parent package (google.protobuf without google)
+            found = False
+        if not found:
+            missing.append(requirement)
+    return missing
+
+
+# -- documents and scripts ---------------------------------------------------------------
+def _document(schema_name: str, rng: Any, min_chars: int) -> str:
+    """A valid compact JSON document of ``schema_name`` with at least ``min_chars`` characters."""
+
+    def word() -> str:
+        return rng.choice(_WORDS) + str(rng.randrange(100))
+
+    def grow(make: Callable[[], Any], wrap: Callable[[list[Any]], Any]) -> str:
+        items: list[Any] = []
+        while True:
+            items.append(make())
+            text = json.dumps(wrap(items), separators=(",", ":"))
+            if len(text) >= min_chars:
+                return text
+
+    if schema_name == "orders":
+        customer = {"name": word(), "email": f"{word()}@{word()}.com"}
+        item = lambda: {"sku": word(), "qty": rng.randrange(1, 50), "price": rng.randrange(100, 99999) / 100}  # noqa: E731
+        return grow(item, lambda items: {"customer": customer, "items": items})
+    if schema_name == "events":
+        event = lambda: {  # noqa: E731
+            "id": rng.randrange(10**6),
+            "kind": rng.choice(["click", "view", "purchase"]),
+            "ok": rng.random() < 0.5,
+            "tags": [word() for _ in range(rng.randrange(0, 3))],
+        }
+        return grow(event, lambda items: items)
+    person = lambda: {"first": word(), "last": word(), "age": rng.randrange(90), "city": word()}  # noqa: E731
+    return grow(person, lambda items: {"people": items})
+
+
+@dataclass(frozen=True)
+class ScriptedSequence:
+    seq_id: str
+    schema: str
+    prompt: tuple[int, ...]
+    script: tuple[int, ...]  # prompt + the document's tokens: token p is what position p must hold
+
+
+def make_sequences(
+    tokenizer: Any, batch: int, *, prompt_len: int, doc_tokens: int, seed: int
+) -> list[ScriptedSequence]:
+    """``batch`` sequences over the schemas in turn, each with a unique prompt of ``prompt_len``
+    tokens and a document of at least ``doc_tokens`` tokens."""
+    import random
+
+    rng = random.Random(seed)
+    names = list(SCHEMAS)
+    out = []
+    for i in range(batch):
+        name = names[i % len(names)]
+        text = f"Request {i}. Produce JSON for the schema {json.dumps(SCHEMAS[name])}. Answer with JSON only. "
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        filler = tokenizer.encode(
+            " Keep the values short and use the exact property order given.", add_special_tokens=False
+        )
+        while len(prompt) < prompt_len:
+            prompt = prompt + filler
+        prompt = prompt[:prompt_len]
+        min_chars = doc_tokens * 2
+        while True:
+            doc = tokenizer.encode(_document(name, rng, min_chars), add_special_tokens=False)
+            if len(doc) >= doc_tokens:
+                break
+            min_chars *= 2
+        out.append(ScriptedSequence(f"s{i}-{name}", name, tuple(prompt), tuple(prompt) + tuple(doc)))
+    return out
+
+
+class ScriptedLogits:
+    """Adds ``SCRIPT_BIAS`` to one token per logits row of a ``ModelRunner``'s real forward:
+    the token the sequence's script holds at the position that row predicts. A runner
+    installed with ``agreement < 1`` (the draft) is scripted off by one token at a fixed,
+    pseudo-random ``1 - agreement`` fraction of positions, so its drafts there are rejected.
+
+    A cache is matched to its script at its first forward (the prefill of ``prompt[:-1]``),
+    so prompts must be unique."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        # runner name -> host seconds spent inside its forward calls (launch time: no sync is added)
+        self.host_s: dict[str, float] = {}
+        self._by_prompt: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self._by_kv: dict[int, tuple[int, ...]] = {}
+
+    def register(self, seqs: Sequence[ScriptedSequence]) -> None:
+        for s in seqs:
+            self._by_prompt[s.prompt[:-1]] = s.script
+
+    def install(self, runner: Any, *, agreement: float = 1.0) -> None:
+        import torch
+
+        inner = runner.forward
+        threshold = round(agreement * 1000)
+
+        def scripted_token(script: tuple[int, ...], position: int) -> int:
+            tok = script[position] if position < len(script) else script[-1]
+            if threshold < 1000 and (position * 2654435761) % 1000 >= threshold:
+                tok = (tok + 1) % self.vocab_size
+            return tok
+
+        def forward(items: Sequence[Any]) -> list[Any]:
+            rows: list[int] = []
+            toks: list[int] = []
+            row = 0
+            for it in items:
+                start, num_new = it.kv.length, len(it.token_ids)
+                if start == 0:
+                    self._by_kv[id(it.kv)] = self._by_prompt[tuple(it.token_ids)]
+                script = self._by_kv[id(it.kv)]
+                first = start + num_new - it.num_logits  # position of the first row's input token
+                for j in range(it.num_logits):
+                    rows.append(row + j)
+                    toks.append(scripted_token(script, first + j + 1))
+                row += it.num_logits
+            t0 = time.perf_counter()
+            out = inner(items)
+            self.host_s[runner.name] = self.host_s.get(runner.name, 0.0) + time.perf_counter() - t0
+            if rows:
+                with torch.inference_mode():
+                    whole = _as_one(out, row)
+                    dev = whole.device
+                    index = (torch.tensor(rows, device=dev), torch.tensor(toks, device=dev))
+                    whole.index_put_(index, torch.tensor(SCRIPT_BIAS, device=dev), accumulate=True)
+            return out
+
+        runner.forward = forward
+
+
+def _as_one(parts: Sequence[Any], total_rows: int) -> Any:
+    """The ``[total_rows, V]`` tensor that ``parts`` (consecutive row splits of one contiguous
+    tensor, as ``ModelRunner._project`` returns) are views of, so one indexed add reaches them all."""
+    nonempty = [p for p in parts if p.shape[0]]
+    first = nonempty[0]
+    width = first.shape[1]
+    step = width * first.element_size()
+    for a, b in itertools.pairwise(nonempty):
+        if not (a.is_contiguous() and b.data_ptr() == a.data_ptr() + a.shape[0] * step):
+            raise RuntimeError("logits rows are not consecutive views of one tensor")
+    return first.as_strided((total_rows, width), (width, 1))
+
+
+# -- set-up -----------------------------------------------------------------------------
+def prepare_tokenizer(kind: str, out_dir: Path) -> None:
+    """Write tokenizer files into ``out_dir``: the real Llama-3 one, or the byte-level stand-in."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if kind == "llama3":
+        src = TOKENIZER_CACHE / "llama3"
+        if not (src / "tokenizer.json").is_file():
+            shared = Path(os.environ.get("SPECMASK_SHARED_DATA", BENCH_DIR.parent.parent / "shared" / "data"))
+            src = shared / "tokenizers" / "llama3"
+        if not (src / "tokenizer.json").is_file():
+            raise SystemExit(
+                f"the Llama-3 tokenizer is not in {TOKENIZER_CACHE / 'llama3'}: copy tokenizer.json and "
+                "tokenizer_config.json there (make bench-gpu does it from ../shared/data/tokenizers/llama3)"
+            )
+        for f in src.iterdir():
+            if f.name.startswith("tokenizer"):
+                shutil.copy2(f, out_dir / f.name)
+        return
+    from gpu_worker.toy.tokenizer import save_tokenizer, train_bpe
+
+    # No training text: the vocabulary is the EOS special plus the 256 byte tokens.
+    save_tokenizer(train_bpe([], vocab_size=257), out_dir, model_max_length=1 << 20)
+
+
+def build_model(shape: str, dtype: Any, device: Any, seed: int) -> Any:
+    """A random-initialised LlamaForCausalLM of ``shape``, built directly on ``device``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**SHAPES[shape])
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype)
+    model.eval()
+    return model
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(fn: Callable[[], object], device: Any, reps: int) -> float:
+    """Median milliseconds per call: CUDA events via triton's do_bench on a GPU, host clock on CPU."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return float(do_bench(fn, warmup=25, rep=max(reps, 50), return_mode="median"))
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+# -- (a) kernels ------------------------------------------------------------------------
+def copy_bandwidth_gbps(device: Any, nbytes: int, reps: int) -> float:
+    """Device-to-device copy rate, counting bytes read plus bytes written."""
+    import torch
+
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src), device, reps)
+    return 2 * nbytes / ms / 1e6
+
+
+def bench_kernels(device: Any, *, batch: int, k: int, vocab: int, reps: int, density: float) -> dict[str, Any]:
+    import torch
+    import xgrammar
+
+    from kernels.backend import Backend
+    from kernels.bitmask import apply_token_bitmask_indirect_inplace, apply_token_bitmask_inplace
+
+    backend = Backend.TRITON if device.type == "cuda" else Backend.REFERENCE
+    gen = torch.Generator().manual_seed(0)
+    rows = batch * (k + 1)
+    words = (vocab + 31) // 32
+    logits = torch.randn(rows, vocab, generator=gen).to(device)  # [rows, V] float32
+    allowed = torch.rand(rows, vocab, generator=gen) < density
+    padded = torch.zeros(rows, words * 32, dtype=torch.int64)
+    padded[:, :vocab] = allowed.long()
+    packed = (padded.view(rows, words, 32) << torch.arange(32)).sum(-1)
+    bitmask = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32).to(device)  # [rows, W]
+    row_ids = torch.arange(rows, dtype=torch.int32, device=device)  # [rows]: every row its own table row
+    must_bytes = bitmask.numel() * 4 + int((~allowed).sum()) * logits.element_size()
+    bandwidth = copy_bandwidth_gbps(device, 1 << 30 if device.type == "cuda" else 1 << 26, reps)
+    floor_ms = must_bytes / bandwidth / 1e6
+
+    # Correctness first: every implementation gives the reference's result on these inputs.
+    expected = logits.clone().masked_fill_(~allowed.to(device), float("-inf"))
+    impls: dict[str, Callable[[Any], object]] = {
+        "specmask direct": lambda x: apply_token_bitmask_inplace(x, bitmask, backend=backend),
+        "specmask indirect (verifier)": lambda x: apply_token_bitmask_indirect_inplace(
+            x, bitmask, row_ids, backend=backend
+        ),
+        "xgrammar": lambda x: xgrammar.apply_token_bitmask_inplace(x, bitmask),
+    }
+    results: dict[str, Any] = {}
+    for name, fn in impls.items():
+        try:
+            check = logits.clone()
+            fn(check)
+            if not torch.equal(check, expected):
+                raise AssertionError("result differs from the reference masking")
+            work = logits.clone()
+            ms = _median_ms(lambda: fn(work), device, reps)
+            results[name] = {"ms": ms, "vs_floor": ms / floor_ms, "gbps_must": must_bytes / ms / 1e6}
+        except Exception as exc:  # report, keep measuring the others
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+    return {
+        "batch": batch,
+        "k": k,
+        "vocab": vocab,
+        "density": density,
+        "backend": backend.value if hasattr(backend, "value") else str(backend),
+        "must_bytes": must_bytes,
+        "copy_gbps": bandwidth,
+        "floor_ms": floor_ms,
+        "impls": results,
+    }
+
+
+# -- (b)-(d) worker steps -----------------------------------------------------------------
+@dataclass
+class StepStats:
+    batch: int
+    step_ms: float  # median
+    step_ms_p90: float
+    mask_wait_ms: float  # median per step
+    tokens_per_s: float
+    tokens_per_step: float
+    acceptance: float | None  # accepted / proposed drafts (fixed by the script)
+    steps: int
+    # Median host ms per step inside each model's forward calls (no sync added: the time the
+    # host spends launching them, plus any sync the forward itself does).
+    target_forward_host_ms: float
+    draft_forward_host_ms: float
+
+
+def time_mode(
+    worker: Any, scripts: ScriptedLogits, mode: Mode, batch: int, args: argparse.Namespace, *, k: int
+) -> StepStats:
+    from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
+    from mask_service.grammar import GrammarKind, GrammarSpec
+
+    steps = args.warmup + args.steps
+    seqs = make_sequences(
+        worker.tokenizer, batch, prompt_len=args.prompt_len, doc_tokens=steps * (k + 1) + 8, seed=batch
+    )
+    scripts.register(seqs)
+    spec = SpeculationParams(enabled=mode.speculate, k=k if mode.speculate else 0, proposers=("draft_model",),
+                             draft_masking=mode.draft_masks)  # fmt: skip
+    new = [
+        NewSequence(
+            seq_id=s.seq_id,
+            prompt_token_ids=s.prompt,
+            grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMAS[s.schema])) if mode.grammar else None,
+            sampling=SamplingParams(temperature=0.0, max_tokens=steps * (k + 1) + 4),
+            speculation=spec,
+        )
+        for s in seqs
+    ]
+    _add_all(worker, new)
+    emitted = {s.seq_id: [] for s in seqs}
+    times, waits, tokens, proposed, accepted = [], [], 0, 0, 0
+    host: dict[str, list[float]] = {"target": [], "draft": []}
+    try:
+        for i in range(steps):
+            before = dict(scripts.host_s)
+            t0 = time.perf_counter()
+            outs = worker.step()
+            dt = time.perf_counter() - t0
+            for out in outs:
+                if out.error or out.finish_reason is not None:
+                    raise RuntimeError(f"{out.seq_id}: finished early ({out.finish_reason}, {out.error})")
+                emitted[out.seq_id].extend(out.new_token_ids)
+            if i >= args.warmup:
+                times.append(dt)
+                waits.append(outs[0].mask_time_s)
+                for name, spent in host.items():
+                    spent.append(scripts.host_s.get(name, 0.0) - before.get(name, 0.0))
+                tokens += sum(len(o.new_token_ids) for o in outs)
+                proposed += sum(o.drafts_proposed for o in outs)
+                accepted += sum(o.drafts_accepted for o in outs)
+    finally:
+        worker.remove(worker.active_ids())
+    for s in seqs:  # the script held: the target emitted exactly the document
+        got = emitted[s.seq_id]
+        want = list(s.script[len(s.prompt) : len(s.prompt) + len(got)])
+        if got != want:
+            raise AssertionError(f"{s.seq_id}: emitted tokens left the script")
+    ordered = sorted(times)
+    return StepStats(
+        batch=batch,
+        step_ms=1e3 * statistics.median(times),
+        step_ms_p90=1e3 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+        mask_wait_ms=1e3 * statistics.median(waits),
+        tokens_per_s=tokens / sum(times),
+        tokens_per_step=tokens / len(times),
+        acceptance=accepted / proposed if proposed else None,
+        steps=len(times),
+        target_forward_host_ms=1e3 * statistics.median(host["target"]),
+        draft_forward_host_ms=1e3 * statistics.median(host["draft"]),
+    )
+
+
+def _add_all(worker: Any, new: Sequence[Any], attempts: int = 30) -> None:
+    """``worker.add`` that retries sequences refused only because their grammar is still
+    compiling (the service answers RESOURCE_EXHAUSTED rather than block past its budget)."""
+    pending = list(new)
+    for _ in range(attempts):
+        errors = worker.add(pending)
+        failed = [(seq, err) for seq, err in zip(pending, errors) if err]
+        if not failed:
+            return
+        if any("still compiling" not in err for _, err in failed):
+            raise RuntimeError(f"add failed: {[err for _, err in failed][:3]}")
+        pending = [seq for seq, _ in failed]
+        time.sleep(1.0)
+    raise RuntimeError(f"add failed: grammars still compiling after {attempts} attempts")
+
+
+def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Namespace, log_dir: Path) -> dict:
+    from gpu_worker.actor import GpuWorker
+    from gpu_worker.config import WorkerConfig
+    from orchestrator.local_stack import MaskServiceProcess
+
+    vocab = SHAPES[pair.target]["vocab_size"]
+    with tempfile.TemporaryDirectory(prefix=f"specmask-bench-gpu-{name}-") as tmp:
+        model_dir = Path(tmp) / "model"
+        prepare_tokenizer(pair.tokenizer, model_dir)
+        t0 = time.perf_counter()
+        target = build_model(pair.target, dtype, device, seed=1)
+        draft = build_model(pair.draft, dtype, device, seed=2)
+        _sync(device)
+        build_s = time.perf_counter() - t0
+        service = MaskServiceProcess(
+            [f"{model_dir}:{vocab}"],
+            log_path=log_dir / f"mask-service-{name}.log",
+            extra_args=["--mask-threads", str(args.mask_threads)],
+        ).start()
+        worker = None
+        try:
+            worker = GpuWorker(
+                WorkerConfig(
+                    target_dir=str(model_dir),
+                    draft_dir=str(model_dir),
+                    dtype=str(dtype).removeprefix("torch."),
+                    device=str(device),
+                    mask_service_addresses=(service.address,),
+                    max_batch=max(args.batches),
+                    max_k=args.k,
+                    max_model_len=args.prompt_len + (args.warmup + args.steps + 2) * (args.k + 1) + 64,
+                    torch_threads=args.torch_threads,
+                ),
+                target_model=target,
+                draft_model=draft,
+            )
+            scripts = ScriptedLogits(vocab)
+            scripts.install(worker.target)
+            assert worker.draft is not None
+            scripts.install(worker.draft, agreement=args.agreement)
+            rows: dict[str, dict[str, Any]] = {}
+            for batch in args.batches:
+                # Untimed pass first: the first run at a new batch size grows the CUDA caching
+                # allocator's pool (cudaMalloc per new buffer size), which would be charged to
+                # whichever mode happened to run first.
+                for mode_name in dict.fromkeys((args.modes[0], args.modes[-1])) if args.prime else ():
+                    time_mode(worker, scripts, MODES[mode_name], batch, args, k=args.k)
+                for mode_name in args.modes:
+                    stats = time_mode(worker, scripts, MODES[mode_name], batch, args, k=args.k)
+                    rows.setdefault(mode_name, {})[str(batch)] = asdict(stats)
+                    print(
+                        f"  {name} B={batch:<3} {mode_name:<34} step {stats.step_ms:8.2f} ms  "
+                        f"mask wait {stats.mask_wait_ms:7.2f} ms  {stats.tokens_per_s:9.1f} tok/s  "
+                        f"host in target fwd {stats.target_forward_host_ms:7.2f} ms, "
+                        f"draft fwd {stats.draft_forward_host_ms:7.2f} ms",
+                        flush=True,
+                    )
+        finally:
+            if worker is not None:
+                worker.shutdown()
+            service.stop()
+    ratios = _ratios(rows, args.batches)
+    return {
+        "target": pair.target,
+        "draft": pair.draft,
+        "tokenizer": pair.tokenizer,
+        "vocab": vocab,
+        "build_s": build_s,
+        "modes": rows,
+        **ratios,
+    }
+
+
+def _ratios(rows: dict[str, dict[str, Any]], batches: Sequence[int]) -> dict[str, dict[str, float]]:
+    def ratio(num: str, den: str, field: str = "step_ms") -> dict[str, float]:
+        if num not in rows or den not in rows:
+            return {}
+        return {str(b): rows[num][str(b)][field] / rows[den][str(b)][field] for b in batches}
+
+    speedup = {}
+    if "spec/constrained/draft-masks-on" in rows and "nospec/constrained" in rows:
+        speedup = {
+            str(b): rows["spec/constrained/draft-masks-on"][str(b)]["tokens_per_s"]
+            / rows["nospec/constrained"][str(b)]["tokens_per_s"]
+            for b in batches
+        }
+    return {
+        "constrained_vs_unconstrained_step_time": ratio("spec/constrained/draft-masks-on", "spec/unconstrained"),
+        "constrained_vs_unconstrained_step_time_draft_masks_off": ratio(
+            "spec/constrained/draft-masks-off", "spec/unconstrained"
+        ),
+        "constrained_vs_unconstrained_step_time_nospec": ratio("nospec/constrained", "nospec/unconstrained"),
+        "spec_vs_nospec_tokens_per_s_constrained": speedup,
+    }
+
+
+# -- report -------------------------------------------------------------------------------
+def print_tables(result: dict[str, Any]) -> None:
+    kern = result.get("kernels")
+    if kern:
+        print(
+            f"\n### Bitmask apply: B={kern['batch']}, k={kern['k']}, V={kern['vocab']}, "
+            f"{kern['density']:.0%} allowed; floor {kern['floor_ms'] * 1e3:.1f} us "
+            f"({kern['must_bytes'] / 1e6:.1f} MB at {kern['copy_gbps']:.0f} GB/s copy rate)\n"
+        )
+        print("| implementation | us | x floor |\n|---|---:|---:|")
+        for name, r in kern["impls"].items():
+            if "error" in r:
+                print(f"| {name} | error: {r['error']} | |")
+            else:
+                print(f"| {name} | {r['ms'] * 1e3:.1f} | {r['vs_floor']:.2f} |")
+    for name, pair in result["pairs"].items():
+        print(
+            f"\n### Worker step, {name} ({pair['target']} + {pair['draft']} draft, tokenizer {pair['tokenizer']}), "
+            f"k={result['k']}, prompt {result['prompt_len']} tokens, draft agreement {result['agreement']}\n"
+        )
+        batches = sorted({int(b) for m in pair["modes"].values() for b in m})
+        head = " | ".join(f"B={b}: ms / wait / tok/s" for b in batches)
+        print(f"| mode | {head} |\n|---|" + "---:|" * len(batches))
+        for mode, by_batch in pair["modes"].items():
+            cells = []
+            for b in batches:
+                s = by_batch[str(b)]
+                cells.append(f"{s['step_ms']:.1f} / {s['mask_wait_ms']:.2f} / {s['tokens_per_s']:.0f}")
+            print(f"| {mode} | " + " | ".join(cells) + " |")
+        print("\nHost ms per step inside the forward calls (target / draft), no sync added:\n")
+        print("| mode | " + " | ".join(f"B={b}" for b in batches) + " |\n|---|" + "---:|" * len(batches))
+        for mode, by_batch in pair["modes"].items():
+            cells = [
+                f"{by_batch[str(b)]['target_forward_host_ms']:.1f} / {by_batch[str(b)]['draft_forward_host_ms']:.1f}"
+                for b in batches
+            ]
+            print(f"| {mode} | " + " | ".join(cells) + " |")
+        for key in (
+            "constrained_vs_unconstrained_step_time",
+            "constrained_vs_unconstrained_step_time_draft_masks_off",
+            "spec_vs_nospec_tokens_per_s_constrained",
+        ):
+            values = ", ".join(f"B={b}: {v:.3f}" for b, v in pair[key].items())
+            print(f"\n{key}: {values}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (float32): checks the harness")
+    parser.add_argument("--pairs", default=None, help=f"comma list of {list(PAIRS)} (default: both real pairs)")
+    parser.add_argument("--batches", default=None, help="comma list of batch sizes (default 1,8,32,64)")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma list of modes")
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per sequence (default 256)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps per measurement (default 3)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per measurement (default 12)")
+    parser.add_argument("--agreement", type=float, default=1.0, help="fraction of positions the draft gets right")
+    parser.add_argument("--mask-threads", type=int, default=min(8, os.cpu_count() or 1))
+    parser.add_argument("--torch-threads", type=int, default=None)
+    parser.add_argument("--no-prime", dest="prime", action="store_false", help="skip the untimed pass per batch")
+    parser.add_argument("--no-kernels", action="store_true", help="skip the kernel measurement")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available; cpu for --dry-run)")
+    parser.add_argument("--log-dir", type=Path, default=None, help="where mask-service logs go (default: a temp dir)")
+    parser.add_argument("--json-out", type=Path, default=None, help="also write the RESULT json here")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+
+    import torch
+
+    device = torch.device(args.device or ("cpu" if args.dry_run or not torch.cuda.is_available() else "cuda"))
+    missing = missing_wheels(cuda=device.type == "cuda")
+    if missing:
+        print(
+            "bench.gpu needs these packages, not importable here: "
+            + ", ".join(missing)
+            + "\n(on a host without network: `pip download --no-deps` the wheels elsewhere and install them "
+            "with `pip install --no-index --no-deps --target DIR *.whl`, then PYTHONPATH=DIR)"
+        )
+        return 2
+    if not args.dry_run and device.type != "cuda":
+        print("bench.gpu: no CUDA device here; use --dry-run to check the harness on CPU (no GPU figures)")
+        return 2
+    dry = args.dry_run
+    args.pairs = (args.pairs or ("tiny" if dry else "llama3-8b-1b,smollm2-135m")).split(",")
+    args.batches = [int(b) for b in (args.batches or ("1,2" if dry else "1,8,32,64")).split(",")]
+    args.modes = [m for m in args.modes.split(",") if m]
+    args.k = 2 if dry and args.k == 4 else args.k
+    args.prompt_len = args.prompt_len or (24 if dry else 256)
+    args.warmup = args.warmup if args.warmup is not None else (1 if dry else 3)
+    args.steps = args.steps or (2 if dry else 12)
+    if dry:
+        args.torch_threads = args.torch_threads or 1
+        args.mask_threads = min(args.mask_threads, 2)
+    for bad in [p for p in args.pairs if p not in PAIRS] + [m for m in args.modes if m not in MODES]:
+        parser.error(f"unknown pair or mode {bad!r}; pairs {list(PAIRS)}, modes {list(MODES)}")
+    dtype = torch.float32 if dry else torch.bfloat16
+
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dry_run": dry,
+        "torch": torch.__version__,
+        "k": args.k,
+        "prompt_len": args.prompt_len,
+        "agreement": args.agreement,
+        "acceptance": "fixed by scripted logits (greedy; the draft matches the script at a fixed "
+        f"fraction {args.agreement} of positions), not measured",
+        "pairs": {},
+    }
+    if not args.no_kernels:
+        kb, kk, kv = (2, 2, 320) if dry else (64, 4, 128256)
+        result["kernels"] = bench_kernels(device, batch=kb, k=kk, vocab=kv, reps=5 if dry else 100, density=0.5)
+        print(f"kernels: {json.dumps(result['kernels']['impls'])}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="specmask-bench-gpu-logs-") as tmp_logs:
+        log_dir = args.log_dir or Path(tmp_logs)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        for name in args.pairs:
+            result["pairs"][name] = run_pair(name, PAIRS[name], device, dtype, args, log_dir)
+    print_tables(result)
+    line = json.dumps(result, separators=(",", ":"))
+    if args.json_out is not None:
+        args.json_out.write_text(line + "\n")
+    print("RESULT " + line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""bench.gpu --dry-run runs the whole GPU-path harness at tiny shapes on CPU (real worker, real
+mask-service subprocess, real kernels): every mode and batch size is measured, the scripted
+acceptance holds (the bench itself checks that the target emitted exactly each document), and
+a missing wheel is reported by name instead of an import error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import gpu
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_dry_run_measures_every_mode(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "bench.gpu", "--dry-run", "--batches", "1,2", "--no-prime", "--json-out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    result = json.loads(last.removeprefix("RESULT "))
+    assert result == json.loads(out.read_text())
+    assert result["dry_run"] and result["device"] == "cpu"
+    k = result["k"]
+    pair = result["pairs"]["tiny"]
+    assert set(pair["modes"]) == set(gpu.MODES)
+    for name, by_batch in pair["modes"].items():
+        for batch in (1, 2):
+            stats = by_batch[str(batch)]
+            assert stats["step_ms"] > 0 and stats["tokens_per_s"] > 0
+            # Agreement 1.0: every draft accepted, so a spec step emits k + 1 tokens per sequence.
+            per_seq = k + 1 if gpu.MODES[name].speculate else 1
+            assert stats["tokens_per_step"] == batch * per_seq, (name, stats)
+            assert stats["acceptance"] == (1.0 if gpu.MODES[name].speculate else None)
+    assert set(pair["constrained_vs_unconstrained_step_time"]) == {"1", "2"}
+    impls = result["kernels"]["impls"]
+    assert all("ms" in r for r in impls.values()), impls  # every implementation matched the reference
+    assert "| spec/constrained/draft-masks-on |" in proc.stdout
+
+
+def test_missing_wheels_are_named(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(gpu.REQUIRED_WHEELS, "specmask_no_such_module", "no-such-wheel==1.0")
+    assert gpu.main(["--dry-run"]) == 2
+    assert "no-such-wheel==1.0" in capsys.readouterr().out
