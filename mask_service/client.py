@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 import numpy as np
 
+from mask_service.auth import client_metadata, token_from_env
 from mask_service.convert import grammar_to_proto
 from mask_service.grammar import GrammarSpec
 from mask_service.wire import MissingRow, RowTable
@@ -109,8 +110,11 @@ class MaskServiceClient:
         max_retries: int = 3,
         table_capacity: int = DEFAULT_TABLE_CAPACITY,
         track_bytes: bool = False,
+        auth_token: str | None = None,
     ) -> None:
+        """``auth_token``: the replicas' shared token (None = $SPECMASK_MASK_TOKEN, "" = none)."""
         self.address = address
+        self._metadata = client_metadata(token_from_env() if auth_token is None else auth_token)
         # Serialized size of the last DraftMasks response (benchmarks); off by default, it costs a pass.
         self.track_bytes = track_bytes
         self.last_response_bytes = 0
@@ -136,7 +140,7 @@ class MaskServiceClient:
         attempt = 0
         while True:
             try:
-                return fn(request, timeout=self._deadline)
+                return fn(request, timeout=self._deadline, metadata=self._metadata)
             except grpc.RpcError as exc:
                 code = exc.code()  # type: ignore[attr-defined]
                 if code in retry_on and attempt < self._retries:

@@ -35,13 +35,13 @@ from typing import Any
 from mask_service.compile_worker import read_frame, write_frame
 from mask_service.errors import GrammarError, GrammarTooComplex, LimitExceeded
 from mask_service.grammar import GrammarSpec
+from mask_service.memory import rss_bytes
 from mask_service.parent_watch import PARENT_PID_ENV
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # RSS / deadline checks while a job runs
 _START_TIMEOUT_S = 120.0  # importing xgrammar (and torch) in a fresh worker; not charged to a job
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 class CompileQueueFull(LimitExceeded):
@@ -66,15 +66,6 @@ class _Job:
     spec: GrammarSpec
     owner: str
     future: Future[CompileOutcome] = field(default_factory=Future)
-
-
-def rss_bytes(pid: int) -> int:
-    """Resident set size of a process (0 if it is gone)."""
-    try:
-        with open(f"/proc/{pid}/statm") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
 class _Worker:

@@ -48,6 +48,11 @@ class MaskServiceConfig:
     compile_queue_per_owner: int = DEFAULT_COMPILE_QUEUE_PER_OWNER
     compile_waiters: int = DEFAULT_COMPILE_WAITERS
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
+    max_sessions_per_owner: int | None = None  # None = max_sessions (one owner may fill it)
+    # RSS (this process + compile workers) past which new sessions are shed;
+    # 0 = 85% of the container's cgroup memory limit, if it has one.
+    max_memory_bytes: int = 0
+    auth_token: str = ""  # shared token every MaskService RPC must carry ("" = open; see mask_service.auth)
     grammar_cache_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES
     row_cache_bytes: int = DEFAULT_ROW_CACHE_BYTES
     grpc_workers: int = 16

@@ -10,6 +10,7 @@ import threading
 
 from mask_service import config as cfg
 from mask_service import limits
+from mask_service.auth import token_from_env
 from mask_service.config import MaskServiceConfig
 from mask_service.parent_watch import die_with_parent_from_env
 from mask_service.tokenizers import TokenizerSource
@@ -47,6 +48,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-schema-properties", type=int, default=limits.DEFAULT_MAX_PROPERTIES)
     parser.add_argument("--max-schema-depth", type=int, default=limits.DEFAULT_MAX_NESTING_DEPTH)
     parser.add_argument("--max-enum-values", type=int, default=limits.DEFAULT_MAX_ENUM_VALUES)
+    parser.add_argument(
+        "--max-sessions-per-owner", type=int, default=None, help="sessions one owner may hold (default: all)"
+    )
+    parser.add_argument(
+        "--auth-token",
+        default=None,
+        help="shared token callers must send (default: $SPECMASK_MASK_TOKEN; unset = no authentication)",
+    )
+    parser.add_argument(
+        "--max-memory-mb",
+        type=int,
+        default=0,
+        help="shed new sessions past this RSS (0 = 85%% of the cgroup memory limit, if any)",
+    )
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics HTTP port (0 = off)")
     parser.add_argument("--log-level", default="INFO")
 
@@ -67,6 +82,9 @@ def config_from_args(args: argparse.Namespace) -> MaskServiceConfig:
         compile_memory_bytes=args.compile_memory_mb * 2**20,
         compile_queue=args.compile_queue,
         compile_queue_per_owner=args.compile_queue_per_owner,
+        max_sessions_per_owner=args.max_sessions_per_owner,
+        max_memory_bytes=args.max_memory_mb * 2**20,
+        auth_token=token_from_env() if args.auth_token is None else args.auth_token,
         grammar_limits=limits.GrammarLimits(
             max_schema_bytes=args.max_schema_bytes,
             max_properties=args.max_schema_properties,

@@ -15,10 +15,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from mask_service import metrics
+from mask_service.auth import TokenAuthInterceptor
 from mask_service.compile_pool import CompilePool
 from mask_service.compiler_cache import CompilerCache
 from mask_service.config import MaskServiceConfig
 from mask_service.draft_masks import DraftMaskEngine
+from mask_service.memory import MemoryGuard, shed_limit
 from mask_service.replicas import join_host_port
 from mask_service.servicer import MaskServicer
 from mask_service.sessions import SessionStore
@@ -73,18 +76,26 @@ def build_service(config: MaskServiceConfig, registry: TokenizerRegistry | None 
         limits=config.grammar_limits,
         max_waiters=config.compile_waiters,
     )
+    pool = None
     if config.compile_workers > 0:
-        cache.attach_pool(
-            CompilePool(
-                cache.tokenizer_json,
-                workers=config.compile_workers,
-                budget_s=config.compile_timeout_s,
-                memory_cap_bytes=config.compile_memory_bytes,
-                max_queue=config.compile_queue,
-                max_queue_per_owner=config.compile_queue_per_owner,
-            )
+        pool = CompilePool(
+            cache.tokenizer_json,
+            workers=config.compile_workers,
+            budget_s=config.compile_timeout_s,
+            memory_cap_bytes=config.compile_memory_bytes,
+            max_queue=config.compile_queue,
+            max_queue_per_owner=config.compile_queue_per_owner,
         )
-    sessions = SessionStore(max_sessions=config.max_sessions, ttl_s=config.session_ttl_s)
+        cache.attach_pool(pool)
+    limit = shed_limit(config.max_memory_bytes)
+    guard = MemoryGuard(limit, pool.worker_pids if pool is not None else list) if limit else None
+    sessions = SessionStore(
+        max_sessions=config.max_sessions,
+        ttl_s=config.session_ttl_s,
+        max_per_owner=config.max_sessions_per_owner,
+        memory_guard=guard,
+    )
+    metrics.bind_replica_gauges(cache, sessions, pool)
     engine = DraftMaskEngine(
         sessions,
         RowInterner(config.row_cache_bytes),
@@ -98,7 +109,12 @@ def build_service(config: MaskServiceConfig, registry: TokenizerRegistry | None 
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.server(ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="grpc"), options=opts)
+    interceptors = [TokenAuthInterceptor(config.auth_token)] if config.auth_token else []
+    server = grpc.server(
+        ThreadPoolExecutor(max_workers=config.grpc_workers, thread_name_prefix="grpc"),
+        options=opts,
+        interceptors=interceptors,
+    )
     pb_grpc.add_MaskServiceServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -12,7 +12,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,25 +75,59 @@ class Session:
 
 
 class SessionStore:
-    def __init__(self, *, max_sessions: int, ttl_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        max_sessions: int,
+        ttl_s: float,
+        max_per_owner: int | None = None,
+        memory_guard: Callable[[], str | None] | None = None,
+    ) -> None:
+        """``max_per_owner``: sessions one owner may hold (issue 14: one client filling the
+        whole store blocked every other); None = ``max_sessions``. ``memory_guard``: returns a
+        reason to shed new sessions (memory near its limit), or None."""
         self._max = max_sessions
+        self._max_per_owner = max_per_owner or max_sessions
+        self._memory_guard = memory_guard
         self._ttl = ttl_s
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
+        self._per_owner: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    def owner_count(self, owner: str) -> int:
+        return self._per_owner[owner]
+
+    def _drop_locked(self, session_id: str) -> Session | None:
+        s = self._sessions.pop(session_id, None)
+        if s is not None:
+            self._per_owner[s.owner] -= 1
+            if self._per_owner[s.owner] <= 0:
+                del self._per_owner[s.owner]
+        return s
 
     def open(self, entry: CompiledEntry, vocab_size: int, owner: str = "") -> Session:
         if len(owner) > MAX_OWNER_CHARS:
             raise InvalidArgument(f"owner is {len(owner)} characters; at most {MAX_OWNER_CHARS}")
         self.evict_idle()
+        if self._memory_guard is not None:
+            reason = self._memory_guard()
+            if reason is not None:
+                raise LimitExceeded(f"new sessions shed: {reason}")
         matcher = entry.backend.new_matcher(entry.compiled)
         session = Session(uuid.uuid4().hex, entry, matcher, vocab_size, owner=owner)
         with self._lock:
             if len(self._sessions) >= self._max:
                 raise LimitExceeded(f"session limit {self._max} reached")
+            if self._per_owner[owner] >= self._max_per_owner:
+                raise LimitExceeded(
+                    f"owner {owner or '(unnamed)'!s} holds {self._per_owner[owner]} sessions "
+                    f"(per-owner limit {self._max_per_owner})"
+                )
             self._sessions[session.session_id] = session
+            self._per_owner[owner] += 1
         return session
 
     def get(self, session_id: str) -> Session:
@@ -107,7 +142,7 @@ class SessionStore:
 
     def close(self, session_id: str) -> bool:
         with self._lock:
-            return self._sessions.pop(session_id, None) is not None
+            return self._drop_locked(session_id) is not None
 
     def release_owner(self, owner: str) -> int:
         """Close every session opened with ``owner``; returns how many. A call in
@@ -119,7 +154,7 @@ class SessionStore:
         with self._lock:
             mine = [sid for sid, s in self._sessions.items() if s.owner == owner]
             for sid in mine:
-                del self._sessions[sid]
+                self._drop_locked(sid)
         if mine:
             logger.info("released %d sessions of owner %s", len(mine), owner)
         return len(mine)
@@ -130,7 +165,7 @@ class SessionStore:
         with self._lock:
             stale = [sid for sid, s in self._sessions.items() if s.last_used < cutoff and not s.lock.locked()]
             for sid in stale:
-                del self._sessions[sid]
+                self._drop_locked(sid)
         if stale:
             logger.info("evicted %d idle sessions (ttl %.0fs)", len(stale), self._ttl)
         return len(stale)

@@ -1,0 +1,63 @@
+"""Shared-token authentication between the mask service and its callers (issue 14).
+
+Without it, any client that reached a replica could fill its session table in
+about a second. Every MaskService RPC must carry ``authorization: Bearer
+<token>`` metadata equal to the replica's token; health and reflection stay
+open (kubelet probes carry no token). The token comes from ``--auth-token`` or
+the ``SPECMASK_MASK_TOKEN`` environment variable on both sides, so GPU workers
+(Ray actors inherit the driver's environment) and the orchestrator send it
+without extra plumbing.
+
+A shared token authenticates the *tier*, not each caller: in production run
+the mask service behind mTLS as well (grpc.ssl_server_credentials with
+require_client_auth=True, one client certificate per worker identity), which
+also encrypts the traffic; see README "Security".
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+TOKEN_ENV = "SPECMASK_MASK_TOKEN"
+AUTH_METADATA_KEY = "authorization"
+_PROTECTED_PREFIX = "/specmask.mask.v1.MaskService/"
+
+
+def token_from_env() -> str:
+    return os.environ.get(TOKEN_ENV, "")
+
+
+def client_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """Metadata a caller sends with every MaskService RPC (empty without a token)."""
+    return ((AUTH_METADATA_KEY, f"Bearer {token}"),) if token else ()
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Refuses MaskService RPCs without the replica's token (UNAUTHENTICATED)."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("TokenAuthInterceptor needs a non-empty token")
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(_request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong mask-service token (SPECMASK_MASK_TOKEN)")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Any], details: grpc.HandlerCallDetails
+    ) -> Any:
+        if not details.method.startswith(_PROTECTED_PREFIX):
+            return continuation(details)
+        for key, value in details.invocation_metadata or ():
+            if key == AUTH_METADATA_KEY:
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                if hmac.compare_digest(given, self._expected):
+                    return continuation(details)
+        return self._deny
