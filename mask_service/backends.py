@@ -1,18 +1,26 @@
 """Grammar-engine backends behind a registry (house style: plug-in points are registries).
 
 A backend turns a ``GrammarSpec`` plus an engine tokenizer into a compiled
-grammar and makes matchers from it. Only xgrammar is registered today: it
-covers every ``GrammarKind`` (Lark through ``xgrammar.Grammar.from_lark``) and
-its matcher supports rollback, which the draft-mask walk needs. llguidance is
-used by the benchmark as a comparison, not as a serving backend.
+grammar and makes matchers from it. Two engines are registered: xgrammar
+(every ``GrammarKind``) and llguidance (``backends_llguidance``: JSON schema,
+any-JSON, regex, Lark). Both matchers support unbounded rollback, which the
+draft-mask walk needs, and fill the same bitmask rows.
+
+The service compiles through ``SelectingBackend`` ("auto"): per grammar it
+picks the first engine in ``SELECTION_ORDER`` that enforces it exactly (each
+engine refuses, with a reason, what it would not enforce) and records which one
+on the compiled grammar; a spec naming a backend gets that one or its refusal.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from mask_service.backends_llguidance import LLGuidanceBackend
 from mask_service.errors import GrammarError
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.schema_check import check_schema
@@ -132,5 +140,85 @@ class XGrammarBackend:
         return xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
 
 
-BACKENDS: dict[str, GrammarBackend] = {"xgrammar": XGrammarBackend()}
-DEFAULT_BACKEND = "xgrammar"
+@dataclass(frozen=True)
+class EngineCompilers:
+    """One lazily-built compiler per engine for one (tokenizer, vocab size)."""
+
+    tokenizer_info: Any  # xgrammar.TokenizerInfo
+    max_threads: int
+    built: dict[str, Any] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def get(self, name: str) -> Any:
+        with self.lock:
+            comp = self.built.get(name)
+            if comp is None:
+                comp = ENGINES[name].make_compiler(self.tokenizer_info, self.max_threads)  # type: ignore[attr-defined]
+                self.built[name] = comp
+            return comp
+
+
+@dataclass(frozen=True)
+class SelectedGrammar:
+    """A compiled grammar and the engine that compiled it (what sessions and the servicer read)."""
+
+    backend: str
+    compiled: Any  # the engine's compiled grammar
+    reasons: tuple[str, ...] = ()  # why engines earlier in the order refused it
+
+    @property
+    def tokenizer_info(self) -> Any:
+        return self.compiled.tokenizer_info
+
+    @property
+    def memory_size_bytes(self) -> int:
+        return int(self.compiled.memory_size_bytes)
+
+
+# xgrammar first: where both enforce a grammar exactly, xgrammar's masks are cheaper
+# (README "Grammar backends": measured per-row cost of each on the same schemas).
+SELECTION_ORDER = ("xgrammar", "llguidance")
+# Kinds that fall through to the next engine when the first refuses. JSON schema only:
+# a regex or Lark text xgrammar rejects is a syntax error for the caller to fix, and
+# the engines' regex/Lark dialects differ, so another engine accepting it is no safer.
+_FALLBACK_KINDS = frozenset({GrammarKind.JSON_SCHEMA})
+
+
+class SelectingBackend:
+    """Picks an engine per grammar (deterministic: fixed order, first that accepts)."""
+
+    name = "auto"
+
+    @staticmethod
+    def make_compiler(tokenizer_info: Any, max_threads: int) -> EngineCompilers:
+        return EngineCompilers(tokenizer_info, max_threads)
+
+    def compile(self, compilers: EngineCompilers, spec: GrammarSpec) -> SelectedGrammar:
+        if spec.backend:
+            if spec.backend not in ENGINES:
+                raise GrammarError(f"unknown grammar backend {spec.backend!r}; known: {', '.join(sorted(ENGINES))}")
+            return SelectedGrammar(spec.backend, ENGINES[spec.backend].compile(compilers.get(spec.backend), spec))
+        order = SELECTION_ORDER if spec.kind in _FALLBACK_KINDS else SELECTION_ORDER[:1]
+        reasons: list[str] = []
+        for name in order:
+            try:
+                return SelectedGrammar(name, ENGINES[name].compile(compilers.get(name), spec), tuple(reasons))
+            except GrammarError as exc:
+                reasons.append(f"{name}: {exc.message}")
+        if len(reasons) == 1:
+            raise GrammarError(reasons[0].split(": ", 1)[1])
+        # xgrammar's reason first, so its wording (tests, clients) is unchanged.
+        raise GrammarError("; ".join(reasons))
+
+    def new_matcher(self, compiled: SelectedGrammar) -> Any:
+        return ENGINES[compiled.backend].new_matcher(compiled.compiled)
+
+
+def engine_name(compiled: Any, backend: GrammarBackend) -> str:
+    """The engine behind a compiled grammar: the selected one under "auto", else the backend itself."""
+    return compiled.backend if isinstance(compiled, SelectedGrammar) else backend.name
+
+
+ENGINES: dict[str, GrammarBackend] = {"xgrammar": XGrammarBackend(), "llguidance": LLGuidanceBackend()}
+BACKENDS: dict[str, GrammarBackend] = {**ENGINES, "auto": SelectingBackend()}
+DEFAULT_BACKEND = "auto"

@@ -17,7 +17,13 @@ _FROM_PB = {v: k for k, v in _TO_PB.items()}
 
 
 def grammar_to_proto(spec: GrammarSpec) -> pb.Grammar:
-    msg = pb.Grammar(kind=_TO_PB[spec.kind], text=spec.text, any_whitespace=spec.any_whitespace, strict=spec.strict)  # type: ignore[arg-type]
+    msg = pb.Grammar(
+        kind=_TO_PB[spec.kind],  # type: ignore[arg-type]
+        text=spec.text,
+        any_whitespace=spec.any_whitespace,
+        strict=spec.strict,
+        backend=spec.backend,
+    )
     if spec.separators is not None:
         msg.has_separators = True
         msg.item_separator, msg.key_separator = spec.separators
@@ -29,4 +35,11 @@ def grammar_from_proto(msg: pb.Grammar) -> GrammarSpec:
     if kind is None:
         raise InvalidArgument(f"grammar kind {msg.kind} is unspecified or unknown")
     seps = (msg.item_separator, msg.key_separator) if msg.has_separators else None
-    return GrammarSpec(kind=kind, text=msg.text, any_whitespace=msg.any_whitespace, separators=seps, strict=msg.strict)
+    return GrammarSpec(
+        kind=kind,
+        text=msg.text,
+        any_whitespace=msg.any_whitespace,
+        separators=seps,
+        strict=msg.strict,
+        backend=msg.backend,
+    )

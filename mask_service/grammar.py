@@ -36,6 +36,7 @@ class GrammarSpec:
     any_whitespace: bool = False  # JSON: allow arbitrary whitespace between tokens
     separators: tuple[str, str] | None = None  # JSON: (item sep, key sep), e.g. (",", ":")
     strict: bool = True  # JSON schema: no additional properties unless the schema allows them
+    backend: str = ""  # grammar engine to use ("xgrammar", "llguidance"); "" = the service picks (backends.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, GrammarKind):
@@ -61,6 +62,7 @@ class GrammarSpec:
                 self.any_whitespace if is_json else None,
                 list(self.effective_separators()) if is_json else None,
                 self.strict if self.kind is GrammarKind.JSON_SCHEMA else None,
+                *([self.backend] if self.backend else []),  # absent when unset: keys of older specs unchanged
             ],
             separators=(",", ":"),
         )

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import grpc
 
 from mask_service import metrics
+from mask_service.backends import engine_name
 from mask_service.compiler_cache import CompilerCache
 from mask_service.convert import grammar_from_proto
 from mask_service.draft_masks import DraftMaskEngine, DraftRequest
@@ -82,7 +83,9 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
     ) -> pb.ValidateGrammarResponse:
         def run() -> pb.ValidateGrammarResponse:
             entry, hit = self._compile(request.target, context)
-            return pb.ValidateGrammarResponse(compiled_bytes=entry.size_bytes, cache_hit=hit)
+            return pb.ValidateGrammarResponse(
+                compiled_bytes=entry.size_bytes, cache_hit=hit, backend=engine_name(entry.compiled, entry.backend)
+            )
 
         return self._guard(context, run, "ValidateGrammar")
 
@@ -94,7 +97,11 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
             logger.info("session %s opened (tokenizer %s)", s.session_id, request.target.tokenizer_id)
             stops = list(entry.compiled.tokenizer_info.stop_token_ids)
             return pb.OpenSessionResponse(
-                session_id=s.session_id, vocab_size=s.vocab_size, num_mask_words=s.num_mask_words, stop_token_ids=stops
+                session_id=s.session_id,
+                vocab_size=s.vocab_size,
+                num_mask_words=s.num_mask_words,
+                stop_token_ids=stops,
+                backend=engine_name(entry.compiled, entry.backend),
             )
 
         return self._guard(context, run, "OpenSession")

@@ -30,11 +30,15 @@ REFUSED_SCHEMAS = [
     {"type": "array", "uniqueItems": True},
     {"type": "object", "dependencies": {"a": ["b"]}},
     {"type": "object", "properties": {"x": {"type": "array", "contains": {"type": "integer"}}}},
-    {"type": "integer", "multipleOf": 3},
     {"$ref": "https://example.com/schema.json"},
     {"type": "string", "pattern": "^(?!abc).*$"},
     {"type": "object", "patternProperties": {"(?<=a)b": {"type": "integer"}}},
     {"$defs": {"a": {"not": {}}}, "$ref": "#/$defs/a"},
+]
+# xgrammar does not enforce these; llguidance does (instance-checked by bench.coverage
+# and tests/mask_service/test_llguidance_backend.py), so the service picks it.
+REFUSED_BY_XGRAMMAR_ONLY = [
+    {"type": "integer", "multipleOf": 3},
     {"type": "string", "pattern": "^[a-z]+$", "maxLength": 5},
 ]
 
@@ -55,6 +59,13 @@ def test_invalid_grammars(client: MaskServiceClient, bpe_id: str) -> None:
         spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema))
         err = _assert_code(lambda: client.open_session(bpe_id, spec), grpc.StatusCode.INVALID_ARGUMENT)
         assert "unsupported" in err.message or "lookaround" in err.message
+    for schema in REFUSED_BY_XGRAMMAR_ONLY:
+        spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema), backend="xgrammar")
+        err = _assert_code(lambda: client.open_session(bpe_id, spec), grpc.StatusCode.INVALID_ARGUMENT)
+        assert "unsupported" in err.message
+        info = client.open_session_info(bpe_id, GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema)))
+        assert info.backend == "llguidance"
+        client.close_session(info.session_id)
     # Allowed: local refs, annotations, uniqueItems false.
     client.validate_grammar(
         bpe_id,

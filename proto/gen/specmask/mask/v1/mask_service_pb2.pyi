@@ -87,6 +87,7 @@ class Grammar(_message.Message):
     ITEM_SEPARATOR_FIELD_NUMBER: _builtins.int
     KEY_SEPARATOR_FIELD_NUMBER: _builtins.int
     STRICT_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
     kind: Global___GrammarKind.ValueType
     text: _builtins.str
     """schema JSON / regex / grammar; empty for ANY_JSON"""
@@ -98,6 +99,10 @@ class Grammar(_message.Message):
     key_separator: _builtins.str
     strict: _builtins.bool
     """JSON schema: no undeclared properties"""
+    backend: _builtins.str
+    """Grammar engine: "" = the service picks the first of xgrammar, llguidance that
+    enforces the grammar exactly; "xgrammar" / "llguidance" = that one or its refusal.
+    """
     def __init__(
         self,
         *,
@@ -108,10 +113,11 @@ class Grammar(_message.Message):
         item_separator: _builtins.str = ...,
         key_separator: _builtins.str = ...,
         strict: _builtins.bool = ...,
+        backend: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["any_whitespace", b"any_whitespace", "has_separators", b"has_separators", "item_separator", b"item_separator", "key_separator", b"key_separator", "kind", b"kind", "strict", b"strict", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["any_whitespace", b"any_whitespace", "backend", b"backend", "has_separators", b"has_separators", "item_separator", b"item_separator", "key_separator", b"key_separator", "kind", b"kind", "strict", b"strict", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -171,17 +177,21 @@ class ValidateGrammarResponse(_message.Message):
 
     COMPILED_BYTES_FIELD_NUMBER: _builtins.int
     CACHE_HIT_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
     compiled_bytes: _builtins.int
     cache_hit: _builtins.bool
+    backend: _builtins.str
+    """the engine that compiled it ("xgrammar" / "llguidance")"""
     def __init__(
         self,
         *,
         compiled_bytes: _builtins.int = ...,
         cache_hit: _builtins.bool = ...,
+        backend: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_hit", b"cache_hit", "compiled_bytes", b"compiled_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "cache_hit", b"cache_hit", "compiled_bytes", b"compiled_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -222,9 +232,12 @@ class OpenSessionResponse(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     NUM_MASK_WORDS_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     vocab_size: _builtins.int
     num_mask_words: _builtins.int
+    backend: _builtins.str
+    """the engine enforcing this session's grammar"""
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -234,10 +247,11 @@ class OpenSessionResponse(_message.Message):
         vocab_size: _builtins.int = ...,
         num_mask_words: _builtins.int = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        backend: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_mask_words", b"num_mask_words", "session_id", b"session_id", "stop_token_ids", b"stop_token_ids", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "num_mask_words", b"num_mask_words", "session_id", b"session_id", "stop_token_ids", b"stop_token_ids", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
