@@ -50,6 +50,8 @@ class OrchestratorConfig:
     ray_address: str = "local"  # "local" = start (or join) an in-process Ray; else a Ray address
     num_workers: int = 1
     metrics_port: int | None = None  # Prometheus endpoint; None = off, 0 = pick a free port
+    http_port: int | None = None  # OpenAI-compatible HTTP API; None = off, 0 = pick a free port
+    served_model_name: str | None = None  # the model id of the HTTP API; None = the target dir's name
     max_queue: int = DEFAULT_MAX_QUEUE
     max_batch: int = DEFAULT_MAX_BATCH  # per worker
     max_k: int = DEFAULT_MAX_K

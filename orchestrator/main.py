@@ -39,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-workers", type=int, default=1, help="GPU worker actors")
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (omit: off)")
     parser.add_argument(
+        "--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API port (0 = pick a free one, -1 = off)"
+    )
+    parser.add_argument(
+        "--served-model-name", default=None, help="model id of the HTTP API (default: the --target dir's name)"
+    )
+    parser.add_argument(
         "--max-queue",
         type=int,
         default=cfg.DEFAULT_MAX_QUEUE,
@@ -80,6 +86,8 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         ray_address=args.ray_address,
         num_workers=args.num_workers,
         metrics_port=args.metrics_port,
+        http_port=None if args.http_port < 0 else args.http_port,
+        served_model_name=args.served_model_name,
         max_queue=args.max_queue,
         max_batch=args.max_batch,
         max_k=args.max_k,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -26,6 +27,9 @@ from orchestrator.servicer import OrchestratorServicer, add_to_server
 from orchestrator.validation import RequestValidator, ServingDefaults
 from orchestrator.worker_pool import connect_ray, start_workers, stop_workers
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+
+if TYPE_CHECKING:
+    from orchestrator.http.app import HttpFrontDoor
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +65,8 @@ class OrchestratorServer:
         self.engine = engine
         self.metrics = metrics
         self.metrics_port: int | None = None
+        self.http: HttpFrontDoor | None = None  # the OpenAI-compatible API, when config.http_port is set
+        self.http_port: int | None = None
         self._health = health_servicer
         self._grammar_checker = grammar_checker
         self._slots = slots
@@ -81,6 +87,8 @@ class OrchestratorServer:
             logger.info("metrics on http://%s:%d/metrics", self.config.host, self.metrics_port)
         self.engine.start()
         await self.grpc_server.start()
+        if self.http is not None:
+            self.http_port = await self.http.start()
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -91,7 +99,8 @@ class OrchestratorServer:
         self._stopped = True
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         await self._health.enter_graceful_shutdown()
-        await self.grpc_server.stop(grace)
+        http_stop = [self.http.stop()] if self.http is not None else []
+        await asyncio.gather(self.grpc_server.stop(grace), *http_stop)
         await self.engine.stop()
         self._grammar_checker.close()
         await asyncio.to_thread(stop_workers, self.worker_actors)
@@ -150,6 +159,10 @@ async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer,
         server = OrchestratorServer(config, grpc_server, engine, health_servicer, metrics, checker, slots)
         engine.set_health_listener(server._on_health_change)
         add_to_server(OrchestratorServicer(engine, metrics), grpc_server, SERVICE_NAME)
+        if config.http_port is not None:
+            from orchestrator.http.app import front_door_for  # aiohttp only when the HTTP API is on
+
+            server.http = front_door_for(config, engine, metrics, info.max_model_len)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server)
         port = grpc_server.add_insecure_port(join_host_port(config.host, config.port))

@@ -26,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft", default=None, metavar="DIR", help="draft model dir (default: the toy pair's)")
     parser.add_argument("--port", type=int, default=50051, help="orchestrator API port")
     parser.add_argument("--metrics-port", type=int, default=9464, help="Prometheus port (-1 = off)")
+    parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API port (-1 = off)")
     parser.add_argument("--mask-replicas", type=int, default=1, help="mask-service processes")
     parser.add_argument("--num-workers", type=int, default=1, help="GPU worker actors")
     parser.add_argument("--max-queue", type=int, default=cfg.DEFAULT_MAX_QUEUE)
@@ -33,13 +34,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
 
 
-async def _up(stack: StackConfig, max_queue: int) -> None:
-    async with running_stack(stack, max_queue=max_queue) as running:
+async def _up(stack: StackConfig, max_queue: int, http_port: int | None = None) -> None:
+    async with running_stack(stack, max_queue=max_queue, http_port=http_port) as running:
         stop = asyncio.Event()
         install_stop_signals(stop)  # after ray.init, which installs its own SIGTERM handler
         metrics = running.server.metrics_port
         print(
             f"specmask is up: API {running.address}"
+            + (f", OpenAI API http://127.0.0.1:{running.server.http_port}/v1" if running.server.http_port else "")
             + (f", metrics http://127.0.0.1:{metrics}/metrics" if metrics else "")
             + f", mask service {', '.join(p.address for p in running.mask_services)}"
             + f", {stack.num_workers} worker(s). Ctrl-C to stop.",
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         log_dir=args.log_dir,
     )
     try:
-        asyncio.run(_up(stack, args.max_queue))
+        asyncio.run(_up(stack, args.max_queue, None if args.http_port < 0 else args.http_port))
     except KeyboardInterrupt:  # Ctrl-C while starting: running_stack has cleaned up
         return 130
     return 0

@@ -44,7 +44,10 @@ IMAGES: dict[str, dict] = {
     # The orchestrator is a Ray client: its ray and Python minor version must
     # equal the cluster's (gpu-worker image).
     "orchestrator": {
-        "roots": SPECMASK_BASE + XGRAMMAR_IMPORT_DEPS + ["ray", "tokenizers", "safetensors"],
+        # aiohttp, pydantic, jinja2: the OpenAI-compatible HTTP API (orchestrator/http).
+        "roots": SPECMASK_BASE
+        + XGRAMMAR_IMPORT_DEPS
+        + ["ray", "tokenizers", "safetensors", "aiohttp", "pydantic", "jinja2"],
         "header": [CPU_TORCH_INDEX],
     },
     # torch here is the PyPI CUDA build; it pins its nvidia-* libraries and

@@ -32,6 +32,7 @@ def stack(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
         metrics_port=0,
         log_dir=str(tmp_path_factory.mktemp("e2e-logs")),
     )
-    s = ThreadStack(config, max_batch=MAX_BATCH, max_queue=MAX_QUEUE, default_max_tokens=64).start()
+    # http_port=0: the OpenAI-compatible API on a free port too (test_e2e_http.py).
+    s = ThreadStack(config, max_batch=MAX_BATCH, max_queue=MAX_QUEUE, default_max_tokens=64, http_port=0).start()
     yield s
     s.stop()

@@ -1,0 +1,8 @@
+"""The OpenAI-compatible HTTP front door of the orchestrator (beside the gRPC one, same engine).
+
+Modules: ``app`` (the aiohttp application and its lifecycle), ``routes`` (the
+handlers), ``protocol`` (request bodies), ``translate`` (OpenAI request ->
+``GenerationRequest``), ``tools`` (tool calls as a grammar), ``prompting``
+(chat messages -> prompt text), ``responses`` (response and chunk bodies),
+``sse`` (Server-Sent Events), ``errors`` (OpenAI error objects and HTTP codes).
+"""

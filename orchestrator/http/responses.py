@@ -1,0 +1,114 @@
+"""Response and stream-chunk bodies in OpenAI's shapes (plain dicts, serialised once by the caller).
+
+Finish reasons: only the ones in ``FINISH_REASONS`` are successes. Every
+other reason (``ERROR``, ``CANCELLED`` by a shutdown, and any reason added
+later, such as an output that failed its end-of-request grammar check) is an
+error response, never a 200 with text: ``finish_error`` says which.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpu_worker.types import FinishReason
+from orchestrator.http.errors import GENERATION_FAILED, UNAVAILABLE, ApiError
+from orchestrator.types import Usage
+
+# Engine finish reason -> OpenAI finish_reason, for the reasons that are a success.
+FINISH_REASONS: dict[FinishReason, str] = {
+    FinishReason.STOP: "stop",
+    FinishReason.GRAMMAR_COMPLETE: "stop",
+    FinishReason.LENGTH: "length",
+}
+USAGE_EXTENSION_KEY = "specmask"
+
+
+def finish_error(reason: FinishReason, error: str | None) -> ApiError | None:
+    """None for a successful finish, else the error the client gets instead of the output."""
+    if reason in FINISH_REASONS:
+        return None
+    if reason is FinishReason.CANCELLED:
+        return ApiError(UNAVAILABLE, "the request was cancelled: the server is shutting down")
+    detail = f": {error}" if error else ""
+    return ApiError(GENERATION_FAILED, f"generation failed ({reason.value}){detail}")
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        USAGE_EXTENSION_KEY: {
+            "target_forwards": usage.target_forwards,
+            "drafts_proposed": usage.drafts_proposed,
+            "drafts_accepted": usage.drafts_accepted,
+            "acceptance_rate": usage.acceptance_rate,
+            "tokens_per_target_forward": usage.tokens_per_target_forward,
+            "mask_time_s": usage.mask_time_s,
+        },
+    }
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What every body of one response shares."""
+
+    id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def chat_completion(env: Envelope, message: dict[str, Any], finish_reason: str, usage: Usage) -> dict[str, Any]:
+    return {
+        "id": env.id,
+        "object": "chat.completion",
+        "created": env.created,
+        "model": env.model,
+        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage_body(usage),
+    }
+
+
+def chat_chunk(env: Envelope, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
+    return {
+        "id": env.id,
+        "object": "chat.completion.chunk",
+        "created": env.created,
+        "model": env.model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def completion(env: Envelope, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+    return {
+        "id": env.id,
+        "object": "text_completion",
+        "created": env.created,
+        "model": env.model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+        "usage": usage_body(usage),
+    }
+
+
+def completion_chunk(env: Envelope, text: str, finish_reason: str | None = None) -> dict[str, Any]:
+    return {
+        "id": env.id,
+        "object": "text_completion",
+        "created": env.created,
+        "model": env.model,
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+    }
+
+
+def usage_chunk(env: Envelope, obj: str, usage: Usage) -> dict[str, Any]:
+    """The final chunk of ``stream_options.include_usage``: no choices, the whole usage."""
+    return {
+        "id": env.id,
+        "object": obj,
+        "created": env.created,
+        "model": env.model,
+        "choices": [],
+        "usage": usage_body(usage),
+    }

@@ -1,0 +1,263 @@
+"""HTTP handlers: parse, translate, submit to the engine, answer (JSON or SSE). No generation logic.
+
+Every request goes through ``Engine.submit`` like a gRPC one (same admission
+bound, validation, batching) and ends with ``Engine.cancel`` in a ``finally``:
+a no-op for a finished request, and the cancellation path when the client goes
+away (aiohttp cancels the handler on disconnect, ``handler_cancellation=True``),
+which frees the request's KV cache and mask session on its worker.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from gpu_worker.types import FinishReason
+from orchestrator.engine import Engine
+from orchestrator.errors import RequestError
+from orchestrator.http import responses as rsp
+from orchestrator.http import tools, translate
+from orchestrator.http.errors import GENERATION_FAILED, NOT_FOUND, ApiError
+from orchestrator.http.prompting import ChatPrompter
+from orchestrator.http.protocol import ChatCompletionRequest, CompletionRequest
+from orchestrator.http.sse import EventStream
+from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.request import Request
+from orchestrator.types import GenerationResult, Usage
+from orchestrator.validation import RequestValidator
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+_MAX_ERRORS_SHOWN = 5
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def parse_body(request: web.Request, model: type[Body]) -> Body:
+    raw = await request.read()
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError.invalid(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ApiError.invalid("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        parts = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in errors[:_MAX_ERRORS_SHOWN]]
+        more = f" (and {len(errors) - _MAX_ERRORS_SHOWN} more)" if len(errors) > _MAX_ERRORS_SHOWN else ""
+        param = ".".join(str(p) for p in errors[0]["loc"]) if errors and errors[0]["loc"] else None
+        raise ApiError.invalid("invalid request: " + "; ".join(parts) + more, param=param) from None
+
+
+class OpenAIRoutes:
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: OrchestratorMetrics,
+        prompter: ChatPrompter,
+        *,
+        model_name: str,
+        max_model_len: int,
+    ) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._prompter = prompter
+        self._model = model_name
+        self._max_model_len = max_model_len
+        self._created = int(time.time())
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{model:.+}", self.get_model)
+        app.router.add_get("/health", self.health)
+
+    # ---- metadata --------------------------------------------------------
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self._model,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "specmask",
+            "max_model_len": self._max_model_len,
+        }
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        self._check_model(request.match_info["model"])
+        return web.json_response(self._model_card())
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while a worker serves requests, 503 otherwise (a readiness probe)."""
+        if self._engine.healthy:
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "unavailable"}, status=503)
+
+    def _check_model(self, name: str) -> None:
+        if name != self._model:
+            raise ApiError(NOT_FOUND, f"model {name!r} does not exist; this server serves {self._model!r}")
+
+    # ---- generation ------------------------------------------------------
+
+    def _request_id(self, request: web.Request) -> str:
+        try:
+            return RequestValidator.request_id(request.headers.get(REQUEST_ID_HEADER, ""))
+        except RequestError as exc:
+            raise ApiError.invalid(f"{REQUEST_ID_HEADER}: {exc.message}") from None
+
+    async def _submit(self, translated: translate.Translated) -> Request:
+        try:
+            return await self._engine.submit(translated.request)
+        except RequestError as exc:
+            self._metrics.rejected.labels(code=exc.code.name).inc()
+            logger.info("[request_id=%s] refused (%s): %s", translated.request.request_id, exc.code.name, exc.message)
+            raise ApiError.from_request_error(exc) from None
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await parse_body(request, ChatCompletionRequest)
+        self._check_model(body.model)
+        request_id = self._request_id(request)
+        translated = translate.chat_request(body, request_id, self._prompter)
+        admitted = await self._submit(translated)
+        env = rsp.Envelope(id=f"chatcmpl-{request_id}", model=self._model)
+        headers = {REQUEST_ID_HEADER: request_id}
+        try:
+            if body.stream:
+                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                return await self._stream_chat(request, admitted, env, headers, translated.tool_call, include_usage)
+            result = await admitted.result()
+            _raise_for_finish(result.finish_reason, result.error)
+            message, finish = _chat_message(result.text, result.finish_reason, translated.tool_call)
+            return web.json_response(rsp.chat_completion(env, message, finish, result.usage), headers=headers)
+        finally:
+            self._engine.cancel(admitted.request_id)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await parse_body(request, CompletionRequest)
+        self._check_model(body.model)
+        request_id = self._request_id(request)
+        translated = translate.completion_request(body, request_id)
+        admitted = await self._submit(translated)
+        env = rsp.Envelope(id=f"cmpl-{request_id}", model=self._model)
+        headers = {REQUEST_ID_HEADER: request_id}
+        try:
+            if body.stream:
+                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                return await self._stream_completion(request, admitted, env, headers, include_usage)
+            result: GenerationResult = await admitted.result()
+            _raise_for_finish(result.finish_reason, result.error)
+            finish = rsp.FINISH_REASONS[result.finish_reason]
+            return web.json_response(rsp.completion(env, result.text, finish, result.usage), headers=headers)
+        finally:
+            self._engine.cancel(admitted.request_id)
+
+    # ---- streaming -------------------------------------------------------
+
+    async def _stream_chat(
+        self,
+        request: web.Request,
+        admitted: Request,
+        env: rsp.Envelope,
+        headers: dict[str, str],
+        tool_call: bool,
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        stream = await EventStream.open(request, headers)
+        try:
+            await stream.send(rsp.chat_chunk(env, {"role": "assistant", "content": ""}))
+            held: list[str] = []  # a tool call is sent whole, once it is complete and parsed
+            async for out in admitted.events():
+                if out.text:
+                    if tool_call:
+                        held.append(out.text)
+                    else:
+                        await stream.send(rsp.chat_chunk(env, {"content": out.text}))
+                if not out.finished:
+                    continue
+                assert out.finish_reason is not None and out.usage is not None
+                error = rsp.finish_error(out.finish_reason, out.error)
+                if error is not None:
+                    await stream.error(error)
+                    return stream.response
+                if tool_call:
+                    try:
+                        message, finish = _chat_message("".join(held), out.finish_reason, tool_call)
+                    except ApiError as exc:
+                        await stream.error(exc)
+                        return stream.response
+                    delta = {k: v for k, v in message.items() if k != "role"}
+                    if "tool_calls" in delta:
+                        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
+                    await stream.send(rsp.chat_chunk(env, delta))
+                else:
+                    finish = rsp.FINISH_REASONS[out.finish_reason]
+                await stream.send(rsp.chat_chunk(env, {}, finish))
+                await self._finish_stream(stream, env, "chat.completion.chunk", out.usage, include_usage)
+        except ConnectionResetError:
+            logger.info("[request_id=%s] client went away mid-stream", admitted.request_id)
+        return stream.response
+
+    async def _stream_completion(
+        self,
+        request: web.Request,
+        admitted: Request,
+        env: rsp.Envelope,
+        headers: dict[str, str],
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        stream = await EventStream.open(request, headers)
+        try:
+            async for out in admitted.events():
+                if out.finished:
+                    assert out.finish_reason is not None and out.usage is not None
+                    error = rsp.finish_error(out.finish_reason, out.error)
+                    if error is not None:
+                        await stream.error(error)
+                        return stream.response
+                    finish = rsp.FINISH_REASONS[out.finish_reason]
+                    await stream.send(rsp.completion_chunk(env, out.text, finish))
+                    await self._finish_stream(stream, env, "text_completion", out.usage, include_usage)
+                elif out.text:
+                    await stream.send(rsp.completion_chunk(env, out.text))
+        except ConnectionResetError:
+            logger.info("[request_id=%s] client went away mid-stream", admitted.request_id)
+        return stream.response
+
+    @staticmethod
+    async def _finish_stream(stream: EventStream, env: rsp.Envelope, obj: str, usage: Usage, include: bool) -> None:
+        if include:
+            await stream.send(rsp.usage_chunk(env, obj, usage))
+        await stream.done()
+
+
+def _raise_for_finish(reason: FinishReason, error: str | None) -> None:
+    exc = rsp.finish_error(reason, error)
+    if exc is not None:
+        raise exc
+
+
+def _chat_message(text: str, reason: FinishReason, tool_call: bool) -> tuple[dict[str, Any], str]:
+    """The assistant message and finish_reason of a successful finish.
+
+    A tool call is returned as ``tool_calls`` only when its grammar completed;
+    cut short (length, stop string) it is plain content with that finish reason.
+    """
+    if tool_call and reason is FinishReason.GRAMMAR_COMPLETE:
+        try:
+            call = tools.parse_call(text)
+        except ValueError as exc:  # a complete grammar that does not parse: never a success
+            raise ApiError(GENERATION_FAILED, f"the generated tool call does not parse: {exc}") from None
+        return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+    return {"role": "assistant", "content": text}, rsp.FINISH_REASONS[reason]

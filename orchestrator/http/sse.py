@@ -1,0 +1,46 @@
+"""Server-Sent Events on an aiohttp response: ``data: <json>\\n\\n`` events, then ``data: [DONE]``.
+
+An error after the 200 header went out is sent as one ``data: {"error": ...}``
+event and the stream ends without ``[DONE]`` (the openai SDK raises on such an
+event), so a failed generation never reads as a complete one.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from orchestrator.http.errors import ApiError
+
+_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _encode(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class EventStream:
+    def __init__(self, response: web.StreamResponse) -> None:
+        self._response = response
+
+    @classmethod
+    async def open(cls, request: web.Request, extra_headers: dict[str, str]) -> EventStream:
+        response = web.StreamResponse(status=200, headers={**_HEADERS, **extra_headers})
+        await response.prepare(request)
+        return cls(response)
+
+    async def send(self, obj: Any) -> None:
+        await self._response.write(_encode(obj))
+
+    async def error(self, exc: ApiError) -> None:
+        await self._response.write(_encode(exc.body()))
+
+    async def done(self) -> None:
+        await self._response.write(b"data: [DONE]\n\n")
+        await self._response.write_eof()
+
+    @property
+    def response(self) -> web.StreamResponse:
+        return self._response
