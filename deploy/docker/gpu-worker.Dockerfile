@@ -44,6 +44,9 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 wget \
  && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/venv /opt/venv
+# KubeRay starts Ray with `/bin/bash -lc 'ray start ...'`: a login shell, whose
+# profile may reset PATH; keep the venv on it.
+RUN echo 'export PATH=/opt/venv/bin:$PATH' > /etc/profile.d/specmask-venv.sh
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
     HOME=/home/ray HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 RUN groupadd --system --gid 10001 ray \

@@ -302,6 +302,22 @@ def test_models_mounted_read_only_everywhere(name: str) -> None:
             assert m == {"name": "models", "mountPath": mount_path, "readOnly": True}, pod
 
 
+def test_ray_start_params_extend_the_groups() -> None:
+    docs = render(
+        {
+            "rayCluster": {
+                "head": {"rayStartParams": {"object-store-memory": 100000000, "num-cpus": "4"}},
+                "gpuWorkers": {"rayStartParams": {"object-store-memory": "200000000"}},
+            }
+        }
+    )
+    ray = one(docs, "RayCluster")["spec"]
+    head = ray["headGroupSpec"]["rayStartParams"]
+    assert head["object-store-memory"] == "100000000" and head["dashboard-host"] == "0.0.0.0"
+    assert (head["num-cpus"], head["num-gpus"]) == ("0", "0")  # the head never takes actors
+    assert ray["workerGroupSpecs"][0]["rayStartParams"] == {"object-store-memory": "200000000"}
+
+
 def test_custom_models_paths_reach_the_flags() -> None:
     docs = rendered("custom-models")
     mask = flags(container(one(docs, "Deployment", "-mask")))

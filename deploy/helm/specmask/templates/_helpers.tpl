@@ -107,3 +107,9 @@ readOnlyRootFilesystem: true
 capabilities:
   drop: ["ALL"]
 {{- end }}
+
+{{/* One rayStartParams value as the quoted string KubeRay wants. Helm reads
+YAML numbers as float64 (100000000 -> "1e+08"), so integers go through int64. */}}
+{{- define "specmask.rayParam" -}}
+{{- if and (kindIs "float64" .) (eq (float64 (int64 .)) .) }}{{ int64 . | toString | quote }}{{ else }}{{ . | toString | quote }}{{ end }}
+{{- end }}

@@ -1,0 +1,186 @@
+"""The rendered chart, run: every pod as local processes in its own network namespace.
+
+See tests/deploy/pods.py for what stands in for the cluster. The release is
+rendered with the tiny local model pair, its Deployments and RayCluster groups
+are started with the images' commands plus the rendered args, the kubelet's
+probes run until every pod is Ready, then a schema-constrained request goes to
+the orchestrator Service from outside the namespaces; then one mask pod is
+killed and requests must still complete (the router fails over, then the
+headless Service drops the dead pod).
+
+Needs root (network and mount namespaces); skips with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from tests.deploy.pods import Cluster, Pod, netns_unavailable_reason
+
+pytestmark = pytest.mark.slow
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk not installed (pip install '.[dev]')")
+pytest.importorskip("ray", reason="ray not installed (pip install '.[gpu]')")
+
+logger = logging.getLogger(__name__)
+
+CHART_DIR = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "specmask"
+RELEASE, NAMESPACE = "sm", "llm"
+READY_TIMEOUT_S = 420.0
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "level": {"enum": ["low", "mid", "high"]},
+        "flags": {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 2},
+    },
+    "required": ["ok", "level", "flags"],
+    "additionalProperties": False,
+}
+# Only what this box needs: a small Ray object store (shared/data/README.md), one
+# mask thread; everything else is the chart's defaults.
+VALUES: dict[str, Any] = {
+    "maskService": {"maskThreads": 1},
+    "orchestrator": {"extraArgs": ["--default-max-tokens=96", "--worker-start-timeout-s=300"]},
+    "rayCluster": {
+        "head": {"rayStartParams": {"object-store-memory": "80000000"}},
+        "gpuWorkers": {"rayStartParams": {"object-store-memory": "80000000"}},
+    },
+}
+
+
+def render(values: dict[str, Any]) -> list[dict[str, Any]]:
+    manifests = helm.Chart.load(str(CHART_DIR)).render(copy.deepcopy(values), name=RELEASE, namespace=NAMESPACE)
+    return [
+        d
+        for path, text in sorted(manifests.items())
+        if not path.endswith("NOTES.txt")
+        for d in yaml.safe_load_all(text)
+        if d
+    ]
+
+
+def replicas_for(docs: list[dict[str, Any]]) -> Any:
+    """A Deployment's pod count: spec.replicas, or its HPA's minReplicas (the HPA owns the count)."""
+
+    def count(dep: dict[str, Any]) -> int:
+        if "replicas" in dep["spec"]:
+            return int(dep["spec"]["replicas"])
+        (hpa,) = [
+            d
+            for d in docs
+            if d["kind"] == "HorizontalPodAutoscaler" and d["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
+        ]
+        return int(hpa["spec"]["minReplicas"])
+
+    return count
+
+
+def kuberay_default_probe(pod: Pod, cluster: Cluster) -> tuple[bool, str]:
+    """Ray containers declare no probes, so KubeRay injects its own: an exec of wget against
+    the dashboard agent (and, on the head, the dashboard's GCS check). Those endpoints exist
+    only with ray[default] (the image has it); a dev venv with minimal Ray has no dashboard,
+    so there the GCS itself is checked with `ray health-check`, inside the pod's namespace."""
+    if "ray.io/node-type" not in pod.labels:
+        return True, "not a Ray pod"
+    head = pod.labels["ray.io/node-type"] == "head"
+    if importlib.util.find_spec("aiohttp_cors") is not None:
+        check = "wget -T 2 -q -O- http://localhost:52365/api/local_raylet_healthz | grep success"
+        if head:
+            check += " && wget -T 2 -q -O- http://localhost:8265/api/gcs_healthz | grep success"
+        spec = {"exec": {"command": ["bash", "-c", check]}, "timeoutSeconds": 5}
+    else:
+        gcs = "127.0.0.1:6379" if head else f"{cluster.services[-1].name}.{NAMESPACE}.svc.cluster.local:6379"
+        spec = {"exec": {"command": [str(Path(sys.prefix) / "bin" / "ray"), "health-check", "--address", gcs]}}
+        spec["timeoutSeconds"] = 20
+    return cluster.probe(pod, spec)
+
+
+def generate(address: str, n: int) -> list[Any]:
+    from orchestrator.client import OrchestratorClient, build_request
+
+    def one(i: int) -> Any:
+        with OrchestratorClient(address) as client:
+            return client.generate(build_request(f"record {i}:\n", schema=SCHEMA, seed=i, max_tokens=96), timeout_s=180)
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def assert_schema_valid(responses: list[Any]) -> None:
+    from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+
+    for r in responses:
+        assert r.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE, (r.finish_reason, r.error, r.text)
+        jsonschema.validate(json.loads(r.text), SCHEMA)
+
+
+@pytest.fixture
+def cluster(request: pytest.FixtureRequest) -> Cluster:
+    reason = netns_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    # Not under /tmp: each pod gets its own /tmp (an emptyDir), which would hide it.
+    workdir = Path(tempfile.mkdtemp(prefix="specmask-pods-", dir="/var/tmp"))
+    os.chmod(workdir, 0o755)
+    c = Cluster(NAMESPACE, workdir, env_overrides={"RAY_USAGE_STATS_ENABLED": "0"})
+
+    def teardown() -> None:
+        c.close()
+        if not os.environ.get("SPECMASK_KEEP_PODS"):  # set it to keep the pods' logs for a look
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    request.addfinalizer(teardown)
+    return c
+
+
+def test_release_runs_as_pods(cluster: Cluster) -> None:
+    from tests.fixtures.tiny_models import build_tiny_model_pair
+
+    models = cluster.workdir / "models"
+    build_tiny_model_pair(models)
+    for path in models.rglob("*"):
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    values = copy.deepcopy(VALUES)
+    values["models"] = {"mountPath": str(models), "volume": {"type": "hostPath", "hostPath": {"path": str(models)}}}
+    docs = render(values)
+    cluster.add_manifests(docs, replicas_for(docs))
+    names = sorted(p.name for p in cluster.pods)
+    assert len([n for n in names if "-mask-" in n]) == 2 and len(names) == 5, names
+    cluster.create_network()
+    for pod in cluster.pods:
+        cluster.start(pod)
+    cluster.run_kubelets(extra_ready=lambda pod: kuberay_default_probe(pod, cluster))
+    cluster.wait_ready(READY_TIMEOUT_S)
+
+    # Liveness passes for every pod that declares it.
+    for pod in cluster.pods:
+        live = pod.containers[0].probes.get("livenessProbe")
+        if live is not None:
+            ok, why = cluster.probe(pod, live)
+            assert ok, f"{pod.name} liveness: {why}"
+
+    orch_svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-orchestrator"))
+    address = cluster.service_address(orch_svc["metadata"]["name"], orch_svc["spec"]["ports"][0]["port"])
+    assert_schema_valid(generate(address, 2))
+
+    # A mask pod dies (SIGKILL, no drain): requests still complete, first through the
+    # router's failover while DNS still names the dead pod, then without it.
+    mask_pods = [p for p in cluster.pods if "-mask-" in p.name]
+    cluster.kill(mask_pods[0])
+    assert_schema_valid(generate(address, 3))
+    cluster.sync_endpoints()
+    assert_schema_valid(generate(address, 2))
