@@ -76,6 +76,7 @@ REQUIRED_WHEELS: dict[str, str] = {
     "xxhash": "xxhash>=3.4",
     "prometheus_client": "prometheus-client>=0.20",
     "numpy": "numpy>=1.26",
+    "jsonschema": "jsonschema>=4.20 (needs jsonschema-specifications, referencing, rpds-py, attrs)",
 }
 CUDA_WHEELS = {"triton": "triton"}
 
