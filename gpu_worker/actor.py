@@ -35,18 +35,11 @@ from gpu_worker.proposers.base import ProposerResources
 from gpu_worker.proposers.registry import build_proposers, order_names
 from gpu_worker.sequence import SequenceState
 from gpu_worker.step import StepRunner
-from gpu_worker.types import FinishReason, NewSequence, StepOutput, WorkerInfo
+from gpu_worker.types import FinishReason, NewSequence, StepOutput, UnknownSequenceError, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
 _SEED_BITS = 63  # kernels take int64 seeds; keep them non-negative
-
-
-class UnknownSequenceError(KeyError):
-    """``remove`` named sequence ids this worker does not hold."""
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0]) if self.args else ""
 
 
 class GpuWorker:

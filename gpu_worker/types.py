@@ -123,3 +123,14 @@ class WorkerInfo:
             other.vocab_size,
             other.max_model_len,
         )
+
+
+class UnknownSequenceError(KeyError):
+    """``remove`` named sequence ids this worker does not hold.
+
+    Defined here, not in actor.py, so the orchestrator can catch it (it crosses
+    Ray as a task error's cause) without importing the worker's torch code.
+    """
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""

@@ -51,8 +51,7 @@ from typing import Any
 
 from ray.exceptions import RayTaskError
 
-from gpu_worker.actor import UnknownSequenceError
-from gpu_worker.types import FinishReason, StepOutput, WorkerInfo
+from gpu_worker.types import FinishReason, StepOutput, UnknownSequenceError, WorkerInfo
 from orchestrator.detokenizer import Decoder
 from orchestrator.errors import DuplicateRequestId, Overloaded, ShuttingDown, Unavailable
 from orchestrator.metrics import OrchestratorMetrics
