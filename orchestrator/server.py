@@ -23,6 +23,7 @@ from orchestrator.config import OrchestratorConfig
 from orchestrator.engine import Engine, EngineConfig, WorkerSlot
 from orchestrator.grammar_check import MaskServiceGrammarChecker
 from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.readiness import MaskTierProbe, Readiness
 from orchestrator.servicer import OrchestratorServicer, add_to_server
 from orchestrator.validation import RequestValidator, ServingDefaults
 from orchestrator.worker_pool import connect_ray, start_workers, stop_workers
@@ -72,6 +73,10 @@ class OrchestratorServer:
         self._slots = slots
         self._stopped = False
         self._background: set[asyncio.Task] = set()  # strong refs: the loop keeps only weak ones
+        # Readiness = a healthy worker AND a reachable mask replica (issue 14).
+        self.readiness = Readiness(
+            lambda: engine.healthy, MaskTierProbe(config.mask_service_addresses), self._on_health_change
+        )
 
     @property
     def info(self) -> WorkerInfo:
@@ -91,6 +96,7 @@ class OrchestratorServer:
             self.http_port = await self.http.start()
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.readiness.start()
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Graceful: NOT_SERVING, let in-flight RPCs finish (bounded), free everything."""
@@ -99,6 +105,7 @@ class OrchestratorServer:
         self._stopped = True
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         await self._health.enter_graceful_shutdown()
+        await self.readiness.stop()
         http_stop = [self.http.stop()] if self.http is not None else []
         await asyncio.gather(self.grpc_server.stop(grace), *http_stop)
         await self.engine.stop()
@@ -157,7 +164,7 @@ async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer,
             ]
         )
         server = OrchestratorServer(config, grpc_server, engine, health_servicer, metrics, checker, slots)
-        engine.set_health_listener(server._on_health_change)
+        engine.set_health_listener(server.readiness.poke)
         add_to_server(OrchestratorServicer(engine, metrics), grpc_server, SERVICE_NAME)
         if config.http_port is not None:
             from orchestrator.http.app import front_door_for  # aiohttp only when the HTTP API is on

@@ -25,6 +25,15 @@ from tests.e2e.stack import (
 pytestmark = pytest.mark.slow
 
 SERVING = 1  # grpc.health.v1 HealthCheckResponse.SERVING
+NOT_SERVING = 2
+
+
+def _wait_health(address: str, want: int, timeout_s: float = 30.0) -> None:
+    """Readiness is probed on a timer (orchestrator.readiness): wait for it to say ``want``."""
+    deadline = time.monotonic() + timeout_s
+    while (status := health_status(address)) != want:
+        assert time.monotonic() < deadline, f"health stayed {status}, expected {want}"
+        time.sleep(0.2)
 
 
 def test_replica_killed_mid_generation(stack: ThreadStack) -> None:
@@ -91,8 +100,9 @@ def test_overload_is_refused_with_resource_exhausted(stack: ThreadStack) -> None
 
 def test_mask_service_down_fails_only_constrained_requests(stack: ThreadStack) -> None:
     """All replicas die mid-generation: grammar requests finish with ERROR (the worker reports it
-    per sequence), unconstrained neighbours in the same batch finish normally, the server keeps
-    serving, and grammar requests work again once a replica is back."""
+    per sequence), unconstrained neighbours in the same batch finish normally, readiness turns
+    NOT_SERVING (issue 14: it used to stay SERVING while every grammar request failed), and once a
+    replica is back readiness returns and grammar requests work again."""
     assert stack.running is not None
     replicas = stack.running.mask_services
     stack.wait_idle()
@@ -119,12 +129,13 @@ def test_mask_service_down_fails_only_constrained_requests(stack: ThreadStack) -
                 assert r.finish_reason == pb.FINISH_REASON_ERROR and r.error, (i, r.finish_reason)
             else:
                 assert r.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH), (i, r.error)
-        assert health_status(stack.address) == SERVING
+        _wait_health(stack.address, NOT_SERVING)
     finally:
         for r in replicas:
             r.start(wait=False)
         for r in replicas:
             r.wait_serving()
+    _wait_health(stack.address, SERVING)
     active, _ = stack.wait_idle()
     assert active == [0, 0]
     stack.assert_replicas_serving()
