@@ -27,6 +27,7 @@ from mask_service.servicer import MaskServicer
 from mask_service.sessions import SessionStore
 from mask_service.tokenizers import TokenizerRegistry
 from mask_service.wire import RowInterner
+from proto import health as health_names
 from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
 from proto.gen.specmask.mask.v1 import mask_service_pb2_grpc as pb_grpc
 
@@ -119,7 +120,9 @@ def build_service(config: MaskServiceConfig, registry: TokenizerRegistry | None 
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set(health_names.READINESS, health_pb2.HealthCheckResponse.SERVING)
+    # The process alone (proto/health.py): what liveness and startup probes ask.
+    health_servicer.set(health_names.LIVENESS, health_pb2.HealthCheckResponse.SERVING)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )

@@ -27,6 +27,7 @@ from orchestrator.readiness import MaskTierProbe, Readiness
 from orchestrator.servicer import OrchestratorServicer, add_to_server
 from orchestrator.validation import RequestValidator, ServingDefaults
 from orchestrator.worker_pool import connect_ray, start_workers, stop_workers
+from proto import health as health_names
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 
 if TYPE_CHECKING:
@@ -94,7 +95,8 @@ class OrchestratorServer:
         await self.grpc_server.start()
         if self.http is not None:
             self.http_port = await self.http.start()
-        for name in ("", SERVICE_NAME):
+        # Liveness is the process alone: it stays SERVING while readiness follows the workers.
+        for name in (health_names.READINESS, SERVICE_NAME, health_names.LIVENESS):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.readiness.start()
 
@@ -115,7 +117,7 @@ class OrchestratorServer:
 
     def _on_health_change(self, healthy: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", SERVICE_NAME):
+        for name in (health_names.READINESS, SERVICE_NAME):  # never LIVENESS: see proto/health.py
             task = asyncio.get_running_loop().create_task(self._health.set(name, status))
             self._background.add(task)
             task.add_done_callback(self._background.discard)

@@ -194,6 +194,17 @@ def test_servers_bind_all_interfaces(suffix: str) -> None:
     assert flags(container(one(ipv6, "Deployment", suffix)))["host"] == "::"
 
 
+@pytest.mark.parametrize("suffix", ["-mask", "-orchestrator"])
+def test_liveness_asks_the_process_readiness_the_dependencies(suffix: str) -> None:
+    """Startup/liveness name the servers' liveness service; readiness asks "" (proto/health.py)."""
+    from proto import health as health_names
+
+    c = container(one(rendered("defaults"), "Deployment", suffix))
+    assert c["startupProbe"]["grpc"]["service"] == health_names.LIVENESS
+    assert c["livenessProbe"]["grpc"]["service"] == health_names.LIVENESS
+    assert c["readinessProbe"]["grpc"].get("service", "") == health_names.READINESS
+
+
 def test_hpa_targets_mask_deployment_and_pdb_selects_it() -> None:
     docs = rendered("defaults")
     dep = one(docs, "Deployment", "-mask")

@@ -14,6 +14,7 @@ import pytest
 
 from orchestrator.client import build_request
 from orchestrator.local_stack import StackConfig, health_status
+from proto import health as health_names
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from tests.e2e.stack import (
     ENDLESS_MAX_TOKENS,
@@ -27,7 +28,7 @@ from tests.e2e.stack import (
 )
 
 pytestmark = pytest.mark.slow
-NOT_SERVING = 2
+SERVING, NOT_SERVING = 1, 2
 
 
 @pytest.fixture(scope="module")
@@ -77,3 +78,6 @@ def test_worker_lost_for_good_releases_its_mask_sessions(stack: ThreadStack) -> 
     # No restart happened (none allowed) and none could have released them.
     assert stack.running.server.engine.worker_health() == [False]
     assert health_status(stack.address) == NOT_SERVING
+    # Readiness is down, liveness is not: a kubelet takes the pod out of the Service
+    # but does not restart it (proto/health.py).
+    assert health_status(stack.address, service=health_names.LIVENESS) == SERVING

@@ -12,6 +12,7 @@ from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.replicas import ReplicaSet, join_host_port, resolve_all, split_host_port
 from mask_service.router import MaskRouter
 from mask_service.server import build_service
+from proto import health as health_names
 from tests.mask_service.service_config import make_config
 
 SCHEMA = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}}))
@@ -41,6 +42,8 @@ def test_server_binds_ipv6_any(bpe_dir, registry) -> None:  # type: ignore[no-un
         from orchestrator.local_stack import health_status
 
         assert health_status(f"[::1]:{handle.port}", timeout_s=10.0) == 1
+        # The liveness name the chart's startup/liveness probes ask (proto/health.py).
+        assert health_status(f"[::1]:{handle.port}", service=health_names.LIVENESS, timeout_s=10.0) == 1
     finally:
         handle.stop(grace_s=0)
 

@@ -113,3 +113,9 @@ YAML numbers as float64 (100000000 -> "1e+08"), so integers go through int64. */
 {{- define "specmask.rayParam" -}}
 {{- if and (kindIs "float64" .) (eq (float64 (int64 .)) .) }}{{ int64 . | toString | quote }}{{ else }}{{ . | toString | quote }}{{ end }}
 {{- end }}
+
+{{/* gRPC health service name for startup/liveness probes: the process alone
+(proto/health.py LIVENESS); readiness probes ask "" (dependencies). */}}
+{{- define "specmask.livenessService" -}}
+specmask.liveness
+{{- end }}
