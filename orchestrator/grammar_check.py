@@ -13,7 +13,7 @@ import grpc
 from mask_service.client import MaskServiceError
 from mask_service.grammar import GrammarSpec
 from mask_service.router import MaskRouter
-from orchestrator.errors import GrammarTimeout, InvalidRequest, Unavailable
+from orchestrator.errors import GrammarTimeout, InvalidRequest, Overloaded, Unavailable
 
 
 class MaskServiceGrammarChecker:
@@ -41,7 +41,9 @@ class MaskServiceGrammarChecker:
             if exc.code is grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise GrammarTimeout(f"grammar validation timed out: {exc.message}") from None
             if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise InvalidRequest(f"grammar exceeds the mask service's limits: {exc.message}") from None
+                # The compile queue is full or the grammar is still compiling: back off and
+                # retry (a grammar over a limit or over budget is INVALID_ARGUMENT above).
+                raise Overloaded(f"mask service busy compiling grammars: {exc.message}") from None
             raise Unavailable(f"mask service could not validate the grammar ({exc.code.name}): {exc.message}") from None
 
     def release_sessions(self, owner: str) -> int:

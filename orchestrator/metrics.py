@@ -15,6 +15,9 @@ from orchestrator.types import Usage
 # Latency buckets spanning a sub-10 ms GPU step to a multi-minute CPU request.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TPS_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
+# One step emits at most k+1 tokens (k <= 16 anywhere in the stack): a request with
+# more tokens than one step can carry spans at least one step after its first token.
+MIN_TOKENS_FOR_RATE = 18
 
 
 class OrchestratorMetrics:
@@ -148,5 +151,8 @@ class OrchestratorMetrics:
         self.prompt_tokens.inc(usage.prompt_tokens)
         if first_token is not None:
             self.time_to_first_token.observe(first_token - arrival)
-            if finish > first_token and usage.completion_tokens > 1:
+            # Tokens arrive in bursts of up to k+1 per step, so over a request of a few
+            # tokens (finish - first_token) may span no step at all: 2 tokens of one burst
+            # read as >5,000 tok/s (issue 14). Shorter requests are not rated.
+            if finish > first_token and usage.completion_tokens >= MIN_TOKENS_FOR_RATE:
                 self.request_tokens_per_second.observe((usage.completion_tokens - 1) / (finish - first_token))
