@@ -43,13 +43,49 @@ would refuse a large share of real schemas.
 
 Annotation-only keywords (``title``, ``description``, ``examples``,
 ``default``, unknown ``format`` values) are not validation and are allowed.
+
+Before any of that (``check_document``, issue 9), the schema must be a valid
+document of its own draft (``$schema``, default 2020-12): it is checked against
+that draft's metaschema (``{"maxLength": -1}`` has no meaning, and xgrammar
+would compile it into a grammar whose output breaks it). It may not nest deeper
+than ``MAX_SCHEMA_DEPTH`` (the checks here recurse), hold a lone surrogate in
+any string (not a character: the engine would emit invalid UTF-8 or fail in
+C++) or a number that is not a finite double (``1e400`` parses as infinity).
+
+Objects (issue 9): xgrammar lets a key that matches a ``patternProperties``
+pattern, a ``propertyNames`` schema or an ``additionalProperties`` schema also
+be a declared property name, and gives a key that matches two patterns the
+schema of either. Refused, because the output could then repeat a declared key
+with a value of the wrong schema, or break one of two patterns' schemas:
+
+* ``patternProperties`` next to ``additionalProperties`` other than ``false``
+  (its key grammar is "any string", declared names and pattern keys included);
+* ``patternProperties`` whose patterns have different subschemas (a key may
+  match several; JSON Schema requires all of them, xgrammar enforces one);
+* a declared property name that a ``patternProperties`` pattern matches (both
+  schemas apply; xgrammar could also emit the name twice);
+* ``propertyNames`` next to ``patternProperties`` (xgrammar drops it), next to
+  declared properties when extra keys are allowed (its key grammar does not
+  exclude declared names), or that a declared name does not satisfy (xgrammar
+  emits declared names as written).
+
+What remains possible, and why it is not a lie: a key that no declared name can
+take (an ``additionalProperties`` key, whose grammar excludes the declared
+names, or a key of the one pattern) may repeat, because a context-free grammar
+cannot remember an unbounded set of keys already emitted. Each repetition's
+value satisfies the same subschema, so the document validates whichever
+duplicate a parser keeps. Declared properties never repeat.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import math
 import re
 from typing import Any
 
+from mask_service.code_points import bad_code_point
 from mask_service.errors import GrammarError
 from mask_service.schema_rewrite import (
     XGRAMMAR_FORMATS,
@@ -59,6 +95,18 @@ from mask_service.schema_rewrite import (
     types_of,
     value_has_type,
 )
+
+logger = logging.getLogger(__name__)
+
+# Deepest nesting of JSON containers (objects/arrays) in a schema document,
+# twice MaskBench's deepest (63). The checks and rewrites here, and jsonschema's
+# metaschema check, recurse several Python frames per level; a schema within
+# this limit that still exhausts the stack (deep ``items`` chains in the
+# metaschema check) is refused with the same reason, never with Python's
+# "maximum recursion depth exceeded". The service's configurable structural
+# limits (issue 14) are checked before this and may be lower.
+MAX_SCHEMA_DEPTH = 128
+NESTING_TOO_DEEP = f"schema nesting too deep (limit {MAX_SCHEMA_DEPTH} nested objects/arrays)"
 
 _REFUSED_KEYWORDS: dict[str, str] = {
     "not": "'not' is not enforced by the grammar engine",
@@ -131,6 +179,9 @@ _VALIDATION_KEYWORDS = frozenset(
 
 
 def _check_regex(regex: str, where: str) -> None:
+    problem = bad_code_point(regex)
+    if problem:
+        raise GrammarError(f"invalid Unicode in the regex at {where}, {problem}")
     if _LOOKAROUND_OR_BACKREF.search(regex):
         raise GrammarError(f"{where}: regex {regex!r} uses lookaround or backreferences, which cannot be enforced")
 
@@ -191,10 +242,78 @@ def _check_required(schema: dict[str, Any], path: str) -> None:
             )
 
 
+def _matches(pattern: str, name: str, where: str) -> bool:
+    """Whether a JSON Schema ``pattern`` (ECMA-262, unanchored) matches ``name``.
+
+    Python's ``re.search`` stands in for ECMA-262 (the same as ``jsonschema``);
+    xgrammar matches a pattern key in full with anchors ignored, a subset of
+    this search. A pattern Python cannot read is assumed to match (refusing is
+    the safe side).
+    """
+    try:
+        return re.search(pattern, name) is not None
+    except re.error:
+        logger.debug("%s: pattern %r unreadable by Python re; assuming it matches %r", where, pattern, name)
+        return True
+
+
+def _check_object_keys(schema: dict[str, Any], path: str, root: Any) -> None:
+    """The key-level refusals listed in the module docstring (patternProperties / propertyNames)."""
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    extra = schema.get("additionalProperties", False)  # absent: no extras (strict), or rewritten to false
+    patterns = schema.get("patternProperties")
+    if isinstance(patterns, dict) and patterns:
+        where = f"{path}/patternProperties"
+        if extra is not False:
+            raise GrammarError(
+                f"unsupported at {where}: patternProperties next to additionalProperties other than false is not "
+                "enforced by the grammar engine (its extra keys may take any name, a pattern's or a declared one); "
+                "set additionalProperties to false or drop patternProperties"
+            )
+        if len({json.dumps(sub, sort_keys=True) for sub in patterns.values()}) > 1:
+            raise GrammarError(
+                f"unsupported at {where}: patternProperties with different subschemas per pattern is not enforced "
+                "by the grammar engine (a key matching several patterns must satisfy all of them; the engine "
+                "enforces one); use one pattern, or the same subschema for every pattern"
+            )
+        for name in props:
+            for pattern in patterns:
+                if isinstance(pattern, str) and _matches(pattern, name, where):
+                    raise GrammarError(
+                        f"unsupported at {where}: declared property {name!r} matches pattern {pattern!r}, which is not "
+                        "enforced by the grammar engine (both subschemas apply, and the key could repeat); make the "
+                        "pattern exclude the declared names"
+                    )
+    names = schema.get("propertyNames")
+    if "propertyNames" not in schema or names is True or names == {}:
+        return
+    where = f"{path}/propertyNames"
+    if isinstance(patterns, dict) and patterns:
+        raise GrammarError(
+            f"unsupported at {where}: propertyNames next to patternProperties is not enforced by the grammar engine "
+            "(it drops propertyNames); put the constraint into the patterns"
+        )
+    if props and extra is not False:
+        raise GrammarError(
+            f"unsupported at {where}: propertyNames next to properties and additionalProperties is not enforced by "
+            "the grammar engine (an extra key could repeat a declared name); set additionalProperties to false"
+        )
+    if props:
+        validator = _validator_class(root)(root if isinstance(root, (dict, bool)) else {}).evolve(schema=names)
+        for name in props:
+            if not validator.is_valid(name):
+                raise GrammarError(
+                    f"unsupported at {where}: declared property {name!r} does not satisfy propertyNames (the grammar "
+                    "engine would emit it anyway); rename it or drop it from properties"
+                )
+
+
 def _check_node(schema: dict[str, Any], path: str, root: Any = None) -> None:
     """Refusals that depend on a schema's keywords together rather than one keyword."""
     _check_winner(schema, path, root)
     _check_required(schema, path)
+    if types_of(schema.get("type")) & {"object", None}:
+        _check_object_keys(schema, path, root)
     all_of = schema.get("allOf")
     if isinstance(all_of, list):
         if len(all_of) > 1:
@@ -255,3 +374,83 @@ def check_schema(schema: Any, path: str = "#", root: Any = None) -> None:
             continue
         if isinstance(value, (dict, list)):
             check_schema(value, where, root)
+
+
+def _validator_class(schema: Any) -> Any:
+    """The jsonschema validator class of a schema's draft (``$schema``; 2020-12 if absent or unknown)."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.validators import validator_for
+
+    return validator_for(schema, default=Draft202012Validator)
+
+
+def _pointer(parts: Any) -> str:
+    return "#" + "".join(f"/{p}" for p in parts)
+
+
+def _lone_surrogate(text: str) -> str | None:
+    for ch in text:
+        if 0xD800 <= ord(ch) <= 0xDFFF:
+            return f"U+{ord(ch):04X}"
+    return None
+
+
+def check_document(schema: Any) -> None:
+    """Refuse a schema document that is too deep, holds invalid Unicode or non-finite numbers.
+
+    Iterative (no recursion), so it is safe on any depth ``json.loads`` returns;
+    run it before everything else here, which recurses.
+    """
+    stack: list[tuple[Any, int, str]] = [(schema, 1, "#")]
+    while stack:
+        value, depth, path = stack.pop()
+        if isinstance(value, str):
+            bad = _lone_surrogate(value)
+            if bad:
+                raise GrammarError(
+                    f"invalid Unicode at {path}: a lone surrogate ({bad}) is not a character and cannot be "
+                    "encoded as UTF-8; use a valid code point (a surrogate pair escapes one character above U+FFFF)"
+                )
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise GrammarError(
+                f"unsupported number at {path}: {value!r} is not a finite number (a literal such as 1e400 "
+                "overflows a double); use a value within about +-1.8e308"
+            )
+        if not isinstance(value, (dict, list)):
+            continue
+        if depth > MAX_SCHEMA_DEPTH:
+            raise GrammarError(NESTING_TOO_DEEP)
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, child in items:
+            where = f"{path}/{key}"
+            if isinstance(key, str) and _lone_surrogate(key):
+                raise GrammarError(
+                    f"invalid Unicode at {path}: the key {key!r} holds a lone surrogate ({_lone_surrogate(key)}), "
+                    "which is not a character and cannot be encoded as UTF-8"
+                )
+            stack.append((child, depth + 1, where))
+
+
+def check_metaschema(schema: Any) -> None:
+    """Refuse a schema that is not a valid document of its draft (``$schema``; default 2020-12).
+
+    Validated against the draft's metaschema *without* format checks: the
+    metaschema marks ``pattern`` as ``format: regex``, and a format checker
+    would refuse ECMA-262 patterns that Python's ``re`` cannot read
+    (``[\\w-.]``), which ``json_regex`` handles.
+    """
+    from jsonschema.exceptions import best_match
+
+    cls = _validator_class(schema)
+    meta_cls = _validator_class(cls.META_SCHEMA)
+    try:
+        error = best_match(meta_cls(cls.META_SCHEMA).iter_errors(schema))
+    except RecursionError:
+        raise GrammarError(f"{NESTING_TOO_DEEP}: it nests too deep to check against its metaschema") from None
+    if error is not None:
+        draft = cls.META_SCHEMA.get("$id") or cls.META_SCHEMA.get("id") or cls.__name__
+        raise GrammarError(
+            f"invalid JSON Schema at {_pointer(error.absolute_path)}: {error.message} "
+            f"(checked against the metaschema of {draft})"
+        )

@@ -29,6 +29,9 @@ Checked by hand against xgrammar 0.2.8 and by tests/mask_service/test_mask_schem
   same for "exactly one of"); a branch's own type is intersected with it, a
   branch's enum/const is filtered to values of that type, and a branch that
   cannot match is dropped. ``type`` next to ``enum`` filters the values.
+* Non-strict mode only (``strict=False``): ``additionalProperties: false`` is
+  added to objects whose extra keys ``patternProperties`` (or ``propertyNames``
+  beside declared properties) govern; see ``_close_keys``.
 
 And one repair on xgrammar's output rather than its input:
 ``minLength``/``maxLength`` strings compile to ``[^"\\\\\\r\\n]{m,n}``, which admits
@@ -228,8 +231,33 @@ def push_type(branches: list[Any], t: Any, root: Any, path: str) -> list[Any]:
     return out
 
 
-def _rewrite_node(node: dict[str, Any], path: str, property_names: bool, root: Any = None) -> dict[str, Any]:
+def _close_keys(out: dict[str, Any]) -> None:
+    """Non-strict mode: an object whose extra keys are governed by patternProperties or propertyNames gets
+    ``additionalProperties: false`` when it has none.
+
+    xgrammar's non-strict grammar for such an object lets an extra key take any
+    name (a pattern's, or a declared property's) with any value, so
+    ``{"a": "x", "a": 5}`` or a pattern key with a value of the wrong type came
+    out (issue 9). With the explicit ``false`` it builds the strict grammar,
+    where extra keys are the pattern keys with the pattern's schema: stricter
+    than "any extra key", never looser. A schema whose own
+    ``additionalProperties`` is false stays false; one with a schema or ``true``
+    next to patternProperties is refused by ``schema_check``.
+    """
+    if "additionalProperties" in out or not types_of(out.get("type")) & {"object", None}:
+        return
+    has_patterns = isinstance(out.get("patternProperties"), dict) and bool(out["patternProperties"])
+    has_names = out.get("propertyNames") not in (None, True, {}) and bool(out.get("properties"))
+    if has_patterns or has_names:
+        out["additionalProperties"] = False
+
+
+def _rewrite_node(
+    node: dict[str, Any], path: str, property_names: bool, root: Any = None, strict: bool = True
+) -> dict[str, Any]:
     out = dict(node)
+    if not strict and not property_names:
+        _close_keys(out)
     if not (_DISPATCH_KEYS & out.keys()):
         inferred = []
         if any(k in out for k in _NUMBER_KEYS) and not property_names:
@@ -270,13 +298,13 @@ def _rewrite_node(node: dict[str, Any], path: str, property_names: bool, root: A
     return out
 
 
-def _walk(schema: Any, path: str, property_names: bool = False, root: Any = None) -> Any:
+def _walk(schema: Any, path: str, property_names: bool = False, root: Any = None, strict: bool = True) -> Any:
     if isinstance(schema, list):
-        return [_walk(sub, f"{path}/{i}", root=root) for i, sub in enumerate(schema)]
+        return [_walk(sub, f"{path}/{i}", root=root, strict=strict) for i, sub in enumerate(schema)]
     if not isinstance(schema, dict):
         return schema
     out: dict[str, Any] = {}
-    for key, value in _rewrite_node(schema, path, property_names, root).items():
+    for key, value in _rewrite_node(schema, path, property_names, root, strict).items():
         where = f"{path}/{key}"
         if key in _DATA_KEYS or key == "pattern":
             out[key] = value
@@ -288,21 +316,23 @@ def _walk(schema: Any, path: str, property_names: bool = False, root: Any = None
                     raise GrammarError(
                         f"unsupported patternProperties at {where}: two keys become {new_name!r} when made JSON-safe"
                     )
-                sub[new_name] = _walk(s, f"{where}/{name}", root=root)
+                sub[new_name] = _walk(s, f"{where}/{name}", root=root, strict=strict)
             out[key] = sub
         elif isinstance(value, (dict, list)):
-            out[key] = _walk(value, where, property_names=key == "propertyNames", root=root)
+            out[key] = _walk(value, where, property_names=key == "propertyNames", root=root, strict=strict)
         else:
             out[key] = value
     return out
 
 
-def rewrite_schema(schema: Any) -> Any:
+def rewrite_schema(schema: Any, strict: bool = True) -> Any:
     """The schema with the rewrites above applied (a new object; the input is not modified).
 
-    Raises GrammarError where a pattern cannot be made JSON-safe.
+    ``strict`` is the service's strict mode (``GrammarSpec.strict``); in
+    non-strict mode ``_close_keys`` applies too. Raises GrammarError where a
+    pattern cannot be made JSON-safe.
     """
-    return _walk(schema, "#", root=schema)
+    return _walk(schema, "#", root=schema, strict=strict)
 
 
 # xgrammar 0.2.8 prints the character rule of a minLength/maxLength string as
