@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from mask_service.backends_llguidance import LLGuidanceBackend
+from mask_service.backends_routing import xgrammar_gap
 from mask_service.errors import GrammarError
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.schema_check import check_schema
@@ -194,21 +195,38 @@ class SelectingBackend:
         return EngineCompilers(tokenizer_info, max_threads)
 
     def compile(self, compilers: EngineCompilers, spec: GrammarSpec) -> SelectedGrammar:
+        precheck(spec)  # issue 9: refusals no engine changes (metaschema, Unicode, depth), said once
         if spec.backend:
             if spec.backend not in ENGINES:
                 raise GrammarError(f"unknown grammar backend {spec.backend!r}; known: {', '.join(sorted(ENGINES))}")
-            return SelectedGrammar(spec.backend, ENGINES[spec.backend].compile(compilers.get(spec.backend), spec))
+            return SelectedGrammar(spec.backend, self._compile_exact(spec.backend, compilers, spec))
         order = SELECTION_ORDER if spec.kind in _FALLBACK_KINDS else SELECTION_ORDER[:1]
         reasons: list[str] = []
         for name in order:
             try:
-                return SelectedGrammar(name, ENGINES[name].compile(compilers.get(name), spec), tuple(reasons))
+                return SelectedGrammar(name, self._compile_exact(name, compilers, spec), tuple(reasons))
             except GrammarError as exc:
                 reasons.append(f"{name}: {exc.message}")
         if len(reasons) == 1:
             raise GrammarError(reasons[0].split(": ", 1)[1])
         # xgrammar's reason first, so its wording (tests, clients) is unchanged.
         raise GrammarError("; ".join(reasons))
+
+    @staticmethod
+    def _compile_exact(name: str, compilers: EngineCompilers, spec: GrammarSpec) -> Any:
+        """The engine's compile, refused first where the engine would not enforce the schema exactly."""
+        if name == "xgrammar" and spec.kind is GrammarKind.JSON_SCHEMA:
+            try:
+                schema = json.loads(spec.text)
+            except (json.JSONDecodeError, RecursionError):
+                schema = None  # the engine reports it
+            gap = xgrammar_gap(schema)
+            if gap:
+                raise GrammarError(f"unsupported at {gap}")
+        compiled = ENGINES[name].compile(compilers.get(name), spec)
+        if name != "xgrammar":  # XGrammarBackend.compile checks its own
+            check_language(ENGINES[name].new_matcher(compiled), compiled.tokenizer_info, spec)
+        return compiled
 
     def new_matcher(self, compiled: SelectedGrammar) -> Any:
         return ENGINES[compiled.backend].new_matcher(compiled.compiled)

@@ -1,0 +1,318 @@
+"""Grammar exactness, instance by instance: which schemas the service accepts, and whether it lies.
+
+    python -m bench.coverage --schemas ../shared/data/maskbench --tokenizer ../shared/data/tokenizers/llama3 \\
+        [--subsets Github_medium,Glaiveai2K] [--backend auto|xgrammar|llguidance] [--limit N]
+    python -m bench.coverage --test-suite ../shared/data/json-schema-test-suite/draft2020-12 \\
+        --tokenizer ../shared/data/tokenizers/llama3 --table
+
+Every schema is compiled through the service's own path (``backends.BACKENDS``,
+the code ``compiler_cache`` runs, in-process). For every accepted schema each
+test instance is serialised the way the grammar expects (compact separators,
+non-ASCII kept raw) in two key orders, the instance's own and the schema's
+``properties`` order (both engines emit properties in schema order), tokenized
+with the real tokenizer, fed token by token to a fresh matcher, and finished
+with a stop token. An instance counts as accepted if either order is.
+
+* valid instance rejected: over-restriction (allowed: strict mode, key order,
+  integer-valued floats such as ``1.0``; counted);
+* invalid instance accepted: a **lie** (goal 0). Each one is printed.
+
+The last line is ``RESULT {json}``: totals plus the same per subset (maskbench:
+the file-name prefix; test suite: the feature file) and per backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_COUNTERS = (
+    "schemas",
+    "accepted",
+    "refused",
+    "crashes",
+    "valid_instances",
+    "valid_accepted",
+    "invalid_instances",
+    "invalid_accepted",
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One schema and its labelled instances."""
+
+    subset: str
+    name: str
+    schema: Any
+    tests: list[tuple[Any, bool]]  # (instance, valid)
+
+
+@dataclass
+class Tally:
+    counts: Counter[str] = field(default_factory=Counter)
+    by_subset: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+    by_backend: Counter[str] = field(default_factory=Counter)
+    refusal_reasons: Counter[str] = field(default_factory=Counter)
+    lies: list[str] = field(default_factory=list)
+
+    def add(self, subset: str, key: str, n: int = 1) -> None:
+        self.counts[key] += n
+        self.by_subset[subset][key] += n
+
+    def result(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: self.counts[k] for k in _COUNTERS}
+        out["accepted_by"] = dict(self.by_backend)
+        out["subsets"] = {s: {k: c[k] for k in _COUNTERS} for s, c in sorted(self.by_subset.items())}
+        return out
+
+
+def maskbench_cases(directory: Path, subsets: list[str] | None) -> Iterator[Case]:
+    for f in sorted(directory.glob("*.json")):
+        subset = f.name.split("---")[0] if "---" in f.name else f.name.split("_")[0]
+        if subsets and not any(f.name.startswith(p) for p in subsets):
+            continue
+        data = json.loads(f.read_text())
+        tests = [(t["data"], bool(t["valid"])) for t in data.get("tests", [])]
+        yield Case(subset, f.stem, data["schema"], tests)
+
+
+def test_suite_cases(directory: Path, subsets: list[str] | None) -> Iterator[Case]:
+    """JSON-Schema-Test-Suite groups: one case per group, subset = the feature file."""
+    for f in sorted(directory.glob("*.json")):
+        if subsets and f.stem not in subsets:
+            continue
+        for i, group in enumerate(json.loads(f.read_text())):
+            tests = [(t["data"], bool(t["valid"])) for t in group["tests"]]
+            yield Case(f.stem, f"{f.stem}#{i} {group['description']}", group["schema"], tests)
+
+
+def _resolve(node: Any, root: Any) -> Any:
+    for _ in range(32):  # $ref chains; cycles stop here
+        if not (isinstance(node, dict) and isinstance(node.get("$ref"), str) and node["$ref"].startswith("#")):
+            return node
+        target: Any = root
+        for part in node["$ref"][1:].split("/")[1:]:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(target, dict) and part in target:
+                target = target[part]
+            elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                target = target[int(part)]
+            else:
+                return node
+        node = target
+    return node
+
+
+def _property_schemas(node: Any, root: Any) -> dict[str, Any]:
+    """Declared properties in the order the grammar emits them (own, then allOf/anyOf/oneOf branches')."""
+    node = _resolve(node, root)
+    if not isinstance(node, dict):
+        return {}
+    props: dict[str, Any] = dict(node["properties"]) if isinstance(node.get("properties"), dict) else {}
+    for comb in ("allOf", "anyOf", "oneOf"):
+        for branch in node.get(comb, []) if isinstance(node.get(comb), list) else []:
+            for k, v in _property_schemas(branch, root).items():
+                props.setdefault(k, v)
+    return props
+
+
+def schema_order(instance: Any, node: Any, root: Any) -> Any:
+    """The instance with object keys in the schema's ``properties`` order (undeclared keys after)."""
+    if isinstance(instance, dict):
+        props = _property_schemas(node, root)
+        resolved = _resolve(node, root)
+        extra = resolved.get("additionalProperties") if isinstance(resolved, dict) else None
+        keys = [k for k in props if k in instance] + [k for k in instance if k not in props]
+        return {k: schema_order(instance[k], props.get(k, extra), root) for k in keys}
+    if isinstance(instance, list):
+        resolved = _resolve(node, root)
+        prefix = resolved.get("prefixItems") if isinstance(resolved, dict) else None
+        items = resolved.get("items") if isinstance(resolved, dict) else None
+        out = []
+        for i, v in enumerate(instance):
+            if isinstance(prefix, list) and i < len(prefix):
+                sub = prefix[i]
+            elif isinstance(items, list):
+                sub = items[i] if i < len(items) else None
+            else:
+                sub = items
+            out.append(schema_order(v, sub, root))
+        return out
+    return instance
+
+
+def serializations(instance: Any, schema: Any) -> list[str]:
+    """The compact texts to try (instance order, schema order); [] if not representable as JSON."""
+    texts = []
+    for candidate in (instance, schema_order(instance, schema, schema)):
+        try:
+            text = json.dumps(candidate, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        except (ValueError, TypeError):
+            return []
+        if text not in texts:
+            texts.append(text)
+    return texts
+
+
+class Checker:
+    """Compiles through the service's backend registry and feeds instances to its matchers."""
+
+    def __init__(self, tokenizer_dir: str, backend: str, strict: bool) -> None:
+        from mask_service.backends import BACKENDS
+        from mask_service.tokenizers import TokenizerRegistry, TokenizerSource
+
+        self.registry = TokenizerRegistry([TokenizerSource(tokenizer_dir)])
+        tid = self.registry.ids()[0]
+        self.hf = self.registry.get(tid).hf_tokenizer
+        self.stop = self.registry.get(tid).stop_token_ids[0]
+        self.backend = BACKENDS["auto"]
+        self.compilers = self.backend.make_compiler(self.registry.info(tid, None), 2)  # type: ignore[attr-defined]
+        self.explicit = "" if backend == "auto" else backend
+        self.strict = strict
+
+    def compile(self, schema: Any) -> Any:
+        from mask_service.grammar import GrammarKind, GrammarSpec
+
+        spec = GrammarSpec(
+            GrammarKind.JSON_SCHEMA, json.dumps(schema, ensure_ascii=False), strict=self.strict, backend=self.explicit
+        )
+        return self.backend.compile(self.compilers, spec)
+
+    def accepts(self, selected: Any, text: str) -> bool:
+        m = self.backend.new_matcher(selected)
+        for t in [*self.hf.encode(text, add_special_tokens=False), self.stop]:
+            if not m.accept_token(t):
+                return False
+        return bool(m.is_terminated())
+
+
+def run_case(checker: Checker, case: Case, tally: Tally, verbose: bool) -> None:
+    from mask_service.backends import SelectedGrammar
+    from mask_service.errors import MaskError
+
+    tally.add(case.subset, "schemas")
+    try:
+        selected = checker.compile(case.schema)
+    except MaskError as exc:
+        tally.add(case.subset, "refused")
+        tally.refusal_reasons[_reason_key(exc.message)] += 1
+        if verbose:
+            print(f"refused {case.name}: {exc.message[:200]}")
+        return
+    except Exception as exc:
+        tally.add(case.subset, "crashes")
+        print(f"CRASH compiling {case.name}: {type(exc).__name__}: {exc}"[:400])
+        return
+    tally.add(case.subset, "accepted")
+    backend = selected.backend if isinstance(selected, SelectedGrammar) else checker.explicit
+    tally.by_backend[backend] += 1
+    for instance, valid in case.tests:
+        texts = serializations(instance, case.schema)
+        if not texts:
+            continue
+        try:
+            ok = any(checker.accepts(selected, t) for t in texts)
+        except Exception as exc:
+            tally.add(case.subset, "crashes")
+            print(f"CRASH matching {case.name}: {type(exc).__name__}: {exc}"[:400])
+            continue
+        tally.add(case.subset, "valid_instances" if valid else "invalid_instances")
+        if valid and ok:
+            tally.add(case.subset, "valid_accepted")
+        elif not valid and ok:
+            tally.add(case.subset, "invalid_accepted")
+            lie = f"LIE [{backend}] {case.name}: accepts invalid {texts[0][:200]}"
+            tally.lies.append(lie)
+            print(lie)
+        elif valid and verbose:
+            print(f"over-restricts [{backend}] {case.name}: rejects valid {texts[0][:160]}")
+
+
+def _reason_key(message: str) -> str:
+    """A short bucket for a refusal message (its first engine's first clause)."""
+    first = message.split("; llguidance:", 1)[0]
+    for marker in (": '", "keyword at"):
+        if marker in first:
+            break
+    return first[:90]
+
+
+def feature_table(result: dict[str, Any]) -> str:
+    """Markdown: per test-suite feature, groups enforced / refused / lied and instance counts."""
+    lines = [
+        "| feature | groups | accepted | refused | groups that lied | invalid accepted | valid rejected |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, c in result["subsets"].items():
+        lines.append(
+            f"| {name} | {c['schemas']} | {c['accepted']} | {c['refused']} | {c.get('lied_groups', 0)} | "
+            f"{c['invalid_accepted']}/{c['invalid_instances']} | "
+            f"{c['valid_instances'] - c['valid_accepted']}/{c['valid_instances']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--schemas", help="maskbench-style directory: one {schema, tests} JSON per file")
+    src.add_argument("--test-suite", help="a JSON-Schema-Test-Suite draft directory (e.g. .../draft2020-12)")
+    ap.add_argument("--tokenizer", required=True, help="tokenizer directory (tokenizer.json)")
+    ap.add_argument("--subsets", default="", help="comma-separated file-name prefixes (maskbench) or feature names")
+    ap.add_argument("--backend", default="auto", choices=["auto", "xgrammar", "llguidance"])
+    ap.add_argument("--limit", type=int, default=0, help="stop after this many schemas (0: all)")
+    ap.add_argument(
+        "--strict",
+        choices=["on", "off", "default"],
+        default="default",
+        help="strict mode (no undeclared properties); default: on for maskbench, off for the test suite",
+    )
+    ap.add_argument("--table", action="store_true", help="print the per-subset table as markdown")
+    ap.add_argument("--verbose", action="store_true", help="print every refusal and over-restriction")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    subsets = [s for s in args.subsets.split(",") if s] or None
+    if args.schemas:
+        cases = maskbench_cases(Path(args.schemas), subsets)
+        strict = args.strict != "off"
+    else:
+        cases = test_suite_cases(Path(args.test_suite), subsets)
+        strict = args.strict == "on"  # the suite's instances follow plain JSON-Schema semantics
+    checker = Checker(args.tokenizer, args.backend, strict)
+    tally = Tally()
+    t0 = time.perf_counter()
+    for i, case in enumerate(cases):
+        if args.limit and i >= args.limit:
+            break
+        lies_before = len(tally.lies)
+        run_case(checker, case, tally, args.verbose)
+        if len(tally.lies) > lies_before:
+            tally.by_subset[case.subset]["lied_groups"] += 1
+        if (i + 1) % 500 == 0:
+            print(f"... {i + 1} schemas, {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+    result = tally.result()
+    result["strict"] = strict
+    result["backend"] = args.backend
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    result["top_refusals"] = dict(tally.refusal_reasons.most_common(15))
+    if args.table:
+        for name, c in tally.by_subset.items():
+            result["subsets"][name]["lied_groups"] = c["lied_groups"]
+        print(feature_table(result))
+    print("RESULT " + json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

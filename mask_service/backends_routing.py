@@ -1,0 +1,66 @@
+"""Which engine may take a JSON schema: constructs xgrammar compiles but does not enforce exactly.
+
+``schema_check`` refuses what xgrammar 0.2.8 would silently ignore when xgrammar
+is the only engine. With llguidance beside it, the selector (backends.py) can do
+better than refuse: a schema holding one of the constructs below skips xgrammar
+and goes to llguidance, which enforces it or refuses it itself. Each entry was
+found by ``python -m bench.coverage`` on the JSON-Schema-Test-Suite (draft
+2020-12), where xgrammar accepted an instance the schema rejects:
+
+* ``oneOf``: xgrammar falls back to ``anyOf`` semantics when it cannot prove the
+  branches disjoint (it only logs a warning), so an instance matching two
+  branches passes. llguidance keeps ``oneOf`` only when it proves the branches
+  disjoint and refuses it otherwise.
+* ``$ref`` to an anchor (``#name``, not a JSON pointer): xgrammar warns and
+  resolves it to an unconstrained value.
+* property names that JSON must escape (``"``, ``\\``, control characters):
+  xgrammar's literal for the key does not match the escaped key, so such keys
+  fall through to ``additionalProperties``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_DATA_KEYS = ("const", "enum", "default", "examples", "example")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def _needs_escape(name: str) -> bool:
+    return any(c in '"\\' or ord(c) < 0x20 for c in name)
+
+
+def xgrammar_gap(schema: Any, path: str = "#") -> str | None:
+    """Why xgrammar would not enforce this schema exactly (first construct found), or None."""
+    if isinstance(schema, list):
+        for i, sub in enumerate(schema):
+            found = xgrammar_gap(sub, f"{path}/{i}")
+            if found:
+                return found
+        return None
+    if not isinstance(schema, dict):
+        return None
+    if "oneOf" in schema:
+        return f"{path}/oneOf: xgrammar enforces 'oneOf' as 'anyOf' unless it proves the branches disjoint"
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#") and ref not in ("#",) and not ref.startswith("#/"):
+        return f"{path}/$ref: xgrammar does not resolve the anchor reference {ref!r}"
+    props = schema.get("properties")
+    if isinstance(props, dict):
+        for name in props:
+            if _needs_escape(name):
+                return f"{path}/properties: xgrammar does not match the escaped property name {name!r}"
+    for key, value in schema.items():
+        if key in _DATA_KEYS:
+            continue
+        where = f"{path}/{key}"
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                found = xgrammar_gap(sub, f"{where}/{name}")
+                if found:
+                    return found
+        elif isinstance(value, (dict, list)):
+            found = xgrammar_gap(value, where)
+            if found:
+                return found
+    return None
