@@ -1,9 +1,17 @@
-"""Client-side helpers for the orchestrator API (used by `specmask generate`, the demo, bench, tests)."""
+"""Client for the orchestrator's gRPC API (used by `specmask generate`, the demo, bench, tests).
+
+Importable with grpcio and protobuf alone (`pip install specmask[client]`): no
+torch, xgrammar, numpy or Ray. ``OrchestratorClient`` is synchronous,
+``AsyncOrchestratorClient`` the grpc.aio twin; both take ``tls=True`` (system
+roots, or ``root_certificates`` PEM; ``private_key``/``certificate_chain`` for
+mutual TLS) and ``options`` (gRPC channel options, e.g.
+``("grpc.ssl_target_name_override", "name")``).
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,12 +103,38 @@ class StreamedResult:
             self.usage = chunk.usage
 
 
+@dataclass(frozen=True)
+class ChannelSecurity:
+    """TLS settings of a channel; ``tls=False`` is plaintext (loopback, in-cluster)."""
+
+    tls: bool = False
+    root_certificates: bytes | None = None  # PEM; None = the system's roots
+    private_key: bytes | None = None  # PEM, with certificate_chain: mutual TLS
+    certificate_chain: bytes | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
+
+
 class OrchestratorClient:
     """A small synchronous client (one channel)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
         self.address = address
-        self._channel = grpc.insecure_channel(address)
+        security = ChannelSecurity(tls, root_certificates, private_key, certificate_chain)
+        if security.tls:
+            self._channel = grpc.secure_channel(address, security.credentials(), options=list(options))
+        else:
+            self._channel = grpc.insecure_channel(address, options=list(options))
         self.stub = pb_grpc.OrchestratorServiceStub(self._channel)
 
     def generate(self, req: pb.GenerateRequest, *, timeout_s: float = 120.0) -> pb.GenerateResponse:
@@ -123,3 +157,53 @@ class OrchestratorClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class AsyncOrchestratorClient:
+    """The asyncio client (grpc.aio); create and use it on one event loop."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        private_key: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self.address = address
+        security = ChannelSecurity(tls, root_certificates, private_key, certificate_chain)
+        if security.tls:
+            self._channel = grpc.aio.secure_channel(address, security.credentials(), options=list(options))
+        else:
+            self._channel = grpc.aio.insecure_channel(address, options=list(options))
+        self.stub = pb_grpc.OrchestratorServiceStub(self._channel)
+
+    async def generate(self, req: pb.GenerateRequest, *, timeout_s: float = 120.0) -> pb.GenerateResponse:
+        return await self.stub.Generate(req, timeout=timeout_s)
+
+    async def stream(
+        self, req: pb.GenerateRequest, *, timeout_s: float = 120.0
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        call = self.stub.GenerateStream(req, timeout=timeout_s)
+        try:
+            async for chunk in call:
+                yield chunk
+        finally:
+            call.cancel()  # a no-op once the stream ended; cancels it when the caller stops early
+
+    async def stream_all(self, req: pb.GenerateRequest, *, timeout_s: float = 120.0) -> StreamedResult:
+        result = StreamedResult()
+        async for chunk in self.stream(req, timeout_s=timeout_s):
+            result.add(chunk)
+        return result
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncOrchestratorClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
