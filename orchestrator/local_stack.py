@@ -28,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mask_service.parent_watch import PARENT_PID_ENV
 from orchestrator.config import OrchestratorConfig
+from orchestrator.replica_supervisor import ReplicaSupervisor
 
 if TYPE_CHECKING:
     from orchestrator.server import OrchestratorServer
@@ -99,6 +100,7 @@ class MaskServiceProcess:
         # such a port may be swapped for a fresh one. A given port, or a restart, is kept.
         self._may_repick = port is None
         self._served = False
+        self._stopped_on_purpose = False
 
     def start(self, *, wait: bool = True) -> MaskServiceProcess:
         self._spawn()
@@ -107,6 +109,7 @@ class MaskServiceProcess:
         return self
 
     def _spawn(self) -> None:
+        self._stopped_on_purpose = False
         cmd = [sys.executable, "-m", "orchestrator.cli", "mask-service"]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port)]
         for tok in self._tokenizer_dirs:
@@ -156,6 +159,7 @@ class MaskServiceProcess:
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL if it does not exit in time."""
+        self._stopped_on_purpose = True  # a supervisor leaves it down
         p = self.process
         if p is None or p.poll() is not None:
             return
@@ -170,6 +174,11 @@ class MaskServiceProcess:
     @property
     def running(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    @property
+    def stopped_on_purpose(self) -> bool:
+        """Stopped by stop() (not crashed or killed): replica_supervisor leaves it down."""
+        return self._stopped_on_purpose
 
     @property
     def returncode(self) -> int | None:
@@ -197,6 +206,7 @@ class StackConfig:
     num_workers: int = 1
     log_dir: str | None = None  # mask-service logs; None = discarded
     worker_logs: bool = True  # False: Ray worker output stays out of this terminal (demo)
+    restart_replicas: bool = False  # restart crashed mask replicas (`specmask up`); tests kill them on purpose
 
     def orchestrator_config(self, mask_addresses: Sequence[str], **overrides: object) -> OrchestratorConfig:
         base = OrchestratorConfig(
@@ -266,14 +276,20 @@ async def running_stack(stack: StackConfig, **overrides: object) -> AsyncIterato
 
     procs = await asyncio.to_thread(start_mask_services, stack)
     server = None
+    supervisor: ReplicaSupervisor | None = None
     started_ray = False
     try:
         config = stack.orchestrator_config([p.address for p in procs], **overrides)
         started_ray = connect_ray(config.ray_address, log_to_driver=stack.worker_logs)
         server, port = await create_server(config)
         await server.start()
+        if stack.restart_replicas:
+            supervisor = ReplicaSupervisor(procs)
+            supervisor.start()
         yield RunningStack(server=server, port=port, mask_services=procs, config=config)
     finally:
+        if supervisor is not None:
+            await supervisor.stop()
         if server is not None:
             await server.stop()
         await asyncio.to_thread(stop_all, procs)

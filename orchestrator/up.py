@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         num_workers=args.num_workers,
         log_dir=args.log_dir,
+        restart_replicas=True,  # a crashed mask replica comes back, as under a Deployment
     )
     try:
         asyncio.run(_up(stack, args.max_queue, None if args.http_port < 0 else args.http_port))
