@@ -1,0 +1,180 @@
+"""OpenAI bodies -> GenerationRequest: constraints, sampling, refusals (no server needed)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+
+from gpu_worker.types import FinishReason
+from mask_service.grammar import GrammarKind
+from orchestrator.http import tools, translate
+from orchestrator.http.errors import ApiError
+from orchestrator.http.prompting import TemplatePrompter, TranscriptPrompter, load_prompter
+from orchestrator.http.protocol import ChatCompletionRequest, CompletionRequest, Tool
+from orchestrator.http.responses import finish_error
+
+PROMPTER = TranscriptPrompter()
+
+
+def chat(**fields: Any) -> translate.Translated:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    return translate.chat_request(ChatCompletionRequest.model_validate(body), "rid", PROMPTER)
+
+
+def test_defaults_follow_openai() -> None:
+    req = chat().request
+    assert req.grammar is None and req.sampling.temperature == 1.0 and req.sampling.max_tokens is None
+    assert req.prompt == "user: hi\nassistant:"
+    req = chat(max_completion_tokens=7, stop="END", seed=3, top_k=5, temperature=0).request
+    assert (req.sampling.max_tokens, req.sampling.stop, req.sampling.seed, req.sampling.top_k) == (7, ("END",), 3, 5)
+    assert req.sampling.temperature == 0.0
+
+
+def test_response_formats_become_json_grammars() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    spec = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}).request.grammar
+    assert spec.kind is GrammarKind.JSON_SCHEMA and json.loads(spec.text) == schema
+    spec = chat(response_format={"type": "json_object"}).request.grammar
+    assert json.loads(spec.text) == {"type": "object"}
+    assert chat(response_format={"type": "text"}).request.grammar is None
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "kind"),
+    [
+        ("guided_regex", "[a-z]+", GrammarKind.REGEX),
+        ("guided_grammar", 'root ::= "a"', GrammarKind.EBNF),
+        ("guided_lark", 'start: "a"', GrammarKind.LARK),
+        ("guided_json", {"type": "string"}, GrammarKind.JSON_SCHEMA),
+    ],
+)
+def test_guided_extensions(field: str, value: Any, kind: GrammarKind) -> None:
+    assert chat(**{field: value}).request.grammar.kind is kind
+
+
+def test_guided_choice_is_an_escaped_alternation() -> None:
+    spec = chat(guided_choice=["a", 'b "q"', "a"]).request.grammar
+    assert spec.kind is GrammarKind.EBNF and spec.text == 'root ::= "a" | "b \\"q\\""'
+
+
+def test_speculation_extension() -> None:
+    req = chat(speculation={"k": 2, "proposers": ["ngram"], "draft_masking": False}).request
+    assert (req.speculation.k, req.speculation.proposers, req.speculation.draft_masking) == (2, ("ngram",), False)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"logprobs": True}, "logprobs"),
+        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"logit_bias": {"1": 2.0}}, "logit_bias"),
+        ({"max_tokens": 3, "max_completion_tokens": 4}, "max_tokens"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"guided_choice": []}, "guided_choice"),
+    ],
+)
+def test_refusals_name_the_field(fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError) as exc:
+        chat(**fields)
+    assert exc.value.status == 400 and exc.value.param == param and exc.value.message
+
+
+def test_completion_prompts() -> None:
+    def completion(prompt: Any) -> translate.Translated:
+        return translate.completion_request(CompletionRequest.model_validate({"model": "m", "prompt": prompt}), "r")
+
+    assert completion("x").request.prompt == "x"
+    assert completion([1, 2, 3]).request.prompt == (1, 2, 3)
+    assert completion(["only"]).request.prompt == "only"
+    with pytest.raises(ApiError, match="one prompt"):
+        completion(["a", "b"])
+
+
+# ---- tools ------------------------------------------------------------------
+
+POINT = {
+    "type": "object",
+    "properties": {"p": {"$ref": "#/$defs/pt"}},
+    "required": ["p"],
+    "$defs": {"pt": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}},
+}
+TOOLS = [
+    Tool.model_validate({"type": "function", "function": {"name": "move", "parameters": POINT}}),
+    Tool.model_validate({"type": "function", "function": {"name": "stop"}}),
+]
+
+
+def test_tool_schema_accepts_exactly_valid_calls() -> None:
+    schema = tools.call_schema(TOOLS, "required")
+    validator = jsonschema.Draft202012Validator(schema)
+    assert validator.is_valid({"name": "move", "arguments": {"p": [1, 2]}})
+    assert validator.is_valid({"name": "stop", "arguments": {}})
+    assert not validator.is_valid({"name": "move", "arguments": {"p": [1]}})
+    assert not validator.is_valid({"name": "jump", "arguments": {}})
+    assert not validator.is_valid({"name": "move", "arguments": {"p": [1, 2]}, "extra": 1})
+    named = tools.call_schema(
+        TOOLS, tools.NamedToolChoice.model_validate({"type": "function", "function": {"name": "stop"}})
+    )
+    assert not jsonschema.Draft202012Validator(named).is_valid({"name": "move", "arguments": {"p": [1, 2]}})
+    assert tools.call_schema(TOOLS, "none") is None
+
+
+def test_tool_choice_refusals() -> None:
+    for choice in ("auto", None):
+        with pytest.raises(ApiError, match="auto"):
+            tools.call_schema(TOOLS, choice)
+    with pytest.raises(ApiError, match="not in tools"):
+        tools.call_schema(TOOLS, tools.NamedToolChoice.model_validate({"type": "function", "function": {"name": "x"}}))
+    remote = Tool.model_validate(
+        {"type": "function", "function": {"name": "f", "parameters": {"$ref": "https://example.com/s.json"}}}
+    )
+    with pytest.raises(ApiError, match=r"\$ref"):
+        tools.call_schema([remote], "required")
+
+
+def test_parse_call() -> None:
+    call = tools.parse_call('{"name":"move","arguments":{"p":[1,2]}}')
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "move", "arguments": '{"p": [1, 2]}'}
+    with pytest.raises(ValueError):
+        tools.parse_call('{"name": 3}')
+
+
+# ---- prompts and finish reasons ---------------------------------------------
+
+
+def test_chat_template_renders_and_refusals_are_400(tmp_path) -> None:
+    template = (
+        "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}"
+        "<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "</s>"}))
+    prompter = load_prompter(str(tmp_path))
+    assert isinstance(prompter, TemplatePrompter)
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}
+    )
+    assert prompter.render(body.messages, None) == "<|system|>s</s><|user|>u</s><|assistant|>"
+    tool_msg = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "tool", "content": "r", "tool_call_id": "c"}]}
+    )
+    with pytest.raises(ApiError, match="no tools here"):
+        prompter.render(tool_msg.messages, None)
+    assert isinstance(load_prompter(str(tmp_path / "missing")), TranscriptPrompter)
+
+
+def test_only_successful_finishes_are_successes() -> None:
+    for reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.GRAMMAR_COMPLETE):
+        assert finish_error(reason, None) is None
+    # Every other reason (errors, shutdown cancels, grammar violations found at the end) is an error.
+    for reason in set(FinishReason) - {FinishReason.STOP, FinishReason.LENGTH, FinishReason.GRAMMAR_COMPLETE}:
+        error = finish_error(reason, "why")
+        assert error is not None and error.status >= 500
