@@ -61,6 +61,8 @@ from orchestrator.types import GenerationRequest
 from orchestrator.validation import RequestValidator
 
 logger = logging.getLogger(__name__)
+# How often drain() looks whether the live requests have finished.
+_DRAIN_POLL_S = 0.05
 
 # On shutdown, remove() frees what the workers still hold: fast (KV caches,
 # session closes), though it may queue behind one in-flight step. Bounded so a
@@ -131,6 +133,7 @@ class Engine:
         self.output_checker = output_checker if output_checker is not None else OutputChecker()
         self._checking: set[asyncio.Task] = set()  # end-of-request checks in flight
         self._on_health_change: Callable[[bool], None] | None = None
+        self._draining = False
         self._executor = ThreadPoolExecutor(config.validation_threads, thread_name_prefix="validate")
         self._live: dict[str, Request | None] = {}  # None: id reserved while validating
         self._waiting: collections.deque[Request] = collections.deque()
@@ -150,6 +153,26 @@ class Engine:
         """Start one step-loop task per worker (call from the serving loop)."""
         for slot in self._slots:
             self._tasks.append(asyncio.create_task(self._run_worker(slot), name=f"worker-{slot.index}-loop"))
+
+    async def drain(self, grace_s: float) -> int:
+        """Graceful shutdown, first half (issue 14): refuse new requests, let live ones
+        finish for up to ``grace_s``, then end each one left with ERROR and a message
+        saying why, so every stream gets a final message instead of a bare UNAVAILABLE.
+        Returns how many were ended early."""
+        self._draining = True
+        deadline = time.monotonic() + grace_s
+        while self._live and time.monotonic() < deadline:
+            await asyncio.sleep(_DRAIN_POLL_S)
+        left = [r for r in self._live.values() if r is not None and not r.finished]
+        for request in left:
+            self.cancel(
+                request.request_id,
+                FinishReason.ERROR,
+                f"server shutting down: stopped after a {grace_s:g} s drain; retry",
+            )
+        if left:
+            logger.warning("shutdown: %d requests ended after the %.1f s drain", len(left), grace_s)
+        return len(left)
 
     async def stop(self) -> None:
         """Cancel every live request, free its worker state, stop the loops."""
@@ -190,7 +213,7 @@ class Engine:
     async def submit(self, req: GenerationRequest) -> Request:
         """Validate and queue a request; raises a ``RequestError`` when refused."""
         arrival = time.monotonic()
-        if self._stopping:
+        if self._stopping or self._draining:
             raise ShuttingDown("the server is shutting down")
         if not self.healthy:
             raise Unavailable("no healthy GPU worker")
@@ -226,8 +249,8 @@ class Engine:
         self._place()
         return request
 
-    def cancel(self, request_id: str) -> None:
-        """Finish a live request (CANCELLED) now; its worker state is freed on the next iteration.
+    def cancel(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED, error: str | None = None) -> None:
+        """Finish a live request (CANCELLED, or ``reason``) now; its worker state is freed on the next iteration.
 
         A no-op for unknown or finished requests, so callers may always call it on the way out.
         """
@@ -243,8 +266,8 @@ class Engine:
             slot.running.pop(request_id, None)
             slot.to_remove.append(request_id)
             slot.wake.set()
-        request.log.info("cancelled")
-        self._finish(request, FinishReason.CANCELLED)
+        request.log.info("cancelled" if error is None else f"ended: {error}")
+        self._finish(request, reason, error)
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
         request.finish(reason, error)
@@ -408,8 +431,17 @@ class Engine:
 
     def _on_worker_failure(self, slot: WorkerSlot, exc: BaseException) -> None:
         """The worker died or stopped answering: take it out, fail what it held."""
-        what = "timed out" if isinstance(exc, (asyncio.TimeoutError, TimeoutError)) else f"failed: {exc!r}"
-        logger.error("worker %d %s; taking it out of placement", slot.index, what)
+        timed_out = isinstance(exc, (asyncio.TimeoutError, TimeoutError))
+        logger.error(
+            "worker %d %s; taking it out of placement", slot.index, "timed out" if timed_out else f"failed: {exc!r}"
+        )
+        # The client gets what happened in SpecMask's words; Ray's exception text
+        # ("ActorUnavailableError ... recvmsg") stays in the log above (issue 14).
+        what = (
+            f"stopped answering (no step in {self._config.step_timeout_s:g} s)"
+            if timed_out
+            else "was lost (its process died or became unreachable)"
+        )
         slot.healthy = False
         self._metrics.worker_failures.labels(worker=str(slot.index)).inc()
         lost = list(slot.running.values()) + slot.to_add

@@ -72,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="times Ray restarts a crashed worker actor (-1 = always); a restarted worker rejoins placement",
     )
     parser.add_argument("--mask-deadline-s", type=float, default=cfg.DEFAULT_MASK_DEADLINE_S)
+    parser.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=cfg.DEFAULT_SHUTDOWN_GRACE_S,
+        help="on SIGTERM, streams get this long to finish, then end with a final message",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -101,6 +107,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         worker_start_timeout_s=args.worker_start_timeout_s,
         worker_max_restarts=args.worker_max_restarts,
         mask_deadline_s=args.mask_deadline_s,
+        shutdown_grace_s=args.shutdown_grace_s,
     )
 
 

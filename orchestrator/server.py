@@ -108,6 +108,9 @@ class OrchestratorServer:
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         await self._health.enter_graceful_shutdown()
         await self.readiness.stop()
+        # Streams get up to `grace` to finish, then a final message each (not a bare
+        # UNAVAILABLE "Cancelling all calls"); the RPCs then end on their own.
+        await self.engine.drain(grace)
         http_stop = [self.http.stop()] if self.http is not None else []
         await asyncio.gather(self.grpc_server.stop(grace), *http_stop)
         await self.engine.stop()
