@@ -16,6 +16,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "mask-service": ("mask_service.main", "run the CPU grammar-mask gRPC service"),
     "toy-models": ("gpu_worker.toy.cli", "build the small local target/draft model pair"),
+    "models": ("gpu_worker.models.cli", "fetch and convert a registered real model (cached, verified)"),
     "orchestrator": ("orchestrator.main", "run the orchestrator gRPC API"),
     "up": ("orchestrator.up", "start the whole local stack (mask service, Ray worker, orchestrator)"),
     "generate": ("orchestrator.generate_cli", "send a generation request to an orchestrator"),

@@ -1,0 +1,45 @@
+"""`specmask models get NAME [--out DIR] [--force]` and `specmask models list`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from gpu_worker.models.cache import DEFAULT_CACHE_ROOT
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["get", "list"], help="get: fetch/convert (cached); list: registered names")
+    parser.add_argument("name", nargs="?", default=None, help="registered model name (see `specmask models list`)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help=f"cache root (default: ./{DEFAULT_CACHE_ROOT} or $SPECMASK_MODEL_CACHE)"
+    )
+    parser.add_argument("--force", action="store_true", help="rebuild even when a verified copy is cached")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpu_worker.models.cache import ensure_model, read_manifest
+    from gpu_worker.models.errors import ModelError
+    from gpu_worker.models.registry import MODELS
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.action == "list":
+        for name, source in sorted(MODELS.items()):
+            print(f"{name}: {source.recipe()}")
+        return 0
+    if args.name is None:
+        print("specmask models get: name a model (see `specmask models list`)", file=sys.stderr)
+        return 2
+    try:
+        path = ensure_model(args.name, cache_root=args.out, force=args.force, progress=not args.quiet)
+    except ModelError as exc:
+        print(f"specmask models get: {exc}", file=sys.stderr)
+        return 1
+    manifest = read_manifest(path) or {}
+    print(f"{args.name}: {path} (built {manifest.get('built_at')}, {manifest.get('build_seconds')} s)")
+    return 0

