@@ -11,7 +11,7 @@ mutual TLS) and ``options`` (gRPC channel options, e.g.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ FINISH_REASON_NAMES = {value: name.removeprefix("FINISH_REASON_").lower() for na
 
 
 def build_request(
-    prompt: str | Sequence[int],
+    prompt: str | Sequence[int] | Sequence[Mapping[str, str]],
     *,
     schema: Any = None,
     regex: str | None = None,
@@ -40,13 +40,22 @@ def build_request(
     k: int | None = None,
     draft_masking: bool | None = None,
     request_id: str = "",
+    schema_instruction: str | None = None,
 ) -> pb.GenerateRequest:
-    """A GenerateRequest; ``schema`` may be a dict or JSON text. Unset options keep server defaults."""
+    """A GenerateRequest; ``schema`` may be a dict or JSON text. Unset options keep server defaults.
+
+    ``prompt``: text, token ids, or chat messages ``[{"role": ..., "content": ...}, ...]`` (rendered
+    server-side with the model's chat template; ``schema_instruction`` overrides the default
+    instruction that puts a JSON Schema into the conversation, "" = none)."""
     req = pb.GenerateRequest(request_id=request_id)
     if isinstance(prompt, str):
         req.text = prompt
+    elif prompt and isinstance(prompt[0], Mapping):
+        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)  # type: ignore[index]
+        if schema_instruction is not None:
+            req.chat.schema_instruction = schema_instruction
     else:
-        req.token_ids.ids.extend(prompt)
+        req.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
     if schema is not None:
         req.grammar.json_schema = schema if isinstance(schema, str) else json.dumps(schema)
     elif regex is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from gpu_worker.types import FinishReason
 from mask_service.grammar import GrammarKind, GrammarSpec
+from orchestrator.chat import ChatMessage, ChatPrompt
 from orchestrator.errors import InvalidRequest
 from orchestrator.types import (
     GenerationRequest,
@@ -107,8 +108,15 @@ def request_from_proto(msg: pb.GenerateRequest, request_id: str) -> GenerationRe
     """``request_id`` is the validated id (the client's, or one the server assigned)."""
     which = msg.WhichOneof("prompt")
     if which is None:
-        raise InvalidRequest("prompt is empty: set text or token_ids")
-    prompt: str | tuple[int, ...] = msg.text if which == "text" else tuple(msg.token_ids.ids)
+        raise InvalidRequest("prompt is empty: set text, token_ids or chat")
+    prompt: str | tuple[int, ...] | ChatPrompt
+    if which == "chat":
+        prompt = ChatPrompt(
+            messages=tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages),
+            schema_instruction=msg.chat.schema_instruction if msg.chat.HasField("schema_instruction") else None,
+        )
+    else:
+        prompt = msg.text if which == "text" else tuple(msg.token_ids.ids)
     return GenerationRequest(
         request_id=request_id,
         prompt=prompt,
@@ -123,6 +131,10 @@ def request_to_proto(req: GenerationRequest) -> pb.GenerateRequest:
     msg = pb.GenerateRequest(request_id=req.request_id)
     if isinstance(req.prompt, str):
         msg.text = req.prompt
+    elif isinstance(req.prompt, ChatPrompt):
+        msg.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in req.prompt.messages)
+        if req.prompt.schema_instruction is not None:
+            msg.chat.schema_instruction = req.prompt.schema_instruction
     else:
         msg.token_ids.ids.extend(req.prompt)
     if req.grammar is not None:

@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from gpu_worker.types import WorkerInfo
 from mask_service.replicas import join_host_port
 from mask_service.tokenizer_id import tokenizer_id_for_path
+from orchestrator.chat import ChatRenderer
 from orchestrator.config import OrchestratorConfig
 from orchestrator.engine import Engine, EngineConfig, WorkerSlot
 from orchestrator.grammar_check import MaskServiceGrammarChecker
@@ -147,7 +148,8 @@ async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer,
             max_retries=config.mask_max_retries,
         )
         defaults = ServingDefaults(max_tokens=config.default_max_tokens, k=min(config.default_k, info.max_k))
-        validator = RequestValidator(tokenizer, info, checker, defaults)
+        chat = await asyncio.to_thread(ChatRenderer.for_model, config.target_dir)
+        validator = RequestValidator(tokenizer, info, checker, defaults, chat)
         metrics = OrchestratorMetrics()
         health_servicer = health.aio.HealthServicer()
         engine = Engine(

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from gpu_worker.types import FinishReason
 from mask_service.grammar import GrammarSpec
+from orchestrator.chat import ChatPrompt
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class GenerationRequest:
     """One client request, before validation against the model and grammar engine."""
 
     request_id: str
-    prompt: str | tuple[int, ...]  # text, or token ids
+    prompt: str | tuple[int, ...] | ChatPrompt  # text, token ids, or chat messages (orchestrator/chat.py)
     grammar: GrammarSpec | None = None
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     speculation: SpeculationOptions = field(default_factory=SpeculationOptions)

@@ -20,6 +20,7 @@ from typing import Protocol
 
 from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams, WorkerInfo
 from mask_service.grammar import GrammarKind, GrammarSpec
+from orchestrator.chat import ChatError, ChatPrompt, ChatRenderer
 from orchestrator.errors import InvalidRequest
 from orchestrator.types import GenerationRequest
 
@@ -90,7 +91,9 @@ class RequestValidator:
         info: WorkerInfo,
         grammar_checker: GrammarChecker,
         defaults: ServingDefaults,
+        chat: ChatRenderer | None = None,  # None: chat requests are refused (INVALID_ARGUMENT)
     ) -> None:
+        self._chat = chat
         self._tokenizer = tokenizer
         self._info = info
         self._grammar_checker = grammar_checker
@@ -107,7 +110,8 @@ class RequestValidator:
 
     def validate(self, req: GenerationRequest) -> NewSequence:
         """Check everything; the grammar last, since it is the only remote call."""
-        prompt_ids = self._prompt_ids(req.prompt)
+        prompt = self._render_chat(req.prompt, req.grammar) if isinstance(req.prompt, ChatPrompt) else req.prompt
+        prompt_ids = self._prompt_ids(prompt)
         sampling = self._sampling(req, len(prompt_ids))
         speculation = self._speculation(req)
         if req.grammar is not None:
@@ -124,6 +128,14 @@ class RequestValidator:
             # () = no stop tokens: only max_tokens (or the context) ends the sequence.
             stop_token_ids=() if req.sampling.ignore_eos else None,
         )
+
+    def _render_chat(self, chat: ChatPrompt, grammar: GrammarSpec | None) -> str:
+        if self._chat is None:
+            raise _fail("this server does not take chat prompts; send text or token_ids")
+        try:
+            return self._chat.render(chat, grammar)
+        except ChatError as exc:
+            raise _fail(str(exc)) from None
 
     def _prompt_ids(self, prompt: str | tuple[int, ...]) -> tuple[int, ...]:
         if isinstance(prompt, str):

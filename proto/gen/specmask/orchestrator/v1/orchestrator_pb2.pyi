@@ -103,6 +103,7 @@ class GenerateRequest(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    CHAT_FIELD_NUMBER: _builtins.int
     GRAMMAR_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     SPECULATION_FIELD_NUMBER: _builtins.int
@@ -114,6 +115,10 @@ class GenerateRequest(_message.Message):
     """tokenized with the target model's tokenizer"""
     @_builtins.property
     def token_ids(self) -> Global___TokenIds: ...
+    @_builtins.property
+    def chat(self) -> Global___Chat:
+        """chat messages, rendered with the model's own chat template"""
+
     @_builtins.property
     def grammar(self) -> Global___Grammar:
         """unset: unconstrained generation"""
@@ -128,15 +133,16 @@ class GenerateRequest(_message.Message):
         request_id: _builtins.str = ...,
         text: _builtins.str = ...,
         token_ids: Global___TokenIds | None = ...,
+        chat: Global___Chat | None = ...,
         grammar: Global___Grammar | None = ...,
         sampling: Global___SamplingParams | None = ...,
         speculation: Global___SpeculationParams | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["grammar", b"grammar", "prompt", b"prompt", "sampling", b"sampling", "speculation", b"speculation", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "grammar", b"grammar", "prompt", b"prompt", "sampling", b"sampling", "speculation", b"speculation", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["grammar", b"grammar", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "speculation", b"speculation", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "grammar", b"grammar", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "speculation", b"speculation", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "token_ids"]  # noqa: Y015
+    _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "token_ids", "chat"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_prompt) -> _WhichOneofReturnType_prompt | None: ...
 
@@ -161,6 +167,66 @@ class TokenIds(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TokenIds: _TypeAlias = TokenIds  # noqa: Y015
+
+@_typing.final
+class Chat(_message.Message):
+    """A conversation, rendered with the target model's chat template (a model
+    without one gets a plain "role: content" transcript) and an assistant
+    generation prompt appended.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    SCHEMA_INSTRUCTION_FIELD_NUMBER: _builtins.int
+    schema_instruction: _builtins.str
+    """JSON Schema requests only: a system instruction that puts the schema into
+    the prompt (JSONSchemaBench style), merged before the first system
+    message. Unset: the server's default instruction. Empty: none. Any
+    "{schema}" in it is replaced by the schema as compact JSON.
+    """
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
+        """at least one"""
+
+    def __init__(
+        self,
+        *,
+        messages: _abc.Iterable[Global___ChatMessage] | None = ...,
+        schema_instruction: _builtins.str | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_schema_instruction", b"_schema_instruction", "schema_instruction", b"schema_instruction"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_schema_instruction", b"_schema_instruction", "messages", b"messages", "schema_instruction", b"schema_instruction"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__schema_instruction: _TypeAlias = _typing.Literal["schema_instruction"]  # noqa: Y015
+    _WhichOneofArgType__schema_instruction: _TypeAlias = _typing.Literal["_schema_instruction", b"_schema_instruction"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__schema_instruction) -> _WhichOneofReturnType__schema_instruction | None: ...
+
+Global___Chat: _TypeAlias = Chat  # noqa: Y015
+
+@_typing.final
+class ChatMessage(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROLE_FIELD_NUMBER: _builtins.int
+    CONTENT_FIELD_NUMBER: _builtins.int
+    role: _builtins.str
+    """system, developer, user, assistant or tool"""
+    content: _builtins.str
+    def __init__(
+        self,
+        *,
+        role: _builtins.str = ...,
+        content: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
 
 @_typing.final
 class Grammar(_message.Message):

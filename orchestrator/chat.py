@@ -1,0 +1,119 @@
+"""Chat prompts: messages (+ the JSON Schema instruction) -> the model's own chat template -> text.
+
+One module for the gRPC ``Generate`` path (``GenerateRequest.chat``) and any
+other front end: validation of roles and sizes, the default JSON Schema
+instruction (JSONSchemaBench-style: the schema goes into the prompt, so the
+model knows which document the grammar will hold it to), and rendering with
+the template renderer of ``orchestrator.http.prompting`` (a sandboxed Jinja
+rendering of the model's ``chat_template``, as ``apply_chat_template`` does;
+a plain ``role: content`` transcript for models without one). The rendered
+text is then tokenized like a text prompt; the template's special tokens are
+added tokens of the tokenizer, so they come out as their single ids.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mask_service.grammar import GrammarKind, GrammarSpec
+
+# Roles chat templates are expected to understand (OpenAI / HF convention).
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+MAX_MESSAGES = 1024
+# Bound on the conversation's text before rendering (the token length is checked after).
+MAX_CHAT_CHARS = 1 << 20
+# Default instruction for JSON Schema requests; "{schema}" becomes the schema as compact JSON.
+# Follows JSONSchemaBench's prompt (Geng et al. 2025, arXiv 2501.10868): the schema in a system message.
+DEFAULT_SCHEMA_INSTRUCTION = (
+    "You need to generate a JSON object that matches the schema below. Reply with the JSON object only.\n"
+    "Schema:\n{schema}"
+)
+SCHEMA_PLACEHOLDER = "{schema}"
+
+
+class ChatError(ValueError):
+    """The conversation cannot be rendered (bad role, empty, too large, refused by the template)."""
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str  # one of ROLES
+    content: str
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat request's prompt, before rendering."""
+
+    messages: tuple[ChatMessage, ...]
+    # JSON Schema requests: None = DEFAULT_SCHEMA_INSTRUCTION, "" = no instruction, else this text.
+    schema_instruction: str | None = None
+
+
+def validate_messages(messages: Sequence[ChatMessage]) -> None:
+    if not messages:
+        raise ChatError("chat has no messages")
+    if len(messages) > MAX_MESSAGES:
+        raise ChatError(f"chat has {len(messages)} messages, more than {MAX_MESSAGES}")
+    total = 0
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise ChatError(f"chat.messages[{i}].role must be one of {sorted(ROLES)}, got {m.role[:32]!r}")
+        total += len(m.content)
+    if total > MAX_CHAT_CHARS:
+        raise ChatError(f"chat messages hold {total} characters, more than {MAX_CHAT_CHARS}")
+
+
+def schema_instruction(schema_json: str, template: str | None = None) -> str:
+    """The system text for a JSON Schema request; ``template`` None = the default."""
+    try:
+        compact = json.dumps(json.loads(schema_json), separators=(",", ":"), ensure_ascii=False)
+    except ValueError:
+        compact = schema_json
+    return (DEFAULT_SCHEMA_INSTRUCTION if template is None else template).replace(SCHEMA_PLACEHOLDER, compact)
+
+
+def with_schema_instruction(
+    messages: Sequence[ChatMessage], schema_json: str, template: str | None = None
+) -> list[ChatMessage]:
+    """Put the schema instruction first, merged into a leading system message if there is one
+    (many templates accept a single system message only)."""
+    instruction = schema_instruction(schema_json, template)
+    if not instruction:
+        return list(messages)
+    if messages and messages[0].role == "system":
+        return [ChatMessage("system", instruction + "\n\n" + messages[0].content), *messages[1:]]
+    return [ChatMessage("system", instruction), *messages]
+
+
+class ChatRenderer:
+    """Renders ``ChatPrompt``s with one model's chat template (loaded once, at start-up)."""
+
+    def __init__(self, prompter: Any) -> None:
+        self._prompter = prompter  # orchestrator.http.prompting.ChatPrompter
+
+    @classmethod
+    def for_model(cls, model_dir: str) -> ChatRenderer:
+        from orchestrator.http.prompting import load_prompter
+
+        return cls(load_prompter(model_dir))
+
+    def messages_for(self, chat: ChatPrompt, grammar: GrammarSpec | None) -> list[ChatMessage]:
+        """The conversation as rendered: the schema instruction added for JSON Schema requests."""
+        validate_messages(chat.messages)
+        if grammar is not None and grammar.kind is GrammarKind.JSON_SCHEMA:
+            return with_schema_instruction(chat.messages, grammar.text, chat.schema_instruction)
+        return list(chat.messages)
+
+    def render(self, chat: ChatPrompt, grammar: GrammarSpec | None) -> str:
+        from orchestrator.http.errors import ApiError
+        from orchestrator.http.protocol import ChatMessage as ApiChatMessage
+
+        messages = [ApiChatMessage(role=m.role, content=m.content) for m in self.messages_for(chat, grammar)]
+        try:
+            return self._prompter.render(messages, None)
+        except ApiError as exc:  # the template's raise_exception (e.g. roles must alternate)
+            raise ChatError(str(exc)) from None
