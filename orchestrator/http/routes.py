@@ -25,7 +25,7 @@ from orchestrator.http import tools, translate
 from orchestrator.http.errors import GENERATION_FAILED, NOT_FOUND, ApiError
 from orchestrator.http.prompting import ChatPrompter
 from orchestrator.http.protocol import ChatCompletionRequest, CompletionRequest
-from orchestrator.http.sse import EventStream
+from orchestrator.http.sse import DeltaEncoder, EventStream
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.request import Request
 from orchestrator.types import GenerationResult, Usage
@@ -175,6 +175,7 @@ class OpenAIRoutes:
         include_usage: bool,
     ) -> web.StreamResponse:
         stream = await EventStream.open(request, headers)
+        deltas = DeltaEncoder(rsp.chat_chunk(env, {"content": DeltaEncoder.PLACEHOLDER}))
         try:
             await stream.send(rsp.chat_chunk(env, {"role": "assistant", "content": ""}))
             held: list[str] = []  # a tool call is sent whole, once it is complete and parsed
@@ -183,7 +184,7 @@ class OpenAIRoutes:
                     if tool_call:
                         held.append(out.text)
                     else:
-                        await stream.send(rsp.chat_chunk(env, {"content": out.text}))
+                        await stream.send_raw(deltas.encode(out.text))
                 if not out.finished:
                     continue
                 assert out.finish_reason is not None and out.usage is not None
@@ -218,6 +219,7 @@ class OpenAIRoutes:
         include_usage: bool,
     ) -> web.StreamResponse:
         stream = await EventStream.open(request, headers)
+        deltas = DeltaEncoder(rsp.completion_chunk(env, DeltaEncoder.PLACEHOLDER))
         try:
             async for out in admitted.events():
                 if out.finished:
@@ -230,7 +232,7 @@ class OpenAIRoutes:
                     await stream.send(rsp.completion_chunk(env, out.text, finish))
                     await self._finish_stream(stream, env, "text_completion", out.usage, include_usage)
                 elif out.text:
-                    await stream.send(rsp.completion_chunk(env, out.text))
+                    await stream.send_raw(deltas.encode(out.text))
         except ConnectionResetError:
             logger.info("[request_id=%s] client went away mid-stream", admitted.request_id)
         return stream.response

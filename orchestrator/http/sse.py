@@ -34,6 +34,10 @@ class EventStream:
     async def send(self, obj: Any) -> None:
         await self._response.write(_encode(obj))
 
+    async def send_raw(self, event: bytes) -> None:
+        """An already encoded event (``DeltaEncoder``): the per-token hot path."""
+        await self._response.write(event)
+
     async def error(self, exc: ApiError) -> None:
         await self._response.write(_encode(exc.body()))
 
@@ -44,3 +48,24 @@ class EventStream:
     @property
     def response(self) -> web.StreamResponse:
         return self._response
+
+
+class DeltaEncoder:
+    """Encodes the per-token text chunks of one stream without rebuilding and re-serialising
+    the whole envelope for each: the constant parts around the text are encoded once.
+
+    ``template`` is a chunk body whose text field holds ``PLACEHOLDER``; ``encode(text)``
+    equals ``_encode`` of that body with the text in place (tests check it).
+    """
+
+    PLACEHOLDER = "\x00specmask-delta\x00"
+
+    def __init__(self, template: Any) -> None:
+        body = json.dumps(template, ensure_ascii=False, separators=(",", ":"))
+        marker = json.dumps(self.PLACEHOLDER, ensure_ascii=False)
+        prefix, suffix = body.split(marker)
+        self._prefix = b"data: " + prefix.encode()
+        self._suffix = suffix.encode() + b"\n\n"
+
+    def encode(self, text: str) -> bytes:
+        return self._prefix + json.dumps(text, ensure_ascii=False).encode() + self._suffix

@@ -178,3 +178,15 @@ def test_only_successful_finishes_are_successes() -> None:
     for reason in set(FinishReason) - {FinishReason.STOP, FinishReason.LENGTH, FinishReason.GRAMMAR_COMPLETE}:
         error = finish_error(reason, "why")
         assert error is not None and error.status >= 500
+
+
+@pytest.mark.parametrize("text", ["", "plain", 'quote " and \\ slash', "ünïcödé \u2028 \n\t", "\x00\x1f"])
+def test_delta_encoder_matches_full_serialisation(text: str) -> None:
+    from orchestrator.http import responses
+    from orchestrator.http.sse import DeltaEncoder, _encode
+
+    env = responses.Envelope(id="chatcmpl-1", model='m"odel', created=7)
+    chat = DeltaEncoder(responses.chat_chunk(env, {"content": DeltaEncoder.PLACEHOLDER}))
+    assert chat.encode(text) == _encode(responses.chat_chunk(env, {"content": text}))
+    completion = DeltaEncoder(responses.completion_chunk(env, DeltaEncoder.PLACEHOLDER))
+    assert completion.encode(text) == _encode(responses.completion_chunk(env, text))

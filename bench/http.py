@@ -1,0 +1,226 @@
+"""HTTP (OpenAI-compatible) vs gRPC overhead on the same stack: time to first token and per-token latency.
+
+    python -m bench.http                       # the tiny random-init pair, 1 and 32 streams
+    python -m bench.http --target DIR --draft DIR --rounds 5
+
+Brings up the local stack (one mask service, one worker, the orchestrator with
+both APIs), then runs the clients in a separate process (so client work does
+not share the server's event loop). Every request is the same: the same text
+prompt, greedy, ``ignore_eos`` with a fixed ``max_tokens``, no grammar, so both
+APIs step identical batches and differ only in the front door. gRPC streams
+``GenerateStream``; HTTP streams ``/v1/completions`` (SSE, raw aiohttp client,
+``include_usage`` for the token count). Phases alternate API within each round
+so drift on a shared machine hits both alike.
+
+Per stream: TTFT = first non-empty delta - send; per-token latency = (last
+delta - first delta) / (completion tokens - 1). Each API keeps one warm
+connection (gRPC channel, HTTP keep-alive pool) across phases. The
+table shows medians over streams and rounds; ``http_vs_grpc_per_token`` is the
+median over rounds of the per-round ratio of median per-token latency (goal:
+<= 1.05). Prints the table and, last, ``RESULT {json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+PROMPT = "Generate JSON for schema user:\n"
+
+
+# ---- client side (a separate process) --------------------------------------
+
+
+async def _grpc_stream(stub: Any, max_tokens: int) -> tuple[float, float, int]:
+    from orchestrator.client import build_request
+
+    req = build_request(PROMPT, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    sent = time.perf_counter()
+    first = last = 0.0
+    total = 0
+    async for chunk in stub.GenerateStream(req, timeout=600):
+        if chunk.token_ids:
+            last = time.perf_counter()
+            first = first or last
+            total += len(chunk.token_ids)
+    return first - sent, last - first, total
+
+
+async def _http_stream(session: Any, url: str, model: str, max_tokens: int) -> tuple[float, float, int]:
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "temperature": 0.0,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    first = last = 0.0
+    total = 0
+    async with session.post(f"{url}/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                total = chunk["usage"]["completion_tokens"]
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                last = time.perf_counter()
+                first = first or last
+    return first - sent, last - first, total
+
+
+class Clients:
+    """One gRPC channel and one HTTP connection pool, kept across phases (warm, like real clients)."""
+
+    def __init__(self, args: argparse.Namespace, concurrency: int) -> None:
+        import aiohttp
+        import grpc
+
+        from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc
+
+        self.args = args
+        self.channel = grpc.aio.insecure_channel(args.grpc)
+        self.stub = pb_grpc.OrchestratorServiceStub(self.channel)
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency))
+
+    async def phase(self, api: str, concurrency: int) -> list[tuple[float, float]]:
+        a = self.args
+        if api == "grpc":
+            runs = await asyncio.gather(*(_grpc_stream(self.stub, a.max_tokens) for _ in range(concurrency)))
+        else:
+            runs = await asyncio.gather(
+                *(_http_stream(self.session, a.http, a.model, a.max_tokens) for _ in range(concurrency))
+            )
+        out = []
+        for ttft, span, total in runs:
+            if total != a.max_tokens:
+                raise RuntimeError(f"{api}: a stream produced {total} tokens, expected {a.max_tokens}")
+            # Greedy: both APIs emit the same deltas, so (total - 1) divides both alike.
+            out.append((ttft, span / (total - 1)))
+        return out
+
+    async def close(self) -> None:
+        await self.session.close()
+        await self.channel.close()
+
+
+async def client_main(args: argparse.Namespace) -> dict[str, Any]:
+    rounds: dict[str, list[dict[str, list[tuple[float, float]]]]] = {}
+    for concurrency in args.concurrency:
+        clients = Clients(args, concurrency)
+        try:
+            for api in ("grpc", "http"):  # warm-up: connections, first steps at this batch size
+                await clients.phase(api, concurrency)
+            rounds[str(concurrency)] = []
+            for r in range(args.rounds):
+                order = ("grpc", "http") if r % 2 == 0 else ("http", "grpc")
+                rounds[str(concurrency)].append({api: await clients.phase(api, concurrency) for api in order})
+        finally:
+            await clients.close()
+    return rounds
+
+
+# ---- driver ------------------------------------------------------------------
+
+
+def _ms(values: list[float]) -> float:
+    return 1000 * statistics.median(values)
+
+
+def summarise(rounds: dict[str, list[dict[str, list[tuple[float, float]]]]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    print(f"{'streams':>7} {'api':>5} {'TTFT p50 ms':>12} {'per-token p50 ms':>17}")
+    for concurrency, per_round in rounds.items():
+        row: dict[str, Any] = {}
+        for api in ("grpc", "http"):
+            ttft = [t for rnd in per_round for t, _ in rnd[api]]
+            tok = [p for rnd in per_round for _, p in rnd[api]]
+            row[api] = {"ttft_ms_p50": _ms(ttft), "per_token_ms_p50": _ms(tok)}
+            print(f"{concurrency:>7} {api:>5} {_ms(ttft):>12.2f} {_ms(tok):>17.3f}")
+        ratios = [
+            statistics.median(p for _, p in rnd["http"]) / statistics.median(p for _, p in rnd["grpc"])
+            for rnd in per_round
+        ]
+        ttft_ratios = [
+            statistics.median(t for t, _ in rnd["http"]) / statistics.median(t for t, _ in rnd["grpc"])
+            for rnd in per_round
+        ]
+        row["http_vs_grpc_per_token"] = statistics.median(ratios)
+        row["http_vs_grpc_per_token_rounds"] = ratios
+        row["http_vs_grpc_ttft"] = statistics.median(ttft_ratios)
+        result[f"streams_{concurrency}"] = row
+    for concurrency in rounds:
+        row = result[f"streams_{concurrency}"]
+        print(
+            f"{concurrency} streams: HTTP/gRPC per-token {row['http_vs_grpc_per_token']:.3f} "
+            f"(rounds {', '.join(f'{x:.3f}' for x in row['http_vs_grpc_per_token_rounds'])}), "
+            f"TTFT {row['http_vs_grpc_ttft']:.3f}"
+        )
+    return result
+
+
+async def drive(args: argparse.Namespace) -> dict[str, Any]:
+    from orchestrator.local_stack import StackConfig, running_stack
+
+    if args.target is None:
+        from tests.fixtures.tiny_models import build_tiny_model_pair
+
+        target, draft = build_tiny_model_pair(tempfile.mkdtemp(prefix="bench-http-"))
+        target, draft = str(target), str(draft)
+    else:
+        target, draft = args.target, args.draft
+    stack = StackConfig(target_dir=target, draft_dir=draft, mask_replicas=1, num_workers=1)
+    overrides = {"http_port": 0, "max_batch": max(args.concurrency), "default_max_tokens": args.max_tokens}
+    async with running_stack(stack, **overrides) as running:
+        cmd = [sys.executable, "-m", "bench.http", "--client", "--grpc", running.address]
+        cmd += [
+            "--http",
+            f"http://127.0.0.1:{running.server.http_port}/v1",
+            "--model",
+            running.server.http.config.model_name,
+        ]
+        cmd += ["--rounds", str(args.rounds), "--max-tokens", str(args.max_tokens)]
+        cmd += ["--concurrency", *map(str, args.concurrency)]
+        proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
+        out, _ = await proc.communicate()
+        if proc.returncode != 0:
+            raise RuntimeError(f"client process failed ({proc.returncode})")
+    rounds = json.loads(out.decode().split("ROUNDS ", 1)[1])
+    result = summarise(rounds)
+    result.update(target=target, max_tokens=args.max_tokens, rounds=args.rounds)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=None, help="target model dir (default: the tiny random-init pair)")
+    parser.add_argument("--draft", default=None)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--grpc", help=argparse.SUPPRESS)
+    parser.add_argument("--http", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.client:
+        print("ROUNDS " + json.dumps(asyncio.run(client_main(args))), flush=True)
+        return 0
+    result = asyncio.run(drive(args))
+    print("RESULT " + json.dumps(result, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
