@@ -190,3 +190,20 @@ def test_delta_encoder_matches_full_serialisation(text: str) -> None:
     assert chat.encode(text) == _encode(responses.chat_chunk(env, {"content": text}))
     completion = DeltaEncoder(responses.completion_chunk(env, DeltaEncoder.PLACEHOLDER))
     assert completion.encode(text) == _encode(responses.completion_chunk(env, text))
+
+
+def test_domain_errors_map_to_openai_statuses() -> None:
+    from orchestrator import errors
+
+    cases = [
+        (errors.InvalidRequest("bad"), 400, None),
+        (errors.GrammarTimeout("slow"), 400, None),
+        (errors.DuplicateRequestId("dup"), 409, None),
+        (errors.Overloaded("full"), 429, "1"),
+        (errors.Unavailable("no worker"), 503, "1"),
+        (errors.ShuttingDown("bye"), 503, "1"),
+    ]
+    for exc, status, retry_after in cases:
+        api = ApiError.from_request_error(exc)
+        assert api.status == status and api.body()["error"]["message"] == exc.message
+        assert api.headers().get("Retry-After") == retry_after
