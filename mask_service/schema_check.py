@@ -445,7 +445,10 @@ def check_metaschema(schema: Any) -> None:
     cls = _validator_class(schema)
     meta_cls = _validator_class(cls.META_SCHEMA)
     try:
-        error = best_match(meta_cls(cls.META_SCHEMA).iter_errors(schema))
+        errors = meta_cls(cls.META_SCHEMA).iter_errors(schema)
+        # Repeated values in enum/required/type (older drafts' metaschemas say uniqueItems)
+        # do not change what the schema means, and the engines handle them: not a refusal.
+        error = best_match(e for e in errors if e.validator != "uniqueItems")
     except RecursionError:
         raise GrammarError(f"{NESTING_TOO_DEEP}: it nests too deep to check against its metaschema") from None
     if error is not None:

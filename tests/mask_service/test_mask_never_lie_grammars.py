@@ -334,3 +334,34 @@ def test_non_strict_walks_validate(registry, bpe_id: str, index: int) -> None:  
         jsonschema.validate(doc, schema)
         completed += 1
     assert completed >= 5, completed
+
+
+# Found while fixing finding 3: xgrammar's character classes admit the surrogate block, so a JSON
+# string accepted the bytes ED A0 80 (not UTF-8) one byte-token at a time.
+SURROGATE_BYTES_REFUSED: list[tuple[GrammarSpec, bytes]] = [
+    (_json({"type": "string"}), b'"'),
+    (_json({"type": "string", "maxLength": 3}), b'"'),
+    (_json({"type": "object", "additionalProperties": {"type": "string"}}), b'{"'),
+    (_json({"type": "object", "properties": {"a": {"type": "string"}}}, strict=False), b'{"a":"'),
+    (GrammarSpec(GrammarKind.ANY_JSON), b'["'),
+]
+
+
+@pytest.mark.parametrize(
+    "spec,prefix", SURROGATE_BYTES_REFUSED, ids=[f"bytes{i}" for i in range(len(SURROGATE_BYTES_REFUSED))]
+)
+def test_json_strings_never_take_surrogate_bytes(
+    client: MaskServiceClient, registry, bpe_id: str, spec: GrammarSpec, prefix: bytes
+) -> None:  # type: ignore[no-untyped-def]
+    vocab = [bytes(t) for t in registry.info(bpe_id, None).decoded_vocab]
+    single = {t[0]: i for i, t in enumerate(vocab) if len(t) == 1}
+    sid = client.open_session(bpe_id, spec)
+    try:
+        assert not client.commit(sid, 1, [single[b] for b in prefix + "é".encode()])  # a real character is fine
+        assert not client.commit(sid, 2, [single[0xED]])  # lead byte of U+D000..U+DFFF: still possible
+        with pytest.raises(MaskServiceError) as exc:
+            client.commit(sid, 3, [single[0xA0]])  # ED A0: a surrogate
+        assert exc.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert not client.commit(sid, 3, [single[0x80], single[0x80]])  # ED 80 80 = U+D000, a real character
+    finally:
+        client.close_session(sid)
