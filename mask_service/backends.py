@@ -22,9 +22,11 @@ from typing import Any, Protocol
 
 from mask_service.backends_llguidance import LLGuidanceBackend
 from mask_service.backends_routing import xgrammar_gap
+from mask_service.ebnf_classes import exclude_surrogates
 from mask_service.errors import GrammarError
 from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.schema_check import check_schema
+from mask_service.grammar_checks import check_language, engine_message, precheck
+from mask_service.schema_check import NESTING_TOO_DEEP, check_schema
 from mask_service.schema_rewrite import needs_ebnf_repair, repair_ebnf, rewrite_schema
 
 
@@ -42,7 +44,7 @@ def any_json_ebnf(item_separator: str, key_separator: str) -> str:
             f'object ::= "{{" ( string {key} value ( {item} string {key} value )* )? "}}"',
             f'array ::= "[" ( value ( {item} value )* )? "]"',
             'string ::= "\\"" char* "\\""',
-            'char ::= [^"\\\\\\x00-\\x1f] | "\\\\" ( ["\\\\/bfnrt] | "u" hex hex hex hex )',
+            'char ::= [^"\\\\\\x00-\\x1f\\uD800-\\uDFFF] | "\\\\" ( ["\\\\/bfnrt] | "u" hex hex hex hex )',
             "hex ::= [0-9a-fA-F]",
             'number ::= "-"? ( "0" | [1-9] [0-9]* ) ( "." [0-9]+ )? ( [eE] [+-]? [0-9]+ )?',
         ]
@@ -84,12 +86,14 @@ class XGrammarBackend:
             schema = json.loads(spec.text)
         except json.JSONDecodeError as exc:
             raise GrammarError(f"schema is not valid JSON: {exc}") from exc
+        except RecursionError:
+            raise GrammarError(NESTING_TOO_DEEP) from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("a JSON schema must be an object or a boolean")
         import xgrammar as xgr
 
         check_schema(schema)  # refuse what xgrammar would silently not enforce
-        rewritten = rewrite_schema(schema)  # make the rest enforceable (stricter, never looser)
+        rewritten = rewrite_schema(schema, strict=spec.strict)  # make the rest enforceable (stricter, never looser)
         text = spec.text if rewritten == schema else json.dumps(rewritten, ensure_ascii=False)
         grammar = xgr.Grammar.from_json_schema(
             text,
@@ -98,9 +102,8 @@ class XGrammarBackend:
             strict_mode=spec.strict,
         )
         ebnf = str(grammar)
-        if needs_ebnf_repair(ebnf):
-            return compiler.compile_grammar(repair_ebnf(ebnf))
-        return compiler.compile_grammar(grammar)
+        fixed = exclude_surrogates(repair_ebnf(ebnf) if needs_ebnf_repair(ebnf) else ebnf)  # no ED A0..BF (issue 9)
+        return compiler.compile_grammar(fixed if fixed != ebnf else grammar)
 
     @staticmethod
     def _any_json(compiler: Any, spec: GrammarSpec) -> Any:
@@ -123,17 +126,19 @@ class XGrammarBackend:
             raise GrammarError(f"backend {self.name} does not support {spec.kind.value}")
         if spec.kind is not GrammarKind.ANY_JSON and not spec.text:
             raise GrammarError(f"{spec.kind.value} grammar text is empty")
+        precheck(spec)  # metaschema, Unicode, depth (issue 9; memoised, so "auto" checks once)
         try:
-            return fn(compiler, spec)
+            compiled = fn(compiler, spec)
         except GrammarError:
             raise
+        except RecursionError:  # a RuntimeError: never Python's own message to the client
+            raise GrammarError(f"{spec.kind.value} grammar nests too deep to process") from None
         except (RuntimeError, ValueError, TypeError) as exc:
             # xgrammar reports parse/convert failures as RuntimeError with a
             # "[time] file.cc:line: message" prefix; keep only the message.
-            msg = str(exc).strip()
-            if "] " in msg and msg.startswith("["):
-                msg = msg.split(": ", 1)[-1] if ".cc:" in msg else msg
-            raise GrammarError(f"{spec.kind.value} grammar rejected: {msg}") from exc
+            raise GrammarError(f"{spec.kind.value} grammar rejected: {engine_message(exc)}") from exc
+        check_language(self.new_matcher(compiled), compiled.tokenizer_info, spec)  # not empty, not only "" (issue 9)
+        return compiled
 
     def new_matcher(self, compiled: Any) -> Any:
         import xgrammar as xgr
