@@ -2,6 +2,16 @@
 
     python -m bench.e2e --schemas toy --n 64                  # in-distribution for the toy pair
     python -m bench.e2e --schemas tests/data/maskbench       # real schemas the toy pair never saw
+    python -m bench.e2e --target smollm2-135m-instruct --schemas ../shared/data/maskbench \
+        --subsets Github_easy,Snowplow --n 4 --chat         # a real model, N schemas per subset
+
+``--target`` is a model dir or a registered name (``specmask models list``; fetched on first
+use). ``--chat`` sends chat messages (the model's chat template, the schema in the system turn,
+JSONSchemaBench style) instead of the toy prompt. ``--subsets`` picks schema files by name prefix
+(``Github_easy---o1.json`` -> ``Github_easy``, ``JME_3.json`` -> ``JME``); with it, ``--n`` is
+schemas per subset (spread evenly over the sorted files) and RESULT carries the same counts per
+subset under ``subsets``. ``coverage`` = valid / requests (JSONSchemaBench's empirical coverage:
+refused, truncated and errored requests count against it).
 
 Brings up the local stack (mask service, Ray worker, orchestrator; the toy
 pair unless --target/--draft), then sends the same N prompts, all at once
@@ -42,8 +52,9 @@ from typing import Any
 import grpc
 import jsonschema
 
+from orchestrator.chat import schema_instruction
 from orchestrator.client import StreamedResult, build_request
-from orchestrator.local_stack import RunningStack, StackConfig, ensure_toy_models, running_stack
+from orchestrator.local_stack import RunningStack, StackConfig, running_stack
 from orchestrator.types import Usage
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc
@@ -55,7 +66,22 @@ REQUEST_TIMEOUT_S = 600.0
 class Case:
     name: str
     schema: Any  # parsed JSON Schema
-    prompt: str
+    prompt: str | list[dict[str, str]]  # text, or chat messages (--chat)
+    subset: str = ""  # file-name prefix (maskbench subset)
+
+
+# The user turn of --chat requests; the schema itself goes in with the server's default
+# instruction (orchestrator/chat.py), as JSONSchemaBench prompts do.
+CHAT_USER_TURN = "Generate a JSON object that matches the schema."
+OUTCOMES = ("requests", "valid", "invalid", "truncated", "refused", "errors")
+
+
+def subset_of(stem: str) -> str:
+    """``Github_easy---o1`` -> ``Github_easy``; ``JME_3`` / ``BFCL_simple_12`` -> ``JME`` / ``BFCL_simple``."""
+    if "---" in stem:
+        return stem.split("---", 1)[0]
+    head, _, tail = stem.rpartition("_")
+    return head if head and tail.isdigit() else stem
 
 
 @dataclass
@@ -73,6 +99,12 @@ class PhaseStats:
     step_s: float = 0.0
     sequence_steps: int = 0
     error_samples: list[str] = field(default_factory=list)
+    subsets: dict[str, dict[str, int]] = field(default_factory=dict)  # subset -> OUTCOMES counts
+
+    def count(self, case: Case, outcome: str) -> None:
+        """One request's outcome, overall and in its subset."""
+        setattr(self, outcome, getattr(self, outcome) + 1)
+        self.subsets.setdefault(case.subset, dict.fromkeys(OUTCOMES, 0))[outcome] += 1
 
     @property
     def tokens_per_s(self) -> float:
@@ -90,22 +122,36 @@ class PhaseStats:
 TOY_SCHEMAS = "toy"
 
 
-def load_cases(schemas: str, n: int | None) -> list[Case]:
+def load_cases(
+    schemas: str, n: int | None, *, chat: bool = False, subsets: tuple[str, ...] | None = None
+) -> list[Case]:
     """``--schemas toy``: the toy pair's own schemas (in-distribution prompts). Otherwise a dir of
-    ``*.json`` files: a bare JSON Schema, or a JSONSchemaBench record with a "schema" key."""
+    ``*.json`` files: a bare JSON Schema, or a JSONSchemaBench record with a "schema" key.
+    With ``subsets``: only files of those prefixes, ``n`` per subset, spread over the sorted files."""
     from gpu_worker.toy.schemas import all_schemas, prompt_for
+
+    def prompt(name: str, schema: Any) -> str | list[dict[str, str]]:
+        return [{"role": "user", "content": CHAT_USER_TURN}] if chat else prompt_for(name, schema)
 
     cases = []
     if schemas == TOY_SCHEMAS:
-        cases = [Case(name, schema, prompt_for(name, schema)) for name, schema in all_schemas().items()]
+        cases = [Case(name, schema, prompt(name, schema), "toy") for name, schema in all_schemas().items()]
     else:
-        for path in sorted(Path(schemas).glob("*.json")):
+        paths = sorted(Path(schemas).glob("*.json"))
+        if subsets is not None:
+            by_subset = {s: [p for p in paths if subset_of(p.stem) == s] for s in subsets}
+            empty = [s for s, ps in by_subset.items() if not ps]
+            if empty:
+                raise SystemExit(f"no schemas of subset(s) {empty} in {schemas}")
+            take = n or 1
+            paths = [ps[(i * len(ps)) // take] for ps in by_subset.values() for i in range(min(take, len(ps)))]
+        for path in paths:
             doc = json.loads(path.read_text())
             schema = doc["schema"] if isinstance(doc, dict) and "schema" in doc and "tests" in doc else doc
-            cases.append(Case(path.stem, schema, prompt_for(path.stem)))
+            cases.append(Case(path.stem, schema, prompt(path.stem, schema), subset_of(path.stem)))
     if not cases:
         raise SystemExit(f"no *.json schemas in {schemas}")
-    if n is not None:
+    if n is not None and subsets is None:
         cases = (cases * (n // len(cases) + 1))[:n]
     return cases
 
@@ -124,8 +170,14 @@ async def _one(
     gate: asyncio.Semaphore,
     lengths: list[int],
 ) -> None:
+    stats.subsets.setdefault(case.subset, dict.fromkeys(OUTCOMES, 0))["requests"] += 1
+    prompt = case.prompt
+    if not constrained and not isinstance(prompt, str):
+        # No grammar means no server-side schema instruction: send the same system turn
+        # ourselves, so both phases decode the same prompt.
+        prompt = [{"role": "system", "content": schema_instruction(json.dumps(case.schema))}, *prompt]
     req = build_request(
-        case.prompt,
+        prompt,
         schema=case.schema if constrained else None,
         max_tokens=max_tokens,
         ignore_eos=ignore_eos,
@@ -141,9 +193,9 @@ async def _one(
                 result.add(chunk)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                stats.refused += 1
+                stats.count(case, "refused")
             else:
-                stats.errors += 1
+                stats.count(case, "errors")
                 stats.error_samples.append(f"{case.name}: {exc.code().name}: {exc.details()}")
             return
     usage = result.usage or pb.Usage()
@@ -152,17 +204,17 @@ async def _one(
     stats.usage.target_forwards += usage.target_forwards
     stats.usage.drafts_proposed += usage.drafts_proposed
     stats.usage.drafts_accepted += usage.drafts_accepted
-    if result.finish_reason == pb.FINISH_REASON_ERROR:
-        stats.errors += 1
-        stats.error_samples.append(f"{case.name}: finish ERROR: {result.error}")
+    if result.finish_reason in (pb.FINISH_REASON_ERROR, pb.FINISH_REASON_GRAMMAR_VIOLATION):
+        stats.count(case, "errors")
+        stats.error_samples.append(f"{case.name}: finish {result.finish_reason_name}: {result.error}")
     elif result.finish_reason == pb.FINISH_REASON_LENGTH:
-        stats.truncated += 1
+        stats.count(case, "truncated")
     elif constrained:
         try:
             jsonschema.validate(json.loads(result.text), case.schema)
-            stats.valid += 1
+            stats.count(case, "valid")
         except (ValueError, jsonschema.ValidationError, jsonschema.SchemaError) as exc:
-            stats.invalid += 1
+            stats.count(case, "invalid")
             stats.error_samples.append(f"{case.name}: invalid output: {str(exc).splitlines()[0]}")
 
 
@@ -260,6 +312,17 @@ def print_table(phases: list[PhaseStats]) -> None:
 PHASES = ("constrained", "unconstrained", "constrained-nodraftmask", "constrained-nospec")
 
 
+def print_subsets(stats: PhaseStats) -> None:
+    """Per-subset outcomes of the constrained phase; coverage = valid / requests."""
+    if len(stats.subsets) < 2:
+        return
+    width = max(len(s) for s in stats.subsets)
+    print(f"\n{'subset':<{width}}  " + "  ".join(f"{c:>9}" for c in (*OUTCOMES, "coverage")))
+    for name, counts in sorted(stats.subsets.items()):
+        cov = counts["valid"] / counts["requests"] if counts["requests"] else 0.0
+        print(f"{name:<{width}}  " + "  ".join(f"{counts[c]:>9}" for c in OUTCOMES) + f"  {cov:>9.0%}")
+
+
 def merge(rounds: list[PhaseStats]) -> PhaseStats:
     """One phase's stats summed over rounds (means then weigh every step and token alike)."""
     total = PhaseStats(phase=rounds[0].phase)
@@ -280,35 +343,46 @@ def merge(rounds: list[PhaseStats]) -> PhaseStats:
         for name in ("completion_tokens", "target_forwards", "drafts_proposed", "drafts_accepted"):
             setattr(total.usage, name, getattr(total.usage, name) + getattr(r.usage, name))
         total.error_samples += r.error_samples
+        for subset, counts in r.subsets.items():
+            mine = total.subsets.setdefault(subset, dict.fromkeys(OUTCOMES, 0))
+            for k, v in counts.items():
+                mine[k] += v
     return total
 
 
 async def run_round(running: RunningStack, cases: list[Case], args: argparse.Namespace) -> dict[str, PhaseStats]:
-    """The four phases back to back; the unconstrained one replays the constrained lengths."""
+    """The phases back to back; the unconstrained one replays the constrained lengths.
+    A phase left out of ``--phases`` is skipped (the ratios that need it are then null)."""
     common: dict[str, Any] = {"concurrency": args.concurrency}
-    constrained, lengths = await run_phase(
+    out: dict[str, PhaseStats] = {}
+    out["constrained"], lengths = await run_phase(
         running, cases, "constrained", constrained=True, max_tokens=args.max_tokens, **common
     )
-    unconstrained, _ = await run_phase(running, cases, "unconstrained", constrained=False, max_tokens=lengths, **common)
-    nodraftmask, _ = await run_phase(
-        running,
-        cases,
-        "constrained-nodraftmask",
-        constrained=True,
-        draft_masking=False,
-        max_tokens=args.max_tokens,
-        **common,
-    )
-    nospec, _ = await run_phase(
-        running,
-        cases,
-        "constrained-nospec",
-        constrained=True,
-        speculation=False,
-        max_tokens=args.max_tokens,
-        **common,
-    )
-    return {p.phase: p for p in (constrained, unconstrained, nodraftmask, nospec)}
+    if "unconstrained" in args.phases:
+        out["unconstrained"], _ = await run_phase(
+            running, cases, "unconstrained", constrained=False, max_tokens=lengths, **common
+        )
+    if "constrained-nodraftmask" in args.phases:
+        out["constrained-nodraftmask"], _ = await run_phase(
+            running,
+            cases,
+            "constrained-nodraftmask",
+            constrained=True,
+            draft_masking=False,
+            max_tokens=args.max_tokens,
+            **common,
+        )
+    if "constrained-nospec" in args.phases:
+        out["constrained-nospec"], _ = await run_phase(
+            running,
+            cases,
+            "constrained-nospec",
+            constrained=True,
+            speculation=False,
+            max_tokens=args.max_tokens,
+            **common,
+        )
+    return out
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -328,13 +402,15 @@ async def bench(args: argparse.Namespace, cases: list[Case], stack: StackConfig)
         # alike; ratios are taken within a round and the median over rounds reported.
         rounds = [await run_round(running, cases, args) for _ in range(args.rounds)]
         device = running.server.info.device
-    merged = {name: merge([r[name] for r in rounds]) for name in PHASES}
-    constrained, unconstrained = merged["constrained"], merged["unconstrained"]
-    nodraftmask, nospec = merged["constrained-nodraftmask"], merged["constrained-nospec"]
+    merged = {name: merge([r[name] for r in rounds]) for name in PHASES if name in rounds[0]}
+    empty = PhaseStats(phase="skipped")
+    constrained, unconstrained = merged["constrained"], merged.get("unconstrained", empty)
+    nodraftmask, nospec = merged.get("constrained-nodraftmask", empty), merged.get("constrained-nospec", empty)
     print_table(list(merged.values()))
+    print_subsets(constrained)
 
     def per_round(a: str, b: str, metric: str) -> list[float | None]:
-        return [_ratio(getattr(r[a], metric), getattr(r[b], metric)) for r in rounds]
+        return [_ratio(getattr(r[a], metric), getattr(r[b], metric)) if b in r else None for r in rounds]
 
     step_ratios = per_round("constrained", "unconstrained", "mean_step_ms")
     nodraftmask_ratios = per_round("constrained-nodraftmask", "unconstrained", "mean_step_ms")
@@ -342,6 +418,11 @@ async def bench(args: argparse.Namespace, cases: list[Case], stack: StackConfig)
     return {
         "rounds": args.rounds,
         "requests": constrained.requests,
+        "coverage": _ratio(constrained.valid, constrained.requests),
+        "subsets": {
+            name: {**counts, "coverage": _ratio(counts["valid"], counts["requests"])}
+            for name, counts in sorted(constrained.subsets.items())
+        },
         "valid": constrained.valid,
         "invalid": constrained.invalid,
         "truncated": constrained.truncated,
@@ -376,17 +457,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--max-batch", type=int, default=64, help="active sequences per worker")
     parser.add_argument("--rounds", type=int, default=3, help="times the four phases run, alternating")
-    parser.add_argument("--target", default=None, help="target model dir (default: the toy pair)")
-    parser.add_argument("--draft", default=None, help="draft model dir (default: the toy pair's)")
+    parser.add_argument("--target", default=None, help="target model dir or registered name (default: the toy pair)")
+    parser.add_argument("--draft", default=None, help="draft model dir or name ('none' = no draft model)")
+    parser.add_argument("--chat", action="store_true", help="chat prompts with the schema in the system turn")
+    parser.add_argument("--subsets", default=None, help="comma list of schema-file prefixes; --n is then per subset")
+    parser.add_argument(
+        "--phases",
+        default=",".join(PHASES[1:]),
+        help=f"phases besides 'constrained' (comma list of {', '.join(PHASES[1:])})",
+    )
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
+    args.phases = tuple(p for p in args.phases.split(",") if p)
+    unknown = sorted(set(args.phases) - set(PHASES))
+    if unknown:
+        parser.error(f"unknown phases {unknown}")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cases = load_cases(args.schemas, args.n)
-    if args.target is None:
-        target, draft = ensure_toy_models(progress=False)
-        draft = args.draft or draft
-    else:
-        target, draft = args.target, args.draft
+    subsets = tuple(s for s in args.subsets.split(",") if s) if args.subsets else None
+    cases = load_cases(args.schemas, args.n, chat=args.chat, subsets=subsets)
+    from gpu_worker.models.resolve import resolve_cli_models
+
+    target, draft = resolve_cli_models(args.target, args.draft, toy=args.target is None, progress=False)
     result = asyncio.run(bench(args, cases, StackConfig(target_dir=target, draft_dir=draft)))
     print("RESULT " + json.dumps(result, sort_keys=True))
     return 0

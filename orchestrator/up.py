@@ -2,7 +2,8 @@
 
 Starts mask-service replica(s) as subprocesses, a local Ray with the GPU
 worker actor(s), and the orchestrator on this process's event loop. Without
---target it uses the toy pair (trained on first use, then cached).
+--target it serves SmolLM2-135M-Instruct (fetched and converted on first use,
+then cached; gpu_worker/models); --toy serves the toy pair instead.
 
 SIGINT / SIGTERM: the orchestrator stops gracefully (health NOT_SERVING,
 in-flight RPCs get a grace period, sequences are freed), then the workers,
@@ -17,13 +18,21 @@ import asyncio
 import logging
 
 from orchestrator import config as cfg
-from orchestrator.local_stack import StackConfig, ensure_toy_models, running_stack
+from orchestrator.local_stack import StackConfig, running_stack
 from orchestrator.main import LOG_FORMAT, install_stop_signals
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=None, metavar="DIR", help="target model dir (default: the toy pair)")
-    parser.add_argument("--draft", default=None, metavar="DIR", help="draft model dir (default: the toy pair's)")
+    parser.add_argument(
+        "--target",
+        default=None,
+        metavar="DIR|NAME",
+        help="target model dir or registered name (default: smollm2-135m-instruct, fetched on first use)",
+    )
+    parser.add_argument(
+        "--draft", default=None, metavar="DIR|NAME", help="draft model dir or name; 'none' = no draft model"
+    )
+    parser.add_argument("--toy", action="store_true", help="the small toy target/draft pair (trained on first use)")
     parser.add_argument("--port", type=int, default=50051, help="orchestrator API port")
     parser.add_argument("--metrics-port", type=int, default=9464, help="Prometheus port (-1 = off)")
     parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API port (-1 = off)")
@@ -59,11 +68,14 @@ async def _up(stack: StackConfig, max_queue: int, http_port: int | None = None) 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
-    if args.target is None:
-        target, draft = ensure_toy_models()
-        draft = args.draft or draft
-    else:
-        target, draft = args.target, args.draft
+    from gpu_worker.models.errors import ModelError
+    from gpu_worker.models.resolve import resolve_cli_models
+
+    try:
+        target, draft = resolve_cli_models(args.target, args.draft, toy=args.toy)
+    except ModelError as exc:
+        logging.getLogger(__name__).error("bad model: %s", exc)
+        return 2
     stack = StackConfig(
         target_dir=target,
         draft_dir=draft,

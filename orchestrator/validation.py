@@ -48,6 +48,8 @@ MAX_GRAMMAR_CHARS = 1 << 20
 MAX_SEPARATOR_CHARS = 8
 # Proposer names the worker registry knows (gpu_worker.types.SpeculationParams).
 KNOWN_PROPOSERS = frozenset({"draft_model", "grammar_forced", "ngram"})
+# Default proposers of a worker without a draft model (no draft forward to pay for).
+DRAFTLESS_PROPOSERS = ("grammar_forced", "ngram")
 # Longest plausible token, in characters (used only to bound tokenizer work).
 MAX_CHARS_PER_TOKEN = 64
 # Seeds arrive as uint64; kernels take int64.
@@ -211,10 +213,17 @@ class RequestValidator:
             raise _fail(f"k must be in [0, {self._info.max_k}] (0 = no speculation), got {k}")
         if k == 0:
             return SpeculationParams(enabled=False, k=0, draft_masking=False)
-        proposers = s.proposers if s.proposers is not None else SpeculationParams().proposers
+        proposers = s.proposers if s.proposers is not None else self._default_proposers()
         return SpeculationParams(
             enabled=True, k=k, proposers=tuple(dict.fromkeys(proposers)), draft_masking=s.draft_masking
         )
+
+    def _default_proposers(self) -> tuple[str, ...]:
+        """With a draft model: the draft model + grammar-forced drafts. Without one: grammar-forced
+        + prompt lookup (n-gram), free drafts that measured best on SmolLM2-135M (README, "Real model")."""
+        if self._info.has_draft_model:
+            return SpeculationParams().proposers
+        return DRAFTLESS_PROPOSERS
 
     @staticmethod
     def _check_grammar_shape(spec: GrammarSpec) -> None:
