@@ -29,6 +29,8 @@ Checked by hand against xgrammar 0.2.8 and by tests/mask_service/test_mask_schem
   same for "exactly one of"); a branch's own type is intersected with it, a
   branch's enum/const is filtered to values of that type, and a branch that
   cannot match is dropped. ``type`` next to ``enum`` filters the values.
+* Draft-04 boolean ``exclusiveMinimum``/``exclusiveMaximum``: the numeric
+  form of the same bound (``_numeric_exclusive_bounds``).
 * Non-strict mode only (``strict=False``): ``additionalProperties: false`` is
   added to objects whose extra keys ``patternProperties`` (or ``propertyNames``
   beside declared properties) govern; see ``_close_keys``.
@@ -252,12 +254,31 @@ def _close_keys(out: dict[str, Any]) -> None:
         out["additionalProperties"] = False
 
 
+def _numeric_exclusive_bounds(out: dict[str, Any]) -> None:
+    """Draft-04 boolean ``exclusiveMinimum``/``exclusiveMaximum`` in their numeric form (draft 6+).
+
+    ``{"minimum": 5, "exclusiveMinimum": true}`` means > 5, the same as
+    ``{"exclusiveMinimum": 5}``; xgrammar only reads the numeric form and failed
+    with a bare "Value must be a number". (The metaschema check lets the boolean
+    form through only for draft-04 schemas.)
+    """
+    for bound, exclusive in (("minimum", "exclusiveMinimum"), ("maximum", "exclusiveMaximum")):
+        flag = out.get(exclusive)
+        if not isinstance(flag, bool):
+            continue
+        del out[exclusive]
+        value = out.get(bound)
+        if flag and isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[exclusive] = out.pop(bound)
+
+
 def _rewrite_node(
     node: dict[str, Any], path: str, property_names: bool, root: Any = None, strict: bool = True
 ) -> dict[str, Any]:
     out = dict(node)
     if not strict and not property_names:
         _close_keys(out)
+    _numeric_exclusive_bounds(out)
     if not (_DISPATCH_KEYS & out.keys()):
         inferred = []
         if any(k in out for k in _NUMBER_KEYS) and not property_names:

@@ -365,3 +365,25 @@ def test_json_strings_never_take_surrogate_bytes(
         assert not client.commit(sid, 3, [single[0x80], single[0x80]])  # ED 80 80 = U+D000, a real character
     finally:
         client.close_session(sid)
+
+
+def test_draft04_exclusive_bounds_enforced(registry, bpe_id: str) -> None:  # type: ignore[no-untyped-def]
+    """Draft-04's boolean exclusiveMinimum/Maximum failed with a bare "Value must be a number"."""
+    import xgrammar as xgr
+
+    info = registry.info(bpe_id, None)
+    compiler = XGrammarBackend.make_compiler(info, 1)
+    draft4 = "http://json-schema.org/draft-04/schema#"
+    cases = [
+        ({"$schema": draft4, "type": "integer", "minimum": 5, "exclusiveMinimum": True}, {"6"}),
+        ({"$schema": draft4, "type": "integer", "minimum": 5, "exclusiveMinimum": False}, {"5", "6"}),
+        ({"$schema": draft4, "type": "number", "maximum": 5, "exclusiveMaximum": True}, {"4", "4.5"}),
+    ]
+    for schema, complete in cases:
+        compiled = BACKENDS["xgrammar"].compile(compiler, _json(schema))
+        for text in ("4", "4.5", "5", "5.0", "6"):
+            m = xgr.GrammarMatcher(compiled)
+            done = m.accept_string(text) and m.accept_token(info.stop_token_ids[0])
+            assert done == (text in complete), (schema, text)
+            if done:
+                jsonschema.validate(json.loads(text), schema)
