@@ -42,6 +42,17 @@ minLength/maxLength strings is narrowed in xgrammar's grammar to exclude
 U+0000-U+001F (xgrammar admits them raw; escapes stay unavailable there).
 Lark IS supported (xgrammar Grammar.from_lark). Known gaps, not refused: xgrammar
 relaxes a oneOf it cannot prove disjoint to anyOf (logged by xgrammar).
+
+Never-lie checks on every grammar, whichever engine compiles it (issue 9;
+grammar_checks, code_points, ebnf_classes): a JSON Schema must be valid against its
+draft's metaschema and hold no lone surrogate, non-finite number (1e400) or nesting
+beyond schema_check.MAX_SCHEMA_DEPTH; regex/EBNF/Lark text may not name a surrogate
+or a code point above U+10FFFF; a compiled grammar whose first mask allows no token
+(empty language) or only stop tokens (only "") is refused. Object keys: see
+schema_check (patternProperties/propertyNames combinations xgrammar does not
+enforce are refused; non-strict mode adds additionalProperties: false where
+patternProperties govern the extra keys). JSON-schema grammars have every character
+class narrowed to exclude the surrogate block (xgrammar admitted ED A0..BF bytes).
 """
 
 import proto  # noqa: F401  (before any gRPC use: turns gRPC fork support off; see proto/__init__.py)
