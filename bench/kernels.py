@@ -8,6 +8,9 @@ against the bytes the op *must* move (not what an implementation happens to
 move), so the numbers compare across implementations:
 * bitmask apply: read the mask (4 B per word) + write -inf to each disallowed logit;
 * rejection_sample: read the target logits and the draft probabilities once;
+* rejection_checked: the same with the on-device mask check (issue 9), which
+  adds one mask word and one row id per emitted token (``mask_check_overhead``
+  in the RESULT: checked / plain - 1 per shape);
 * sample_draft: read the draft logits, write the q rows.
 xgrammar's `apply_token_bitmask_inplace` runs on the same inputs in the same run.
 Triton is timed on CUDA only: under TRITON_INTERPRET=1 it measures NumPy, not a kernel.
@@ -126,11 +129,28 @@ def run(grid: dict, device: torch.device, reps: int) -> list[Row]:
 
         apply_token_bitmask_inplace(logits, bitmask, backend=Backend.REFERENCE)
         reject_bytes = logits.numel() * elem + draft_probs.numel() * 4
+        row_ids = torch.arange(logits.shape[0], dtype=torch.int32, device=device)  # [num_tokens]
         for name, backend in impls:
             ms = _timeit(
                 lambda: rejection_sample(draft_ids, cu, draft_probs, logits, sampling, backend=backend), device, reps
             )
             add("rejection_sample", name, ms, reject_bytes)
+            # Issue 9's on-device mask check: one mask word (+ its row id) read per emitted token.
+            ms = _timeit(
+                lambda: rejection_sample(
+                    draft_ids,
+                    cu,
+                    draft_probs,
+                    logits,
+                    sampling,
+                    mask_table=bitmask,
+                    mask_row_ids=row_ids,
+                    backend=backend,
+                ),
+                device,
+                reps,
+            )
+            add("rejection_checked", name, ms, reject_bytes + batch * (num_drafts + 1) * 8)
 
         draft_logits = logits[:batch]
         draft_bytes = draft_logits.numel() * elem + draft_logits.numel() * 4
@@ -142,6 +162,16 @@ def run(grid: dict, device: torch.device, reps: int) -> list[Row]:
                 draft_bytes,
             )
     return rows
+
+
+def _check_overhead(rows: list[Row]) -> dict[str, float]:
+    """rejection_checked / rejection_sample - 1 per impl and shape (the cost of the mask check)."""
+    plain = {(r.impl, r.batch, r.num_drafts, r.vocab): r.ms for r in rows if r.op == "rejection_sample"}
+    return {
+        f"{r.impl} B={r.batch} k={r.num_drafts} V={r.vocab}": round(r.ms / plain[key] - 1, 4)
+        for r in rows
+        if r.op == "rejection_checked" and (key := (r.impl, r.batch, r.num_drafts, r.vocab)) in plain
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -167,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
         if device.type == "cuda"
         else "not timed: no CUDA device (interpreter timings are meaningless)",
         "rows": [asdict(r) for r in rows],
+        "mask_check_overhead": _check_overhead(rows),
     }
     print("RESULT " + json.dumps(result))
 
