@@ -82,10 +82,13 @@ class LLCompiled:
 
 
 def _json_options(spec: GrammarSpec) -> dict[str, Any]:
+    # General \uXXXX escapes in plain strings, as xgrammar allows (llguidance's default
+    # allows \u only for control characters); strings under a pattern stay without them.
+    escapes = {"json_allow_general_unicode_escapes": True}
     if spec.any_whitespace and spec.separators is None:
-        return {"whitespace_flexible": True}
+        return {"whitespace_flexible": True, **escapes}
     item, key = spec.effective_separators()
-    return {"whitespace_flexible": spec.any_whitespace, "item_separator": item, "key_separator": key}
+    return {"whitespace_flexible": spec.any_whitespace, "item_separator": item, "key_separator": key, **escapes}
 
 
 def _json_grammar(schema: Any, spec: GrammarSpec) -> str:
@@ -166,13 +169,18 @@ def validate_grammar(grammar: str, tokenizer: Any, kind: GrammarKind) -> None:
 def tokenizer_from_info(info: Any) -> Any:
     """An LLTokenizer that sees each token as exactly the bytes xgrammar sees.
 
-    Special tokens are given as special (llguidance never lets them match text),
-    like xgrammar's ``special_token_ids``; stop ids and the padded vocab size come from ``info``.
+    xgrammar's special tokens and the stop tokens are given as special (llguidance
+    never lets them match text; stop tokens are allowed only where the document
+    may end); the padded vocab size comes from ``info``.
     """
     from llguidance import LLTokenizer, TokenizerWrapper
 
     stops = [int(s) for s in info.stop_token_ids]
-    source = _VocabSource([bytes(t) for t in info.decoded_vocab], stops, [int(i) for i in info.special_token_ids])
+    # Stop tokens must be special: given as text (a tokenizer.json loaded alone marks
+    # none special), llguidance would allow "<|eot_id|>" inside a JSON string, i.e. a
+    # row that lets the sampler end the request mid-document.
+    special = sorted({int(i) for i in info.special_token_ids} | set(stops))
+    source = _VocabSource([bytes(t) for t in info.decoded_vocab], stops, special)
     tok = LLTokenizer(TokenizerWrapper(source), n_vocab=int(info.vocab_size), eos_token=stops or None)
     source.tokenizer = tok
     return tok

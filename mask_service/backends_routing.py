@@ -16,14 +16,29 @@ found by ``python -m bench.coverage`` on the JSON-Schema-Test-Suite (draft
 * property names that JSON must escape (``"``, ``\\``, control characters):
   xgrammar's literal for the key does not match the escaped key, so such keys
   fall through to ``additionalProperties``.
+
+Found on maskbench (Github_easy):
+
+* ``format`` on a schema without ``type``: xgrammar ignores the format (any
+  value passes, e.g. ``"Invalid Date"`` for date-time); llguidance applies it to
+  strings and lets other types through, which is JSON Schema's meaning.
+* ``format: date`` / ``date-time``: xgrammar's date allows day 31 in every month
+  (``2020-02-31``); llguidance checks days per month. (Neither checks leap years:
+  both accept ``2021-02-29``; README "Grammar backends" lists it.)
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from mask_service.schema_rewrite import XGRAMMAR_FORMATS
+
 _DATA_KEYS = ("const", "enum", "default", "examples", "example")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+# Formats xgrammar enforces less exactly than llguidance (see module doc).
+_DATE_FORMATS = frozenset({"date", "date-time"})
 
 
 def _needs_escape(name: str) -> bool:
@@ -45,6 +60,11 @@ def xgrammar_gap(schema: Any, path: str = "#") -> str | None:
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref.startswith("#") and ref not in ("#",) and not ref.startswith("#/"):
         return f"{path}/$ref: xgrammar does not resolve the anchor reference {ref!r}"
+    fmt = schema.get("format")
+    if isinstance(fmt, str) and fmt in XGRAMMAR_FORMATS and "type" not in schema:
+        return f"{path}/format: xgrammar ignores 'format' on a schema without 'type'"
+    if fmt in _DATE_FORMATS:
+        return f"{path}/format: xgrammar's {fmt} allows day 31 in every month"
     props = schema.get("properties")
     if isinstance(props, dict):
         for name in props:
