@@ -1,18 +1,24 @@
-"""Per-sequence KV cache of one model, with rollback.
+"""KV caches of one model: a slot pool shared by all sequences, with rollback.
 
-Each sequence owns its own buffers, so joining, finishing and rolling back a
-sequence never touches another one; the model runner pads them into a batch for
-a forward and appends the new entries back (gpu_worker.model_runner).
+Every sequence's keys/values live in one row ("slot") of per-layer pool tensors
+``[slots, num_kv_heads, capacity, head_dim]``. A batched forward attends
+straight over a contiguous range of pool rows (a view: no per-forward copy of
+anyone's past) and writes the new entries into them in place
+(gpu_worker.model_runner). Slots in use are kept dense (0..n-1): freeing a slot
+moves the highest one into the hole (one row copy per finished sequence), so
+the rows of a batch are a contiguous range whenever the batch is everyone.
 
-Buffers have spare capacity (grown by half, at least ``_MIN_GROWTH`` positions,
-when full): appending a step's few new entries writes them in place instead of
-concatenating, and so copying, the whole cache every forward. Rolling back
-after rejected drafts (``crop``) only moves ``length``; the next append
-overwrites the stale entries.
+Growth is geometric and shared: when a sequence needs more positions than the
+pool holds, every row grows by half (at least ``_MIN_GROWTH`` positions), and
+the slot count doubles when all slots are taken. So each row is as long as the
+longest sequence's need: a static cache's memory trade for copy-free batching.
+
+Rolling back after rejected drafts (``crop``) only moves ``length``; the next
+write overwrites the stale entries.
 
 Invariant: ``length`` equals the number of leading tokens of the sequence
 (committed tokens, possibly followed by drafts) whose keys/values are stored,
-identically in every layer.
+identically in every layer, at positions ``0..length-1`` of its slot.
 """
 
 from __future__ import annotations
@@ -21,52 +27,125 @@ from collections.abc import Sequence
 
 import torch
 
-# Positions added at least when a buffer grows (a step appends k + 1 at most).
+# Positions added at least when the pool grows (a step appends k + 1 at most).
 _MIN_GROWTH = 64
 
 
+class SlotPool:
+    """Per-layer KV tensors ``[slots, H, capacity, D]`` of one model, shared by its sequences."""
+
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.k: list[torch.Tensor] = []  # per layer: [slots, H, capacity, D]
+        self.v: list[torch.Tensor] = []
+        self._owners: list[SequenceKV] = []  # slot i -> its sequence; dense: slots 0..len-1 are in use
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2] if self.k else 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.k[0].shape[0] if self.k else 0
+
+    @property
+    def num_used(self) -> int:
+        return len(self._owners)
+
+    def owner(self, slot: int) -> SequenceKV:
+        return self._owners[slot]
+
+    def _resize(self, slots: int, capacity: int) -> None:
+        shape = (slots, self.num_kv_heads, capacity, self.head_dim)
+        # Zeros, not empty: a forward reads every position of its rows up to the batch's end (the
+        # mask hides the ones past a row's own length), and masked-out garbage NaNs would still
+        # poison the output (0 * NaN); everything written later is a finite model output.
+        with torch.inference_mode():
+            new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            used = len(self._owners)
+            keep = min(self.capacity, capacity)
+            for dst, src in zip((*new_k, *new_v), (*self.k, *self.v), strict=False):
+                dst[:used, :, :keep] = src[:used, :, :keep]
+        self.k, self.v = new_k, new_v
+
+    def bind(self, kv: SequenceKV) -> None:
+        """Give ``kv`` the lowest free slot (growing the slot count if none is free)."""
+        if kv.pool is not None:
+            raise ValueError("this KV cache already has a slot")
+        if len(self._owners) == self.num_slots:
+            self._resize(max(1, 2 * self.num_slots), max(self.capacity, _MIN_GROWTH))
+        kv.pool, kv.slot = self, len(self._owners)
+        self._owners.append(kv)
+
+    def release(self, kv: SequenceKV) -> None:
+        """Free ``kv``'s slot; the highest slot in use moves into it so slots stay dense."""
+        slot = kv.slot
+        if kv.pool is not self or slot is None or self._owners[slot] is not kv:
+            raise ValueError("this KV cache has no slot in this pool")
+        last = len(self._owners) - 1
+        if slot != last:
+            moved = self._owners[last]
+            with torch.inference_mode():
+                for t in (*self.k, *self.v):
+                    t[slot, :, : moved.length] = t[last, :, : moved.length]
+            self._owners[slot] = moved
+            moved.slot = slot
+        self._owners.pop()
+        kv.pool, kv.slot = None, None
+
+    def reserve(self, positions: int) -> None:
+        """Room for ``positions`` positions in every slot (grows by half, at least ``_MIN_GROWTH``)."""
+        if positions > self.capacity:
+            grown = self.capacity + max(self.capacity // 2, _MIN_GROWTH)
+            self._resize(max(self.num_slots, 1), max(positions, grown))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+
 class SequenceKV:
-    """Keys and values of one sequence for one model."""
+    """One sequence's handle on a ``SlotPool``: its slot and how many positions are filled.
+
+    A handle gets its slot from the model runner at its first forward. ``append`` on a
+    handle with no slot makes a private one-slot pool (tests, tools)."""
 
     def __init__(self) -> None:
-        self._k: list[torch.Tensor] = []  # per layer: [1, num_kv_heads, capacity, head_dim]
-        self._v: list[torch.Tensor] = []  # per layer: [1, num_kv_heads, capacity, head_dim]
+        self.pool: SlotPool | None = None
+        self.slot: int | None = None
         self.length = 0
 
     @property
     def keys(self) -> list[torch.Tensor]:  # per layer: [1, num_kv_heads, length, head_dim] views
-        return [k[:, :, : self.length] for k in self._k]
+        return [k[:, :, : self.length] for k in self.buffers()[0]]
 
     @property
     def values(self) -> list[torch.Tensor]:  # per layer: [1, num_kv_heads, length, head_dim] views
-        return [v[:, :, : self.length] for v in self._v]
+        return [v[:, :, : self.length] for v in self.buffers()[1]]
 
     @property
     def capacity(self) -> int:
-        return self._k[0].shape[2] if self._k else 0
+        return self.pool.capacity if self.pool is not None else 0
 
     def buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The whole per-layer buffers (``[1, H, capacity, D]``), for writing in place."""
-        return self._k, self._v
+        """This slot's whole per-layer rows (``[1, H, capacity, D]`` views into the pool)."""
+        if self.pool is None or self.slot is None:
+            return [], []
+        s = self.slot
+        return [k[s : s + 1] for k in self.pool.k], [v[s : s + 1] for v in self.pool.v]
 
     def reserve(self, extra: int, like: torch.Tensor | None = None, num_layers: int | None = None) -> None:
-        """Room for ``extra`` more positions. New buffers take head count, head dim, dtype
-        and device from ``like`` (any ``[*, H, *, D]`` tensor of this model) and ``num_layers``,
-        which only the first allocation needs: later ones copy the current buffers' shape."""
-        need = self.length + extra
-        if need <= self.capacity:
-            return
-        if like is None or num_layers is None:
-            if not self._k:
+        """Room for ``extra`` more positions. A handle without a slot gets a private pool shaped
+        from ``like`` (any ``[*, H, *, D]`` tensor of this model) and ``num_layers``."""
+        if self.pool is None:
+            if like is None or num_layers is None:
                 raise ValueError("the first reserve needs a template tensor and a layer count")
-            like, num_layers = self._k[0], len(self._k)
-        cap = max(need, self.capacity + max(self.capacity // 2, _MIN_GROWTH))
-        shape = (1, like.shape[1], cap, like.shape[3])
-        new_k = [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in range(num_layers)]
-        new_v = [torch.empty(shape, dtype=like.dtype, device=like.device) for _ in range(num_layers)]
-        for dst, src in zip((*new_k, *new_v), (*self._k, *self._v), strict=False):
-            dst[:, :, : self.length] = src[:, :, : self.length]
-        self._k, self._v = new_k, new_v
+            SlotPool(num_layers, like.shape[1], like.shape[3], dtype=like.dtype, device=like.device).bind(self)
+        assert self.pool is not None
+        self.pool.reserve(self.length + extra)
 
     def advance(self, extra: int) -> None:
         """Count ``extra`` positions written in place past ``length`` (see model_runner)."""
@@ -75,28 +154,33 @@ class SequenceKV:
         self.length += extra
 
     def append(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
-        """Append per-layer ``[1, H, T, D]`` entries at ``length`` (growing the buffers if needed)."""
+        """Append per-layer ``[1, H, T, D]`` entries at ``length`` (growing the pool if needed)."""
         if len(keys) != len(values) or len({k.shape[-2] for k in (*keys, *values)}) > 1:
             raise ValueError("inconsistent per-layer KV lengths")
-        if self._k and len(keys) != len(self._k):
-            raise ValueError(f"expected {len(self._k)} layers, got {len(keys)}")
+        if self.pool is not None and len(keys) != self.pool.num_layers:
+            raise ValueError(f"expected {self.pool.num_layers} layers, got {len(keys)}")
         extra = keys[0].shape[-2]
         self.reserve(extra, keys[0], len(keys))
         end = self.length + extra
-        for dst, src in zip((*self._k, *self._v), (*keys, *values), strict=True):
-            dst[:, :, self.length : end] = src
+        k_rows, v_rows = self.buffers()
+        with torch.inference_mode():
+            for dst, src in zip((*k_rows, *v_rows), (*keys, *values), strict=True):
+                dst[:, :, self.length : end] = src
         self.length = end
 
     def crop(self, length: int) -> None:
-        """Keep the first ``length`` positions (no copy: later appends overwrite the rest)."""
+        """Keep the first ``length`` positions (no copy: later writes overwrite the rest)."""
         if length < 0 or length > self.length:
             raise ValueError(f"cannot crop a KV cache of length {self.length} to {length}")
         self.length = length
 
     def free(self) -> None:
-        self._k, self._v = [], []
+        if self.pool is not None:
+            self.pool.release(self)
         self.length = 0
 
     def nbytes(self) -> int:
-        """Bytes held, spare capacity included."""
-        return sum(t.numel() * t.element_size() for t in (*self._k, *self._v))
+        """Bytes of this sequence's slot (spare capacity included)."""
+        if self.pool is None or not self.pool.num_slots:
+            return 0
+        return self.pool.nbytes() // self.pool.num_slots

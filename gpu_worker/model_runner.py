@@ -1,25 +1,23 @@
-"""Forward passes of one causal LM over many sequences with per-sequence KV caches.
+"""Forward passes of one causal LM over many sequences with slot KV caches.
 
-Batching strategy (``batched=True``): the sequences' caches are left-padded into
-one ``[B, num_kv_heads, L_max, head_dim]`` cache per layer, the new tokens are
-right-padded into ``[B, T_max]``, and a 2-D attention mask hides both paddings:
+Every sequence's keys/values live in one row of the model's ``SlotPool``
+(gpu_worker.kv_cache): per layer ``[slots, H, capacity, D]``. A forward runs
+over the contiguous range of pool rows its items occupy, attending straight
+over those rows (a view: nobody's past is copied), and writes the new entries
+into them in place (``_slot_cache``: one indexed write per layer):
 
-    row r:  [ pad (L_max - L_r) | past L_r | new T_r | pad (T_max - T_r) ]
+    row r:  [ past L_r | new T_r | (pad up to T_max: written past L_r + T_r, never read) ]
 
-Position ids are ``L_r + arange(T_max)`` (consecutive per row, so transformers
-never mistakes the batch for packed sequences). Every real query sees only its
-own real keys, at its true positions, so results match per-sequence forwards up
+The new tokens are right-padded into ``[R, T_max]``, position ids are
+``L_r + arange(T_max)``, and a 4-D boolean mask lets query t of row r see keys
+``0 .. L_r + t`` of its own row, so every real query sees exactly its own
+past and new tokens, at their true positions; results match a fresh forward up
 to float rounding (tests/gpu_worker/test_model_runner.py checks float32
-closeness). Right-padding queries always have a real token before them, so no
-attention row is fully masked (that would give NaN rows in SDPA).
-
-The batch buffer has room for the new columns, and the cache layers write them
-in place (``_in_place_cache``: transformers' ``DynamicLayer`` would concatenate,
-copying the whole past of every layer once more). After the forward each
-sequence's new keys/values (columns L_max .. L_max+T_r) are appended to its own
-buffers (gpu_worker.kv_cache), so the one full copy per forward is the padding.
-``batched=False`` runs one forward per sequence with no padding at all; it is
-the reference for the batched path.
+closeness). Slots in the range that are not in the batch (the pool keeps used
+slots dense, so there are none when the batch is everyone) ride along as
+dummy rows whose writes land past their own length, where nothing reads them.
+``batched=False`` runs one forward per sequence (R = 1); it is the reference
+for the batched path.
 
 Logits are computed only for the rows asked for (``num_logits`` trailing rows
 per sequence): prefill asks for none, so the ``[T, V]`` projection of a long
@@ -35,7 +33,7 @@ from typing import Any
 
 import torch
 
-from gpu_worker.kv_cache import SequenceKV
+from gpu_worker.kv_cache import SequenceKV, SlotPool
 
 # Token id written into padding slots. Any valid id works: padded queries'
 # outputs are discarded and padded keys are masked out.
@@ -66,6 +64,7 @@ class ModelRunner:
         self.vocab_size: int = int(self._lm_head.weight.shape[0])  # V: logits width
         self.max_model_len: int = int(getattr(config, "max_position_embeddings", 1 << 30))
         self.device: torch.device = next(model.parameters()).device
+        self.pool: SlotPool | None = None  # every sequence's KV for this model (built at the first forward)
         # Counters for benchmarks and metrics: batched forwards run, token positions computed.
         self.num_forwards = 0
         self.num_positions = 0
@@ -83,90 +82,69 @@ class ModelRunner:
                     f"{self.name}: {it.kv.length + len(it.token_ids)} positions exceed max length {self.max_model_len}"
                 )
         if self.batched and len(items) > 1:
-            hidden = self._forward_padded(items)
+            hidden = self._forward_slots(items)
             self.num_forwards += 1
         else:
-            hidden = [self._forward_one(it) for it in items]
+            hidden = [h for it in items for h in self._forward_slots([it])]
             self.num_forwards += len(items)
         self.num_positions += sum(len(it.token_ids) for it in items)
         return self._project(hidden)
 
-    def _forward_one(self, item: ForwardItem) -> torch.Tensor:  # -> [num_logits, hidden]
-        from transformers import DynamicCache
+    def _pool_for(self, items: Sequence[ForwardItem]) -> SlotPool:
+        if self.pool is None:
+            config = self.model.config.get_text_config(decoder=True)
+            heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+            head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+            param = next(self.model.parameters())
+            self.pool = SlotPool(config.num_hidden_layers, heads, head_dim, dtype=param.dtype, device=param.device)
+        for it in items:
+            if it.kv.pool is None:
+                self.pool.bind(it.kv)
+            elif it.kv.pool is not self.pool:
+                raise ValueError(f"{self.name}: a KV cache of another model was passed")
+        return self.pool
 
-        kv = item.kv
-        past_len = kv.length
-        num_new = len(item.token_ids)
-        input_ids = torch.tensor([list(item.token_ids)], dtype=torch.long, device=self.device)  # [1, T]
-        position_ids = torch.arange(past_len, past_len + num_new, device=self.device).unsqueeze(0)  # [1, T]
-        in_place = kv.capacity > 0
-        if not in_place:
-            # First forward: transformers allocates; the entries are then copied in once.
-            cache = DynamicCache()
-        else:
-            kv.reserve(num_new)
-            k_bufs, v_bufs = kv.buffers()  # [1, H, capacity, D] per layer
-            cache = _in_place_cache(k_bufs, v_bufs, filled=past_len)
-        out = self._decoder(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True)
-        if in_place:
-            kv.advance(num_new)  # the layers wrote the new entries into kv's own buffers
-        else:
-            kv.append([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers])
-        return out.last_hidden_state[0, num_new - item.num_logits :]  # [num_logits, hidden]
-
-    def _forward_padded(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
-        from transformers import DynamicCache
-
-        batch = len(items)
-        past_lens = [it.kv.length for it in items]
-        new_lens = [len(it.token_ids) for it in items]
-        max_past, max_new = max(past_lens), max(new_lens)
+    def _forward_slots(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
+        """One forward over the pool rows ``items`` occupy; returns per item [num_logits, hidden]."""
+        pool = self._pool_for(items)
         dev = self.device
+        lo = min(it.kv.slot for it in items)  # type: ignore[type-var]
+        hi = max(it.kv.slot for it in items) + 1  # type: ignore[operator]
+        rows = hi - lo
+        by_slot = {it.kv.slot: it for it in items}
+        if len(by_slot) != len(items):
+            raise ValueError(f"{self.name}: one KV cache appears twice in a forward")
+        max_new = max(len(it.token_ids) for it in items)
+        # Per row: where its new tokens start (dummy rows: past their owner's length).
+        starts = [pool.owner(lo + r).length for r in range(rows)]
+        end = max(starts) + max_new  # keys the attention reads: positions 0..end-1
+        pool.reserve(end)
 
-        input_ids = torch.full((batch, max_new), _PAD_TOKEN_ID, dtype=torch.long, device=dev)  # [B, T_max]
-        attention_mask = torch.zeros(batch, max_past + max_new, dtype=torch.long, device=dev)  # [B, L_max+T_max]
-        for r, it in enumerate(items):
-            input_ids[r, : new_lens[r]] = torch.tensor(list(it.token_ids), dtype=torch.long, device=dev)
-            attention_mask[r, max_past - past_lens[r] : max_past + new_lens[r]] = 1
-        position_ids = torch.tensor(past_lens, device=dev).unsqueeze(1) + torch.arange(
-            max_new, device=dev
-        )  # [B, T_max]
+        input_ids = torch.full((rows, max_new), _PAD_TOKEN_ID, dtype=torch.long)  # [R, T_max]
+        for slot, it in by_slot.items():
+            input_ids[slot - lo, : len(it.token_ids)] = torch.as_tensor(list(it.token_ids), dtype=torch.long)
+        input_ids = input_ids.to(dev, non_blocking=True)
+        start_t = torch.tensor(starts, dtype=torch.long).to(dev, non_blocking=True)  # [R]
+        positions = start_t.unsqueeze(1) + torch.arange(max_new, device=dev)  # [R, T_max]
+        # Query t of row r sees keys 0 .. L_r + t: its past and its own new tokens so far.
+        mask = torch.arange(end, device=dev).view(1, 1, end) <= positions.unsqueeze(2)  # [R, T_max, end]
 
-        if max_past == 0:
-            cache: Any = DynamicCache()  # nothing cached yet: transformers allocates
-        else:
-            template = next(it.kv for it in items if it.kv.length > 0)
-            t_keys, _ = template.buffers()
-            # One batch buffer per layer holding the left-padded pasts, with room for the
-            # new entries, which the cache layers write in place (no per-layer concat).
-            _, heads, _, head_dim = t_keys[0].shape
-            shape = (batch, heads, max_past + max_new, head_dim)
-            k_bufs = [torch.zeros(shape, dtype=t_keys[0].dtype, device=dev) for _ in t_keys]  # [B, H, L+T, D]
-            v_bufs = [torch.zeros_like(k) for k in k_bufs]  # [B, H, L+T, D]
-            for r, it in enumerate(items):
-                if past_lens[r]:
-                    for k, v, src_k, src_v in zip(k_bufs, v_bufs, it.kv.keys, it.kv.values, strict=True):
-                        k[r, :, max_past - past_lens[r] : max_past] = src_k[0]
-                        v[r, :, max_past - past_lens[r] : max_past] = src_v[0]
-            cache = _in_place_cache(k_bufs, v_bufs, filled=max_past)
-
+        cache = _slot_cache(
+            [k[lo:hi] for k in pool.k], [v[lo:hi] for v in pool.v], positions=positions, end=end, past=max(starts)
+        )
         out = self._decoder(
             input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
+            attention_mask=mask.unsqueeze(1),  # [R, 1, T_max, end]
+            position_ids=positions,
             past_key_values=cache,
             use_cache=True,
         )
-        hidden = out.last_hidden_state  # [B, T_max, hidden]
+        hidden = out.last_hidden_state  # [R, T_max, hidden]
         results = []
-        for r, it in enumerate(items):
-            new_slice = slice(max_past, max_past + new_lens[r])
-            # Only this step's entries are copied into the sequence's own buffers.
-            it.kv.append(
-                [layer.keys[r : r + 1, :, new_slice] for layer in cache.layers],  # [1, H, T_r, D]
-                [layer.values[r : r + 1, :, new_slice] for layer in cache.layers],  # [1, H, T_r, D]
-            )
-            results.append(hidden[r, new_lens[r] - it.num_logits : new_lens[r]])  # [num_logits, hidden]
+        for it in items:
+            r, n = it.kv.slot - lo, len(it.token_ids)  # type: ignore[operator]
+            it.kv.advance(n)  # the layers wrote its new entries into its own slot
+            results.append(hidden[r, n - it.num_logits : n])  # [num_logits, hidden]
         return results
 
     def _project(self, hidden: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -181,40 +159,47 @@ class ModelRunner:
 
 
 @functools.cache
-def _in_place_layer_class() -> type:
-    """``DynamicLayer`` whose ``update`` writes into a preallocated buffer (built lazily:
-    transformers is imported only when a model runs)."""
+def _slot_layer_class() -> type:
+    """``DynamicLayer`` over pool rows: ``update`` writes each row's new entries at that row's own
+    positions (one indexed write) and returns the rows' keys/values up to ``end`` (views).
+    Built lazily: transformers is imported only when a model runs."""
     from transformers.cache_utils import DynamicLayer
 
-    class InPlaceLayer(DynamicLayer):
-        def __init__(self, k_buf: torch.Tensor, v_buf: torch.Tensor, filled: int) -> None:
+    class SlotLayer(DynamicLayer):
+        def __init__(self, k_rows: torch.Tensor, v_rows: torch.Tensor, positions: torch.Tensor, end: int, past: int):
             super().__init__()
-            self._k_buf, self._v_buf = k_buf, v_buf  # [B, H, capacity, D]
-            self.dtype, self.device = k_buf.dtype, k_buf.device
-            self.keys, self.values = k_buf[:, :, :filled], v_buf[:, :, :filled]  # [B, H, filled, D] views
+            self._k_rows, self._v_rows = k_rows, v_rows  # [R, H, capacity, D] views of the pool
+            self._rows = torch.arange(k_rows.shape[0], device=k_rows.device).unsqueeze(1)  # [R, 1]
+            self._positions = positions  # [R, T_max]: where each new entry goes
+            self._end = end
+            self._past = past
+            self.dtype, self.device = k_rows.dtype, k_rows.device
+            self.keys, self.values = k_rows[:, :, :past], v_rows[:, :, :past]
             self.is_initialized = True
 
         def update(
             self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            start = self.keys.shape[-2]
-            end = start + key_states.shape[-2]
-            self._k_buf[:, :, start:end] = key_states  # [B, H, T, D]
-            self._v_buf[:, :, start:end] = value_states
-            self.keys, self.values = self._k_buf[:, :, :end], self._v_buf[:, :, :end]
+            # [R, H, T, D] -> [R, T, H, D], the layout of rows[r], :, positions[r, t]
+            self._k_rows[self._rows, :, self._positions] = key_states.transpose(1, 2)
+            self._v_rows[self._rows, :, self._positions] = value_states.transpose(1, 2)
+            self.keys, self.values = self._k_rows[:, :, : self._end], self._v_rows[:, :, : self._end]
             return self.keys, self.values
 
-    return InPlaceLayer
+        def get_seq_length(self) -> int:
+            return self._past
+
+    return SlotLayer
 
 
-def _in_place_cache(k_bufs: Sequence[torch.Tensor], v_bufs: Sequence[torch.Tensor], *, filled: int) -> Any:
-    """A ``DynamicCache`` over preallocated per-layer buffers ``[B, H, capacity, D]`` whose first
-    ``filled`` positions hold the past: the forward appends in place instead of concatenating
-    (``DynamicLayer.update`` copies the whole past of every layer on every forward)."""
+def _slot_cache(
+    k_rows: Sequence[torch.Tensor], v_rows: Sequence[torch.Tensor], *, positions: torch.Tensor, end: int, past: int
+) -> Any:
+    """A ``DynamicCache`` whose layers write into and read from pool rows (see ``_slot_layer_class``)."""
     from transformers import DynamicCache
     from transformers.cache_utils import Cache
 
-    layer_class = _in_place_layer_class()
+    layer_class = _slot_layer_class()
     cache = DynamicCache.__new__(DynamicCache)
-    Cache.__init__(cache, layers=[layer_class(k, v, filled) for k, v in zip(k_bufs, v_bufs, strict=True)])
+    Cache.__init__(cache, layers=[layer_class(k, v, positions, end, past) for k, v in zip(k_rows, v_rows, strict=True)])
     return cache

@@ -1,5 +1,5 @@
-"""SequenceKV: growable per-sequence buffers with in-place append and copy-free rollback,
-checked against a plain list of concatenated tensors over random append/crop sequences."""
+"""SequenceKV handles on a SlotPool: in-place append, copy-free rollback, slots kept dense when
+sequences finish; checked against plain lists of concatenated tensors over random operations."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from gpu_worker.kv_cache import SequenceKV
+from gpu_worker.kv_cache import SequenceKV, SlotPool
 
 LAYERS, HEADS, DIM = 3, 2, 4
 
@@ -78,3 +78,42 @@ def test_rejects_inconsistent_entries() -> None:
     kv.append(keys, values)
     with pytest.raises(ValueError, match="layers"):
         kv.append(keys[:2], values[:2])
+
+
+def test_shared_pool_matches_concatenation_over_join_crop_free() -> None:
+    """Many sequences in one pool: appends, rollbacks, frees (slot moves) and joins in random
+    order; every live sequence always reads back exactly its own concatenated entries."""
+    rng, gen = random.Random(3), torch.Generator().manual_seed(3)
+    pool = SlotPool(LAYERS, HEADS, DIM, dtype=torch.float32, device="cpu")
+    live: dict[int, tuple[SequenceKV, list[torch.Tensor], list[torch.Tensor]]] = {}
+    next_id = 0
+    for _ in range(400):
+        op = rng.random()
+        if not live or op < 0.15:  # a sequence joins
+            kv = SequenceKV()
+            pool.bind(kv)
+            live[next_id] = (kv, [torch.empty(1, HEADS, 0, DIM)] * LAYERS, [torch.empty(1, HEADS, 0, DIM)] * LAYERS)
+            next_id += 1
+            continue
+        key = rng.choice(list(live))
+        kv, ref_k, ref_v = live[key]
+        if op < 0.25:  # it finishes: its slot is freed, the last one moves in
+            kv.free()
+            del live[key]
+        elif op < 0.5 and kv.length:
+            n = rng.randint(0, kv.length)
+            kv.crop(n)
+            live[key] = (kv, [k[:, :, :n] for k in ref_k], [v[:, :, :n] for v in ref_v])
+        else:
+            keys, values = _entries(rng.randint(1, 9), gen)
+            kv.append(keys, values)
+            live[key] = (
+                kv,
+                [torch.cat([a, b], dim=2) for a, b in zip(ref_k, keys)],
+                [torch.cat([a, b], dim=2) for a, b in zip(ref_v, values)],
+            )
+        assert sorted(kv.slot for kv, _, _ in live.values()) == list(range(len(live))) == list(range(pool.num_used))
+        for kv, ref_k, ref_v in live.values():
+            assert kv.pool is pool and kv.length == ref_k[0].shape[2] <= pool.capacity
+            for a, b in zip(kv.keys + kv.values, ref_k + ref_v):
+                assert torch.equal(a, b)

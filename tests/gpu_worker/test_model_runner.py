@@ -90,10 +90,34 @@ def test_batched_forward_matches_per_sequence_forwards(model):
         assert ka.length == kb.length == p + n
         for x, y in zip(ka.keys + ka.values, kb.keys + kb.values):
             torch.testing.assert_close(x, y, atol=ATOL, rtol=0)
-        # Each sequence owns its buffers (never a view pinning the whole batch tensor).
-        for buf in (*ka.buffers()[0], *ka.buffers()[1]):
-            assert buf.shape[0] == 1 and buf.is_contiguous()
-            assert buf.untyped_storage().nbytes() == buf.numel() * buf.element_size()
+    # Every sequence's KV is one row of the runner's pool: dense, distinct slots.
+    assert sorted(kv.slot for kv in kv_b) == list(range(len(seqs))) and batched.pool.num_used == len(seqs)
+    for kv in kv_b:
+        assert kv.pool is batched.pool
+        assert kv.buffers()[0][0].data_ptr() == batched.pool.k[0][kv.slot].data_ptr()
+
+
+def test_subset_batches_and_freed_slots_keep_every_sequence_exact(model):
+    """A forward over some of the pool's sequences (the others ride along as dummy rows, which
+    must not disturb them), and a freed middle slot (the last sequence moves into it)."""
+    runner = ModelRunner(model, batched=True)
+    seqs = [_ids(30, 40 + i) for i in range(4)]
+    kvs = [SequenceKV() for _ in seqs]
+    runner.forward([ForwardItem(kv, s[: 5 + i], 0) for i, (kv, s) in enumerate(zip(kvs, seqs))])
+    # Rows 0 and 2 only: row 1 is inside the range and must come out untouched.
+    before = [t.clone() for t in kvs[1].keys + kvs[1].values]
+    out = runner.forward([ForwardItem(kvs[0], seqs[0][5:9], 4), ForwardItem(kvs[2], seqs[2][7:8], 1)])
+    torch.testing.assert_close(out[0], _fresh_logits(model, seqs[0][:9])[5:9], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[1], _fresh_logits(model, seqs[2][:8])[7:8], atol=ATOL, rtol=0)
+    for a, b in zip(kvs[1].keys + kvs[1].values, before):
+        assert torch.equal(a, b)
+    kvs[1].free()  # slot 1 freed: the sequence in slot 3 moves there
+    assert kvs[3].slot == 1 and runner.pool.num_used == 3 and kvs[1].pool is None
+    items = [ForwardItem(kvs[i], seqs[i][kvs[i].length : kvs[i].length + 2], 2) for i in (0, 2, 3)]
+    lengths = [kvs[i].length for i in (0, 2, 3)]
+    out = runner.forward(items)
+    for i, got, n in zip((0, 2, 3), out, lengths):
+        torch.testing.assert_close(got, _fresh_logits(model, seqs[i][: n + 2])[n:], atol=ATOL, rtol=0)
 
 
 def test_only_requested_logit_rows(model):
