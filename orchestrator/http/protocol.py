@@ -8,8 +8,9 @@ while their neutral values (``n=1``, ``logprobs=false``, penalties 0) pass.
 
 Extensions (named after vLLM's ``extra_body`` fields where one exists):
 ``top_k``, ``ignore_eos``, ``guided_json``, ``guided_regex``, ``guided_grammar``
-(EBNF), ``guided_lark``, ``guided_choice``, and ``speculation`` (ours:
-``enabled``, ``k``, ``proposers``, ``draft_masking``).
+(EBNF), ``guided_lark``, ``guided_choice``, and ours: ``speculation``
+(``enabled``, ``k``, ``proposers``, ``draft_masking``) and, for chat,
+``schema_instruction``.
 """
 
 from __future__ import annotations
@@ -141,6 +142,9 @@ class ChatCompletionRequest(_Generation):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Extension: the system instruction a JSON Schema request's chat gets (orchestrator/chat.py);
+    # None = the default (the schema in a system message), "" = none.
+    schema_instruction: str | None = None
     # Accepted and ignored: they change nothing about generation.
     metadata: dict[str, str] | None = None
     store: bool | None = None

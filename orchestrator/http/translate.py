@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mask_service.grammar import GrammarKind, GrammarSpec
+from orchestrator.chat import ChatMessage, ChatPrompt
 from orchestrator.http import tools as tool_calls
 from orchestrator.http.errors import ApiError
 from orchestrator.http.prompting import ChatPrompter
@@ -49,11 +50,28 @@ def chat_request(body: ChatCompletionRequest, request_id: str, prompter: ChatPro
         raise ApiError.invalid("tool_choice was given without tools", param="tool_choice")
     grammars += _format_grammar(body.response_format)
     grammars += _guided_grammars(body)
-    prompt = prompter.render(body.messages, body.tools if tool_schema is not None else None)
     return Translated(
-        request=_request(body, request_id, prompt, max_tokens, _one_grammar(grammars)),
+        request=_request(
+            body, request_id, _chat_prompt(body, prompter, tool_schema is not None), max_tokens, _one_grammar(grammars)
+        ),
         tool_call=tool_schema is not None,
     )
+
+
+def _chat_prompt(body: ChatCompletionRequest, prompter: ChatPrompter, tool_call: bool) -> str | ChatPrompt:
+    """Plain conversations go to the engine as a ``ChatPrompt`` and are rendered by its validator,
+    exactly as gRPC chat requests are (off the event loop, with the JSON Schema instruction).
+    Tool calls, and conversations carrying tool calls or results, are rendered here: the
+    template gets the tools and the calls, which ``ChatPrompt`` does not carry."""
+    plain = not tool_call and all(
+        m.tool_calls is None and m.tool_call_id is None and m.name is None for m in body.messages
+    )
+    if plain:
+        messages = tuple(ChatMessage(role=m.role, content=m.text) for m in body.messages)
+        return ChatPrompt(messages=messages, schema_instruction=body.schema_instruction)
+    if body.schema_instruction is not None:
+        raise ApiError.invalid("schema_instruction applies to plain chats only (no tools)", param="schema_instruction")
+    return prompter.render(body.messages, body.tools if tool_call else None)
 
 
 def completion_request(body: CompletionRequest, request_id: str) -> Translated:

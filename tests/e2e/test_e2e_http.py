@@ -73,6 +73,9 @@ TOOLS = [
 ]
 TOOL_PARAMS = {"get_weather": WEATHER, "set_alarm": ALARM}
 MESSAGES = [{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": PROMPT}]
+# The tiny model's context is 512 tokens: requests with long budgets leave out the schema
+# instruction a JSON Schema chat gets by default (test_chat_gets_the_schema_instruction keeps it).
+NO_INSTRUCTION = {"schema_instruction": ""}
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +117,7 @@ def test_chat_json_schema_validates(client: openai.OpenAI, model: str, name: str
         temperature=1.0,
         seed=11,
         max_tokens=LONG_MAX_TOKENS,
+        extra_body=NO_INSTRUCTION,
     )
     choice = resp.choices[0]
     assert choice.finish_reason == "stop"
@@ -123,6 +127,20 @@ def test_chat_json_schema_validates(client: openai.OpenAI, model: str, name: str
     assert usage.completion_tokens > 0
     ext = usage.model_extra["specmask"]
     assert ext["target_forwards"] >= 1 and 0.0 <= ext["acceptance_rate"] <= 1.0
+
+
+def test_chat_gets_the_schema_instruction(stack: ThreadStack, client: openai.OpenAI, model: str) -> None:
+    """A plain JSON Schema chat goes through the engine's chat renderer (orchestrator/chat.py), which
+    puts the schema in a system message, as for gRPC chat requests: the prompt is longer by it."""
+    kwargs: dict[str, Any] = dict(
+        model=model, messages=MESSAGES, response_format=_json_format(BOUNDED_SCHEMA), temperature=0.0, max_tokens=64
+    )
+    with_instruction = client.chat.completions.create(**kwargs)
+    without = client.chat.completions.create(**kwargs, extra_body=NO_INSTRUCTION)
+    assert with_instruction.usage.prompt_tokens > without.usage.prompt_tokens + 20
+    for resp in (with_instruction, without):
+        assert resp.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(resp.choices[0].message.content), BOUNDED_SCHEMA)
 
 
 def test_chat_json_object_and_guided_regex(client: openai.OpenAI, model: str) -> None:
@@ -178,6 +196,7 @@ def test_chat_streaming_with_usage(client: openai.OpenAI, model: str) -> None:
         temperature=1.0,
         seed=5,
         max_tokens=LONG_MAX_TOKENS,
+        extra_body=NO_INSTRUCTION,
         stream=True,
         stream_options={"include_usage": True},
     )
@@ -313,6 +332,7 @@ def test_disconnect_mid_stream_frees_the_request(stack: ThreadStack, base_url: s
         "seed": 3,
         "max_tokens": ENDLESS_MAX_TOKENS,
         "stream": True,
+        **NO_INSTRUCTION,
         "speculation": {"enabled": False},
     }
     with httpx.Client(timeout=120) as http, http.stream("POST", f"{base_url}/chat/completions", json=body) as resp:
@@ -356,6 +376,7 @@ def test_overload_gets_429_with_retry_after(stack: ThreadStack, base_url: str, m
                     "seed": i,
                     "max_tokens": ENDLESS_MAX_TOKENS,
                     "stream": True,
+                    **NO_INSTRUCTION,
                 }
                 request = http.build_request("POST", f"{base_url}/chat/completions", json=body)
                 resp = await http.send(request, stream=True)

@@ -10,6 +10,7 @@ import pytest
 
 from gpu_worker.types import FinishReason
 from mask_service.grammar import GrammarKind
+from orchestrator.chat import ChatMessage, ChatPrompt
 from orchestrator.http import tools, translate
 from orchestrator.http.errors import ApiError
 from orchestrator.http.prompting import TemplatePrompter, TranscriptPrompter, load_prompter
@@ -27,7 +28,10 @@ def chat(**fields: Any) -> translate.Translated:
 def test_defaults_follow_openai() -> None:
     req = chat().request
     assert req.grammar is None and req.sampling.temperature == 1.0 and req.sampling.max_tokens is None
-    assert req.prompt == "user: hi\nassistant:"
+    # A plain chat is rendered by the engine's validator, like a gRPC chat request.
+    assert req.prompt == ChatPrompt(messages=(ChatMessage(role="user", content="hi"),))
+    tool_result = chat(messages=[{"role": "tool", "content": "42", "tool_call_id": "c1"}]).request
+    assert tool_result.prompt == "tool: 42\nassistant:"  # carries tool data: rendered here
     req = chat(max_completion_tokens=7, stop="END", seed=3, top_k=5, temperature=0).request
     assert (req.sampling.max_tokens, req.sampling.stop, req.sampling.seed, req.sampling.top_k) == (7, ("END",), 3, 5)
     assert req.sampling.temperature == 0.0
