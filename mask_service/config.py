@@ -24,6 +24,7 @@ DEFAULT_COMPILE_MEMORY_BYTES = 1536 * 1024**2
 DEFAULT_COMPILE_QUEUE = 16  # compiles waiting for a worker, all owners
 DEFAULT_COMPILE_QUEUE_PER_OWNER = 4  # so one flooding client cannot fill the queue alone
 DEFAULT_COMPILE_WAITERS = 8  # requests blocked on compiles; half the gRPC threads stay for masks
+DEFAULT_SHUTDOWN_GRACE_S = 5.0  # in-flight DraftMasks calls take milliseconds; compiles are the long ones
 DEFAULT_GRAMMAR_CACHE_BYTES = 512 * 1024**2
 DEFAULT_ROW_CACHE_BYTES = 256 * 1024**2  # ~16k distinct Llama-3 rows
 # 64 MiB: a B=512, k=16 batch of dense rows (worst case, first sighting) fits.

@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="shed new sessions past this RSS (0 = 85%% of the cgroup memory limit, if any)",
     )
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics HTTP port (0 = off)")
+    parser.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=cfg.DEFAULT_SHUTDOWN_GRACE_S,
+        help="on SIGTERM, in-flight RPCs get this long to finish (keep below the pod's grace period)",
+    )
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -120,6 +126,6 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     done.wait()
-    handle.stop(grace_s=5.0)
+    handle.stop(grace_s=args.shutdown_grace_s)
     logger.info("mask service stopped")
     return 0

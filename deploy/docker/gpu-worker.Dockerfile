@@ -47,8 +47,11 @@ COPY --from=build /opt/venv /opt/venv
 # KubeRay starts Ray with `/bin/bash -lc 'ray start ...'`: a login shell, whose
 # profile may reset PATH; keep the venv on it.
 RUN echo 'export PATH=/opt/venv/bin:$PATH' > /etc/profile.d/specmask-venv.sh
+# GRPC_ENABLE_FORK_SUPPORT=false: the Ray client server (head) forks its
+# per-client servers while gRPC threads run; with fork support on, the child runs
+# gRPC's fork handlers and can die at start (proto/__init__.py has the story).
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
-    HOME=/home/ray HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+    HOME=/home/ray HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GRPC_ENABLE_FORK_SUPPORT=false
 RUN groupadd --system --gid 10001 ray \
  && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/ray ray
 USER 10001:10001

@@ -28,6 +28,7 @@ Everything is torn down by ``Cluster.close()`` (processes found through
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import functools
 import ipaddress
@@ -59,6 +60,8 @@ CLUSTER_DOMAIN = "svc.cluster.local"
 # KubeRay's fixed ports and defaults (ray-operator/controllers/ray/utils/constant.go).
 RAY_GCS_PORT, RAY_DASHBOARD_AGENT_PORT, RAY_METRICS_PORT = 6379, 52365, 8080
 # image repository suffix -> Dockerfile it is built from
+# Container restarts (restartPolicy Always) before a pod counts as failed (CrashLoopBackOff).
+MAX_RESTARTS = 3
 DOCKERFILES = {"mask-service": "mask-service", "orchestrator": "orchestrator", "gpu-worker": "gpu-worker"}
 
 
@@ -151,10 +154,12 @@ class Pod:
     netns: str = ""
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)  # the container's, as it was started
     ready: bool = False
     started: bool = False
     failure: str | None = None
     killed: bool = False
+    restarts: int = 0
 
     def port(self, port: int | str) -> int:
         if isinstance(port, int):
@@ -286,6 +291,10 @@ class Cluster:
     # ---- from manifests
 
     def add_manifests(self, docs: list[dict[str, Any]], replicas_for: Callable[[dict[str, Any]], int]) -> None:
+        for doc in docs:  # Secrets first: containers read them through env valueFrom
+            if doc["kind"] == "Secret":
+                data = {k: base64.b64decode(v).decode() for k, v in doc.get("data", {}).items()}
+                self.secrets[doc["metadata"]["name"]] = {**data, **doc.get("stringData", {})}
         for doc in docs:
             kind, meta = doc["kind"], doc["metadata"]
             if kind == "Deployment":
@@ -334,6 +343,10 @@ class Cluster:
 
             def command_for(c: dict[str, Any], group: dict[str, Any] = group, head: bool = head):
                 argv, env = kuberay_start(doc, group, c, head=head, head_fqdn=head_fqdn)
+                auth = doc["spec"].get("authOptions", {})
+                if auth.get("mode") == "token":  # KubeRay sets both on every Ray container
+                    env["RAY_AUTH_MODE"] = "token"
+                    env["RAY_AUTH_TOKEN"] = self.secrets[auth.get("secretName") or name]["auth_token"]
                 image = image_for(c["image"].split(":")[0])
                 full_env = dict(image.env)
                 full_env.update(env)
@@ -481,6 +494,7 @@ class Cluster:
         if env.get("HOME", "").startswith("/home/"):
             env["HOME"] = "/tmp"  # the image's home dir does not exist here
         argv = [map_venv(a) for a in c.argv]
+        pod.env = env
         pod.log_path = self.workdir / "logs" / f"{pod.name}.log"
         pod.log_path.parent.mkdir(parents=True, exist_ok=True)
         cmd = ["ip", "netns", "exec", pod.netns, "unshare", "--mount", "--propagation", "private", "--"]
@@ -528,8 +542,9 @@ class Cluster:
                 with socket.create_connection((pod.ip, pod.port(spec["tcpSocket"]["port"])), timeout=timeout):
                     return True, "tcp open"
             if "exec" in spec:
-                r = subprocess.run(
+                r = subprocess.run(  # in the container: its namespace and its env
                     ["ip", "netns", "exec", pod.netns, *spec["exec"]["command"]],
+                    env=pod.env,
                     capture_output=True,
                     text=True,
                     timeout=timeout,
@@ -540,31 +555,65 @@ class Cluster:
         raise ValueError(f"unsupported probe {spec}")
 
     def _kubelet(self, pod: Pod, extra_ready: Callable[[Pod], tuple[bool, str]] | None) -> None:
+        """restartPolicy Always: a container that exits, or fails its startup or liveness
+        probe, is killed and started again after the kubelet's back-off (10 s, 20 s, 40 s)."""
+        while not self._closed.is_set() and not pod.killed:
+            reason = self._run_container(pod, extra_ready)
+            if reason is None or pod.killed:
+                return
+            if pod.restarts >= MAX_RESTARTS:
+                pod.failure = f"{reason}; restarted {pod.restarts} times already (CrashLoopBackOff)"
+                return
+            pod.restarts += 1
+            logger.warning("pod %s: %s; restart %d", pod.name, reason, pod.restarts)
+            with self._lock:
+                pod.ready = pod.started = False
+            self.sync_endpoints()
+            self._kill_netns(pod.netns, signal.SIGKILL)
+            if pod.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    pod.proc.wait(10)
+            if self._closed.wait(min(10.0 * 2 ** (pod.restarts - 1), 40.0)):
+                return
+            self.start(pod)
+
+    def _run_container(self, pod: Pod, extra_ready: Callable[[Pod], tuple[bool, str]] | None) -> str | None:
+        """Probe one container run until it must be restarted (returns why) or the cluster closes (None)."""
         (c,) = pod.containers
         startup, readiness = c.probes.get("startupProbe"), c.probes.get("readinessProbe")
+        liveness = c.probes.get("livenessProbe")
+
+        def exited() -> str | None:
+            if pod.proc is not None and pod.proc.poll() is not None:
+                return f"container exited ({pod.proc.returncode})"
+            return None
+
         if startup is not None:
-            time.sleep(float(startup.get("initialDelaySeconds", 0)))
+            if self._closed.wait(float(startup.get("initialDelaySeconds", 0))):
+                return None
             fails, threshold = 0, int(startup.get("failureThreshold", 3))
-            while not self._closed.is_set():
+            while True:
                 ok, why = self.probe(pod, startup)
                 if ok:
                     break
-                if pod.proc is not None and pod.proc.poll() is not None:
-                    pod.failure = f"container exited ({pod.proc.returncode}) before its startup probe passed"
-                    return
+                if exited():
+                    return f"{exited()} before its startup probe passed"
                 fails += 1
                 if fails >= threshold:
-                    pod.failure = f"startup probe failed {fails} times ({why}); the kubelet would restart it"
-                    return
-                self._closed.wait(float(startup.get("periodSeconds", 10)))
+                    return f"startup probe failed {fails} times ({why})"
+                if self._closed.wait(float(startup.get("periodSeconds", 10))):
+                    return None
         pod.started = True
+        live_fails, next_live = 0, time.monotonic()
         while not self._closed.is_set() and not pod.killed:
-            if pod.proc is not None and pod.proc.poll() is not None:
-                pod.failure = pod.failure or f"container exited ({pod.proc.returncode})"
-                with self._lock:
-                    pod.ready = False
-                self.sync_endpoints()
-                return
+            if exited():
+                return exited()
+            if liveness is not None and time.monotonic() >= next_live:
+                ok, why = self.probe(pod, liveness)
+                live_fails = 0 if ok else live_fails + 1
+                if live_fails >= int(liveness.get("failureThreshold", 3)):
+                    return f"liveness probe failed {live_fails} times ({why})"
+                next_live = time.monotonic() + float(liveness.get("periodSeconds", 10))
             ok, why = self.probe(pod, readiness) if readiness is not None else (True, "no readiness probe")
             if ok and extra_ready is not None:
                 ok, why = extra_ready(pod)
@@ -575,6 +624,7 @@ class Cluster:
                 logger.info("pod %s ready=%s (%s)", pod.name, ok, why)
                 self.sync_endpoints()
             self._closed.wait(float((readiness or {}).get("periodSeconds", 10)) if ok else 1.0)
+        return None
 
     def run_kubelets(self, extra_ready: Callable[[Pod], tuple[bool, str]] | None = None) -> None:
         for pod in self.pods:
@@ -595,7 +645,8 @@ class Cluster:
 
     def describe(self, pods: list[Pod]) -> str:
         return "\n".join(
-            f"--- {p.name} ({p.ip}) started={p.started} ready={p.ready} failure={p.failure}\n{p.log_tail()}"
+            f"--- {p.name} ({p.ip}) started={p.started} ready={p.ready} restarts={p.restarts} "
+            f"failure={p.failure}\n{p.log_tail()}"
             for p in pods
         )
 

@@ -25,8 +25,24 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kuberne
 
 KUBE_VERSION = "1.30.0"
 RELEASE, NAMESPACE = "sm", "llm"
-MASK_PORT, ORCH_PORT, ORCH_METRICS_PORT = 50051, 50050, 9090
+MASK_PORT, ORCH_PORT, ORCH_METRICS_PORT, MASK_METRICS_PORT, ORCH_HTTP_PORT = 50051, 50050, 9090, 9091, 8000
 
+# Every pod-level extension point, as an operator would set them.
+EXTENSIONS: dict[str, Any] = {
+    "env": [
+        {"name": "EXTRA", "value": "1"},
+        {"name": "FROM_SECRET", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
+    ],
+    "podLabels": {"team": "llm"},
+    "podAnnotations": {"note": "x"},
+    "extraVolumes": [{"name": "certs", "secret": {"secretName": "certs"}}],
+    "extraVolumeMounts": [{"name": "certs", "mountPath": "/etc/certs", "readOnly": True}],
+    "topologySpreadConstraints": [
+        {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "DoNotSchedule"}
+    ],
+    "priorityClassName": "high",
+    "runtimeClassName": "nvidia",
+}
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "defaults": {},
     "autoscaling-off": {"maskService": {"autoscaling": {"enabled": False}, "pdb": {"enabled": False}}},
@@ -46,6 +62,16 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         },
         "maskService": {"metrics": {"enabled": True}, "autoscaling": {"maxReplicas": 20}},
         "rayCluster": {"gpuWorkers": {"minReplicas": 2, "replicas": 2, "maxReplicas": 6, "gpusPerWorker": 2}},
+    },
+    "everything-on": {
+        "monitoring": {"serviceMonitor": {"enabled": True}, "podMonitor": {"enabled": True}},
+        "orchestrator": {
+            "http": {"ingress": {"enabled": True, "host": "openai.example.com"}},
+            "ingress": {"enabled": True},
+            "image": {"digest": "sha256:" + "a" * 64},
+        },
+        "maskService": {**EXTENSIONS, "autoscaling": {"enabled": False}, "replicas": 3, "pdb": {"minAvailable": 2}},
+        "rayCluster": {"head": EXTENSIONS, "gpuWorkers": EXTENSIONS, "autoscaling": {"enabled": False}},
     },
     "external-ray": {
         "rayCluster": {"enabled": False},
@@ -111,8 +137,8 @@ def test_core_manifests_valid_for_kubernetes(name: str) -> None:
     kinds = {d["kind"] for d in docs}
     assert {"Deployment", "Service", "ServiceAccount"} <= kinds
     for doc in docs:
-        if doc["apiVersion"].startswith("ray.io/"):
-            continue
+        if doc["apiVersion"].startswith(("ray.io/", "monitoring.coreos.com/")):
+            continue  # CRDs: RayCluster is checked against KubeRay's CRD below
         kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
 
 
@@ -147,7 +173,7 @@ def raycluster_validator(kuberay_crd_path) -> jsonschema.Draft7Validator:
 
 
 @pytest.mark.shared_data
-@pytest.mark.parametrize("name", ["defaults", "custom-models"])
+@pytest.mark.parametrize("name", ["defaults", "custom-models", "everything-on"])
 def test_raycluster_valid_against_kuberay_crd(name: str, raycluster_validator) -> None:
     ray = one(rendered(name), "RayCluster")
     assert ray["apiVersion"] == "ray.io/v1"
@@ -173,8 +199,8 @@ def test_mask_service_ports_probes_and_flags() -> None:
     assert int(f["port"]) == MASK_PORT
     assert f["tokenizer"] == "/models/target"
     assert {"max-sessions", "session-ttl-s", "mask-threads"} <= f.keys()
-    assert "metrics-port" not in f  # optional, off by default
-    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": MASK_PORT}
+    assert int(f["metrics-port"]) == MASK_METRICS_PORT  # on by default
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": MASK_PORT, "metrics": MASK_METRICS_PORT}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["grpc"]["port"] == MASK_PORT, probe
     assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
@@ -246,7 +272,12 @@ def test_orchestrator_flags_point_at_mask_headless_service_and_ray_head() -> Non
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["grpc"]["port"] == ORCH_PORT, probe
     svc = one(docs, "Service", "-orchestrator")
-    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {"grpc": ORCH_PORT, "metrics": ORCH_METRICS_PORT}
+    assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == {
+        "grpc": ORCH_PORT,
+        "http": ORCH_HTTP_PORT,
+        "metrics": ORCH_METRICS_PORT,
+    }
+    assert int(f["http-port"]) == ORCH_HTTP_PORT
     assert not [d for d in docs if d["kind"] == "Ingress"]
 
 
@@ -294,7 +325,8 @@ def test_gpu_requests_on_worker_group_only(name: str) -> None:
     assert all(v is None for vals in gpus.values() for v in vals), gpus
     ray = one(docs, "RayCluster")
     (group,) = ray["spec"]["workerGroupSpecs"]
-    assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+    assert "replicas" not in group  # the autoscaler owns the count
+    assert group["minReplicas"] <= group["maxReplicas"]
     assert ray["spec"]["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
 
 
@@ -369,6 +401,13 @@ BAD_VALUES = {
     "bad-cpu-quantity": {"maskService": {"resources": {"requests": {"cpu": "two"}, "limits": {}}}},
     "empty-image-tag": {"rayCluster": {"image": {"tag": ""}}},
     "loopback-listen-address": {"listenAddress": "127.0.0.1"},
+    "bad-digest": {"orchestrator": {"image": {"digest": "latest"}}},
+    "bad-dtype": {"orchestrator": {"dtype": "int8"}},
+    "bad-upgrade-strategy": {"rayCluster": {"upgradeStrategy": "RollingUpdate"}},
+    "env-without-name": {"maskService": {"env": [{"value": "1"}]}},
+    "bad-scrape-interval": {"monitoring": {"serviceMonitor": {"interval": "often"}}},
+    "num-workers-zero": {"orchestrator": {"numWorkers": 0}},
+    "unknown-network-policy-key": {"networkPolicy": {"egress": True}},
 }
 
 
@@ -382,7 +421,21 @@ def test_schema_refuses_bad_values(name: str) -> None:
     "values, message",
     [
         ({"maskService": {"autoscaling": {"minReplicas": 5, "maxReplicas": 3}}}, "minReplicas must be <= maxReplicas"),
-        ({"rayCluster": {"gpuWorkers": {"minReplicas": 3, "replicas": 1}}}, "minReplicas <= replicas <= maxReplicas"),
+        ({"rayCluster": {"gpuWorkers": {"minReplicas": 5, "maxReplicas": 3}}}, "minReplicas <= maxReplicas"),
+        (
+            {"rayCluster": {"autoscaling": {"enabled": False}, "gpuWorkers": {"minReplicas": 3, "replicas": 1}}},
+            "minReplicas <= replicas <= maxReplicas",
+        ),
+        ({"maskService": {"pdb": {"minAvailable": 2}}}, r"minAvailable \(2\) must be below the replica floor \(2"),
+        (
+            {"maskService": {"autoscaling": {"enabled": False}, "replicas": 2, "pdb": {"minAvailable": 3}}},
+            r"must be below the replica floor \(2: replicas\)",
+        ),
+        ({"orchestrator": {"numWorkers": 5}}, r"numWorkers \(5\) x orchestrator.replicas \(1\)"),
+        ({"orchestrator": {"numWorkers": 2, "replicas": 3}}, "more GPUs than rayCluster.gpuWorkers can ever have"),
+        ({"orchestrator": {"drainSeconds": 60}}, r"drainSeconds \(60\) must be below terminationGracePeriodSeconds"),
+        ({"maskService": {"drainSeconds": 25}}, r"preStopSleepSeconds \+ drainSeconds \(5 \+ 25\)"),
+        ({"maskService": {"metrics": {"port": 50051}}}, "metrics.port must differ"),
     ],
 )
 def test_inconsistent_bounds_refused(values: dict[str, Any], message: str) -> None:

@@ -46,8 +46,60 @@ app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end }}
 
+{{/* repository:tag, or repository@digest when a digest is pinned (the tag is then ignored). */}}
 {{- define "specmask.image" -}}
+{{- if .digest }}
+{{- printf "%s@%s" .repository .digest }}
+{{- else }}
 {{- printf "%s:%s" .repository .tag }}
+{{- end }}
+{{- end }}
+
+{{/* Pod-level extension points of one component's values (labels/annotations go in metadata). */}}
+{{- define "specmask.podExtras" -}}
+{{- with .priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with .runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Container env: the component's env list as given (value or valueFrom). */}}
+{{- define "specmask.env" -}}
+{{- range . }}
+- {{ toYaml . | nindent 2 | trim }}
+{{- end }}
+{{- end }}
+
+{{/* Ray token auth: the Secret holding auth_token (KubeRay's key). */}}
+{{- define "specmask.ray.authSecret" -}}
+{{- default (printf "%s-auth" (include "specmask.ray.name" .)) .Values.rayCluster.auth.existingSecret }}
+{{- end }}
+
+{{/* GpuWorker actors the orchestrator creates: orchestrator.numWorkers, or one per GPU the
+worker group always has (minReplicas x gpusPerWorker); 1 with an external Ray cluster. */}}
+{{- define "specmask.numWorkers" -}}
+{{- $o := .Values.orchestrator }}
+{{- if $o.numWorkers }}
+{{- $o.numWorkers }}
+{{- else if .Values.rayCluster.enabled }}
+{{- mul (int .Values.rayCluster.gpuWorkers.minReplicas) (int .Values.rayCluster.gpuWorkers.gpusPerWorker) }}
+{{- else }}
+{{- 1 }}
+{{- end }}
 {{- end }}
 
 {{/* Model volume (read-only). */}}
@@ -104,8 +156,11 @@ seccompProfile:
 {{- define "specmask.containerSecurityContext" -}}
 allowPrivilegeEscalation: false
 readOnlyRootFilesystem: true
+runAsNonRoot: true
 capabilities:
   drop: ["ALL"]
+seccompProfile:
+  type: RuntimeDefault
 {{- end }}
 
 {{/* One rayStartParams value as the quoted string KubeRay wants. Helm reads
@@ -118,4 +173,17 @@ YAML numbers as float64 (100000000 -> "1e+08"), so integers go through int64. */
 (proto/health.py LIVENESS); readiness probes ask "" (dependencies). */}}
 {{- define "specmask.livenessService" -}}
 specmask.liveness
+{{- end }}
+
+{{/* Ray containers: as the others (non-root, no privilege escalation, no
+capabilities, RuntimeDefault seccomp), except the root filesystem: Ray writes
+under $HOME and /tmp besides /tmp/ray, so it stays writable. */}}
+{{- define "specmask.ray.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: false
+runAsNonRoot: true
+capabilities:
+  drop: ["ALL"]
+seccompProfile:
+  type: RuntimeDefault
 {{- end }}
