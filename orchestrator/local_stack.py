@@ -88,8 +88,11 @@ class MaskServiceProcess:
         port: int | None = None,
         log_path: str | Path | None = None,
         extra_args: Sequence[str] = (),
+        metrics_port: int | None = None,
     ) -> None:
+        """``metrics_port``: serve the replica's Prometheus /metrics there (None = off)."""
         self.port = port or free_port()
+        self.metrics_port = metrics_port
         self.address = f"127.0.0.1:{self.port}"
         self._tokenizer_dirs = tuple(tokenizer_dirs)
         self._log_path = Path(log_path) if log_path is not None else None
@@ -115,6 +118,8 @@ class MaskServiceProcess:
         for tok in self._tokenizer_dirs:
             cmd += ["--tokenizer", tok]
         cmd += list(self._extra_args)
+        if self.metrics_port is not None:
+            cmd += ["--metrics-port", str(self.metrics_port)]
         out = open(self._log_path, "ab") if self._log_path is not None else subprocess.DEVNULL  # noqa: SIM115
         try:
             # No preexec_fn: no Python may run between fork and exec here (see
@@ -207,6 +212,8 @@ class StackConfig:
     log_dir: str | None = None  # mask-service logs; None = discarded
     worker_logs: bool = True  # False: Ray worker output stays out of this terminal (demo)
     restart_replicas: bool = False  # restart crashed mask replicas (`specmask up`); tests kill them on purpose
+    mask_args: tuple[str, ...] = ()  # extra `specmask mask-service` flags (bench.soak: compile limits)
+    mask_metrics: bool = False  # each replica serves /metrics on a free port (MaskServiceProcess.metrics_port)
 
     def orchestrator_config(self, mask_addresses: Sequence[str], **overrides: object) -> OrchestratorConfig:
         base = OrchestratorConfig(
@@ -227,7 +234,10 @@ def start_mask_services(config: StackConfig) -> list[MaskServiceProcess]:
         log_dir.mkdir(parents=True, exist_ok=True)
     procs = [
         MaskServiceProcess(
-            [config.target_dir], log_path=log_dir / f"mask-service-{i}.log" if log_dir is not None else None
+            [config.target_dir],
+            log_path=log_dir / f"mask-service-{i}.log" if log_dir is not None else None,
+            extra_args=config.mask_args,
+            metrics_port=free_port() if config.mask_metrics else None,
         ).start(wait=False)
         for i in range(config.mask_replicas)
     ]

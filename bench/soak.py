@@ -1,0 +1,371 @@
+"""Soak the local stack with hostile traffic and measure whether steady traffic survives it (issue 14).
+
+    python -m bench.soak --baseline-s 30 --flood-s 60
+
+A local stack (mask-service replicas as processes, local Ray, the
+orchestrator; the toy model pair; 127.0.0.1 only) serves three clients:
+
+* **steady**: constrained requests with a few known schemas, back to back,
+  measured alone first (baseline) and then under the flood;
+* **flood**: pathological schemas (10,000 optional properties, 300-deep
+  nesting, a 20,000-value enum, schemas just inside the structural limits)
+  and a stream of distinct schemas, so every one is a compile;
+* **cancel**: streams cancelled at a random point.
+
+Sampled every ``--sample-s``: RSS per process (orchestrator, each mask
+replica and its compile workers, each GPU worker), open mask sessions and the
+compile-queue depth (each replica's /metrics). Bounded by time and count. The
+last line is ``RESULT {json}`` with steady_requests, steady_errors,
+steady_p50/p99 (baseline and under flood), flood_requests, flood_rejected,
+max_rss_mb per process, leaked_sessions (mask sessions still open once every
+client has finished) and whether every replica answered health throughout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import random
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from mask_service.memory import rss_bytes
+from orchestrator.client import OrchestratorClient, build_request
+from orchestrator.local_stack import RunningStack, StackConfig, health_status, running_stack
+
+logger = logging.getLogger(__name__)
+
+PROMPT = "Generate JSON for schema user:\n"
+STEADY_SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "level": {"enum": ["low", "mid", "high"]}},
+        "required": ["ok", "level"],
+        "additionalProperties": False,
+    },
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 3, "maxItems": 3},
+    {"enum": ["red", "green", "blue"]},
+]
+
+
+def pathological_schemas() -> list[dict[str, Any]]:
+    """The shapes issue 14 measured stalling the stack, plus ones just inside the default limits."""
+    deep: dict[str, Any] = {"type": "integer"}
+    for _ in range(300):
+        deep = {"type": "object", "properties": {"a": deep}}
+    arrays: dict[str, Any] = {"type": "integer"}
+    for _ in range(500):
+        arrays = {"type": "array", "items": arrays}
+    return [
+        {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(10_000)}},
+        deep,
+        arrays,
+        {"enum": [f"v{i}" for i in range(20_000)]},
+        {"type": "object", "properties": {f"q{i}": {"type": "integer"} for i in range(1_900)}},
+        {"enum": [f"w{i}" for i in range(4_000)]},
+    ]
+
+
+def distinct_schema(i: int) -> dict[str, Any]:
+    """A new grammar every call (distinct property names): always a cache miss, always a compile."""
+    return {
+        "type": "object",
+        "properties": {f"k{i}_{j}": {"type": "integer"} for j in range(40)},
+        "required": [f"k{i}_0"],
+    }
+
+
+@dataclass
+class Tally:
+    latencies_ms: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    requests: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def ok(self, ms: float) -> None:
+        with self.lock:
+            self.requests += 1
+            self.latencies_ms.append(ms)
+
+    def error(self, code: str) -> None:
+        with self.lock:
+            self.requests += 1
+            self.errors[code] = self.errors.get(code, 0) + 1
+
+    @property
+    def num_errors(self) -> int:
+        return sum(self.errors.values())
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def steady_loop(address: str, stop: threading.Event, tally: Tally, max_tokens: int, seed: int) -> None:
+    rng = random.Random(seed)
+    with OrchestratorClient(address) as client:
+        while not stop.is_set():
+            req = build_request(PROMPT, schema=rng.choice(STEADY_SCHEMAS), temperature=0.0, max_tokens=max_tokens)
+            t0 = time.perf_counter()
+            try:
+                client.generate(req, timeout_s=60)
+                tally.ok((time.perf_counter() - t0) * 1000)
+            except grpc.RpcError as exc:
+                tally.error(exc.code().name)  # type: ignore[attr-defined]
+
+
+def warm_up(address: str, max_tokens: int) -> None:
+    """Not measured: each steady grammar compiled once, the first CPU steps taken."""
+    with OrchestratorClient(address) as client:
+        for schema in STEADY_SCHEMAS:
+            client.generate(build_request(PROMPT, schema=schema, temperature=0.0, max_tokens=max_tokens), timeout_s=120)
+
+
+def flood_loop(address: str, stop: threading.Event, tally: Tally, max_requests: int, worker: int) -> None:
+    bad = pathological_schemas()
+    i = worker * 1_000_000
+    with OrchestratorClient(address) as client:
+        while not stop.is_set() and tally.requests < max_requests:
+            i += 1
+            schema = bad[i % len(bad)] if i % 3 == 0 else distinct_schema(i)
+            try:
+                client.generate(build_request(PROMPT, schema=schema, temperature=0.0, max_tokens=4), timeout_s=60)
+                tally.ok(0.0)
+            except grpc.RpcError as exc:
+                tally.error(exc.code().name)  # type: ignore[attr-defined]
+
+
+def cancel_loop(address: str, stop: threading.Event, tally: Tally, seed: int) -> None:
+    rng = random.Random(seed)
+    with OrchestratorClient(address) as client:
+        while not stop.is_set():
+            req = build_request(PROMPT, schema=rng.choice(STEADY_SCHEMAS), temperature=1.0, max_tokens=64)
+            call = client.stream(req, timeout_s=60)
+            cancel_at = time.monotonic() + rng.uniform(0.05, 1.0)
+            try:
+                for _ in call:
+                    if time.monotonic() >= cancel_at:
+                        break
+                call.cancel()  # type: ignore[attr-defined]
+                tally.ok(0.0)
+            except grpc.RpcError as exc:
+                code = exc.code().name  # type: ignore[attr-defined]
+                if code == "CANCELLED":
+                    tally.ok(0.0)
+                else:
+                    tally.error(code)
+
+
+def scrape(port: int | None, name: str) -> float | None:
+    if port is None:
+        return None
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith(name + " ") or line.startswith(name + "{"):
+                    return float(line.rsplit(" ", 1)[1])
+    except OSError:
+        return None
+    return None
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (a replica's compile workers), from /proc/*/stat."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces, so split after its ")".
+        fields = stat.rsplit(")", 1)[-1].split()
+        if len(fields) > 1 and fields[1] == str(pid):
+            children.append(int(entry))
+    return sorted(children)
+
+
+class Sampler:
+    """RSS per process, sessions and compile-queue depth, every ``interval_s``."""
+
+    def __init__(self, running: RunningStack, worker_pids: list[int], interval_s: float) -> None:
+        self._running = running
+        self._worker_pids = worker_pids
+        self._interval = interval_s
+        self.samples: list[dict[str, Any]] = []
+        self.max_rss_mb: dict[str, float] = {}
+        self.unreachable = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="soak-sampler", daemon=True)
+
+    def _processes(self) -> dict[str, int]:
+        procs = {"orchestrator": 0}
+        for i, m in enumerate(self._running.mask_services):
+            if m.process is not None:
+                procs[f"mask-service-{i}"] = m.process.pid
+                for j, c in enumerate(child_pids(m.process.pid)):
+                    procs[f"mask-service-{i}-compile-{j}"] = c
+        for i, pid in enumerate(self._worker_pids):
+            procs[f"gpu-worker-{i}"] = pid
+        return procs
+
+    def sample(self) -> dict[str, Any]:
+        rss = {name: rss_bytes(pid or "self") / 2**20 for name, pid in self._processes().items()}
+        for name, mb in rss.items():
+            self.max_rss_mb[name] = max(self.max_rss_mb.get(name, 0.0), round(mb, 1))
+        sessions = queue = 0.0
+        for m in self._running.mask_services:
+            sessions += scrape(m.metrics_port, "specmask_mask_sessions") or 0.0
+            queue += scrape(m.metrics_port, "specmask_mask_compile_queue_depth") or 0.0
+            if health_status(m.address, timeout_s=2.0) != 1:
+                self.unreachable += 1
+        row = {"t": round(time.monotonic(), 1), "rss_mb": rss, "sessions": sessions, "compile_queue": queue}
+        self.samples.append(row)
+        return row
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            row = self.sample()
+            logger.info(
+                "sessions %d, compile queue %d, RSS MB %s",
+                row["sessions"],
+                row["compile_queue"],
+                {k: round(v) for k, v in row["rss_mb"].items()},
+            )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def run_phase(address: str, seconds: float, steady: Tally, args: argparse.Namespace, *, hostile: bool) -> Tally:
+    stop = threading.Event()
+    flood, cancels = Tally(), Tally()
+    threads = [
+        threading.Thread(target=steady_loop, args=(address, stop, steady, args.max_tokens, i))
+        for i in range(args.steady_concurrency)
+    ]
+    if hostile:
+        threads += [
+            threading.Thread(target=flood_loop, args=(address, stop, flood, args.max_flood_requests, i))
+            for i in range(args.flood_concurrency)
+        ]
+        threads += [
+            threading.Thread(target=cancel_loop, args=(address, stop, cancels, 100 + i))
+            for i in range(args.cancel_concurrency)
+        ]
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join(120)
+    if hostile:
+        logger.info("flood: %d requests, errors %s; cancels: %d, errors %s", flood.requests, flood.errors,
+                    cancels.requests, cancels.errors)  # fmt: skip
+    flood.errors.update({f"cancel:{k}": v for k, v in cancels.errors.items()})
+    return flood
+
+
+async def soak(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    if args.target is None:
+        # The serving path is what is soaked, not the model: the tiny random-init pair
+        # builds in a second (the trained toy pair takes an hour on a 2-core box).
+        from tests.fixtures.tiny_models import build_tiny_model_pair
+
+        t, d = build_tiny_model_pair(tempfile.mkdtemp(prefix="bench-soak-"))
+        target, draft = str(t), str(d)
+    else:
+        target, draft = args.target, args.draft
+    mask_args = ("--compile-timeout-s", str(args.compile_timeout_s), "--compile-queue", str(args.compile_queue))
+    stack = StackConfig(
+        target_dir=target,
+        draft_dir=draft,
+        mask_replicas=args.mask_replicas,
+        num_workers=1,
+        mask_args=mask_args,
+        mask_metrics=True,
+        worker_logs=False,
+    )
+    async with running_stack(stack, max_queue=256) as running:
+        pids = [ray.get(a.info.remote(), timeout=60).pid for a in running.server.worker_actors]
+        sampler = Sampler(running, pids, args.sample_s)
+        sampler.sample()
+        sampler.start()
+        await asyncio.to_thread(warm_up, running.address, args.max_tokens)
+        baseline = Tally()
+        await asyncio.to_thread(run_phase, running.address, args.baseline_s, baseline, args, hostile=False)
+        under = Tally()
+        flood = await asyncio.to_thread(run_phase, running.address, args.flood_s, under, args, hostile=True)
+        await asyncio.sleep(args.settle_s)  # cancelled streams free their sessions on the next step
+        sampler.stop()
+        last = sampler.sample()
+        steady_all = baseline.requests + under.requests
+        steady_errors = baseline.num_errors + under.num_errors
+        result = {
+            "steady_requests": steady_all,
+            "steady_errors": steady_errors,
+            "steady_success_rate": round(1 - steady_errors / max(1, steady_all), 4),
+            "steady_error_codes": {**baseline.errors, **under.errors},
+            "steady_p50_ms_baseline": round(percentile(baseline.latencies_ms, 0.5), 1),
+            "steady_p99_ms_baseline": round(percentile(baseline.latencies_ms, 0.99), 1),
+            "steady_p50_ms_under_flood": round(percentile(under.latencies_ms, 0.5), 1),
+            "steady_p99_ms_under_flood": round(percentile(under.latencies_ms, 0.99), 1),
+            "flood_requests": flood.requests,
+            "flood_rejected": flood.num_errors,
+            "flood_error_codes": flood.errors,
+            "max_rss_mb": sampler.max_rss_mb,
+            "max_compile_queue": max((s["compile_queue"] for s in sampler.samples), default=0),
+            "leaked_sessions": int(last["sessions"]),
+            "health_unreachable_samples": sampler.unreachable,
+            "samples": len(sampler.samples),
+        }
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="HF model dir (default: the tiny test pair, built now)")
+    p.add_argument("--draft", default=None)
+    p.add_argument("--baseline-s", type=float, default=30.0)
+    p.add_argument("--flood-s", type=float, default=60.0)
+    p.add_argument("--settle-s", type=float, default=3.0)
+    p.add_argument("--steady-concurrency", type=int, default=2)
+    p.add_argument("--flood-concurrency", type=int, default=6)
+    p.add_argument("--cancel-concurrency", type=int, default=1)
+    p.add_argument("--max-flood-requests", type=int, default=2000, help="per flood client")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--mask-replicas", type=int, default=1)
+    p.add_argument("--compile-timeout-s", type=float, default=4.0)
+    p.add_argument("--compile-queue", type=int, default=16)
+    p.add_argument("--sample-s", type=float, default=2.0)
+    p.add_argument("--log-level", default="WARNING")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger(__name__).setLevel(logging.INFO)
+    result = asyncio.run(soak(args))
+    print("RESULT " + json.dumps(result, sort_keys=True), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
