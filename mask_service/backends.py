@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from mask_service.backends_llguidance import LLGuidanceBackend
 from mask_service.backends_routing import xgrammar_gap
-from mask_service.ebnf_classes import exclude_surrogates
+from mask_service.ebnf_classes import compile_scalar_only, exclude_surrogates, unfaithful_print
 from mask_service.errors import GrammarError
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.grammar_checks import check_language, engine_message, precheck
@@ -68,9 +68,9 @@ class XGrammarBackend:
         self._by_kind: dict[GrammarKind, Callable[[Any, GrammarSpec], Any]] = {
             GrammarKind.JSON_SCHEMA: self._json_schema,
             GrammarKind.ANY_JSON: self._any_json,
-            GrammarKind.REGEX: lambda c, s: c.compile_regex(s.text),
-            GrammarKind.EBNF: lambda c, s: c.compile_grammar(s.text),
-            GrammarKind.LARK: self._lark,
+            GrammarKind.REGEX: self._text_grammar,
+            GrammarKind.EBNF: self._text_grammar,
+            GrammarKind.LARK: self._text_grammar,
         }
 
     @staticmethod
@@ -115,10 +115,15 @@ class XGrammarBackend:
         return compiler.compile_grammar(any_json_ebnf(*spec.effective_separators()))
 
     @staticmethod
-    def _lark(compiler: Any, spec: GrammarSpec) -> Any:
+    def _text_grammar(compiler: Any, spec: GrammarSpec) -> Any:
+        """Regex, EBNF or Lark, compiled from its printed grammar with surrogate-free classes (issue 9)."""
         import xgrammar as xgr
 
-        return compiler.compile_grammar(xgr.Grammar.from_lark(spec.text))
+        problem = unfaithful_print(spec.text)
+        if problem:
+            raise GrammarError(f"unsupported in {spec.kind.value} grammar: {problem}")
+        parse = {GrammarKind.REGEX: xgr.Grammar.from_regex, GrammarKind.LARK: xgr.Grammar.from_lark}
+        return compile_scalar_only(compiler, parse.get(spec.kind, xgr.Grammar.from_ebnf)(spec.text))
 
     def compile(self, compiler: Any, spec: GrammarSpec) -> Any:
         fn = self._by_kind.get(spec.kind)

@@ -9,17 +9,22 @@ byte-level vocabulary a sampler can emit them token by token inside a JSON
 string, and the decoded text then differs from what the grammar accepted (each
 byte becomes U+FFFD, which can break ``maxLength`` or ``pattern``).
 
-``exclude_surrogates`` rewrites the printed grammar of a JSON schema so every
-class excludes them: a negated class gets ``\\ud800-\\udfff`` added to what it
-excludes, a positive range that reaches into the block is split around it.
+``exclude_surrogates`` rewrites a printed grammar (of a JSON schema, regex,
+EBNF or Lark text; ``compile_scalar_only``) so every class excludes them: a
+negated class gets ``\\ud800-\\udfff`` added to what it excludes, a positive
+range that reaches into the block is split around it.
 String literals, including the regex text of ``Regex("...")`` rules (patterns,
-which ``json_regex`` already keeps free of surrogates), are left alone.
+which ``json_regex`` already keeps free of surrogates), are left alone; so a
+``Regex("...")`` rule written in a caller's EBNF keeps xgrammar's classes (a
+known gap). The printed grammar is re-parsed, so a form the printer does not
+print faithfully is refused first (``unfaithful_print``).
 Checked by tests/mask_service/test_mask_never_lie_grammars.py.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 _SURROGATES = (0xD800, 0xDFFF)
 _EXCLUSION = "\\ud800-\\udfff"
@@ -86,3 +91,27 @@ def exclude_surrogates(ebnf: str) -> str:
             out.append(ch)
             i += 1
     return "".join(out)
+
+
+# A positive class whose first member is an escaped '^' (``[\^x]``): xgrammar 0.2.8
+# prints it as ``[^x]``, a negated class, so its printed grammar cannot be re-parsed
+# faithfully. Found by comparing every class form against its re-parsed print.
+_LEADING_ESCAPED_CARET = re.compile(r"(?<!\\)(?:\\\\)*\[\\\^")
+
+
+def unfaithful_print(text: str) -> str | None:
+    """Why xgrammar's printed form of a grammar written as ``text`` would not mean the same; None if it would."""
+    m = _LEADING_ESCAPED_CARET.search(text)
+    if m is None:
+        return None
+    return (
+        f"a character class starting with an escaped '^' (offset {m.end() - 3}) is not supported by the grammar "
+        "engine's printer (it reads back as a negated class); put the '^' later in the class, e.g. [x\\^]"
+    )
+
+
+def compile_scalar_only(compiler: Any, grammar: Any) -> Any:
+    """Compile an xgrammar ``Grammar`` with every character class limited to Unicode scalar values."""
+    ebnf = str(grammar)
+    fixed = exclude_surrogates(ebnf)
+    return compiler.compile_grammar(fixed if fixed != ebnf else grammar)

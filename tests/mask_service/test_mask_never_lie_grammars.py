@@ -188,6 +188,13 @@ def test_invalid_unicode_refused(client: MaskServiceClient, bpe_id: str, spec: G
     assert "invalid Unicode" in message and ("surrogate" in message or "U+10FFFF" in message), message
 
 
+def test_unfaithfully_printed_class_refused(client: MaskServiceClient, bpe_id: str) -> None:
+    """xgrammar prints [\\^x] as [^x]; the grammar is re-parsed from its print, so it is refused, not negated."""
+    for spec in (GrammarSpec(GrammarKind.REGEX, "a[\\^x]"), GrammarSpec(GrammarKind.EBNF, 'root ::= [\\^x] "y"')):
+        assert "escaped '^'" in _refused(client, bpe_id, spec)
+    client.close_session(client.open_session(bpe_id, GrammarSpec(GrammarKind.REGEX, "a[x\\^]|\\[\\^")))
+
+
 def test_valid_unicode_still_accepted(client: MaskServiceClient, bpe_id: str, hf_tok) -> None:  # type: ignore[no-untyped-def]
     ok = [
         GrammarSpec(GrammarKind.EBNF, 'root ::= "\\U0001F600" | "\\\\uD800"'),  # an escaped backslash, then text
@@ -344,6 +351,10 @@ SURROGATE_BYTES_REFUSED: list[tuple[GrammarSpec, bytes]] = [
     (_json({"type": "object", "additionalProperties": {"type": "string"}}), b'{"'),
     (_json({"type": "object", "properties": {"a": {"type": "string"}}}, strict=False), b'{"a":"'),
     (GrammarSpec(GrammarKind.ANY_JSON), b'["'),
+    (GrammarSpec(GrammarKind.REGEX, "[^a]{1,8}"), b""),
+    (GrammarSpec(GrammarKind.REGEX, "x.+"), b"x"),
+    (GrammarSpec(GrammarKind.EBNF, 'root ::= "<" [^>]* ">"'), b"<"),
+    (GrammarSpec(GrammarKind.LARK, "start: /[^a]+/"), b""),
 ]
 
 
