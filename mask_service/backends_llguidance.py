@@ -49,6 +49,7 @@ import numpy as np
 
 from mask_service.errors import GrammarError, LimitExceeded
 from mask_service.grammar import GrammarKind, GrammarSpec
+from mask_service.grammar_checks import check_language, precheck
 from mask_service.llguidance_check import check_llguidance_schema, strict_schema
 
 logger = logging.getLogger(__name__)
@@ -263,12 +264,15 @@ class LLGuidanceBackend:
     def compile(self, compiler: LLCompiler, spec: GrammarSpec) -> LLCompiled:
         from llguidance import LLMatcher
 
+        precheck(spec)  # issue 9, as for xgrammar: metaschema, Unicode, depth, finite numbers
         grammar = grammar_for_spec(spec)
         validate_grammar(grammar, compiler.tokenizer, spec.kind)
         template = LLMatcher(compiler.tokenizer, grammar, log_level=0)
         if template.is_error():
             raise GrammarError(f"{spec.kind.value} grammar rejected by llguidance: {template.get_error()}")
-        return LLCompiled(grammar, template, compiler.tokenizer_info, len(grammar) + _ENTRY_OVERHEAD_BYTES)
+        compiled = LLCompiled(grammar, template, compiler.tokenizer_info, len(grammar) + _ENTRY_OVERHEAD_BYTES)
+        check_language(self.new_matcher(compiled), compiler.tokenizer_info, spec)  # not empty, not only ""
+        return compiled
 
     def new_matcher(self, compiled: LLCompiled) -> LLGuidanceMatcher:
         stops = frozenset(int(s) for s in compiled.tokenizer_info.stop_token_ids)
