@@ -111,7 +111,7 @@ def _orchestrator_env(docs: list[dict[str, Any]]) -> dict[str, Any]:
 def test_ray_token_auth_on_by_default_and_shared_with_the_orchestrator() -> None:
     docs = rendered("defaults")
     auth = one(docs, "RayCluster")["spec"]["authOptions"]
-    (secret,) = [d for d in docs if d["kind"] == "Secret"]
+    (secret,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-ray-auth")]
     assert auth == {"mode": "token", "secretName": secret["metadata"]["name"]}
     assert len(base64.b64decode(secret["data"]["auth_token"])) >= 32
     env = _orchestrator_env(docs)
@@ -121,12 +121,40 @@ def test_ray_token_auth_on_by_default_and_shared_with_the_orchestrator() -> None
 
 def test_ray_token_auth_existing_secret_and_off() -> None:
     docs = render({"rayCluster": {"auth": {"existingSecret": "my-ray-token"}}})
-    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-ray-auth")]
     assert one(docs, "RayCluster")["spec"]["authOptions"]["secretName"] == "my-ray-token"
     assert _orchestrator_env(docs)["RAY_AUTH_TOKEN"]["secretKeyRef"]["name"] == "my-ray-token"
     off = render({"rayCluster": {"auth": {"enabled": False}}})
     assert "authOptions" not in one(off, "RayCluster")["spec"]
     assert "RAY_AUTH_TOKEN" not in _orchestrator_env(off)
+
+
+def _env_of(c: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
+
+
+def test_mask_token_shared_by_the_service_and_its_callers() -> None:
+    """The mask service checks SPECMASK_MASK_TOKEN; the orchestrator and the GPU workers send it."""
+    docs = rendered("defaults")
+    (secret,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-mask-token")]
+    ref = {"secretKeyRef": {"name": secret["metadata"]["name"], "key": "token"}}
+    assert len(base64.b64decode(secret["data"]["token"])) >= 32
+    ray = one(docs, "RayCluster")["spec"]
+    holders = {
+        "mask-service": container(one(docs, "Deployment", "-mask")),
+        "orchestrator": container(one(docs, "Deployment", "-orchestrator")),
+        "gpu-worker": ray["workerGroupSpecs"][0]["template"]["spec"]["containers"][0],
+    }
+    for name, c in holders.items():
+        assert _env_of(c)["SPECMASK_MASK_TOKEN"] == ref, name
+    off = render({"maskService": {"auth": {"enabled": False}}})
+    assert not [d for d in off if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-mask-token")]
+    assert "SPECMASK_MASK_TOKEN" not in _env_of(container(one(off, "Deployment", "-mask")))
+    mine = render({"maskService": {"auth": {"existingSecret": "mine"}}})
+    assert (
+        _env_of(container(one(mine, "Deployment", "-orchestrator")))["SPECMASK_MASK_TOKEN"]["secretKeyRef"]["name"]
+        == "mine"
+    )
 
 
 # ---------------------------------------------------------------- NetworkPolicies

@@ -187,3 +187,17 @@ capabilities:
 seccompProfile:
   type: RuntimeDefault
 {{- end }}
+
+{{/* Mask-service token Secret (key "token") and the env entry every party gets. */}}
+{{- define "specmask.mask.tokenSecret" -}}
+{{- default (printf "%s-token" (include "specmask.mask.name" .)) .Values.maskService.auth.existingSecret }}
+{{- end }}
+{{- define "specmask.mask.tokenEnv" -}}
+{{- if .Values.maskService.auth.enabled }}
+- name: SPECMASK_MASK_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "specmask.mask.tokenSecret" . }}
+      key: token
+{{- end }}
+{{- end }}
