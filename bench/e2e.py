@@ -53,7 +53,7 @@ import grpc
 import jsonschema
 
 from orchestrator.chat import schema_instruction
-from orchestrator.client import StreamedResult, build_request
+from orchestrator.client import StreamedResult, build_request, stream_retrying_overload
 from orchestrator.local_stack import RunningStack, StackConfig, running_stack
 from orchestrator.types import Usage
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
@@ -189,7 +189,7 @@ async def _one(
     result = StreamedResult()
     async with gate:
         try:
-            async for chunk in stub.GenerateStream(req, timeout=REQUEST_TIMEOUT_S):
+            async for chunk in stream_retrying_overload(stub, req, timeout=REQUEST_TIMEOUT_S):
                 result.add(chunk)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:

@@ -216,3 +216,33 @@ class AsyncOrchestratorClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+# Overload (RESOURCE_EXHAUSTED: admission queue full, mask service busy compiling) arrives
+# before any output and says "retry shortly"; demo and benchmarks retry it like a client should.
+OVERLOAD_RETRY_ATTEMPTS = 8
+OVERLOAD_RETRY_FIRST_S = 1.0
+OVERLOAD_RETRY_MAX_S = 8.0
+
+
+async def stream_retrying_overload(
+    stub: pb_grpc.OrchestratorServiceStub, req: pb.GenerateRequest, *, timeout: float
+) -> AsyncIterator[pb.GenerateStreamResponse]:
+    """``stub.GenerateStream(req)``, retried with backoff while the server answers RESOURCE_EXHAUSTED
+    before the first chunk; any other error, or one after output began, propagates."""
+    import asyncio
+
+    delay = OVERLOAD_RETRY_FIRST_S
+    for attempt in range(OVERLOAD_RETRY_ATTEMPTS):
+        started = False
+        try:
+            async for chunk in stub.GenerateStream(req, timeout=timeout):
+                started = True
+                yield chunk
+            return
+        except grpc.aio.AioRpcError as exc:
+            last = attempt == OVERLOAD_RETRY_ATTEMPTS - 1
+            if started or last or exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, OVERLOAD_RETRY_MAX_S)

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 import jsonschema
 
-from orchestrator.client import FINISH_REASON_NAMES, StreamedResult, build_request
+from orchestrator.client import FINISH_REASON_NAMES, StreamedResult, build_request, stream_retrying_overload
 from orchestrator.local_stack import StackConfig, running_stack
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc
@@ -202,7 +202,7 @@ async def _generate(
     )
     result = StreamedResult()
     started = time.monotonic()
-    async for chunk in stub.GenerateStream(req, timeout=REQUEST_TIMEOUT_S):
+    async for chunk in stream_retrying_overload(stub, req, timeout=REQUEST_TIMEOUT_S):
         result.add(chunk)
         if echo and chunk.text:
             sys.stdout.write(chunk.text)
