@@ -24,9 +24,10 @@ never an empty string.
 
 from __future__ import annotations
 
-import functools
 import json
 import re
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from mask_service.code_points import bad_code_point
@@ -41,13 +42,28 @@ _NOTHING = (
     "matches nothing (its language is empty: e.g. a rule defined only by itself, a $ref cycle, or an empty "
     "character class), so no output can satisfy it"
 )
-# Specs whose pre-checks passed (a refusal raises and is not cached); bounded.
+# Cache keys (sha256 hex, not the texts) of specs whose pre-checks passed; a refusal
+# raises and is not remembered. Bounded: 4096 keys are ~0.5 MB.
 _PRECHECK_MEMO = 4096
+_passed: OrderedDict[str, None] = OrderedDict()
+_passed_lock = threading.Lock()
 
 
-@functools.lru_cache(maxsize=_PRECHECK_MEMO)
 def precheck(spec: GrammarSpec) -> None:
     """Refuse, with the reason, a grammar that no engine should compile (see the module docstring)."""
+    key = spec.cache_key()
+    with _passed_lock:
+        if key in _passed:
+            _passed.move_to_end(key)
+            return
+    _precheck(spec)
+    with _passed_lock:
+        _passed[key] = None
+        while len(_passed) > _PRECHECK_MEMO:
+            _passed.popitem(last=False)
+
+
+def _precheck(spec: GrammarSpec) -> None:
     if spec.kind in _TEXT_KINDS:
         problem = bad_code_point(spec.text)
         if problem:
