@@ -133,13 +133,15 @@ def warm_up(address: str, max_tokens: int) -> None:
             client.generate(build_request(PROMPT, schema=schema, temperature=0.0, max_tokens=max_tokens), timeout_s=120)
 
 
-def flood_loop(address: str, stop: threading.Event, tally: Tally, max_requests: int, worker: int) -> None:
+def flood_loop(
+    address: str, stop: threading.Event, tally: Tally, max_requests: int, worker: int, distinct: bool
+) -> None:
     bad = pathological_schemas()
     i = worker * 1_000_000
     with OrchestratorClient(address) as client:
         while not stop.is_set() and tally.requests < max_requests:
             i += 1
-            schema = bad[i % len(bad)] if i % 3 == 0 else distinct_schema(i)
+            schema = bad[i % len(bad)] if i % 3 == 0 or not distinct else distinct_schema(i)
             try:
                 client.generate(build_request(PROMPT, schema=schema, temperature=0.0, max_tokens=4), timeout_s=60)
                 tally.ok(0.0)
@@ -264,7 +266,9 @@ def run_phase(address: str, seconds: float, steady: Tally, args: argparse.Namesp
     ]
     if hostile:
         threads += [
-            threading.Thread(target=flood_loop, args=(address, stop, flood, args.max_flood_requests, i))
+            threading.Thread(
+                target=flood_loop, args=(address, stop, flood, args.max_flood_requests, i, not args.no_distinct)
+            )
             for i in range(args.flood_concurrency)
         ]
         threads += [
@@ -352,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steady-concurrency", type=int, default=2)
     p.add_argument("--flood-concurrency", type=int, default=6)
     p.add_argument("--cancel-concurrency", type=int, default=1)
+    p.add_argument(
+        "--no-distinct",
+        action="store_true",
+        help="flood with pathological schemas only (distinct valid ones are also generated, sharing the worker)",
+    )
     p.add_argument("--max-flood-requests", type=int, default=2000, help="per flood client")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--mask-replicas", type=int, default=1)

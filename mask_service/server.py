@@ -49,11 +49,17 @@ class MaskServiceHandle:
     _parts: tuple[CompilerCache, DraftMaskEngine]
 
     def stop(self, grace_s: float | None = 5.0) -> None:
-        """Report NOT_SERVING, drain in-flight RPCs for ``grace_s``, then release pools."""
+        """Report NOT_SERVING, end compiles, drain in-flight RPCs for ``grace_s``, then release pools.
+
+        Compile workers are killed first: a request waiting on a compile is answered
+        at once ("shutting down", retry elsewhere) instead of holding the drain for a
+        compile's whole budget, while draft-mask calls and commits finish normally.
+        """
         self.health.enter_graceful_shutdown()
         self._stop.set()
+        self._parts[0].shutdown()
         self.server.stop(grace_s).wait()
-        for part in self._parts:
+        for part in self._parts[1:]:
             part.shutdown()
 
 
