@@ -520,9 +520,56 @@ class StepStats:
     draft_forward_host_ms: float
 
 
+@dataclass
+class Samples:
+    """Raw per-step measurements of one cell, over one or more rounds."""
+
+    batch: int
+    times: list[float]  # step wall seconds
+    waits: list[float]  # seconds the step waited on the mask service
+    target_host: list[float]  # host seconds inside the target's forward calls
+    draft_host: list[float]
+    tokens: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+    def extend(self, other: Samples) -> None:
+        self.times += other.times
+        self.waits += other.waits
+        self.target_host += other.target_host
+        self.draft_host += other.draft_host
+        self.tokens += other.tokens
+        self.proposed += other.proposed
+        self.accepted += other.accepted
+
+    def stats(self) -> StepStats:
+        ordered = sorted(self.times)
+        return StepStats(
+            batch=self.batch,
+            step_ms=1e3 * statistics.median(self.times),
+            step_ms_p90=1e3 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+            mask_wait_ms=1e3 * statistics.median(self.waits),
+            tokens_per_s=self.tokens / sum(self.times),
+            tokens_per_step=self.tokens / len(self.times),
+            acceptance=self.accepted / self.proposed if self.proposed else None,
+            steps=len(self.times),
+            target_forward_host_ms=1e3 * statistics.median(self.target_host),
+            draft_forward_host_ms=1e3 * statistics.median(self.draft_host),
+        )
+
+
 def time_mode(
-    worker: Any, scripts: ScriptedLogits, mode: Mode, batch: int, args: argparse.Namespace, *, k: int
-) -> StepStats:
+    worker: Any,
+    scripts: ScriptedLogits,
+    mode: Mode,
+    batch: int,
+    args: argparse.Namespace,
+    *,
+    k: int,
+    on_step: Callable[[], None] | None = None,
+) -> Samples:
+    """Add ``batch`` scripted sequences in ``mode``, time ``args.steps`` steps after
+    ``args.warmup`` untimed ones, remove them. ``on_step`` runs after every timed step."""
     from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
     from mask_service.grammar import GrammarKind, GrammarSpec
 
@@ -544,9 +591,8 @@ def time_mode(
         for s in seqs
     ]
     _add_all(worker, new)
-    emitted = {s.seq_id: [] for s in seqs}
-    times, waits, tokens, proposed, accepted = [], [], 0, 0, 0
-    host: dict[str, list[float]] = {"target": [], "draft": []}
+    emitted: dict[str, list[int]] = {s.seq_id: [] for s in seqs}
+    out_samples = Samples(batch, [], [], [], [])
     try:
         for i in range(steps):
             before = dict(scripts.host_s)
@@ -558,13 +604,15 @@ def time_mode(
                     raise RuntimeError(f"{out.seq_id}: finished early ({out.finish_reason}, {out.error})")
                 emitted[out.seq_id].extend(out.new_token_ids)
             if i >= args.warmup:
-                times.append(dt)
-                waits.append(outs[0].mask_time_s)
-                for name, spent in host.items():
-                    spent.append(scripts.host_s.get(name, 0.0) - before.get(name, 0.0))
-                tokens += sum(len(o.new_token_ids) for o in outs)
-                proposed += sum(o.drafts_proposed for o in outs)
-                accepted += sum(o.drafts_accepted for o in outs)
+                out_samples.times.append(dt)
+                out_samples.waits.append(outs[0].mask_time_s)
+                out_samples.target_host.append(scripts.host_s.get("target", 0.0) - before.get("target", 0.0))
+                out_samples.draft_host.append(scripts.host_s.get("draft", 0.0) - before.get("draft", 0.0))
+                out_samples.tokens += sum(len(o.new_token_ids) for o in outs)
+                out_samples.proposed += sum(o.drafts_proposed for o in outs)
+                out_samples.accepted += sum(o.drafts_accepted for o in outs)
+                if on_step is not None:
+                    on_step()
     finally:
         worker.remove(worker.active_ids())
     for s in seqs:  # the script held: the target emitted exactly the document
@@ -572,19 +620,22 @@ def time_mode(
         want = list(s.script[len(s.prompt) : len(s.prompt) + len(got)])
         if got != want:
             raise AssertionError(f"{s.seq_id}: emitted tokens left the script")
-    ordered = sorted(times)
-    return StepStats(
-        batch=batch,
-        step_ms=1e3 * statistics.median(times),
-        step_ms_p90=1e3 * ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
-        mask_wait_ms=1e3 * statistics.median(waits),
-        tokens_per_s=tokens / sum(times),
-        tokens_per_step=tokens / len(times),
-        acceptance=accepted / proposed if proposed else None,
-        steps=len(times),
-        target_forward_host_ms=1e3 * statistics.median(host["target"]),
-        draft_forward_host_ms=1e3 * statistics.median(host["draft"]),
-    )
+    return out_samples
+
+
+def profile_modes(worker: Any, scripts: ScriptedLogits, batch: int, args: argparse.Namespace, out_dir: Path) -> None:
+    """torch.profiler over a few steps of each profiled mode: host-side op table to ``out_dir``."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for mode_name in args.profile_modes:
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=activities) as prof:
+            time_mode(worker, scripts, MODES[mode_name], batch, args, k=args.k)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+        name = f"profile-B{batch}-{mode_name.replace('/', '_')}.txt"
+        (out_dir / name).write_text(table)
+        print(f"\nprofile {mode_name} B={batch} (self CPU, top 12):\n" + "\n".join(table.splitlines()[:16]))
 
 
 def _add_all(worker: Any, new: Sequence[Any], attempts: int = 30) -> None:
@@ -650,8 +701,17 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
                 # whichever mode happened to run first.
                 for mode_name in dict.fromkeys((args.modes[0], args.modes[-1])) if args.prime else ():
                     time_mode(worker, scripts, MODES[mode_name], batch, args, k=args.k)
-                for mode_name in args.modes:
-                    stats = time_mode(worker, scripts, MODES[mode_name], batch, args, k=args.k)
+                # Rounds alternate the modes, so a slow spell of the host hits them all alike.
+                cells: dict[str, Samples] = {}
+                for _ in range(args.rounds):
+                    for mode_name in args.modes:
+                        got = time_mode(worker, scripts, MODES[mode_name], batch, args, k=args.k)
+                        if mode_name in cells:
+                            cells[mode_name].extend(got)
+                        else:
+                            cells[mode_name] = got
+                for mode_name, samples in cells.items():
+                    stats = samples.stats()
                     rows.setdefault(mode_name, {})[str(batch)] = asdict(stats)
                     print(
                         f"  {name} B={batch:<3} {mode_name:<34} step {stats.step_ms:8.2f} ms  "
@@ -660,6 +720,8 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
                         f"draft fwd {stats.draft_forward_host_ms:7.2f} ms",
                         flush=True,
                     )
+            if args.profile_batch:
+                profile_modes(worker, scripts, args.profile_batch, args, log_dir)
         finally:
             if worker is not None:
                 worker.shutdown()
@@ -754,10 +816,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per sequence (default 256)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per measurement (default 3)")
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per measurement (default 12)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per measurement and round (default 8)")
     parser.add_argument("--agreement", type=float, default=1.0, help="fraction of positions the draft gets right")
     parser.add_argument("--mask-threads", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--torch-threads", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=None, help="passes over the modes per batch (default 2)")
+    parser.add_argument("--profile-batch", type=int, default=0, help="also profile steps at this batch size")
+    parser.add_argument(
+        "--profile-modes", default="spec/unconstrained,spec/constrained/draft-masks-on", help="modes to profile"
+    )
     parser.add_argument("--no-prime", dest="prime", action="store_false", help="skip the untimed pass per batch")
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel measurement")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available; cpu for --dry-run)")
@@ -788,11 +855,14 @@ def main(argv: list[str] | None = None) -> int:
     args.k = 2 if dry and args.k == 4 else args.k
     args.prompt_len = args.prompt_len or (24 if dry else 256)
     args.warmup = args.warmup if args.warmup is not None else (1 if dry else 3)
-    args.steps = args.steps or (2 if dry else 12)
+    args.steps = args.steps or (2 if dry else 8)
+    args.rounds = args.rounds or (1 if dry else 2)
+    args.profile_modes = [m for m in args.profile_modes.split(",") if m]
     if dry:
         args.torch_threads = args.torch_threads or 1
         args.mask_threads = min(args.mask_threads, 2)
-    for bad in [p for p in args.pairs if p not in PAIRS] + [m for m in args.modes if m not in MODES]:
+    modes_named = args.modes + args.profile_modes
+    for bad in [p for p in args.pairs if p not in PAIRS] + [m for m in modes_named if m not in MODES]:
         parser.error(f"unknown pair or mode {bad!r}; pairs {list(PAIRS)}, modes {list(MODES)}")
     dtype = torch.float32 if dry else torch.bfloat16
 
@@ -802,6 +872,8 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "k": args.k,
         "prompt_len": args.prompt_len,
+        "rounds": args.rounds,
+        "timed_steps_per_cell": args.rounds * args.steps,
         "agreement": args.agreement,
         "acceptance": "fixed by scripted logits (greedy; the draft matches the script at a fixed "
         f"fraction {args.agreement} of positions), not measured",
