@@ -10,7 +10,12 @@ prompt, greedy, ``ignore_eos`` with a fixed ``max_tokens``, no grammar, so both
 APIs step identical batches and differ only in the front door. gRPC streams
 ``GenerateStream``; HTTP streams ``/v1/completions`` (SSE, raw aiohttp client,
 ``include_usage`` for the token count). Phases alternate API within each round
-so drift on a shared machine hits both alike.
+so drift on a shared machine hits both alike. Server CPU per token: the
+orchestrator process's CPU time (all its threads, /proc/PID/task/*/schedstat) over a phase,
+divided by the tokens it streamed: the front door's cost without the noise of
+latency on a shared machine (the worker runs in its own Ray process); client
+CPU per token likewise for the client process (its cost competes for the same
+cores when client, server and worker share a machine).
 
 Per stream: TTFT = first non-empty delta - send; per-token latency = (last
 delta - first delta) / (completion tokens - 1). Each API keeps one warm
@@ -25,10 +30,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 PROMPT = "Generate JSON for schema user:\n"
@@ -94,29 +101,49 @@ class Clients:
         self.stub = pb_grpc.OrchestratorServiceStub(self.channel)
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency))
 
-    async def phase(self, api: str, concurrency: int) -> list[tuple[float, float]]:
+    async def phase(self, api: str, concurrency: int) -> dict[str, Any]:
         a = self.args
+        cpu_before = _process_cpu_s(a.server_pid)
+        client_before = time.process_time()
         if api == "grpc":
             runs = await asyncio.gather(*(_grpc_stream(self.stub, a.max_tokens) for _ in range(concurrency)))
         else:
             runs = await asyncio.gather(
                 *(_http_stream(self.session, a.http, a.model, a.max_tokens) for _ in range(concurrency))
             )
+        cpu = _process_cpu_s(a.server_pid) - cpu_before
+        client_cpu = time.process_time() - client_before
         out = []
         for ttft, span, total in runs:
             if total != a.max_tokens:
                 raise RuntimeError(f"{api}: a stream produced {total} tokens, expected {a.max_tokens}")
             # Greedy: both APIs emit the same deltas, so (total - 1) divides both alike.
             out.append((ttft, span / (total - 1)))
-        return out
+        tokens = concurrency * a.max_tokens
+        return {
+            "streams": out,
+            "server_cpu_us_per_token": 1e6 * cpu / tokens,
+            "client_cpu_us_per_token": 1e6 * client_cpu / tokens,
+        }
 
     async def close(self) -> None:
         await self.session.close()
         await self.channel.close()
 
 
+def _process_cpu_s(pid: int) -> float:
+    """CPU seconds the process's live threads have run so far (Linux schedstat, nanoseconds)."""
+    total_ns = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total_ns += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that just exited
+            continue
+    return total_ns / 1e9
+
+
 async def client_main(args: argparse.Namespace) -> dict[str, Any]:
-    rounds: dict[str, list[dict[str, list[tuple[float, float]]]]] = {}
+    rounds: dict[str, list[dict[str, Any]]] = {}
     for concurrency in args.concurrency:
         clients = Clients(args, concurrency)
         try:
@@ -138,22 +165,32 @@ def _ms(values: list[float]) -> float:
     return 1000 * statistics.median(values)
 
 
-def summarise(rounds: dict[str, list[dict[str, list[tuple[float, float]]]]]) -> dict[str, Any]:
+def summarise(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     result: dict[str, Any] = {}
-    print(f"{'streams':>7} {'api':>5} {'TTFT p50 ms':>12} {'per-token p50 ms':>17}")
+    header = f"{'streams':>7} {'api':>5} {'TTFT p50 ms':>12} {'per-token p50 ms':>17}"
+    print(header + f" {'server CPU us/token':>20} {'client CPU us/token':>20}")
     for concurrency, per_round in rounds.items():
         row: dict[str, Any] = {}
         for api in ("grpc", "http"):
-            ttft = [t for rnd in per_round for t, _ in rnd[api]]
-            tok = [p for rnd in per_round for _, p in rnd[api]]
-            row[api] = {"ttft_ms_p50": _ms(ttft), "per_token_ms_p50": _ms(tok)}
-            print(f"{concurrency:>7} {api:>5} {_ms(ttft):>12.2f} {_ms(tok):>17.3f}")
+            ttft = [t for rnd in per_round for t, _ in rnd[api]["streams"]]
+            tok = [p for rnd in per_round for _, p in rnd[api]["streams"]]
+            cpu = statistics.median(rnd[api]["server_cpu_us_per_token"] for rnd in per_round)
+            client = statistics.median(rnd[api]["client_cpu_us_per_token"] for rnd in per_round)
+            row[api] = {
+                "ttft_ms_p50": _ms(ttft),
+                "per_token_ms_p50": _ms(tok),
+                "server_cpu_us_per_token": cpu,
+                "client_cpu_us_per_token": client,
+            }
+            print(f"{concurrency:>7} {api:>5} {_ms(ttft):>12.2f} {_ms(tok):>17.3f} {cpu:>20.1f} {client:>20.1f}")
         ratios = [
-            statistics.median(p for _, p in rnd["http"]) / statistics.median(p for _, p in rnd["grpc"])
+            statistics.median(p for _, p in rnd["http"]["streams"])
+            / statistics.median(p for _, p in rnd["grpc"]["streams"])
             for rnd in per_round
         ]
         ttft_ratios = [
-            statistics.median(t for t, _ in rnd["http"]) / statistics.median(t for t, _ in rnd["grpc"])
+            statistics.median(t for t, _ in rnd["http"]["streams"])
+            / statistics.median(t for t, _ in rnd["grpc"]["streams"])
             for rnd in per_round
         ]
         row["http_vs_grpc_per_token"] = statistics.median(ratios)
@@ -184,6 +221,7 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
     overrides = {"http_port": 0, "max_batch": max(args.concurrency), "default_max_tokens": args.max_tokens}
     async with running_stack(stack, **overrides) as running:
         cmd = [sys.executable, "-m", "bench.http", "--client", "--grpc", running.address]
+        cmd += ["--server-pid", str(os.getpid())]
         cmd += [
             "--http",
             f"http://127.0.0.1:{running.server.http_port}/v1",
@@ -213,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grpc", help=argparse.SUPPRESS)
     parser.add_argument("--http", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--server-pid", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.client:
         print("ROUNDS " + json.dumps(asyncio.run(client_main(args))), flush=True)
