@@ -223,6 +223,7 @@ class _SchemaGen:
             }
         if choice == 6:
             name = f"d{len(self.defs)}"
+            self.defs[name] = {}  # reserve the name: a nested $ref must not reuse it (that makes a loop)
             self.defs[name] = self.schema(depth - 1)
             return {"$ref": f"#/$defs/{name}"}
         return {"allOf": [self.schema(depth - 1)]}

@@ -113,3 +113,58 @@ def test_checker_failure_fails_closed(stack: ThreadStack, monkeypatch: pytest.Mo
         result = client.generate(build_request("x", regex="(yes|no)", max_tokens=8, request_id="broken-check-1"))
     assert result.finish_reason == pb.FINISH_REASON_GRAMMAR_VIOLATION, result.finish_reason
     assert "could not be verified" in result.error and "injected checker failure" in result.error
+
+
+_F1_SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "string"}},
+    "required": ["a"],
+    "patternProperties": {".*": {"type": "string"}},
+}
+_LOOP = {"$defs": {"x": {"$ref": "#/$defs/y"}, "y": {"$ref": "#/$defs/x"}}, "$ref": "#/$defs/x"}
+NO_VALID_OUTPUT = object()  # an empty language: any "complete" output is a lie
+
+
+def _finding_cases() -> list[tuple[str, pb.Grammar, dict, object]]:
+    """(id, grammar, sampling, schema or regex to check or NO_VALID_OUTPUT) for findings 1 and 3."""
+    schema = lambda s, **kw: pb.Grammar(json_schema=json.dumps(s), **kw)  # noqa: E731
+    hot = dict(temperature=1.5, seed=1)
+    return [
+        ("f1-pattern-properties", schema(_F1_SCHEMA, allow_additional_properties=True), hot, _F1_SCHEMA),
+        ("f1-strict", schema(_F1_SCHEMA), hot, _F1_SCHEMA),
+        ("f3-anyof-empty", schema({"anyOf": []}), {}, NO_VALID_OUTPUT),
+        ("f3-oneof-empty", schema({"oneOf": []}), {}, NO_VALID_OUTPUT),
+        ("f3-ref-root", schema({"$ref": "#"}), {}, {"$ref": "#"}),
+        ("f3-ref-loop", schema(_LOOP), {}, _LOOP),
+        ("f3-maxlength-negative", schema({"type": "string", "maxLength": -1}), {}, NO_VALID_OUTPUT),
+        ("f3-regex-empty", pb.Grammar(regex=r"[^\s\S]"), {}, NO_VALID_OUTPUT),
+        ("f3-ebnf-loop", pb.Grammar(ebnf="root ::= root"), {}, NO_VALID_OUTPUT),
+        ("f3-lark-loop", pb.Grammar(lark="start: start"), {}, NO_VALID_OUTPUT),
+    ]
+
+
+@pytest.mark.parametrize(("label", "grammar", "sampling", "truth"), _finding_cases(), ids=lambda v: str(v)[:24])
+def test_finding_inputs_never_return_an_invalid_output_as_complete(
+    stack: ThreadStack, label: str, grammar: pb.Grammar, sampling: dict, truth: object
+) -> None:
+    """Issue 9 findings 1 and 3 (their compile-side fixes are H9a's: refusals with a reason):
+    whatever the grammar side does, the caller never gets an invalid output as a success.
+    Allowed: refused (INVALID_ARGUMENT), GRAMMAR_VIOLATION, LENGTH, or a complete output that
+    an independent check accepts."""
+    import grpc
+
+    from bench.lie_cases import json_check
+
+    req = build_request("x", max_tokens=48, request_id=f"finding-{label}", **sampling)
+    req.grammar.CopyFrom(grammar)
+    with OrchestratorClient(stack.address) as client:
+        try:
+            result = client.generate(req)
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc
+            return
+    if result.finish_reason not in (pb.FINISH_REASON_GRAMMAR_COMPLETE, pb.FINISH_REASON_STOP):
+        assert result.finish_reason in (pb.FINISH_REASON_GRAMMAR_VIOLATION, pb.FINISH_REASON_LENGTH), result
+        return
+    assert truth is not NO_VALID_OUTPUT, f"{label}: an empty language reported complete: {result.text!r}"
+    assert json_check(truth, False, (",", ":"))(result.text) is None, (label, result.text)
