@@ -13,6 +13,7 @@ from mask_service import limits
 from mask_service.auth import token_from_env
 from mask_service.config import MaskServiceConfig
 from mask_service.parent_watch import die_with_parent_from_env
+from mask_service.startup import PORT_OFF, StartupError, check_ports_free, check_tokenizer, port_flag
 from mask_service.tokenizers import TokenizerSource
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="shed new sessions past this RSS (0 = 85%% of the cgroup memory limit, if any)",
     )
-    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus /metrics HTTP port (0 = off)")
+    parser.add_argument(
+        "--metrics-port", type=int, default=PORT_OFF, help="Prometheus /metrics port (-1 = off, 0 = pick a free one)"
+    )
     parser.add_argument(
         "--shutdown-grace-s",
         type=float,
@@ -103,19 +106,29 @@ def config_from_args(args: argparse.Namespace) -> MaskServiceConfig:
 def run(args: argparse.Namespace) -> int:
     die_with_parent_from_env()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Operator mistakes end here as one-line errors (specmask prints them), before loading anything.
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        raise StartupError(f"bad configuration: {exc}") from None
+    for source in config.tokenizers:
+        check_tokenizer(source.path, "--tokenizer")
+    metrics_port = port_flag(args.metrics_port)
+    check_ports_free(config.host, [("--port", port_flag(config.port)), ("--metrics-port", metrics_port)])
     from mask_service.server import build_service  # heavy imports only once the role is chosen
 
-    handle = build_service(config_from_args(args))
+    handle = build_service(config)
     # Tokenizers (hundreds of thousands of long-lived Python objects) are loaded:
     # move them out of the cyclic GC's reach, so a full collection on the hot path
     # scans only request-time objects (it cost ~90 ms per pass with Llama-3 loaded).
     gc.collect()
     gc.freeze()
     handle.server.start()
-    if args.metrics_port:
+    if metrics_port is not None:
         from prometheus_client import start_http_server
 
-        start_http_server(args.metrics_port, addr=args.host)
+        metrics_server, _ = start_http_server(metrics_port, addr=args.host)
+        logger.info("metrics on http://%s:%d/metrics", args.host, metrics_server.server_port)
     logger.info("mask service serving on port %d", handle.port)
     done = threading.Event()
 

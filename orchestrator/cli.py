@@ -26,6 +26,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specmask", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"specmask {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # Only import the module of the subcommand actually invoked (and only to
     # register its flags); `specmask --help` lists every subcommand without imports.
@@ -39,10 +40,25 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("specmask")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def main(argv: list[str] | None = None) -> int:
+    from mask_service.startup import EXIT_USAGE, StartupError
+
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except StartupError as exc:  # an operator mistake: one line, no traceback
+        print(f"specmask {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

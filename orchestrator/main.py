@@ -9,6 +9,7 @@ import logging
 import signal
 from collections.abc import Callable
 
+from mask_service.startup import PORT_OFF, StartupError, check_model_dir, check_ports_free, port_flag
 from orchestrator import config as cfg
 from orchestrator.config import OrchestratorConfig
 
@@ -44,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft", default=None, metavar="DIR|NAME", help="draft model dir or registered name (omit: no draft model)"
     )
     parser.add_argument("--num-workers", type=int, default=1, help="GPU worker actors")
-    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics port (omit: off)")
+    parser.add_argument(
+        "--metrics-port", type=int, default=PORT_OFF, help="Prometheus /metrics port (-1 = off, 0 = pick a free one)"
+    )
     parser.add_argument(
         "--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API port (0 = pick a free one, -1 = off)"
     )
@@ -98,8 +101,8 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         port=args.port,
         ray_address=args.ray_address,
         num_workers=args.num_workers,
-        metrics_port=args.metrics_port,
-        http_port=None if args.http_port < 0 else args.http_port,
+        metrics_port=port_flag(args.metrics_port),
+        http_port=port_flag(args.http_port),
         served_model_name=args.served_model_name,
         max_queue=args.max_queue,
         max_batch=args.max_batch,
@@ -163,17 +166,29 @@ def run(args: argparse.Namespace) -> int:
     from gpu_worker.models.errors import ModelError
     from gpu_worker.models.resolve import NO_DRAFT, resolve_pair
 
+    # Operator mistakes end here as one-line errors (specmask prints them), before Ray starts.
     try:
-        # Registered names -> cached dirs, and a draft/target tokenizer mismatch refused, before Ray starts.
+        # Registered names -> cached dirs, and a draft/target tokenizer mismatch refused.
         args.target, args.draft = resolve_pair(args.target, args.draft or NO_DRAFT)
     except ModelError as exc:
-        logger.error("bad model: %s", exc)
-        return 2
+        raise StartupError(f"bad model: {exc}") from None
     try:
         config = config_from_args(args)
     except ValueError as exc:
-        logger.error("bad configuration: %s", exc)
-        return 2
+        raise StartupError(f"bad configuration: {exc}") from None
+    check_model_dir(config.target_dir, "--target")
+    if config.draft_dir is not None:
+        check_model_dir(config.draft_dir, "--draft", tokenizer=False)
+    check_ports_free(
+        config.host,
+        [("--port", config.port), ("--metrics-port", config.metrics_port), ("--http-port", config.http_port)],
+    )
+    try:
+        from orchestrator.worker_pool import connect_ray
+
+        connect_ray(config.ray_address)  # here, on the main thread: create_server's call is then a no-op
+    except (ConnectionError, TimeoutError, ValueError) as exc:
+        raise StartupError(f"cannot join the Ray cluster at {config.ray_address}: {exc}") from None
     try:
         asyncio.run(serve(config))
     finally:
