@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -34,6 +35,7 @@ from orchestrator.validation import RequestValidator
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
+TOO_DEEP = "request body nests too deeply"
 _MAX_ERRORS_SHOWN = 5
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -45,10 +47,14 @@ async def parse_body(request: web.Request, model: type[Body]) -> Body:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError.invalid(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError.invalid(TOO_DEEP) from None
     if not isinstance(data, dict):
         raise ApiError.invalid("request body must be a JSON object")
     try:
         return model.model_validate(data)
+    except RecursionError:
+        raise ApiError.invalid(TOO_DEEP) from None
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         parts = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in errors[:_MAX_ERRORS_SHOWN]]
@@ -129,7 +135,7 @@ class OpenAIRoutes:
         body = await parse_body(request, ChatCompletionRequest)
         self._check_model(body.model)
         request_id = self._request_id(request)
-        translated = translate.chat_request(body, request_id, self._prompter)
+        translated = _guard_depth(translate.chat_request, body, request_id, self._prompter)
         admitted = await self._submit(translated)
         env = rsp.Envelope(id=f"chatcmpl-{request_id}", model=self._model)
         headers = {REQUEST_ID_HEADER: request_id}
@@ -148,7 +154,7 @@ class OpenAIRoutes:
         body = await parse_body(request, CompletionRequest)
         self._check_model(body.model)
         request_id = self._request_id(request)
-        translated = translate.completion_request(body, request_id)
+        translated = _guard_depth(translate.completion_request, body, request_id)
         admitted = await self._submit(translated)
         env = rsp.Envelope(id=f"cmpl-{request_id}", model=self._model)
         headers = {REQUEST_ID_HEADER: request_id}
@@ -242,6 +248,14 @@ class OpenAIRoutes:
         if include:
             await stream.send(rsp.usage_chunk(env, obj, usage))
         await stream.done()
+
+
+def _guard_depth(translate_fn: Callable[..., translate.Translated], *args: Any) -> translate.Translated:
+    """Translation serialises schemas again; a body nested near the recursion limit is a 400."""
+    try:
+        return translate_fn(*args)
+    except RecursionError:
+        raise ApiError.invalid(TOO_DEEP) from None
 
 
 def _raise_for_finish(reason: FinishReason, error: str | None) -> None:

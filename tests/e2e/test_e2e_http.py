@@ -295,6 +295,13 @@ def test_refusals(client: openai.OpenAI, model: str) -> None:
     assert not_found.value.body["code"] == "model_not_found"
 
 
+def _deep_body(depth: int, model: str = "m") -> bytes:
+    """A schema nested just under or past the interpreter's recursion limit."""
+    schema = '{"type": "object", "properties": {"a": ' * depth + "{}" + "}}" * depth
+    prefix = '{"model": "' + model + '", "messages": [{"role": "user", "content": "x"}], "guided_json": '
+    return (prefix + schema + "}").encode()
+
+
 @pytest.mark.parametrize(
     ("body", "fragment"),
     [
@@ -307,6 +314,11 @@ def test_refusals(client: openai.OpenAI, model: str) -> None:
         (b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "content"),
         (b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}', "temperature"),
         (b"\xff\xfe", "not valid JSON"),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "guided_json": ' + b'{"a": ' * 100_000,
+            "deep",
+        ),
+        (_deep_body(960), "deep"),
     ],
 )
 def test_malformed_bodies_get_400(base_url: str, body: bytes, fragment: str) -> None:
@@ -314,6 +326,13 @@ def test_malformed_bodies_get_400(base_url: str, body: bytes, fragment: str) -> 
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert fragment in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_schema_nested_near_the_recursion_limit_is_a_400(base_url: str, model: str) -> None:
+    """It parses, but each later stage (translation, grammar checks) recurses over it: refused, never a 500."""
+    resp = httpx.post(f"{base_url}/chat/completions", content=_deep_body(480, model), timeout=120)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["message"]
 
 
 def test_unknown_route_and_method_are_json(base_url: str) -> None:
