@@ -395,7 +395,9 @@ def _median(values: list[float | None]) -> float | None:
 
 
 async def bench(args: argparse.Namespace, cases: list[Case], stack: StackConfig) -> dict[str, Any]:
-    async with running_stack(stack, max_queue=max(256, 2 * len(cases)), max_batch=args.max_batch) as running:
+    async with running_stack(
+        stack, max_queue=max(256, 2 * len(cases)), max_batch=args.max_batch, step_timeout_s=args.step_timeout_s
+    ) as running:
         # Warm-up: first steps pay for lazy init (allocator, kernels, grammar compiles).
         await run_phase(running, cases, "warmup", constrained=True, max_tokens=8, concurrency=args.concurrency)
         # Phases alternate round by round, so drift on a shared box hits all of them
@@ -410,7 +412,7 @@ async def bench(args: argparse.Namespace, cases: list[Case], stack: StackConfig)
     print_subsets(constrained)
 
     def per_round(a: str, b: str, metric: str) -> list[float | None]:
-        return [_ratio(getattr(r[a], metric), getattr(r[b], metric)) if b in r else None for r in rounds]
+        return [_ratio(getattr(r[a], metric), getattr(r[b], metric)) if a in r and b in r else None for r in rounds]
 
     step_ratios = per_round("constrained", "unconstrained", "mean_step_ms")
     nodraftmask_ratios = per_round("constrained-nodraftmask", "unconstrained", "mean_step_ms")
@@ -459,6 +461,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="times the four phases run, alternating")
     parser.add_argument("--target", default=None, help="target model dir or registered name (default: the toy pair)")
     parser.add_argument("--draft", default=None, help="draft model dir or name ('none' = no draft model)")
+    parser.add_argument(
+        "--step-timeout-s",
+        type=float,
+        default=120.0,
+        help="orchestrator step timeout (raise it for a real model on a slow CPU: long schema prompts prefill slowly)",
+    )
     parser.add_argument("--chat", action="store_true", help="chat prompts with the schema in the system turn")
     parser.add_argument("--subsets", default=None, help="comma list of schema-file prefixes; --n is then per subset")
     parser.add_argument(

@@ -99,7 +99,7 @@ REAL_CASES: tuple[tuple[str, str, dict[str, Any]], ...] = (
             "type": "object",
             "properties": {
                 "title": {"type": "string"},
-                "date": {"type": "string", "format": "date"},
+                "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
                 "time": {"type": "string", "pattern": "^[0-2][0-9]:[0-5][0-9]$"},
                 "location": {"type": "string"},
                 "attendees": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 5},
@@ -162,6 +162,7 @@ class Outcome:
     valid: bool  # completed and valid against its schema
     problem: str  # why not, when not valid
     seconds: float
+    refused: bool = False  # INVALID_ARGUMENT: never ran
 
     @property
     def truncated(self) -> bool:
@@ -202,11 +203,17 @@ async def _generate(
     )
     result = StreamedResult()
     started = time.monotonic()
-    async for chunk in stream_retrying_overload(stub, req, timeout=REQUEST_TIMEOUT_S):
-        result.add(chunk)
-        if echo and chunk.text:
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
+    try:
+        async for chunk in stream_retrying_overload(stub, req, timeout=REQUEST_TIMEOUT_S):
+            result.add(chunk)
+            if echo and chunk.text:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+            raise
+        # Refused before any work (e.g. the mask service's compile budget on a busy machine).
+        return Outcome(case, result, False, f"refused: {exc.details()}", time.monotonic() - started, refused=True)
     if result.finish_reason == pb.FINISH_REASON_LENGTH:
         valid, problem = False, f"cut at max_tokens={max_tokens} before the document closed"
     elif result.finish_reason in (pb.FINISH_REASON_ERROR, pb.FINISH_REASON_GRAMMAR_VIOLATION):
@@ -226,7 +233,7 @@ def _stats(o: Outcome) -> str:
 
 
 def _mark(o: Outcome) -> str:
-    return "OK " if o.valid else ("CUT" if o.truncated else "BAD")
+    return "OK " if o.valid else ("CUT" if o.truncated else ("REF" if o.refused else "BAD"))
 
 
 def _verdict(o: Outcome) -> str:
@@ -268,7 +275,8 @@ async def _demo(stack: StackConfig, cases: list[DemoCase], streamed: int, max_to
             width = max(len(c.name) for c in batch_cases)
             for o in batch:
                 print(f"  {_mark(o)} {o.case.name:<{width}}  {_stats(o)}")
-                print(f"      {o.result.text[:110]}{'...' if len(o.result.text) > 110 else ''}")
+                shown = o.result.text if not o.refused else o.problem
+                print(f"      {shown[:110]}{'...' if len(shown) > 110 else ''}")
             tokens = sum((o.result.usage or pb.Usage()).completion_tokens for o in batch)
             print(f"  batch: {tokens} tokens in {wall:.2f} s = {tokens / wall:.0f} tokens/s")
             outcomes.extend(batch)
@@ -298,11 +306,13 @@ async def _demo(stack: StackConfig, cases: list[DemoCase], streamed: int, max_to
     accepted = sum(u.drafts_accepted for u in usages)
     valid = sum(o.valid for o in outcomes)
     truncated = sum(o.truncated for o in outcomes)
-    bad = len(outcomes) - valid - truncated
+    refused = sum(o.refused for o in outcomes)
+    bad = len(outcomes) - valid - truncated - refused
     print("\n== Summary " + "=" * 66)
     print(
         f"  completed outputs valid against their schema: {valid}/{valid + bad}"
         + (f"  ({truncated} cut at max_tokens={max_tokens})" if truncated else "")
+        + (f"  ({refused} refused by the grammar service)" if refused else "")
     )
     print(
         f"  tokens per target forward:          {produced / max(forwards, 1):.2f}  "
