@@ -163,12 +163,17 @@ class CompilePool:
         self._queue: OrderedDict[str, deque[_Job]] = OrderedDict()  # owner -> waiting jobs, round-robin
         self._queued = 0
         self._closed = False
+        self._warm = threading.Event()  # worker 0 started (or failed to)
         self._threads_list = [
             threading.Thread(target=self._dispatch, args=(w,), name=f"compile-dispatch-{w.index}", daemon=True)
             for w in self._workers
         ]
         for t in self._threads_list:
             t.start()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Block until the first worker has started (the service's explicit warm-up)."""
+        return self._warm.wait(timeout_s)
 
     # -- figures (metrics, bench) --------------------------------------------
     @property
@@ -237,6 +242,8 @@ class CompilePool:
                 worker.start()
             except (OSError, RuntimeError):
                 logger.exception("compile worker 0 failed to start; retrying on first compile")
+            finally:
+                self._warm.set()
         while True:
             job = self._take(worker)
             if job is None:

@@ -33,6 +33,7 @@ from proto.gen.specmask.mask.v1 import mask_service_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MaskService"].full_name
+_COMPILE_WORKER_START_S = 120.0  # importing xgrammar (and torch) in the first compile worker
 
 
 @dataclass
@@ -94,6 +95,10 @@ def build_service(config: MaskServiceConfig, registry: TokenizerRegistry | None 
             max_queue_per_owner=config.compile_queue_per_owner,
         )
         cache.attach_pool(pool)
+        # Warm-up is explicit: the service reports SERVING with a compile worker up, so
+        # the first new grammar does not also wait seconds for the engine's import.
+        if not pool.wait_ready(_COMPILE_WORKER_START_S):
+            logger.warning("compile worker not up after %.0f s; first compiles will wait", _COMPILE_WORKER_START_S)
     limit = shed_limit(config.max_memory_bytes)
     guard = MemoryGuard(limit, pool.worker_pids if pool is not None else list) if limit else None
     sessions = SessionStore(
