@@ -432,28 +432,61 @@ def check_document(schema: Any) -> None:
             stack.append((child, depth + 1, where))
 
 
-def check_metaschema(schema: Any) -> None:
-    """Refuse a schema that is not a valid document of its draft (``$schema``; default 2020-12).
+def _meaningful(error: Any) -> bool:
+    """Whether a metaschema error changes what the schema means.
 
-    Validated against the draft's metaschema *without* format checks: the
-    metaschema marks ``pattern`` as ``format: regex``, and a format checker
-    would refuse ECMA-262 patterns that Python's ``re`` cannot read
-    (``[\\w-.]``), which ``json_regex`` handles.
+    Repeated values in enum/required/type (older drafts' metaschemas say
+    ``uniqueItems``) do not, and the engines handle them: not a refusal, also
+    when they are the only reason one branch of a metaschema ``anyOf`` failed.
     """
+    if error.validator == "uniqueItems":
+        return False
+    if error.validator in ("anyOf", "oneOf") and error.context:
+        branches: dict[Any, list[Any]] = {}
+        for sub in error.context:
+            branches.setdefault(sub.relative_schema_path[0], []).append(sub)
+        return all(any(_meaningful(sub) for sub in subs) for subs in branches.values())
+    return True
+
+
+def _metaschema_error(cls: Any, schema: Any) -> Any:
+    """The most relevant meaningful error of ``schema`` against ``cls``'s metaschema, or None."""
     from jsonschema.exceptions import best_match
 
-    cls = _validator_class(schema)
     meta_cls = _validator_class(cls.META_SCHEMA)
     try:
-        errors = meta_cls(cls.META_SCHEMA).iter_errors(schema)
-        # Repeated values in enum/required/type (older drafts' metaschemas say uniqueItems)
-        # do not change what the schema means, and the engines handle them: not a refusal.
-        error = best_match(e for e in errors if e.validator != "uniqueItems")
+        return best_match(e for e in meta_cls(cls.META_SCHEMA).iter_errors(schema) if _meaningful(e))
     except RecursionError:
         raise GrammarError(f"{NESTING_TOO_DEEP}: it nests too deep to check against its metaschema") from None
-    if error is not None:
-        draft = cls.META_SCHEMA.get("$id") or cls.META_SCHEMA.get("id") or cls.__name__
-        raise GrammarError(
-            f"invalid JSON Schema at {_pointer(error.absolute_path)}: {error.message} "
-            f"(checked against the metaschema of {draft})"
-        )
+
+
+def check_metaschema(schema: Any) -> None:
+    """Refuse a schema that is not a valid document of its draft.
+
+    The draft is its ``$schema``. Without one (or with one jsonschema does not
+    know) the dialect is unspecified, so any published draft will do (2020-12
+    first, then 2019-09, 7, 6, 4): real schemas without ``$schema`` use
+    draft-07's ``items: [...]`` or draft-04's boolean ``exclusiveMinimum``, and
+    refusing them would help no one; ``maxLength: -1`` or ``anyOf: []`` is
+    invalid in every draft. Validated *without* format checks: the metaschema
+    marks ``pattern`` as ``format: regex``, and a format checker would refuse
+    ECMA-262 patterns that Python's ``re`` cannot read (``[\\w-.]``), which
+    ``json_regex`` handles.
+    """
+    from jsonschema import Draft4Validator, Draft6Validator, Draft7Validator, Draft201909Validator
+    from jsonschema.validators import validator_for
+
+    cls = _validator_class(schema)
+    error = _metaschema_error(cls, schema)
+    if error is None:
+        return
+    declared = isinstance(schema, dict) and validator_for(schema, default=None) is not None
+    if not declared:
+        for other in (Draft201909Validator, Draft7Validator, Draft6Validator, Draft4Validator):
+            if _metaschema_error(other, schema) is None:
+                return
+    draft = cls.META_SCHEMA.get("$id") or cls.META_SCHEMA.get("id") or cls.__name__
+    raise GrammarError(
+        f"invalid JSON Schema at {_pointer(error.absolute_path)}: {error.message} "
+        f"(checked against the metaschema of {draft}{'' if declared else ' and every earlier draft'})"
+    )
