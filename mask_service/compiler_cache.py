@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -32,7 +34,7 @@ from typing import Any
 
 from mask_service.backends import BACKENDS, GrammarBackend
 from mask_service.compile_pool import CompilePool, CompileQueueFull
-from mask_service.errors import GrammarError, MaskError
+from mask_service.errors import GrammarError, GrammarTooComplex, MaskError
 from mask_service.grammar import GrammarSpec
 from mask_service.limits import GrammarLimits, check_limits
 from mask_service.tokenizers import TokenizerRegistry
@@ -41,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 # Refusals remembered (LRU by count): one entry is a key and a short message.
 DEFAULT_MAX_REFUSALS = 4096
+# How long a "too complex" refusal (compile over budget) is remembered.
+TOO_COMPLEX_REFUSAL_TTL_S = 600.0
 # Answer a waiting request this long before its own deadline, so the reply
 # (RESOURCE_EXHAUSTED, retry) reaches the client before its deadline fires.
 _DEADLINE_MARGIN_S = 0.25
@@ -98,7 +102,7 @@ class CompilerCache:
         )
         self._lock = threading.Lock()
         self._entries: OrderedDict[CacheKey, CompiledEntry] = OrderedDict()
-        self._refusals: OrderedDict[CacheKey, GrammarError] = OrderedDict()
+        self._refusals: OrderedDict[CacheKey, tuple[GrammarError, float]] = OrderedDict()  # (error, expiry)
         self._inflight: dict[CacheKey, Future[CompiledEntry]] = {}
         self._compilers: dict[tuple[str, int], Any] = {}
         self._bytes = 0
@@ -149,7 +153,10 @@ class CompilerCache:
 
     def _refuse(self, key: CacheKey, exc: GrammarError) -> None:
         with self._lock:
-            self._refusals[key] = exc
+            # An over-budget compile may have been slow because the box was busy, not
+            # because of the grammar: that refusal expires; the engine's own never does.
+            ttl = TOO_COMPLEX_REFUSAL_TTL_S if isinstance(exc, GrammarTooComplex) else math.inf
+            self._refusals[key] = (exc, time.monotonic() + ttl)
             self._refusals.move_to_end(key)
             while len(self._refusals) > self._max_refusals:
                 self._refusals.popitem(last=False)
@@ -224,7 +231,13 @@ class CompilerCache:
             if entry is not None:
                 self._entries.move_to_end(key)
                 return entry, True
-            refused = self._refusals.get(key)
+            refused_until = self._refusals.get(key)
+            refused = None
+            if refused_until is not None:
+                if refused_until[1] > time.monotonic():
+                    refused = refused_until[0]
+                else:
+                    del self._refusals[key]
             fut = self._inflight.get(key)
         if refused is not None:
             raise type(refused)(refused.message)
