@@ -394,7 +394,7 @@ FAMILIES: tuple[tuple[float, Callable[[random.Random], tuple]], ...] = (
 # ---- requests -------------------------------------------------------------------------
 
 
-def random_request(rng: random.Random, index: int, max_k: int, max_tokens: int) -> Case:
+def random_request(rng: random.Random, index: int, max_k: int, max_tokens: int, *, seeded_only: bool = False) -> Case:
     weights, makers = zip(*FAMILIES)
     name, grammar, check, desc = rng.choices(makers, weights)[0](rng)
     req = pb.GenerateRequest(request_id=f"lie-{index}", text=rng.choice(PROMPTS))
@@ -406,7 +406,7 @@ def random_request(rng: random.Random, index: int, max_k: int, max_tokens: int) 
         s.top_p = top_p
     if top_k is not None:
         s.top_k = top_k
-    if rng.random() < 0.7:
+    if rng.random() < 0.7 or seeded_only:
         s.seed = rng.getrandbits(64)
     s.max_tokens = rng.randint(8, max_tokens)
     spec = req.speculation
@@ -426,6 +426,8 @@ def random_request(rng: random.Random, index: int, max_k: int, max_tokens: int) 
     return Case(name, req, check, f"{desc} | {sampling_desc}")
 
 
-def generate(seed: int, n: int, *, max_k: int, max_tokens: int) -> list[Case]:
+def generate(seed: int, n: int, *, max_k: int, max_tokens: int, seeded_only: bool = False) -> list[Case]:
+    """``n`` cases from ``seed``. ``seeded_only``: every request carries a sampling seed, so
+    outputs replay exactly (tests); otherwise 30% are unseeded (the server draws a seed)."""
     rng = random.Random(seed)
-    return [random_request(rng, i, max_k, max_tokens) for i in range(n)]
+    return [random_request(rng, i, max_k, max_tokens, seeded_only=seeded_only) for i in range(n)]
