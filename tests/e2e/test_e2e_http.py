@@ -370,6 +370,28 @@ def test_disconnect_mid_stream_frees_the_request(stack: ThreadStack, base_url: s
     assert stack.run(_num_live(stack)) == 0
 
 
+def test_disconnect_while_waiting_for_a_unary_answer_frees_the_request(
+    stack: ThreadStack, base_url: str, model: str
+) -> None:
+    stack.wait_idle()
+    body = {
+        "model": model,
+        "messages": MESSAGES,
+        "response_format": _json_format(ENDLESS_SCHEMA),
+        "temperature": 1.0,
+        "seed": 4,
+        "max_tokens": ENDLESS_MAX_TOKENS,
+        "speculation": {"enabled": False},
+        **NO_INSTRUCTION,
+    }
+    # The client gives up (read timeout) mid-generation and closes the connection.
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{base_url}/chat/completions", json=body, timeout=httpx.Timeout(120, read=0.5))
+    active, sessions = stack.wait_idle()
+    assert active == [0, 0] and sessions == 0
+    assert stack.run(_num_live(stack)) == 0
+
+
 async def _num_live(stack: ThreadStack) -> int:
     assert stack.running is not None
     return stack.running.server.engine.num_live()
