@@ -695,6 +695,7 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
             assert worker.draft is not None
             scripts.install(worker.draft, agreement=args.agreement)
             rows: dict[str, dict[str, Any]] = {}
+            per_round: dict[str, dict[str, list[float]]] = {}  # ratio -> batch -> one value per round
             for batch in args.batches:
                 # Untimed pass first: the first run at a new batch size grows the CUDA caching
                 # allocator's pool (cudaMalloc per new buffer size), which would be charged to
@@ -704,12 +705,20 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
                 # Rounds alternate the modes, so a slow spell of the host hits them all alike.
                 cells: dict[str, Samples] = {}
                 for _ in range(args.rounds):
+                    this_round: dict[str, Samples] = {}
                     for mode_name in args.modes:
                         got = time_mode(worker, scripts, MODES[mode_name], batch, args, k=args.k)
+                        this_round[mode_name] = got
                         if mode_name in cells:
                             cells[mode_name].extend(got)
                         else:
-                            cells[mode_name] = got
+                            cells[mode_name] = Samples(batch, [], [], [], [])
+                            cells[mode_name].extend(got)
+                    # Paired within the round: both modes ran minutes apart at most.
+                    for key, (num, den) in ROUND_RATIOS.items():
+                        if num in this_round and den in this_round:
+                            value = statistics.median(this_round[num].times) / statistics.median(this_round[den].times)
+                            per_round.setdefault(key, {}).setdefault(str(batch), []).append(value)
                 for mode_name, samples in cells.items():
                     stats = samples.stats()
                     rows.setdefault(mode_name, {})[str(batch)] = asdict(stats)
@@ -727,6 +736,9 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
                 worker.shutdown()
             service.stop()
     ratios = _ratios(rows, args.batches)
+    for key, by_batch in per_round.items():
+        ratios[f"{key}_rounds"] = by_batch  # type: ignore[assignment]
+        ratios[f"{key}_round_median"] = {b: statistics.median(v) for b, v in by_batch.items()}
     return {
         "target": pair.target,
         "draft": pair.draft,
@@ -736,6 +748,16 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
         "modes": rows,
         **ratios,
     }
+
+
+# Step-time ratios also computed per round (paired): name -> (numerator mode, denominator mode).
+ROUND_RATIOS: dict[str, tuple[str, str]] = {
+    "constrained_vs_unconstrained_step_time": ("spec/constrained/draft-masks-on", "spec/unconstrained"),
+    "constrained_vs_unconstrained_step_time_draft_masks_off": (
+        "spec/constrained/draft-masks-off",
+        "spec/unconstrained",
+    ),
+}
 
 
 def _ratios(rows: dict[str, dict[str, Any]], batches: Sequence[int]) -> dict[str, dict[str, float]]:
@@ -805,6 +827,11 @@ def print_tables(result: dict[str, Any]) -> None:
         ):
             values = ", ".join(f"B={b}: {v:.3f}" for b, v in pair[key].items())
             print(f"\n{key}: {values}")
+            if f"{key}_rounds" in pair:
+                rounds = "; ".join(
+                    f"B={b}: " + " ".join(f"{v:.3f}" for v in vs) for b, vs in pair[f"{key}_rounds"].items()
+                )
+                print(f"  per round (paired): {rounds}")
 
 
 def main(argv: list[str] | None = None) -> int:
