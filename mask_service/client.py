@@ -29,6 +29,7 @@ from mask_service.grammar import GrammarSpec
 from mask_service.wire import MissingRow, RowTable
 from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
 from proto.gen.specmask.mask.v1 import mask_service_pb2_grpc as pb_grpc
+from proto.rpc_status import details_of
 
 if TYPE_CHECKING:
     import torch
@@ -59,11 +60,12 @@ _MAX_RESYNCS = 2
 class MaskServiceError(Exception):
     """A mask-service failure with its gRPC status code (and the session it concerns, if one)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, session_id: str | None = None) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, session_id: str | None = None, *, reason: str = "") -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
         self.session_id = session_id
+        self.reason = reason  # ErrorInfo reason from the server, e.g. GRAMMAR_TOO_COMPLEX ("" if none)
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,8 @@ class MaskServiceClient:
                     attempt += 1
                     time.sleep(_BACKOFF_S * 2 ** (attempt - 1))
                     continue
-                raise MaskServiceError(code, exc.details() or "") from None  # type: ignore[attr-defined]
+                reason = details_of(exc).reason
+                raise MaskServiceError(code, exc.details() or "", reason=reason) from None  # type: ignore[attr-defined]
 
     @staticmethod
     def _target(tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None) -> pb.GrammarTarget:

@@ -15,11 +15,12 @@ from mask_service.backends import engine_name
 from mask_service.compiler_cache import CompilerCache
 from mask_service.convert import grammar_from_proto
 from mask_service.draft_masks import DraftMaskEngine, DraftRequest
-from mask_service.errors import MaskError
+from mask_service.errors import GrammarError, MaskError
 from mask_service.sessions import SessionStore
 from mask_service.wire import ClientBeliefs
 from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
 from proto.gen.specmask.mask.v1 import mask_service_pb2_grpc as pb_grpc
+from proto.rpc_status import reason_from_class, status_for
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,9 +59,17 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
             logger.info("%s -> %s: %s", what, exc.code.value, exc.message)
             metrics.RPC_ERRORS.labels(exc.code.value).inc()
             retry_after = getattr(exc, "retry_after_s", None)
-            if retry_after is not None:  # back-off hint for RESOURCE_EXHAUSTED (compile queue)
-                context.set_trailing_metadata(((RETRY_AFTER_METADATA_KEY, str(int(retry_after * 1000))),))
-            context.abort(getattr(grpc.StatusCode, exc.code.value), exc.message)
+            # Back-off hint for RESOURCE_EXHAUSTED (compile queue): RetryInfo, and the plain trailer.
+            trailers = () if retry_after is None else ((RETRY_AFTER_METADATA_KEY, str(int(retry_after * 1000))),)
+            status = status_for(
+                getattr(grpc.StatusCode, exc.code.value),
+                exc.message,
+                reason=reason_from_class(exc),  # e.g. GRAMMAR_TOO_COMPLEX (proto/rpc_status.py)
+                bad_fields=(("grammar", exc.message),) if isinstance(exc, GrammarError) else (),
+                retry_after_s=retry_after,
+                extra_trailers=trailers,
+            )
+            context.abort_with_status(status)
         except Exception:
             logger.exception("%s failed", what)
             metrics.RPC_ERRORS.labels("INTERNAL").inc()

@@ -24,10 +24,15 @@ class RequestError(Exception):
     """A request refused before generation; ``code`` says which status the client gets."""
 
     code: ErrorCode = ErrorCode.INTERNAL
+    retry_after_s: float | None = None  # RetryInfo for RESOURCE_EXHAUSTED
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, reason: str = "", field: str = "") -> None:
+        """``reason``: the google.rpc.ErrorInfo reason (default: from the class name,
+        proto/rpc_status.py); ``field``: the request field at fault (BadRequest)."""
         super().__init__(message)
         self.message = message
+        self.reason = reason
+        self.field = field
 
 
 class InvalidRequest(RequestError):
@@ -44,6 +49,7 @@ class Overloaded(RequestError):
     """The admission queue is full: the client should back off and retry."""
 
     code = ErrorCode.RESOURCE_EXHAUSTED
+    retry_after_s = 1.0
 
 
 class Unavailable(RequestError):

@@ -37,7 +37,9 @@ class MaskServiceGrammarChecker:
             self._router.validate_grammar(self._tokenizer_id, spec, self._vocab_size)
         except MaskServiceError as exc:
             if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
-                raise InvalidRequest(f"grammar refused: {exc.message}") from None
+                # The mask service's reason (e.g. GRAMMAR_TOO_COMPLEX) reaches the client as is.
+                reason = exc.reason or "GRAMMAR_INVALID"
+                raise InvalidRequest(f"grammar refused: {exc.message}", reason=reason, field="grammar") from None
             if exc.code is grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise GrammarTimeout(f"grammar validation timed out: {exc.message}") from None
             if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -24,6 +24,7 @@ from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.request import Request
 from orchestrator.validation import RequestValidator
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from proto.rpc_status import reason_from_class, status_for
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,14 @@ class OrchestratorServicer:
         except RequestError as exc:
             self._metrics.rejected.labels(code=exc.code.name).inc()
             logger.info("[request_id=%s] refused (%s): %s", msg.request_id or "-", exc.code.name, exc.message)
-            await context.abort(_STATUS[exc.code], exc.message)
+            status = status_for(
+                _STATUS[exc.code],
+                exc.message,
+                reason=exc.reason or reason_from_class(exc),
+                bad_fields=((exc.field, exc.message),) if exc.field else (),
+                retry_after_s=exc.retry_after_s if exc.code is ErrorCode.RESOURCE_EXHAUSTED else None,
+            )
+            await context.abort(status.code, status.details, status.trailing_metadata)
             raise  # unreachable: abort raises
         except Exception:
             # A bug, not the client's fault: log it here, never send a traceback.

@@ -29,6 +29,7 @@ SPECMASK_BASE = [
     "grpcio",
     "grpcio-health-checking",
     "grpcio-reflection",
+    "grpcio-status",
     "protobuf",
     "numpy",
     "prometheus-client",
