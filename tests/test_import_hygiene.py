@@ -31,7 +31,8 @@ CASES = {
     # The gRPC client: grpcio + protobuf only (pip install specmask[client]).
     "client": (
         ["orchestrator.client"],
-        ["torch", "xgrammar", "transformers", "numpy", "ray", "aiohttp", "tokenizers", "xxhash", "jsonschema"],
+        ["torch", "xgrammar", "transformers", "numpy", "ray", "aiohttp", "tokenizers", "xxhash", "jsonschema"]
+        + ["grpc_status", "grpc_health", "grpc_reflection", "pydantic", "jinja2"],
     ),
     # The mask-service client side (worker and orchestrator use it): no grammar engine.
     "mask_client": (
