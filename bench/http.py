@@ -97,8 +97,13 @@ class Clients:
         from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc
 
         self.args = args
-        self.channel = grpc.aio.insecure_channel(args.grpc)
-        self.stub = pb_grpc.OrchestratorServiceStub(self.channel)
+        # One multiplexed HTTP/2 channel (how gRPC clients run), or one per stream
+        # (--grpc-channel-per-stream: as many connections as the HTTP side has).
+        n = concurrency if args.grpc_channel_per_stream else 1
+        self.channels = [
+            grpc.aio.insecure_channel(args.grpc, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(n)
+        ]
+        self.stubs = [pb_grpc.OrchestratorServiceStub(c) for c in self.channels]
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency))
 
     async def phase(self, api: str, concurrency: int) -> dict[str, Any]:
@@ -106,7 +111,10 @@ class Clients:
         cpu_before = _process_cpu_s(a.server_pid)
         client_before = time.process_time()
         if api == "grpc":
-            runs = await asyncio.gather(*(_grpc_stream(self.stub, a.max_tokens) for _ in range(concurrency)))
+            stubs = self.stubs
+            runs = await asyncio.gather(
+                *(_grpc_stream(stubs[i % len(stubs)], a.max_tokens) for i in range(concurrency))
+            )
         else:
             runs = await asyncio.gather(
                 *(_http_stream(self.session, a.http, a.model, a.max_tokens) for _ in range(concurrency))
@@ -128,7 +136,8 @@ class Clients:
 
     async def close(self) -> None:
         await self.session.close()
-        await self.channel.close()
+        for channel in self.channels:
+            await channel.close()
 
 
 def _process_cpu_s(pid: int) -> float:
@@ -230,6 +239,7 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
         ]
         cmd += ["--rounds", str(args.rounds), "--max-tokens", str(args.max_tokens)]
         cmd += ["--concurrency", *map(str, args.concurrency)]
+        cmd += ["--grpc-channel-per-stream"] if args.grpc_channel_per_stream else []
         proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
         out, _ = await proc.communicate()
         if proc.returncode != 0:
@@ -247,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
+    parser.add_argument(
+        "--grpc-channel-per-stream", action="store_true", help="one gRPC channel (connection) per stream"
+    )
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--grpc", help=argparse.SUPPRESS)
     parser.add_argument("--http", help=argparse.SUPPRESS)
