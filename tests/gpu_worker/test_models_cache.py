@@ -159,3 +159,19 @@ def test_resolve_model_directory_name_and_unknown(tmp_path: Path) -> None:
     assert registry.resolve_model(str(tmp_path)) == str(tmp_path)
     with pytest.raises(ModelError, match="neither a model directory nor a registered model"):
         registry.resolve_model("no-such-model-xyz")
+
+
+def test_draft_with_another_tokenizer_is_refused_before_start(tmp_path: Path) -> None:
+    import shutil
+
+    from gpu_worker.models.resolve import NO_DRAFT, resolve_pair
+    from tests.fixtures.tokenizers import build_bpe_tokenizer
+
+    target = build_bpe_tokenizer(tmp_path / "target", vocab_size=300)
+    same = tmp_path / "same"
+    shutil.copytree(target, same)
+    other = build_bpe_tokenizer(tmp_path / "other", vocab_size=320)
+    assert resolve_pair(str(target), str(same)) == (str(target), str(same))
+    assert resolve_pair(str(target), NO_DRAFT) == (str(target), None)
+    with pytest.raises(ModelError, match="use different tokenizers"):
+        resolve_pair(str(target), str(other))
