@@ -70,7 +70,11 @@ class ModeResult:
 
 def _toy_dirs(args: argparse.Namespace) -> tuple[str, str]:
     if args.target_dir and args.draft_dir:
-        return args.target_dir, args.draft_dir
+        from gpu_worker.models.resolve import resolve_pair
+
+        target, draft = resolve_pair(args.target_dir, args.draft_dir)  # dirs or registered names
+        assert draft is not None
+        return target, draft
     from gpu_worker.toy.build import DEFAULT_OUT_DIR, build_toy_models
 
     result = build_toy_models(args.toy_dir or DEFAULT_OUT_DIR, progress=False)
@@ -120,8 +124,8 @@ def run_mode(worker: Any, schemas: dict[str, Any], mode: str, args: argparse.Nam
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target-dir", help="HF target model dir (default: the toy pair)")
-    parser.add_argument("--draft-dir", help="HF draft model dir (default: the toy pair)")
+    parser.add_argument("--target-dir", help="HF target model dir or registered name (default: the toy pair)")
+    parser.add_argument("--draft-dir", help="HF draft model dir or registered name (default: the toy pair)")
     parser.add_argument("--toy-dir", type=Path, help="where to build/reuse the toy pair (default .specmask/toy-models)")
     parser.add_argument("--k", type=int, default=4, help="max drafts per step (default 4)")
     parser.add_argument("--max-tokens", type=int, default=160, help="output budget per sequence (default 160)")
