@@ -77,6 +77,8 @@ REQUIRED_WHEELS: dict[str, str] = {
     "prometheus_client": "prometheus-client>=0.20",
     "numpy": "numpy>=1.26",
     "jsonschema": "jsonschema>=4.20 (needs jsonschema-specifications, referencing, rpds-py, attrs)",
+    "google.rpc": "googleapis-common-protos",
+    "grpc_status": "grpcio-status==1.85.1",
 }
 CUDA_WHEELS = {"triton": "triton"}
 
