@@ -36,7 +36,11 @@ Measured:
     x unconstrained / constrained x draft masks on/off, at B in {1, 8, 32, 64}, k=4;
 (c) the mask wait left on the critical path (``StepOutput.mask_time_s``);
 (d) tokens per second (emitted tokens / timed wall time).
-Prints markdown tables; the last line is ``RESULT {json}``.
+Each batch size gets one untimed pass, then ``--rounds`` passes over the modes
+(alternating, so a slow spell of the host hits every mode); the constrained /
+unconstrained ratios are also reported per round (paired). ``--profile-batch B``
+adds torch.profiler op tables. Prints markdown tables; the last line is
+``RESULT {json}``. Missing wheels are listed by name at start (``REQUIRED_WHEELS``).
 """
 
 from __future__ import annotations
