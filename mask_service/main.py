@@ -12,6 +12,7 @@ from mask_service import config as cfg
 from mask_service import limits
 from mask_service.auth import token_from_env
 from mask_service.config import MaskServiceConfig
+from mask_service.log_format import LOG_FORMATS, configure_logging
 from mask_service.parent_watch import die_with_parent_from_env
 from mask_service.startup import PORT_OFF, StartupError, check_ports_free, check_tokenizer, port_flag
 from mask_service.tokenizers import TokenizerSource
@@ -73,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, in-flight RPCs get this long to finish (keep below the pod's grace period)",
     )
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-format", default="text", choices=LOG_FORMATS, help="text (for people) or json (one object a line)"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> MaskServiceConfig:
@@ -105,7 +109,7 @@ def config_from_args(args: argparse.Namespace) -> MaskServiceConfig:
 
 def run(args: argparse.Namespace) -> int:
     die_with_parent_from_env()
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     # Operator mistakes end here as one-line errors (specmask prints them), before loading anything.
     try:
         config = config_from_args(args)

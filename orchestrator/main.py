@@ -9,6 +9,7 @@ import logging
 import signal
 from collections.abc import Callable
 
+from mask_service.log_format import LOG_FORMATS, configure_logging
 from mask_service.startup import PORT_OFF, StartupError, check_model_dir, check_ports_free, port_flag
 from orchestrator import config as cfg
 from orchestrator.config import OrchestratorConfig
@@ -89,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, streams get this long to finish, then end with a final message",
     )
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument(
+        "--log-format", default="text", choices=LOG_FORMATS, help="text (for people) or json (one object a line)"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
@@ -162,7 +166,7 @@ def shutdown_local_ray(config: OrchestratorConfig) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
+    configure_logging(args.log_level, args.log_format)
     from gpu_worker.models.errors import ModelError
     from gpu_worker.models.resolve import NO_DRAFT, resolve_pair
 

@@ -408,6 +408,7 @@ BAD_VALUES = {
     "bad-scrape-interval": {"monitoring": {"serviceMonitor": {"interval": "often"}}},
     "num-workers-zero": {"orchestrator": {"numWorkers": 0}},
     "unknown-network-policy-key": {"networkPolicy": {"egress": True}},
+    "bad-log-format": {"logFormat": "xml"},
 }
 
 

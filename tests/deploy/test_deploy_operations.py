@@ -81,6 +81,12 @@ def test_dtype_defaults_to_bf16_and_is_a_value() -> None:
     assert flags(container(one(docs, "Deployment", "-orchestrator")))["dtype"] == "float32"
 
 
+@pytest.mark.parametrize("suffix", DEPLOYMENTS)
+def test_log_format_value(suffix: str) -> None:
+    assert flags(container(one(rendered("defaults"), "Deployment", suffix)))["log-format"] == "text"
+    assert flags(container(one(render({"logFormat": "json"}), "Deployment", suffix)))["log-format"] == "json"
+
+
 # ---------------------------------------------------------------- Ray security
 
 

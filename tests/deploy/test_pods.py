@@ -21,6 +21,7 @@ import os
 import shutil
 import sys
 import tempfile
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -179,6 +180,16 @@ def test_release_runs_as_pods(cluster: Cluster) -> None:
     orch_svc = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"].endswith("-orchestrator"))
     address = cluster.service_address(orch_svc["metadata"]["name"], orch_svc["spec"]["ports"][0]["port"])
     assert_schema_valid(generate(address, 2))
+
+    # The other ports the Services name answer on the pod IPs too: the HTTP API
+    # (orchestrator Service "http") and each mask replica's metrics (on by default).
+    http = next(p for p in orch_svc["spec"]["ports"] if p["name"] == "http")
+    http_address = cluster.service_address(orch_svc["metadata"]["name"], http["port"])
+    with urllib.request.urlopen(f"http://{http_address}/v1/models", timeout=30) as resp:
+        assert resp.status == 200 and json.loads(resp.read())["data"], "HTTP API through the Service"
+    for pod in (p for p in cluster.pods if "-mask-" in p.name):
+        with urllib.request.urlopen(f"http://{pod.ip}:{pod.port('metrics')}/metrics", timeout=30) as resp:
+            assert b"specmask_mask_sessions" in resp.read(), pod.name
 
     # A mask pod dies (SIGKILL, no drain): requests still complete, first through the
     # router's failover while DNS still names the dead pod, then without it.
