@@ -87,6 +87,49 @@ async def _http_stream(session: Any, url: str, model: str, max_tokens: int) -> t
     return first - sent, last - first, total
 
 
+async def _http_stream_raw(url: str, model: str, max_tokens: int) -> tuple[float, float, int]:
+    """The same stream over a bare asyncio connection (HTTP/1.1 by hand, no client library)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": PROMPT,
+            "temperature": 0.0,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+    head = (
+        f"POST {parts.path}/completions HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    sent = time.perf_counter()
+    writer.write(head + body)
+    first = last = 0.0
+    total = 0
+    try:
+        while True:
+            line = await reader.readline()
+            if not line:
+                break
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                total = chunk["usage"]["completion_tokens"]
+            if chunk["choices"] and chunk["choices"][0]["text"]:
+                last = time.perf_counter()
+                first = first or last
+    finally:
+        writer.close()
+    return first - sent, last - first, total
+
+
 class Clients:
     """One gRPC channel and one HTTP connection pool, kept across phases (warm, like real clients)."""
 
@@ -115,6 +158,8 @@ class Clients:
             runs = await asyncio.gather(
                 *(_grpc_stream(stubs[i % len(stubs)], a.max_tokens) for i in range(concurrency))
             )
+        elif a.raw_http_client:
+            runs = await asyncio.gather(*(_http_stream_raw(a.http, a.model, a.max_tokens) for _ in range(concurrency)))
         else:
             runs = await asyncio.gather(
                 *(_http_stream(self.session, a.http, a.model, a.max_tokens) for _ in range(concurrency))
@@ -240,6 +285,7 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
         cmd += ["--rounds", str(args.rounds), "--max-tokens", str(args.max_tokens)]
         cmd += ["--concurrency", *map(str, args.concurrency)]
         cmd += ["--grpc-channel-per-stream"] if args.grpc_channel_per_stream else []
+        cmd += ["--raw-http-client"] if args.raw_http_client else []
         proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
         out, _ = await proc.communicate()
         if proc.returncode != 0:
@@ -259,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     parser.add_argument(
         "--grpc-channel-per-stream", action="store_true", help="one gRPC channel (connection) per stream"
+    )
+    parser.add_argument(
+        "--raw-http-client", action="store_true", help="HTTP over bare asyncio sockets instead of aiohttp's client"
     )
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--grpc", help=argparse.SUPPRESS)
