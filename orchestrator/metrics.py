@@ -51,13 +51,10 @@ class OrchestratorMetrics:
         )
         self.drafts_proposed = Counter("specmask_drafts_proposed", "Draft tokens proposed", registry=r)
         self.drafts_accepted = Counter("specmask_drafts_accepted", "Draft tokens accepted", registry=r)
-        # Ratios as gauges over the process lifetime, for dashboards without PromQL.
-        self.acceptance_rate = Gauge(
-            "specmask_acceptance_rate", "drafts_accepted / drafts_proposed since start", registry=r
-        )
-        self.tokens_per_target_forward = Gauge(
-            "specmask_tokens_per_target_forward", "generated_tokens / target_forwards since start", registry=r
-        )
+        # No lifetime-ratio gauges: a ratio since start hides what changed an hour ago and
+        # cannot be summed over replicas. Ratios come from the counters, over any window:
+        #   acceptance        = rate(specmask_drafts_accepted_total[5m]) / rate(specmask_drafts_proposed_total[5m])
+        #   tokens per forward = rate(specmask_generated_tokens_total[5m]) / rate(specmask_target_forwards_total[5m])
         self.mask_wait = Histogram(
             "specmask_mask_wait_seconds",
             "Per worker step: time waiting on the mask service",
@@ -93,7 +90,6 @@ class OrchestratorMetrics:
         self.worker_recoveries = Counter(
             "specmask_worker_recoveries", "Lost workers that answered again and were put back", ["worker"], registry=r
         )
-        self._totals = Usage()
         self._http_server = None
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
@@ -113,18 +109,11 @@ class OrchestratorMetrics:
         # The worker reports the batch's mask wait on every sequence's output.
         if outputs:
             self.mask_wait.observe(max(o.mask_time_s for o in outputs))
-        t = self._totals
         for o in outputs:
-            t.completion_tokens += len(o.new_token_ids)
-            t.target_forwards += o.target_forwards
-            t.drafts_proposed += o.drafts_proposed
-            t.drafts_accepted += o.drafts_accepted
             self.generated_tokens.inc(len(o.new_token_ids))
             self.target_forwards.inc(o.target_forwards)
             self.drafts_proposed.inc(o.drafts_proposed)
             self.drafts_accepted.inc(o.drafts_accepted)
-        self.acceptance_rate.set(t.acceptance_rate)
-        self.tokens_per_target_forward.set(t.tokens_per_target_forward)
 
     def step_totals(self) -> tuple[int, float, int]:
         """(steps, seconds in steps, sequence-steps) summed over workers, for benchmarks."""

@@ -187,11 +187,13 @@ def test_metrics_endpoint(stack: ThreadStack) -> None:
         "specmask_request_tokens_per_second_count",
         "specmask_generated_tokens_total",
         "specmask_target_forwards_total",
-        "specmask_acceptance_rate",
-        "specmask_tokens_per_target_forward",
+        "specmask_drafts_proposed_total",
+        "specmask_drafts_accepted_total",
         "specmask_mask_wait_seconds_count",
         "specmask_worker_step_seconds_count",
         "specmask_queue_depth",
         "specmask_healthy_workers 2.0",
     ):
         assert name in body, name
+    # Counters, not lifetime-ratio gauges (ratios come from rate() over any window).
+    assert "specmask_acceptance_rate" not in body and "specmask_tokens_per_target_forward" not in body
