@@ -22,6 +22,8 @@ Found on maskbench (Github_easy):
 * ``format`` on a schema without ``type``: xgrammar ignores the format (any
   value passes, e.g. ``"Invalid Date"`` for date-time); llguidance applies it to
   strings and lets other types through, which is JSON Schema's meaning.
+* a standard ``format`` xgrammar does not know (``iri``, ``regex``, ``idn-*``):
+  xgrammar treats it as a plain string (``"not-an-iri"``, ``"*"`` passed).
 * ``format: date`` / ``date-time``: xgrammar's date allows day 31 in every month
   (``2020-02-31``); llguidance checks days per month. (Neither checks leap years:
   both accept ``2021-02-29``; README "Grammar backends" lists it.)
@@ -39,6 +41,32 @@ _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 
 # Formats xgrammar enforces less exactly than llguidance (see module doc).
 _DATE_FORMATS = frozenset({"date", "date-time"})
+# Formats JSON Schema (draft 2020-12, section 7.3) defines; validators assert them, and
+# maskbench labels instances that break them invalid. xgrammar treats the ones it does
+# not know as plain strings (iri, regex, ...: "not-an-iri" and "*" passed).
+_STANDARD_FORMATS = frozenset(
+    {
+        "date-time",
+        "date",
+        "time",
+        "duration",
+        "email",
+        "idn-email",
+        "hostname",
+        "idn-hostname",
+        "ipv4",
+        "ipv6",
+        "uri",
+        "uri-reference",
+        "iri",
+        "iri-reference",
+        "uuid",
+        "uri-template",
+        "json-pointer",
+        "relative-json-pointer",
+        "regex",
+    }
+)
 
 
 def _needs_escape(name: str) -> bool:
@@ -61,10 +89,13 @@ def xgrammar_gap(schema: Any, path: str = "#") -> str | None:
     if isinstance(ref, str) and ref.startswith("#") and ref not in ("#",) and not ref.startswith("#/"):
         return f"{path}/$ref: xgrammar does not resolve the anchor reference {ref!r}"
     fmt = schema.get("format")
-    if isinstance(fmt, str) and fmt in XGRAMMAR_FORMATS and "type" not in schema:
-        return f"{path}/format: xgrammar ignores 'format' on a schema without 'type'"
-    if fmt in _DATE_FORMATS:
-        return f"{path}/format: xgrammar's {fmt} allows day 31 in every month"
+    if isinstance(fmt, str):
+        if fmt in XGRAMMAR_FORMATS and "type" not in schema:
+            return f"{path}/format: xgrammar ignores 'format' on a schema without 'type'"
+        if fmt in _DATE_FORMATS:
+            return f"{path}/format: xgrammar's {fmt} allows day 31 in every month"
+        if fmt in _STANDARD_FORMATS and fmt not in XGRAMMAR_FORMATS:
+            return f"{path}/format: xgrammar does not enforce the standard format {fmt!r}"
     props = schema.get("properties")
     if isinstance(props, dict):
         for name in props:
