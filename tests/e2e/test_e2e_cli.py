@@ -80,6 +80,8 @@ def test_up_generate_and_ctrl_c(tiny_pair, tmp_path: Path) -> None:
             "0",
             "--metrics-port",
             "-1",
+            "--http-port",  # the default 8000 may be taken on a shared machine
+            "0",
             "--log-dir",
             str(tmp_path / "logs"),
             "--log-level",
@@ -181,6 +183,8 @@ def test_orchestrator_process_serves_and_stops_on_sigterm(tiny_pair, tmp_path: P
             "--draft",
             str(draft),
             "--metrics-port",
+            "0",
+            "--http-port",
             "0",
             "--ray-address",
             "local",
