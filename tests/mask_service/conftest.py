@@ -56,6 +56,8 @@ def service(bpe_dir: Path, registry: TokenizerRegistry) -> Iterator[MaskServiceH
 
 @pytest.fixture()
 def client(service: MaskServiceHandle) -> Iterator[MaskServiceClient]:
-    c = MaskServiceClient(f"127.0.0.1:{service.port}", deadline_s=20.0)
+    # 120 s: a new grammar is compiled twice (a killable trial, then in-process), and some
+    # accepted test grammars take tens of seconds on a loaded 2-core box.
+    c = MaskServiceClient(f"127.0.0.1:{service.port}", deadline_s=120.0)
     yield c
     c.close()

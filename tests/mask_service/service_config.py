@@ -10,8 +10,16 @@ from mask_service.tokenizers import TokenizerSource
 
 def make_config(bpe_dir: Path, **overrides: object) -> MaskServiceConfig:
     """A loopback, port-0 config over the test BPE tokenizer; keyword overrides win."""
+    # A generous compile budget: the grammar tests check what the engine accepts, not how
+    # fast a shared, loaded 2-core box compiles it (a 12,000-repetition pattern took 105 s
+    # at load 20). Tests of the budget itself (test_mask_compile_pool) set their own.
     base: dict[str, object] = dict(
-        tokenizers=(TokenizerSource(str(bpe_dir)),), host="127.0.0.1", port=0, mask_threads=2
+        tokenizers=(TokenizerSource(str(bpe_dir)),),
+        host="127.0.0.1",
+        port=0,
+        mask_threads=2,
+        compile_timeout_s=300.0,
+        compile_workers=1,
     )
     base.update(overrides)
     return MaskServiceConfig(**base)  # type: ignore[arg-type]
