@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mask_service.llguidance_check import STANDARD_FORMATS
 from mask_service.schema_rewrite import XGRAMMAR_FORMATS
 
 _DATA_KEYS = ("const", "enum", "default", "examples", "example")
@@ -41,32 +42,10 @@ _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 
 # Formats xgrammar enforces less exactly than llguidance (see module doc).
 _DATE_FORMATS = frozenset({"date", "date-time"})
-# Formats JSON Schema (draft 2020-12, section 7.3) defines; validators assert them, and
-# maskbench labels instances that break them invalid. xgrammar treats the ones it does
-# not know as plain strings (iri, regex, ...: "not-an-iri" and "*" passed).
-_STANDARD_FORMATS = frozenset(
-    {
-        "date-time",
-        "date",
-        "time",
-        "duration",
-        "email",
-        "idn-email",
-        "hostname",
-        "idn-hostname",
-        "ipv4",
-        "ipv6",
-        "uri",
-        "uri-reference",
-        "iri",
-        "iri-reference",
-        "uuid",
-        "uri-template",
-        "json-pointer",
-        "relative-json-pointer",
-        "regex",
-    }
-)
+# Formats JSON Schema defines; validators assert them, and maskbench labels instances
+# that break them invalid. xgrammar treats the ones it does not know as plain strings
+# (iri, regex, ...: "not-an-iri" and "*" passed).
+_STANDARD_FORMATS = STANDARD_FORMATS
 
 
 def _needs_escape(name: str) -> bool:

@@ -25,6 +25,31 @@ from __future__ import annotations
 
 from typing import Any
 
+# Formats JSON Schema defines (draft 2020-12, 7.3); any other value is an annotation.
+STANDARD_FORMATS = frozenset(
+    {
+        "date-time",
+        "date",
+        "time",
+        "duration",
+        "email",
+        "idn-email",
+        "hostname",
+        "idn-hostname",
+        "ipv4",
+        "ipv6",
+        "uri",
+        "uri-reference",
+        "iri",
+        "iri-reference",
+        "uuid",
+        "uri-template",
+        "json-pointer",
+        "relative-json-pointer",
+        "regex",
+    }
+)
+
 # Keys whose value maps names -> subschemas.
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 # Keys whose value is instance data, never a schema.
@@ -103,7 +128,8 @@ def _intersection_refs(schema: Any, out: set[str]) -> None:
 
 
 def strict_schema(schema: Any) -> Any:
-    """``additionalProperties: false`` on object schemas that leave it open (xgrammar's strict_mode).
+    """``additionalProperties: false`` on object schemas that leave it open (xgrammar's strict_mode),
+    and non-standard ``format`` values (annotations) removed.
 
     Not added where the object is one side of an intersection (``allOf``
     branches, a node whose properties sit beside ``anyOf``/``oneOf``/``$ref``,
@@ -141,7 +167,15 @@ def _strict(node: Any, path: str, *, loose: bool, shared: set[str]) -> Any:
             out[key] = _strict(value, where, loose=False, shared=shared)
         else:
             out[key] = value
-    if not loose and not inter and _is_object_schema(node) and not any(k in node for k in _OPEN_KEYS):
+    if isinstance(out.get("format"), str) and out["format"] not in STANDARD_FORMATS:
+        # Not a JSON-Schema format: an annotation every validator ignores, which
+        # llguidance would refuse as "Unknown format" ("textarea", "datetime", ...).
+        del out["format"]
+    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+    required = node.get("required") if isinstance(node.get("required"), list) else []
+    # A required name with no declared schema must stay allowed as an extra key.
+    undeclared = any(isinstance(r, str) and r not in props for r in required)
+    if not (loose or inter or undeclared) and _is_object_schema(node) and not any(k in node for k in _OPEN_KEYS):
         out["additionalProperties"] = False
     return out
 
