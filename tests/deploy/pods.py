@@ -125,6 +125,11 @@ def image_for(repository: str) -> Image:
     return Image(command_of(dockerfile), env, workdir)
 
 
+def _is_within(path: Path, mount_path: Path) -> bool:
+    """Whether a volume mounted at ``mount_path`` covers ``path``."""
+    return path == mount_path or mount_path in path.parents
+
+
 def map_venv(text: str) -> str:
     """The images install everything into /opt/venv; here that is this checkout's virtualenv."""
     return text.replace("/opt/venv", str(VENV))
@@ -471,6 +476,20 @@ class Cluster:
             logger.warning("%s: this venv's interpreter is not usable by uid %s; running it as root", pod.name, uid)
             uid = gid = None
         script = []
+        # A volume mounted over a directory that holds this checkout or its venv (an emptyDir
+        # at /tmp, with CI's checkout under /tmp) would hide the image's own files: park those
+        # directories first (bind mounts inside the pod's private mount namespace) and bind
+        # them back on top of the volumes afterwards.
+        hidden = sorted(
+            {str(p) for p in (REPO_ROOT, VENV) for m in c.mounts if _is_within(p, Path(m[0]))},
+            key=lambda p: p.count("/"),
+        )
+        parked = []
+        for i, path in enumerate(hidden):
+            keep = self.workdir / "parked" / pod.name / str(i)
+            keep.mkdir(parents=True, exist_ok=True)
+            script.append(f"mount --bind {shlex.quote(path)} {shlex.quote(str(keep))}")
+            parked.append((path, str(keep)))
         # Shallow mount points first (/tmp before /tmp/ray).
         for mount_path, vol_name, read_only in sorted(c.mounts, key=lambda m: m[0].count("/")):
             kind, src = self._volume_source(pod, volumes[vol_name])
@@ -483,6 +502,8 @@ class Cluster:
                 script.append(f"mount --bind {shlex.quote(src)} {shlex.quote(mount_path)}")
                 if read_only:
                     script.append(f"mount -o remount,bind,ro {shlex.quote(mount_path)}")
+        for path, keep in parked:
+            script.append(f"mkdir -p {shlex.quote(path)} && mount --bind {shlex.quote(keep)} {shlex.quote(path)}")
         image_workdir = image_for(pod.spec["containers"][0]["image"].split(":")[0]).workdir
         workdir = c.workdir or image_workdir
         script.append(f"cd {shlex.quote(workdir)} 2>/dev/null || cd /tmp")

@@ -123,7 +123,8 @@ def _mutations() -> list[Callable[[pb.GenerateRequest, random.Random], None]]:
                     {"type": "object", "not": {"type": "string"}},
                     {"if": {"type": "string"}, "then": {"minLength": 2}},
                     {"type": "array", "uniqueItems": True},
-                    {"type": "integer", "multipleOf": 7},
+                    # (multipleOf is no longer here: llguidance enforces it, so it is served.)
+                    {"type": "object", "properties": {"a": {"type": "integer"}}, "dependentRequired": {"a": ["b"]}},
                     {"$ref": "http://example.com/remote.json"},
                 ]
             )
