@@ -22,9 +22,11 @@ DEFAULT_MAX_TOKENS = 256
 # (1 - a^(k+1)) / (1 - a) for acceptance rates 0.6-0.8 (DESIGN.md).
 DEFAULT_K = 4
 # One worker step is one batched target forward plus one mask round trip:
-# milliseconds on a GPU. The generous bound covers the first CPU steps (lazy
-# init, Triton interpreter); a worker that exceeds it is treated as failed.
-DEFAULT_STEP_TIMEOUT_S = 120.0
+# milliseconds on a GPU, about a second for the real CPU model at full batch.
+# A worker that exceeds it is treated as hung (its streams end with an error
+# and readiness drops), so it bounds how long a SIGSTOPped or wedged worker
+# leaves streams silent; 30 s still covers first CPU steps on a loaded box.
+DEFAULT_STEP_TIMEOUT_S = 30.0
 # Loading models (and, on a fresh Ray cluster, starting the actor process).
 DEFAULT_WORKER_START_TIMEOUT_S = 600.0
 # Per ValidateGrammar call; compiling a large schema can take ~100 ms+.
