@@ -148,7 +148,8 @@ class GpuWorker:
                 state = self._admit(req, seen, len(accepted))
             except (ValueError, TypeError) as exc:
                 errors[i] = str(exc)
-                logger.warning("seq %s refused: %s", getattr(req, "seq_id", "?"), exc)
+                rid = getattr(req, "request_id", "") or getattr(req, "seq_id", "?")
+                logger.warning("[request_id=%s] seq %s refused: %s", rid, getattr(req, "seq_id", "?"), exc)
                 continue
             seen.add(req.seq_id)
             accepted.append((i, state))
@@ -157,10 +158,14 @@ class GpuWorker:
         for i, state in accepted:
             if state.request.grammar is not None:
                 try:
-                    state.session_id = self.masks.open_session(state.request.grammar)  # type: ignore[union-attr]
+                    state.session_id = self.masks.open_session(  # type: ignore[union-attr]
+                        state.request.grammar, request_id=state.request_id
+                    )
                 except Exception as exc:
                     errors[i] = f"grammar refused by the mask service: {exc}"
-                    logger.warning("seq %s: opening mask session failed: %s", state.seq_id, exc)
+                    logger.warning(
+                        "[request_id=%s] seq %s: opening mask session failed: %s", state.request_id, state.seq_id, exc
+                    )
                     continue
             opened.append((i, state))
 
@@ -175,10 +180,12 @@ class GpuWorker:
         for _, state in opened:
             self._seqs[state.seq_id] = state
             logger.info(
-                "seq %s added: prompt=%d grammar=%s k=%d proposers=%s",
+                "[request_id=%s] seq %s added: prompt=%d grammar=%s mask_session=%s k=%d proposers=%s",
+                state.request_id,
                 state.seq_id,
                 state.prompt_len,
                 state.has_grammar,
+                state.session_id,
                 state.k,
                 state.proposers,
             )
@@ -200,7 +207,8 @@ class GpuWorker:
                 state.finished = out.finish_reason
                 self._free(state)
                 logger.info(
-                    "seq %s finished: %s after %d output tokens%s",
+                    "[request_id=%s] seq %s finished: %s after %d output tokens%s",
+                    state.request_id,
                     out.seq_id,
                     out.finish_reason.name,
                     state.num_output,
@@ -218,7 +226,9 @@ class GpuWorker:
                 continue
             state.finished = FinishReason.CANCELLED
             self._free(state)
-            logger.info("seq %s cancelled after %d output tokens", seq_id, state.num_output)
+            logger.info(
+                "[request_id=%s] seq %s cancelled after %d output tokens", state.request_id, seq_id, state.num_output
+            )
         if unknown:
             raise UnknownSequenceError(f"unknown sequence id(s): {unknown}")
 
@@ -318,7 +328,7 @@ class GpuWorker:
         if state.draft_kv is not None:
             state.draft_kv.free()
         if state.session_id is not None and self.masks is not None:
-            self.masks.close_session_later(state.session_id, state.seq_id)
+            self.masks.close_session_later(state.session_id, state.seq_id, request_id=state.request_id)
             state.session_id = None
 
 

@@ -70,9 +70,12 @@ class MaskChannel:
     def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         return self._pool.submit(fn, *args)
 
-    def open_session(self, spec: GrammarSpec) -> str:
-        """Open a session for the target tokenizer and logits width (raises MaskServiceError)."""
-        return self._submit(self._router.open_session, self.tokenizer_id, spec, self.vocab_size).result()
+    def open_session(self, spec: GrammarSpec, *, request_id: str = "") -> str:
+        """Open a session for the target tokenizer and logits width (raises MaskServiceError);
+        ``request_id`` travels to the service, which names it in its log lines about the session."""
+        return self._submit(
+            lambda: self._router.open_session(self.tokenizer_id, spec, self.vocab_size, request_id=request_id)
+        ).result()
 
     def draft_masks_async(self, items: Sequence[Any]) -> Future[tuple[list[Any], float]]:
         """Submit a batched DraftMasks call; the future gives (results, seconds on the I/O thread)."""
@@ -84,14 +87,20 @@ class MaskChannel:
 
         return self._submit(call)
 
-    def close_session_later(self, session_id: str, seq_id: str) -> None:
+    def close_session_later(self, session_id: str, seq_id: str, *, request_id: str = "") -> None:
         """Fire-and-forget close; a failure only leaks a session until the service's TTL."""
 
         def call() -> None:
             try:
                 self._router.close_session(session_id)
             except Exception as exc:
-                logger.warning("seq %s: closing mask session %s failed: %s", seq_id, session_id, exc)
+                logger.warning(
+                    "[request_id=%s] seq %s: closing mask session %s failed: %s",
+                    request_id or seq_id,
+                    seq_id,
+                    session_id,
+                    exc,
+                )
 
         self._submit(call)
 

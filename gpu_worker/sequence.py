@@ -41,6 +41,11 @@ class SequenceState:
         return self.request.seq_id
 
     @property
+    def request_id(self) -> str:
+        """The orchestrator's request id (STYLE.md: named in every log line about the sequence)."""
+        return self.request.log_request_id
+
+    @property
     def prompt_len(self) -> int:
         return len(self.request.prompt_token_ids)
 

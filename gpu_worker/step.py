@@ -162,7 +162,12 @@ class StepRunner:
         for (s, _), result in zip(to_verify, verified):
             if result.violation is not None:
                 # Never commit or return the token (issue 9): only this sequence fails.
-                logger.error("seq %s: grammar violation caught on device: %s", s.seq.seq_id, result.violation)
+                logger.error(
+                    "[request_id=%s] seq %s: grammar violation caught on device: %s",
+                    s.seq.request_id,
+                    s.seq.seq_id,
+                    result.violation,
+                )
                 outputs[s.seq.seq_id] = StepOutput(
                     s.seq.seq_id,
                     [],

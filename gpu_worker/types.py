@@ -84,6 +84,15 @@ class NewSequence:
     sampling: SamplingParams = SamplingParams()
     speculation: SpeculationParams = SpeculationParams()
     stop_token_ids: tuple[int, ...] | None = None  # None: the tokenizer's EOS ids
+    # The orchestrator's request id ('' = seq_id): named in the worker's log lines about
+    # the sequence and sent with its mask session, so one request can be followed
+    # through the orchestrator, worker and mask-service logs.
+    request_id: str = ""
+
+    @property
+    def log_request_id(self) -> str:
+        """The id to log: ``request_id``, or ``seq_id`` when none was given."""
+        return self.request_id or self.seq_id
 
 
 @dataclass

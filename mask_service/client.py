@@ -167,16 +167,31 @@ class MaskServiceClient:
         )
 
     def open_session(
-        self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None, *, owner: str = ""
+        self,
+        tokenizer_id: str,
+        spec: GrammarSpec,
+        vocab_size: int | None = None,
+        *,
+        owner: str = "",
+        request_id: str = "",
     ) -> str:
-        """A new session; ``owner`` (optional) lets ``release_owner`` close it with its siblings."""
-        return self.open_session_info(tokenizer_id, spec, vocab_size, owner=owner).session_id
+        """A new session; ``owner`` (optional) lets ``release_owner`` close it with its siblings;
+        ``request_id`` (optional) is named in the service's log lines about the session."""
+        return self.open_session_info(tokenizer_id, spec, vocab_size, owner=owner, request_id=request_id).session_id
 
     def open_session_info(
-        self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None, *, owner: str = ""
+        self,
+        tokenizer_id: str,
+        spec: GrammarSpec,
+        vocab_size: int | None = None,
+        *,
+        owner: str = "",
+        request_id: str = "",
     ) -> pb.OpenSessionResponse:
         """Like open_session, with vocab_size / num_mask_words / stop_token_ids of the session."""
-        req = pb.OpenSessionRequest(target=self._target(tokenizer_id, spec, vocab_size), owner=owner)
+        req = pb.OpenSessionRequest(
+            target=self._target(tokenizer_id, spec, vocab_size), owner=owner, request_id=request_id
+        )
         return self._call(self._stub.OpenSession, req, retry_on=(grpc.StatusCode.UNAVAILABLE,))
 
     def release_owner(self, owner: str) -> int:

@@ -51,6 +51,7 @@ class _SessionRecord:
     tokenizer_id: str
     spec: GrammarSpec
     vocab_size: int | None
+    request_id: str = ""  # the orchestrator request it serves, sent again on every (re)open
     address: str = ""
     remote_id: str = ""
     committed: list[int] = field(default_factory=list)
@@ -130,7 +131,9 @@ class MaskRouter:
                 continue
             client = self._client(address)
             try:
-                remote = client.open_session(rec.tokenizer_id, rec.spec, rec.vocab_size, owner=self.owner)
+                remote = client.open_session(
+                    rec.tokenizer_id, rec.spec, rec.vocab_size, owner=self.owner, request_id=rec.request_id
+                )
                 if rec.committed:
                     client.commit(remote, rec.last_seq, rec.committed)
             except MaskServiceError as exc:
@@ -162,9 +165,11 @@ class MaskRouter:
                 self._mark_dead(address)
         raise MaskServiceError(grpc.StatusCode.UNAVAILABLE, "no mask-service replica reachable")
 
-    def open_session(self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None) -> str:
+    def open_session(
+        self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None, *, request_id: str = ""
+    ) -> str:
         session_id = uuid.uuid4().hex
-        rec = _SessionRecord(tokenizer_id, spec, vocab_size)
+        rec = _SessionRecord(tokenizer_id, spec, vocab_size, request_id)
         try:
             self._place(session_id, rec)
         except MaskServiceError as exc:

@@ -101,9 +101,9 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
         def run() -> pb.OpenSessionResponse:
             entry, _ = self._compile(request.target, context, request.owner)
-            s = self._sessions.open(entry, entry.vocab_size, owner=request.owner)
+            s = self._sessions.open(entry, entry.vocab_size, owner=request.owner, request_id=request.request_id)
             metrics.SESSIONS_OPENED.inc()
-            logger.info("session %s opened (tokenizer %s)", s.session_id, request.target.tokenizer_id)
+            logger.info("%ssession %s opened (tokenizer %s)", s.log_prefix, s.session_id, request.target.tokenizer_id)
             stops = list(entry.compiled.tokenizer_info.stop_token_ids)
             return pb.OpenSessionResponse(
                 session_id=s.session_id,
@@ -113,7 +113,8 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
                 backend=engine_name(entry.compiled, entry.backend),
             )
 
-        return self._guard(context, run, "OpenSession")
+        prefix = f"[request_id={request.request_id[:256]}] " if request.request_id else ""
+        return self._guard(context, run, f"{prefix}OpenSession")
 
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
         def run() -> pb.CommitResponse:
@@ -122,7 +123,8 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
                 applied = s.commit_locked(request.seq, list(request.tokens))
                 return pb.CommitResponse(terminated=bool(s.matcher.is_terminated()), applied=applied)
 
-        return self._guard(context, run, f"Commit[{request.session_id}]")
+        prefix = self._sessions.log_prefix_of(request.session_id)
+        return self._guard(context, run, f"{prefix}Commit[{request.session_id}]")
 
     def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext) -> pb.CloseSessionResponse:
         return self._guard(
@@ -160,7 +162,13 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
                 if out.error is not None:
                     r.error_code = getattr(grpc.StatusCode, out.error.code.value).value[0]
                     r.error_message = out.error.message
-                    logger.info("DraftMasks[%s] -> %s: %s", req.session_id, out.error.code.value, out.error.message)
+                    logger.info(
+                        "%sDraftMasks[%s] -> %s: %s",
+                        self._sessions.log_prefix_of(req.session_id),
+                        req.session_id,
+                        out.error.code.value,
+                        out.error.message,
+                    )
                     metrics.RPC_ERRORS.labels(out.error.code.value).inc()
                 rows.extend(out.rows)
             self._beliefs.encode_response_rows(request.client_id, request.dict_generation, rows, resp)

@@ -23,6 +23,7 @@ from mask_service.errors import InvalidArgument, LimitExceeded, SessionNotFound,
 logger = logging.getLogger(__name__)
 
 MAX_OWNER_CHARS = 256
+MAX_REQUEST_ID_CHARS = 256
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Session:
     matcher: Any  # xgrammar.GrammarMatcher, committed state between calls
     vocab_size: int
     owner: str = ""  # who holds it ("" = unnamed); see SessionStore.release_owner
+    request_id: str = ""  # the orchestrator request it serves ("" = not given); named in its log lines
     last_seq: int = 0
     num_committed: int = 0
     last_used: float = field(default_factory=time.monotonic)
@@ -40,6 +42,12 @@ class Session:
     @property
     def num_mask_words(self) -> int:
         return (self.vocab_size + 31) // 32
+
+    @property
+    def log_prefix(self) -> str:
+        """``[request_id=...] `` for this session's log lines (STYLE.md: the request id in
+        every line; DraftMasks batches many requests, so lines about one session use this)."""
+        return f"[request_id={self.request_id}] " if self.request_id else ""
 
     def check_tokens(self, tokens: Sequence[int], what: str) -> None:
         for t in tokens:
@@ -108,16 +116,18 @@ class SessionStore:
                 del self._per_owner[s.owner]
         return s
 
-    def open(self, entry: CompiledEntry, vocab_size: int, owner: str = "") -> Session:
+    def open(self, entry: CompiledEntry, vocab_size: int, owner: str = "", request_id: str = "") -> Session:
         if len(owner) > MAX_OWNER_CHARS:
             raise InvalidArgument(f"owner is {len(owner)} characters; at most {MAX_OWNER_CHARS}")
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidArgument(f"request_id is {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
         self.evict_idle()
         if self._memory_guard is not None:
             reason = self._memory_guard()
             if reason is not None:
                 raise LimitExceeded(f"new sessions shed: {reason}")
         matcher = entry.backend.new_matcher(entry.compiled)
-        session = Session(uuid.uuid4().hex, entry, matcher, vocab_size, owner=owner)
+        session = Session(uuid.uuid4().hex, entry, matcher, vocab_size, owner=owner, request_id=request_id)
         with self._lock:
             if len(self._sessions) >= self._max:
                 raise LimitExceeded(f"session limit {self._max} reached")
@@ -140,9 +150,18 @@ class SessionStore:
         session.last_used = time.monotonic()
         return session
 
+    def log_prefix_of(self, session_id: str) -> str:
+        """The session's ``log_prefix`` ('' when unknown); does not count as a use (no TTL refresh)."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+        return s.log_prefix if s is not None else ""
+
     def close(self, session_id: str) -> bool:
         with self._lock:
-            return self._drop_locked(session_id) is not None
+            s = self._drop_locked(session_id)
+        if s is not None:
+            logger.info("%ssession %s closed after %d committed tokens", s.log_prefix, session_id, s.num_committed)
+        return s is not None
 
     def release_owner(self, owner: str) -> int:
         """Close every session opened with ``owner``; returns how many. A call in

@@ -129,6 +129,7 @@ class RequestValidator:
             speculation=speculation,
             # () = no stop tokens: only max_tokens (or the context) ends the sequence.
             stop_token_ids=() if req.sampling.ignore_eos else None,
+            request_id=req.request_id,
         )
 
     def _render_chat(self, chat: ChatPrompt, grammar: GrammarSpec | None) -> str:

@@ -62,6 +62,7 @@ SCHEMA = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "object", "pro
 def test_valid_request_becomes_a_sequence(validator, bpe_tokenizer) -> None:
     seq = validator.validate(_req("hello", SCHEMA, temperature=0.7, top_k=10**9, seed=2**64 - 1, stop=("x",)))
     assert seq.seq_id == "r1"
+    assert seq.request_id == "r1"  # travels to the worker and its mask session (issue 12: one id in all logs)
     assert seq.prompt_token_ids == tuple(bpe_tokenizer.encode("hello").ids)
     assert seq.grammar == SCHEMA
     assert seq.sampling.temperature == pytest.approx(0.7)

@@ -203,10 +203,15 @@ class OpenSessionRequest(_message.Message):
 
     TARGET_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     owner: _builtins.str
     """Optional: who holds the session (a GPU worker's stable id, the same across
     restarts). ReleaseOwner closes all of an owner's sessions at once, so a
     restarted worker reclaims what its crashed predecessor left open.
+    """
+    request_id: _builtins.str
+    """Optional: the orchestrator's request id this session serves; the service
+    logs it on every line about the session (open, commit failures, close).
     """
     @_builtins.property
     def target(self) -> Global___GrammarTarget: ...
@@ -215,10 +220,11 @@ class OpenSessionRequest(_message.Message):
         *,
         target: Global___GrammarTarget | None = ...,
         owner: _builtins.str = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["target", b"target"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner", "target", b"target"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner", "request_id", b"request_id", "target", b"target"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
