@@ -51,6 +51,10 @@ class GpuWorker:
         from mask_service.tokenizer_id import tokenizer_id_for_path
 
         self.config = config
+        if config.log_level is not None:
+            from mask_service.log_format import configure_logging
+
+            configure_logging(config.log_level, config.log_format)
         if config.torch_threads is not None:
             import torch
 

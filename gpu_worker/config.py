@@ -43,6 +43,11 @@ class WorkerConfig:
     torch_threads: int | None = None
     # Seed for sequences that bring none (their per-request seeds are drawn from it).
     seed: int = 0
+    # Root logging of the worker process (mask_service.log_format): a Ray actor starts with
+    # WARNING and no handler, which drops the per-sequence [request_id=...] INFO lines.
+    # None leaves the process's logging alone (in-process use, tests).
+    log_level: str | None = None
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:

@@ -70,6 +70,9 @@ class OrchestratorConfig:
     mask_max_retries: int = DEFAULT_MASK_MAX_RETRIES
     validation_threads: int = DEFAULT_VALIDATION_THREADS
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+    # Logging of the GPU-worker processes (Ray actors): INFO keeps their [request_id=...] lines.
+    worker_log_level: str | None = "INFO"
+    log_format: str = "text"
 
     def __post_init__(self) -> None:
         if not self.mask_service_addresses:
@@ -95,4 +98,6 @@ class OrchestratorConfig:
             max_k=self.max_k,
             max_model_len=self.max_model_len,
             mask_deadline_s=self.mask_deadline_s,
+            log_level=self.worker_log_level,
+            log_format=self.log_format,
         )

@@ -122,6 +122,8 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         worker_max_restarts=args.worker_max_restarts,
         mask_deadline_s=args.mask_deadline_s,
         shutdown_grace_s=args.shutdown_grace_s,
+        worker_log_level=args.log_level,
+        log_format=args.log_format,
     )
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -46,3 +49,24 @@ def test_sequence_without_request_id_is_logged_under_its_seq_id(make_worker, cap
     worker.remove(["plain-1"])
     lines = _messages(caplog, "gpu_worker")
     assert any(m.startswith("[request_id=plain-1] seq plain-1 cancelled") for m in lines), lines
+
+
+def test_worker_process_with_log_level_emits_request_id_lines(tiny_pair) -> None:  # type: ignore[no-untyped-def]
+    """A fresh process, like a Ray actor's (root logger at WARNING, no handler): WorkerConfig.log_level
+    makes the worker's INFO lines, with their request ids, reach its stderr."""
+    script = textwrap.dedent(
+        f"""
+        from gpu_worker.actor import GpuWorker
+        from gpu_worker.config import WorkerConfig
+        from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
+
+        w = GpuWorker(WorkerConfig(target_dir={str(tiny_pair[0])!r}, device="cpu", torch_threads=1, log_level="INFO"))
+        seq = NewSequence("s1", (5, 6), None, SamplingParams(max_tokens=2), SpeculationParams(k=0), request_id="rid-9")
+        assert w.add([seq]) == [None]
+        w.remove(["s1"])
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "[request_id=rid-9] seq s1 added" in proc.stderr, proc.stderr[-2000:]
+    assert "[request_id=rid-9] seq s1 cancelled" in proc.stderr, proc.stderr[-2000:]

@@ -20,3 +20,9 @@ def test_worker_max_restarts() -> None:
     OrchestratorConfig(target_dir="/m", mask_service_addresses=("m:1",), worker_max_restarts=0)
     with pytest.raises(ValueError, match="worker_max_restarts"):
         OrchestratorConfig(target_dir="/m", mask_service_addresses=("m:1",), worker_max_restarts=-2)
+
+
+def test_workers_log_at_info_with_the_orchestrator_format() -> None:
+    """A Ray actor starts with WARNING and no handler: without this its [request_id=...] lines are lost."""
+    cfg = OrchestratorConfig(target_dir="/m", mask_service_addresses=("m:1",), log_format="json")
+    assert (cfg.worker_config().log_level, cfg.worker_config().log_format) == ("INFO", "json")
