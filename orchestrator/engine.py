@@ -217,7 +217,10 @@ class Engine:
             raise ShuttingDown("the server is shutting down")
         if not self.healthy:
             raise Unavailable("no healthy GPU worker")
-        if self.queue_depth >= self._config.max_queue:
+        # Requests still validating count against the bound (their memory is held), but so
+        # do the batch slots free for them: a burst that fits the free slots plus the queue
+        # is admitted however slow validation is at that moment.
+        if self.queue_depth >= self._config.max_queue + self._free_slots():
             raise Overloaded(f"admission queue is full ({self._config.max_queue} requests waiting); retry later")
         if req.request_id in self._live:
             raise DuplicateRequestId(f"request_id {req.request_id!r} is already in flight")
@@ -278,6 +281,10 @@ class Engine:
             reason, request.usage, request.arrival_time, request.first_token_time, request.finish_time
         )
         self._place()
+
+    def _free_slots(self) -> int:
+        """Batch slots on healthy workers not yet taken by a running or placed request."""
+        return sum(max(0, s.capacity - s.load) for s in self._slots if s.healthy)
 
     def _place(self) -> None:
         """Move waiting requests to the least-loaded healthy workers with free slots."""
