@@ -25,8 +25,8 @@ from mask_service.backends_routing import xgrammar_gap
 from mask_service.ebnf_classes import compile_scalar_only, exclude_surrogates, unfaithful_print
 from mask_service.errors import GrammarError
 from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.grammar_checks import check_language, engine_message, precheck
-from mask_service.schema_check import NESTING_TOO_DEEP, check_schema
+from mask_service.grammar_checks import check_language, engine_message, load_schema, precheck
+from mask_service.schema_check import check_schema
 from mask_service.schema_rewrite import needs_ebnf_repair, repair_ebnf, rewrite_schema
 
 
@@ -82,14 +82,7 @@ class XGrammarBackend:
 
     @staticmethod
     def _json_schema(compiler: Any, spec: GrammarSpec) -> Any:
-        try:
-            schema = json.loads(spec.text)
-        except json.JSONDecodeError as exc:
-            raise GrammarError(f"schema is not valid JSON: {exc}") from exc
-        except RecursionError:
-            raise GrammarError(NESTING_TOO_DEEP) from None
-        if not isinstance(schema, (dict, bool)):
-            raise GrammarError("a JSON schema must be an object or a boolean")
+        schema = load_schema(spec.text)
         import xgrammar as xgr
 
         check_schema(schema)  # refuse what xgrammar would silently not enforce

@@ -49,6 +49,19 @@ _passed: OrderedDict[str, None] = OrderedDict()
 _passed_lock = threading.Lock()
 
 
+def load_schema(text: str) -> Any:
+    """Parse a JSON Schema's text; a typed GrammarError for anything that is not one."""
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise GrammarError(f"schema is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise GrammarError(NESTING_TOO_DEEP) from None
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError("a JSON schema must be an object or a boolean")
+    return schema
+
+
 def precheck(spec: GrammarSpec) -> None:
     """Refuse, with the reason, a grammar that no engine should compile (see the module docstring)."""
     key = spec.cache_key()
@@ -71,14 +84,7 @@ def _precheck(spec: GrammarSpec) -> None:
         return
     if spec.kind is not GrammarKind.JSON_SCHEMA:
         return
-    try:
-        schema = json.loads(spec.text)
-    except json.JSONDecodeError as exc:
-        raise GrammarError(f"schema is not valid JSON: {exc}") from exc
-    except RecursionError:
-        raise GrammarError(NESTING_TOO_DEEP) from None
-    if not isinstance(schema, (dict, bool)):
-        raise GrammarError("a JSON schema must be an object or a boolean")
+    schema = load_schema(spec.text)
     check_document(schema)  # depth, Unicode, finite numbers: iterative, before anything that recurses
     check_metaschema(schema)
 
