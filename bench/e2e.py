@@ -54,7 +54,7 @@ import jsonschema
 
 from orchestrator.chat import schema_instruction
 from orchestrator.client import StreamedResult, build_request, stream_retrying_overload
-from orchestrator.local_stack import RunningStack, StackConfig, running_stack
+from orchestrator.dev.local_stack import RunningStack, StackConfig, running_stack
 from orchestrator.types import Usage
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc

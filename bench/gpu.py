@@ -663,7 +663,7 @@ def _add_all(worker: Any, new: Sequence[Any], attempts: int = 30) -> None:
 def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Namespace, log_dir: Path) -> dict:
     from gpu_worker.actor import GpuWorker
     from gpu_worker.config import WorkerConfig
-    from orchestrator.local_stack import MaskServiceProcess
+    from orchestrator.dev.local_stack import MaskServiceProcess
 
     vocab = SHAPES[pair.target]["vocab_size"]
     with tempfile.TemporaryDirectory(prefix=f"specmask-bench-gpu-{name}-") as tmp:

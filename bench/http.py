@@ -262,7 +262,7 @@ def summarise(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 
 async def drive(args: argparse.Namespace) -> dict[str, Any]:
-    from orchestrator.local_stack import StackConfig, running_stack
+    from orchestrator.dev.local_stack import StackConfig, running_stack
 
     if args.target is None:
         from tests.fixtures.tiny_models import build_tiny_model_pair

@@ -146,7 +146,7 @@ async def run_cases(address: str, cases: Sequence[Case], *, concurrency: int = 3
 
 
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
-    from orchestrator.local_stack import StackConfig, ensure_toy_models, running_stack
+    from orchestrator.dev.local_stack import StackConfig, ensure_toy_models, running_stack
 
     if args.target is None:
         target, draft = ensure_toy_models(progress=False)

@@ -271,7 +271,7 @@ def run_llguidance(
 def run_service(
     args: argparse.Namespace, docs: list[Doc], steps: list[list[SlotStep]], tid: str, serial_out: list[np.ndarray]
 ) -> dict[str, Any]:
-    from orchestrator.local_stack import MaskServiceProcess
+    from orchestrator.dev.local_stack import MaskServiceProcess
 
     service = MaskServiceProcess(
         [args.tokenizer], extra_args=["--log-level", "WARNING", "--mask-threads", str(args.threads)]

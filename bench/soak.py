@@ -40,7 +40,7 @@ import grpc
 
 from mask_service.memory import rss_bytes
 from orchestrator.client import OrchestratorClient, build_request
-from orchestrator.local_stack import RunningStack, StackConfig, health_status, running_stack
+from orchestrator.dev.local_stack import RunningStack, StackConfig, health_status, running_stack
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ One module for the gRPC ``Generate`` path (``GenerateRequest.chat``) and any
 other front end: validation of roles and sizes, the default JSON Schema
 instruction (JSONSchemaBench-style: the schema goes into the prompt, so the
 model knows which document the grammar will hold it to), and rendering with
-the template renderer of ``orchestrator.http.prompting`` (a sandboxed Jinja
+the template renderer of ``orchestrator.api.http.prompting`` (a sandboxed Jinja
 rendering of the model's ``chat_template``, as ``apply_chat_template`` does;
 a plain ``role: content`` transcript for models without one). The rendered
 text is then tokenized like a text prompt; the template's special tokens are
@@ -93,11 +93,11 @@ class ChatRenderer:
     """Renders ``ChatPrompt``s with one model's chat template (loaded once, at start-up)."""
 
     def __init__(self, prompter: Any) -> None:
-        self._prompter = prompter  # orchestrator.http.prompting.ChatPrompter
+        self._prompter = prompter  # orchestrator.api.http.prompting.ChatPrompter
 
     @classmethod
     def for_model(cls, model_dir: str) -> ChatRenderer:
-        from orchestrator.http.prompting import load_prompter
+        from orchestrator.api.http.prompting import load_prompter
 
         return cls(load_prompter(model_dir))
 
@@ -109,8 +109,8 @@ class ChatRenderer:
         return list(chat.messages)
 
     def render(self, chat: ChatPrompt, grammar: GrammarSpec | None) -> str:
-        from orchestrator.http.errors import ApiError
-        from orchestrator.http.protocol import ChatMessage as ApiChatMessage
+        from orchestrator.api.http.errors import ApiError
+        from orchestrator.api.http.protocol import ChatMessage as ApiChatMessage
 
         messages = [ApiChatMessage(role=m.role, content=m.content) for m in self.messages_for(chat, grammar)]
         try:

@@ -18,9 +18,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "toy-models": ("gpu_worker.toy.cli", "build the small local target/draft model pair"),
     "models": ("gpu_worker.models.cli", "fetch and convert a registered real model (cached, verified)"),
     "orchestrator": ("orchestrator.main", "run the orchestrator gRPC API"),
-    "up": ("orchestrator.up", "start the whole local stack (mask service, Ray worker, orchestrator)"),
+    "up": ("orchestrator.dev.up", "start the whole local stack (mask service, Ray worker, orchestrator)"),
     "generate": ("orchestrator.generate_cli", "send a generation request to an orchestrator"),
-    "demo": ("orchestrator.demo", "build the toy pair, bring the stack up, run schema-constrained requests"),
+    "demo": ("orchestrator.dev.demo", "build the toy pair, bring the stack up, run schema-constrained requests"),
 }
 
 

@@ -140,7 +140,7 @@ def install_stop_signals(stop: asyncio.Event) -> None:
 
 async def serve(config: OrchestratorConfig, *, on_ready: Callable[[int], None] | None = None) -> None:
     """Run until SIGTERM/SIGINT, then stop gracefully."""
-    from orchestrator.server import create_server  # heavy imports (Ray, torch types) once the role is chosen
+    from orchestrator.api.grpc_server import create_server  # heavy imports (Ray, torch types) once the role is chosen
 
     server, port = await create_server(config)
     # The tokenizer and Ray's state are loaded: keep them out of full GC passes

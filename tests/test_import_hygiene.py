@@ -43,7 +43,12 @@ CASES = {
     "worker_types": (["gpu_worker.types", "gpu_worker.config"], ["torch", "transformers", "xgrammar"]),
     # The orchestrator and both its front doors: no model code.
     "orchestrator": (
-        ["orchestrator.engine", "orchestrator.server", "orchestrator.servicer", "orchestrator.http.app"],
+        [
+            "orchestrator.engine",
+            "orchestrator.api.grpc_server",
+            "orchestrator.api.grpc_servicer",
+            "orchestrator.api.http.app",
+        ],
         ["torch", "transformers", "triton"],
     ),
 }

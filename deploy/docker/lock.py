@@ -45,7 +45,7 @@ IMAGES: dict[str, dict] = {
     # The orchestrator is a Ray client: its ray and Python minor version must
     # equal the cluster's (gpu-worker image).
     "orchestrator": {
-        # aiohttp, pydantic, jinja2: the OpenAI-compatible HTTP API (orchestrator/http).
+        # aiohttp, pydantic, jinja2: the OpenAI-compatible HTTP API (orchestrator/api/http).
         "roots": SPECMASK_BASE
         + XGRAMMAR_IMPORT_DEPS
         + ["ray", "tokenizers", "safetensors", "aiohttp", "pydantic", "jinja2"],

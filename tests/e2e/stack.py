@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.client import OrchestratorClient, StreamedResult
-from orchestrator.local_stack import RunningStack, StackConfig, running_stack
+from orchestrator.dev.local_stack import RunningStack, StackConfig, running_stack
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -170,7 +170,7 @@ class ThreadStack:
 
     def assert_replicas_serving(self) -> None:
         """Every mask-service replica is alive and SERVING; otherwise fail with its exit status and log."""
-        from orchestrator.local_stack import health_status
+        from orchestrator.dev.local_stack import health_status
 
         assert self.running is not None
         for i, proc in enumerate(self.running.mask_services):

@@ -164,7 +164,7 @@ def test_orchestrator_process_serves_and_stops_on_sigterm(tiny_pair, tmp_path: P
     import urllib.request
 
     from orchestrator.client import OrchestratorClient, build_request
-    from orchestrator.local_stack import MaskServiceProcess, wait_serving
+    from orchestrator.dev.local_stack import MaskServiceProcess, wait_serving
     from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 
     target, draft = tiny_pair

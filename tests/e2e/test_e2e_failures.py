@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 
 from orchestrator.client import OrchestratorClient, build_request
-from orchestrator.local_stack import health_status
+from orchestrator.dev.local_stack import health_status
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from tests.e2e.stack import (
     LONG_MAX_TOKENS,

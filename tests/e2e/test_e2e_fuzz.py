@@ -19,7 +19,7 @@ import pytest
 from google.protobuf.message import DecodeError
 
 from mask_service.client import RECONNECT_OPTIONS
-from orchestrator.local_stack import health_status
+from orchestrator.dev.local_stack import health_status
 from proto.gen.specmask.mask.v1 import mask_service_pb2 as mpb
 from proto.gen.specmask.mask.v1 import mask_service_pb2_grpc as mpb_grpc
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb

@@ -78,8 +78,8 @@ def _self_signed(tmp: Path) -> tuple[bytes, bytes]:
 
 async def _tls_server(stack: ThreadStack, key: bytes, cert: bytes) -> tuple[grpc.aio.Server, int]:
     """A second gRPC server with TLS on the stack's loop, serving the stack's own engine."""
-    from orchestrator.server import SERVICE_NAME
-    from orchestrator.servicer import OrchestratorServicer, add_to_server
+    from orchestrator.api.grpc_server import SERVICE_NAME
+    from orchestrator.api.grpc_servicer import OrchestratorServicer, add_to_server
 
     assert stack.running is not None
     server = grpc.aio.server()

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 
 from orchestrator.client import build_request
-from orchestrator.local_stack import health_status
+from orchestrator.dev.local_stack import health_status
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from tests.e2e.stack import (
     ENDLESS_MAX_TOKENS,

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from orchestrator.client import build_request
-from orchestrator.local_stack import StackConfig
+from orchestrator.dev.local_stack import StackConfig
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from tests.e2e.stack import ENDLESS_MAX_TOKENS, ENDLESS_SCHEMA, PROMPT, ThreadStack, stream_concurrently
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from orchestrator.client import build_request
-from orchestrator.local_stack import StackConfig, health_status
+from orchestrator.dev.local_stack import StackConfig, health_status
 from proto import health as health_names
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from tests.e2e.stack import (

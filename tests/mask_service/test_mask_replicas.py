@@ -39,7 +39,7 @@ def test_server_binds_ipv6_any(bpe_dir, registry) -> None:  # type: ignore[no-un
     handle.server.start()
     try:
         assert handle.port > 0
-        from orchestrator.local_stack import health_status
+        from orchestrator.dev.local_stack import health_status
 
         assert health_status(f"[::1]:{handle.port}", timeout_s=10.0) == 1
         # The liveness name the chart's startup/liveness probes ask (proto/health.py).

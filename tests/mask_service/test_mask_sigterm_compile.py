@@ -15,7 +15,7 @@ import pytest
 from mask_service.client import MaskServiceClient, MaskServiceError
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.tokenizer_id import tokenizer_id_for_path
-from orchestrator.local_stack import MaskServiceProcess
+from orchestrator.dev.local_stack import MaskServiceProcess
 
 HUGE = GrammarSpec(
     GrammarKind.JSON_SCHEMA,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mask_service.parent_watch import PARENT_PID_ENV
-from orchestrator.local_stack import MaskServiceProcess
+from orchestrator.dev.local_stack import MaskServiceProcess
 from tests.fixtures.procs import exited
 
 # Set by the test below: where a fork-time hook in this process leaves its mark.
@@ -57,7 +57,7 @@ def test_child_refuses_to_start_when_its_parent_is_already_gone() -> None:
 def test_mask_service_exits_when_its_parent_is_killed(bpe_dir: Path) -> None:
     parent_code = (
         "import sys, time\n"
-        "from orchestrator.local_stack import MaskServiceProcess\n"
+        "from orchestrator.dev.local_stack import MaskServiceProcess\n"
         "p = MaskServiceProcess([sys.argv[1]]).start()\n"
         "print(p.process.pid, flush=True)\n"
         "time.sleep(600)\n"

@@ -11,7 +11,7 @@ import pytest
 from mask_service.replicas import join_host_port
 from mask_service.server import build_service
 from mask_service.tokenizers import TokenizerRegistry, TokenizerSource
-from orchestrator.local_stack import free_port
+from orchestrator.dev.local_stack import free_port
 from orchestrator.readiness import MaskTierProbe, Readiness
 from tests.fixtures.tokenizers import build_bpe_tokenizer
 from tests.mask_service.service_config import make_config

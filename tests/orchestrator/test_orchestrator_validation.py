@@ -168,7 +168,7 @@ def test_grammar_kinds_accepted(validator, spec: GrammarSpec) -> None:
 
 
 def test_unreachable_mask_service_is_unavailable(bpe_tokenizer, info) -> None:
-    from orchestrator.local_stack import free_port
+    from orchestrator.dev.local_stack import free_port
 
     checker = MaskServiceGrammarChecker(
         (f"127.0.0.1:{free_port()}",),

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from aiohttp import web
 
+from orchestrator.api.http.errors import INTERNAL, ApiError, HttpError
+from orchestrator.api.http.prompting import ChatPrompter, load_prompter
+from orchestrator.api.http.routes import OpenAIRoutes
 from orchestrator.config import OrchestratorConfig
 from orchestrator.engine import Engine
-from orchestrator.http.errors import INTERNAL, ApiError, HttpError
-from orchestrator.http.prompting import ChatPrompter, load_prompter
-from orchestrator.http.routes import OpenAIRoutes
 from orchestrator.metrics import OrchestratorMetrics
 
 logger = logging.getLogger(__name__)

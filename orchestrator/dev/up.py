@@ -18,7 +18,7 @@ import asyncio
 import logging
 
 from orchestrator import config as cfg
-from orchestrator.local_stack import StackConfig, running_stack
+from orchestrator.dev.local_stack import StackConfig, running_stack
 from orchestrator.main import LOG_FORMAT, install_stop_signals
 
 

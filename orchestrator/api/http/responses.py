@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_worker.types import FinishReason
-from orchestrator.http.errors import GENERATION_FAILED, UNAVAILABLE, ApiError
+from orchestrator.api.http.errors import GENERATION_FAILED, UNAVAILABLE, ApiError
 from orchestrator.types import Usage
 
 # Engine finish reason -> OpenAI finish_reason, for the reasons that are a success.

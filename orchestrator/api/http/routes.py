@@ -19,14 +19,14 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from gpu_worker.types import FinishReason
+from orchestrator.api.http import responses as rsp
+from orchestrator.api.http import tools, translate
+from orchestrator.api.http.errors import GENERATION_FAILED, NOT_FOUND, ApiError
+from orchestrator.api.http.prompting import ChatPrompter
+from orchestrator.api.http.protocol import ChatCompletionRequest, CompletionRequest
+from orchestrator.api.http.sse import DeltaEncoder, EventStream
 from orchestrator.engine import Engine
 from orchestrator.errors import RequestError
-from orchestrator.http import responses as rsp
-from orchestrator.http import tools, translate
-from orchestrator.http.errors import GENERATION_FAILED, NOT_FOUND, ApiError
-from orchestrator.http.prompting import ChatPrompter
-from orchestrator.http.protocol import ChatCompletionRequest, CompletionRequest
-from orchestrator.http.sse import DeltaEncoder, EventStream
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.request import Request
 from orchestrator.types import GenerationResult, Usage

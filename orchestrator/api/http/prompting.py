@@ -19,9 +19,9 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
-from orchestrator.http.errors import ApiError
-from orchestrator.http.protocol import ChatMessage, Tool
-from orchestrator.http.tools import describe_tools
+from orchestrator.api.http.errors import ApiError
+from orchestrator.api.http.protocol import ChatMessage, Tool
+from orchestrator.api.http.tools import describe_tools
 
 logger = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.local_stack import MaskServiceProcess, health_status
-from orchestrator.replica_supervisor import ReplicaSupervisor
+from orchestrator.dev.local_stack import MaskServiceProcess, health_status
+from orchestrator.dev.replica_supervisor import ReplicaSupervisor
 from tests.fixtures.tokenizers import build_bpe_tokenizer
 
 SERVING = 1

@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from orchestrator.http.errors import ApiError
+from orchestrator.api.http.errors import ApiError
 
 _HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

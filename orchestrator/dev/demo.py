@@ -26,7 +26,7 @@ import grpc
 import jsonschema
 
 from orchestrator.client import FINISH_REASON_NAMES, StreamedResult, build_request, stream_retrying_overload
-from orchestrator.local_stack import StackConfig, running_stack
+from orchestrator.dev.local_stack import StackConfig, running_stack
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc
 

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from mask_service.grammar import GrammarKind, GrammarSpec
+from orchestrator.api.http import tools as tool_calls
+from orchestrator.api.http.errors import ApiError
+from orchestrator.api.http.prompting import ChatPrompter
+from orchestrator.api.http.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat, _Generation
 from orchestrator.chat import ChatMessage, ChatPrompt
-from orchestrator.http import tools as tool_calls
-from orchestrator.http.errors import ApiError
-from orchestrator.http.prompting import ChatPrompter
-from orchestrator.http.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat, _Generation
 from orchestrator.types import GenerationRequest, SamplingOptions, SpeculationOptions
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0

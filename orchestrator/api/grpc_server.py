@@ -1,7 +1,7 @@
 """Build the orchestrator: workers, engine, gRPC server (API, health, reflection), metrics.
 
 ``create_server(config) -> (server, port)`` is separate from the process entry
-point (main.py) so tests run it in-process on port 0. It is a coroutine: the
+point (orchestrator/main.py) so tests run it in-process on port 0. It is a coroutine: the
 grpc.aio server and the step loops live on the caller's event loop.
 """
 
@@ -19,20 +19,20 @@ from grpc_reflection.v1alpha import reflection
 from gpu_worker.types import WorkerInfo
 from mask_service.replicas import join_host_port
 from mask_service.tokenizer_id import tokenizer_id_for_path
+from orchestrator.api.grpc_servicer import OrchestratorServicer, add_to_server
 from orchestrator.chat import ChatRenderer
 from orchestrator.config import OrchestratorConfig
 from orchestrator.engine import Engine, EngineConfig, WorkerSlot
 from orchestrator.grammar_check import MaskServiceGrammarChecker
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.readiness import MaskTierProbe, Readiness
-from orchestrator.servicer import OrchestratorServicer, add_to_server
 from orchestrator.validation import RequestValidator, ServingDefaults
 from orchestrator.worker_pool import connect_ray, start_workers, stop_workers
 from proto import health as health_names
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 
 if TYPE_CHECKING:
-    from orchestrator.http.app import HttpFrontDoor
+    from orchestrator.api.http.app import HttpFrontDoor
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer,
         engine.set_health_listener(server.readiness.poke)
         add_to_server(OrchestratorServicer(engine, metrics), grpc_server, SERVICE_NAME)
         if config.http_port is not None:
-            from orchestrator.http.app import front_door_for  # aiohttp only when the HTTP API is on
+            from orchestrator.api.http.app import front_door_for  # aiohttp only when the HTTP API is on
 
             server.http = front_door_for(config, engine, metrics, info.max_model_len)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)

@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 
 from mask_service.schema_check import check_schema
-from orchestrator.demo import REAL_CASES, _check, real_cases
+from orchestrator.dev.demo import REAL_CASES, _check, real_cases
 
 
 @pytest.mark.parametrize(("name", "ask", "schema"), REAL_CASES, ids=[c[0] for c in REAL_CASES])

@@ -18,8 +18,8 @@ import json
 import uuid
 from typing import Any
 
-from orchestrator.http.errors import ApiError
-from orchestrator.http.protocol import NamedToolChoice, Tool
+from orchestrator.api.http.errors import ApiError
+from orchestrator.api.http.protocol import NamedToolChoice, Tool
 
 _DEF_KEYS = ("$defs", "definitions")
 

@@ -28,10 +28,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mask_service.parent_watch import PARENT_PID_ENV
 from orchestrator.config import OrchestratorConfig
-from orchestrator.replica_supervisor import ReplicaSupervisor
+from orchestrator.dev.replica_supervisor import ReplicaSupervisor
 
 if TYPE_CHECKING:
-    from orchestrator.server import OrchestratorServer
+    from orchestrator.api.grpc_server import OrchestratorServer
 
 logger = logging.getLogger(__name__)
 
@@ -281,7 +281,7 @@ async def running_stack(stack: StackConfig, **overrides: object) -> AsyncIterato
 
     Ray is shut down on exit only if this call started it.
     """
-    from orchestrator.server import create_server
+    from orchestrator.api.grpc_server import create_server
     from orchestrator.worker_pool import connect_ray
 
     procs = await asyncio.to_thread(start_mask_services, stack)

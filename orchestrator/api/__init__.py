@@ -1,0 +1,4 @@
+"""The orchestrator's front doors, beside the engine.
+
+``grpc_server`` and ``grpc_servicer`` (the gRPC API), ``http`` (the OpenAI-compatible HTTP API).
+"""
