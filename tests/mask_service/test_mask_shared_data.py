@@ -51,7 +51,9 @@ def test_llama3_maskbench_rows_exact(shared_data) -> None:  # type: ignore[no-un
             inst = [t["data"] for t in data.get("tests", []) if t.get("valid")]
             if not inst:
                 continue
-            spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(data["schema"]))
+            # The reference walk is xgrammar's, so pin the service to it (schemas only
+            # llguidance enforces are refused here; test_llguidance_backend covers those rows).
+            spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(data["schema"]), backend="xgrammar")
             try:
                 sid = client.open_session(tid, spec)
             except MaskServiceError as exc:
