@@ -223,6 +223,9 @@ class StackConfig:
             port=self.port,
             metrics_port=self.metrics_port,
             num_workers=self.num_workers,
+            # Workers log at this process's level: `specmask up` (INFO) shows their
+            # per-request lines, a bench or a test at WARNING is not flooded by them.
+            worker_log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
         )
         return replace(base, **overrides)  # type: ignore[arg-type]
 

@@ -33,6 +33,9 @@ def stack(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
         log_dir=str(tmp_path_factory.mktemp("e2e-logs")),
     )
     # http_port=0: the OpenAI-compatible API on a free port too (test_e2e_http.py).
-    s = ThreadStack(config, max_batch=MAX_BATCH, max_queue=MAX_QUEUE, default_max_tokens=64, http_port=0).start()
+    # Workers log at INFO (their per-request lines carry the request id: test_e2e_request_id).
+    s = ThreadStack(
+        config, max_batch=MAX_BATCH, max_queue=MAX_QUEUE, default_max_tokens=64, http_port=0, worker_log_level="INFO"
+    ).start()
     yield s
     s.stop()
