@@ -40,6 +40,12 @@ from gpu_worker.types import FinishReason, NewSequence, StepOutput, UnknownSeque
 logger = logging.getLogger(__name__)
 
 _SEED_BITS = 63  # kernels take int64 seeds; keep them non-negative
+# Prompt tokens per prefill forward. A forward over the slot pool attends with an
+# explicit [rows, 1, new_tokens, keys] mask, which SDPA without a fused kernel (CPU)
+# materialises per head: nine 3,000-token chat prompts prefilled in one forward took
+# > 5 GB and over two minutes on 2 cores. One sequence at a time, in chunks of this
+# many tokens, keeps a prefill forward at O(chunk x prompt) memory.
+PREFILL_CHUNK_TOKENS = 512
 
 
 class GpuWorker:
@@ -315,17 +321,18 @@ class GpuWorker:
                 raise ValueError(f"{what} token id {t!r} outside [0, {self.vocab_size})")
 
     def _prefill(self, states: Sequence[SequenceState]) -> None:
-        """Cache every prompt token but the last; the first step feeds it (with the drafts)."""
-        target_items = [ForwardItem(s.target_kv, s.token_ids[:-1], 0) for s in states if len(s.token_ids) > 1]
-        self.target.forward(target_items)
-        draft_items = [
-            ForwardItem(s.draft_kv, s.token_ids[:-1], 0)
-            for s in states
-            if s.draft_kv is not None and len(s.token_ids) > 1
-        ]
-        if draft_items:
-            assert self.draft is not None
-            self.draft.forward(draft_items)
+        """Cache every prompt token but the last; the first step feeds it (with the drafts).
+
+        Sequence by sequence, PREFILL_CHUNK_TOKENS at a time (see there for why).
+        """
+        for s in states:
+            prompt = s.token_ids[:-1]
+            for lo in range(0, len(prompt), PREFILL_CHUNK_TOKENS):
+                chunk = prompt[lo : lo + PREFILL_CHUNK_TOKENS]
+                self.target.forward([ForwardItem(s.target_kv, chunk, 0)])
+                if s.draft_kv is not None:
+                    assert self.draft is not None
+                    self.draft.forward([ForwardItem(s.draft_kv, chunk, 0)])
 
     def _free(self, state: SequenceState) -> None:
         state.target_kv.free()

@@ -132,3 +132,13 @@ def test_references_are_nontrivial(references):
     assert all(len(ref.tokens) > 0 for _, ref in references.values())
     assert any(ref.finish == "stop" for _, ref in references.values())
     assert min(ref.min_gap for _, ref in references.values()) > 1e-5
+
+
+def test_greedy_matches_with_prompts_prefilled_in_chunks(make_worker, references, monkeypatch):
+    """Prompts longer than the prefill chunk are cached chunk by chunk (actor.PREFILL_CHUNK_TOKENS):
+    with 2-token chunks every prompt here spans several forwards, and the tokens stay the reference's."""
+    import gpu_worker.actor
+
+    assert max(len(p) for p, _ in references.values()) > 2 * 2
+    monkeypatch.setattr(gpu_worker.actor, "PREFILL_CHUNK_TOKENS", 2)
+    _check(_run(make_worker, references, SpeculationParams(k=4)), references)
