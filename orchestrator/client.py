@@ -124,6 +124,12 @@ class ChannelSecurity:
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
 
+    def open_channel(self, api: Any, address: str, options: Sequence[tuple[str, Any]]) -> Any:
+        """A channel from ``api`` (``grpc`` or ``grpc.aio``: same factory names), secure when asked."""
+        if self.tls:
+            return api.secure_channel(address, self.credentials(), options=list(options))
+        return api.insecure_channel(address, options=list(options))
+
 
 class OrchestratorClient:
     """A small synchronous client (one channel)."""
@@ -140,10 +146,7 @@ class OrchestratorClient:
     ) -> None:
         self.address = address
         security = ChannelSecurity(tls, root_certificates, private_key, certificate_chain)
-        if security.tls:
-            self._channel = grpc.secure_channel(address, security.credentials(), options=list(options))
-        else:
-            self._channel = grpc.insecure_channel(address, options=list(options))
+        self._channel = security.open_channel(grpc, address, options)
         self.stub = pb_grpc.OrchestratorServiceStub(self._channel)
 
     def generate(self, req: pb.GenerateRequest, *, timeout_s: float = 120.0) -> pb.GenerateResponse:
@@ -183,10 +186,7 @@ class AsyncOrchestratorClient:
     ) -> None:
         self.address = address
         security = ChannelSecurity(tls, root_certificates, private_key, certificate_chain)
-        if security.tls:
-            self._channel = grpc.aio.secure_channel(address, security.credentials(), options=list(options))
-        else:
-            self._channel = grpc.aio.insecure_channel(address, options=list(options))
+        self._channel = security.open_channel(grpc.aio, address, options)
         self.stub = pb_grpc.OrchestratorServiceStub(self._channel)
 
     async def generate(self, req: pb.GenerateRequest, *, timeout_s: float = 120.0) -> pb.GenerateResponse:
