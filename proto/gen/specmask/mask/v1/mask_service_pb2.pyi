@@ -360,10 +360,16 @@ class DraftMaskItem(_message.Message):
     COMMIT_TOKENS_FIELD_NUMBER: _builtins.int
     COMMIT_SEQ_FIELD_NUMBER: _builtins.int
     LAST_ROW_ONLY_FIELD_NUMBER: _builtins.int
+    MAX_FORCED_TOKENS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     commit_seq: _builtins.int
     last_row_only: _builtins.bool
     """return only M_k (draft-side masking)"""
+    max_forced_tokens: _builtins.int
+    """Forced continuation (issue 15): up to this many tokens the grammar forces
+    after commit_tokens + draft_tokens (all of them grammar-accepted), tokenised
+    canonically and stopped short of an ambiguous token boundary. 0 = none asked.
+    """
     @_builtins.property
     def draft_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """d_1..d_k"""
@@ -380,10 +386,11 @@ class DraftMaskItem(_message.Message):
         commit_tokens: _abc.Iterable[_builtins.int] | None = ...,
         commit_seq: _builtins.int = ...,
         last_row_only: _builtins.bool = ...,
+        max_forced_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_seq", b"commit_seq", "commit_tokens", b"commit_tokens", "draft_tokens", b"draft_tokens", "last_row_only", b"last_row_only", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_seq", b"commit_seq", "commit_tokens", b"commit_tokens", "draft_tokens", b"draft_tokens", "last_row_only", b"last_row_only", "max_forced_tokens", b"max_forced_tokens", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -423,20 +430,26 @@ class NewRow(_message.Message):
     ROW_ID_FIELD_NUMBER: _builtins.int
     ENCODING_FIELD_NUMBER: _builtins.int
     PAYLOAD_FIELD_NUMBER: _builtins.int
+    ALLOWED_COUNT_FIELD_NUMBER: _builtins.int
     row_id: _builtins.int
     """content hash; the client interns it"""
     encoding: Global___RowEncoding.ValueType
     payload: _builtins.bytes
+    allowed_count: _builtins.int
+    """Tokens the row allows (set bits), so a worker spots grammar-forced rows
+    (count 1) without a host popcount. 0 in replies from older servers: recount.
+    """
     def __init__(
         self,
         *,
         row_id: _builtins.int = ...,
         encoding: Global___RowEncoding.ValueType = ...,
         payload: _builtins.bytes = ...,
+        allowed_count: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["encoding", b"encoding", "payload", b"payload", "row_id", b"row_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_count", b"allowed_count", "encoding", b"encoding", "payload", b"payload", "row_id", b"row_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -451,6 +464,7 @@ class DraftMaskResult(_message.Message):
     TERMINATED_FIELD_NUMBER: _builtins.int
     ERROR_CODE_FIELD_NUMBER: _builtins.int
     ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    FORCED_TOKENS_FIELD_NUMBER: _builtins.int
     num_rows: _builtins.int
     """k+1, or 1 with last_row_only"""
     num_grammar_accepted: _builtins.int
@@ -459,6 +473,12 @@ class DraftMaskResult(_message.Message):
     error_code: _builtins.int
     """grpc status code value; 0 = OK"""
     error_message: _builtins.str
+    @_builtins.property
+    def forced_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The grammar's forced continuation after the last row's state (see
+        DraftMaskItem.max_forced_tokens); each token was accepted by the grammar.
+        """
+
     def __init__(
         self,
         *,
@@ -467,10 +487,11 @@ class DraftMaskResult(_message.Message):
         terminated: _builtins.bool = ...,
         error_code: _builtins.int = ...,
         error_message: _builtins.str = ...,
+        forced_tokens: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_message", b"error_message", "num_grammar_accepted", b"num_grammar_accepted", "num_rows", b"num_rows", "terminated", b"terminated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_message", b"error_message", "forced_tokens", b"forced_tokens", "num_grammar_accepted", b"num_grammar_accepted", "num_rows", b"num_rows", "terminated", b"terminated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
