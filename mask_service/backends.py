@@ -14,6 +14,7 @@ on the compiled grammar; a spec naming a backend gets that one or its refusal.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from mask_service.errors import GrammarError
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.grammar_checks import check_language, engine_message, load_schema, precheck
 from mask_service.schema_check import check_schema
+from mask_service.schema_relax import relax_schema
 from mask_service.schema_rewrite import needs_ebnf_repair, repair_ebnf, rewrite_schema
 
 
@@ -169,6 +171,9 @@ class SelectedGrammar:
     backend: str
     compiled: Any  # the engine's compiled grammar
     reasons: tuple[str, ...] = ()  # why engines earlier in the order refused it
+    # "exact", or "checked": compiled from a relaxation of the schema (GrammarSpec.checked, schema_relax)
+    enforcement: str = "exact"
+    relaxed: tuple[str, ...] = ()  # checked: the relaxation rules applied
 
     @property
     def tokenizer_info(self) -> Any:
@@ -199,6 +204,34 @@ class SelectingBackend:
 
     def compile(self, compilers: EngineCompilers, spec: GrammarSpec) -> SelectedGrammar:
         precheck(spec)  # issue 9: refusals no engine changes (metaschema, Unicode, depth), said once
+        if spec.backend and spec.backend not in ENGINES:  # never relaxed: a caller's typo
+            raise GrammarError(f"unknown grammar backend {spec.backend!r}; known: {', '.join(sorted(ENGINES))}")
+        try:
+            return self._select(compilers, spec)
+        except GrammarError as exc:
+            if not (spec.checked and spec.kind is GrammarKind.JSON_SCHEMA):
+                raise
+            return self._select_relaxed(compilers, spec, exc)
+
+    def _select_relaxed(self, compilers: EngineCompilers, spec: GrammarSpec, refusal: GrammarError) -> SelectedGrammar:
+        """Checked mode: the selection run on the schema's relaxation (schema_relax), else the refusal."""
+        try:
+            relaxed, rules = relax_schema(load_schema(spec.text))
+        except GrammarError as exc:
+            raise GrammarError(f"{refusal.message}; {exc.message}") from None
+        if not rules:
+            raise refusal  # nothing relaxable: refused exactly as without checked mode
+        text = json.dumps(relaxed, ensure_ascii=False)
+        try:
+            selected = self._select(compilers, dataclasses.replace(spec, text=text, checked=False))
+        except GrammarError as exc:
+            raise GrammarError(
+                f"{refusal.message}; checked mode: its relaxation ({', '.join(rules)} relaxed) is refused too: "
+                f"{exc.message}"
+            ) from None
+        return dataclasses.replace(selected, enforcement="checked", relaxed=rules)
+
+    def _select(self, compilers: EngineCompilers, spec: GrammarSpec) -> SelectedGrammar:
         if spec.backend:
             if spec.backend not in ENGINES:
                 raise GrammarError(f"unknown grammar backend {spec.backend!r}; known: {', '.join(sorted(ENGINES))}")
@@ -238,6 +271,13 @@ class SelectingBackend:
 def engine_name(compiled: Any, backend: GrammarBackend) -> str:
     """The engine behind a compiled grammar: the selected one under "auto", else the backend itself."""
     return compiled.backend if isinstance(compiled, SelectedGrammar) else backend.name
+
+
+def enforcement_of(compiled: Any) -> tuple[str, tuple[str, ...]]:
+    """("exact" | "checked", relaxation rules applied): only the selecting backend relaxes."""
+    if isinstance(compiled, SelectedGrammar):
+        return compiled.enforcement, compiled.relaxed
+    return "exact", ()
 
 
 ENGINES: dict[str, GrammarBackend] = {"xgrammar": XGrammarBackend(), "llguidance": LLGuidanceBackend()}

@@ -161,8 +161,11 @@ class MaskServiceClient:
         return self._generation
 
     # -- API ----------------------------------------------------------------
-    def validate_grammar(self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None) -> None:
-        self._call(
+    def validate_grammar(
+        self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None
+    ) -> pb.ValidateGrammarResponse:
+        """Compile (or find) the grammar; the response names its engine and enforcement ("exact"/"checked")."""
+        return self._call(
             self._stub.ValidateGrammar, pb.ValidateGrammarRequest(target=self._target(tokenizer_id, spec, vocab_size))
         )
 

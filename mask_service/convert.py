@@ -23,6 +23,7 @@ def grammar_to_proto(spec: GrammarSpec) -> pb.Grammar:
         any_whitespace=spec.any_whitespace,
         strict=spec.strict,
         backend=spec.backend,
+        checked=spec.checked,
     )
     if spec.separators is not None:
         msg.has_separators = True
@@ -42,4 +43,5 @@ def grammar_from_proto(msg: pb.Grammar) -> GrammarSpec:
         separators=seps,
         strict=msg.strict,
         backend=msg.backend,
+        checked=msg.checked,
     )

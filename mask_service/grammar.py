@@ -37,6 +37,10 @@ class GrammarSpec:
     separators: tuple[str, str] | None = None  # JSON: (item sep, key sep), e.g. (",", ":")
     strict: bool = True  # JSON schema: no additional properties unless the schema allows them
     backend: str = ""  # grammar engine to use ("xgrammar", "llguidance"); "" = the service picks (backends.py)
+    # JSON schema, opt-in checked mode (issue 13): where no engine enforces the schema exactly only
+    # because of keywords ``schema_relax`` can relax, compile that relaxation (a superset) instead of
+    # refusing; the caller must then check every output against this spec's schema (orchestrator does).
+    checked: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, GrammarKind):
@@ -63,6 +67,7 @@ class GrammarSpec:
                 list(self.effective_separators()) if is_json else None,
                 self.strict if self.kind is GrammarKind.JSON_SCHEMA else None,
                 *([self.backend] if self.backend else []),  # absent when unset: keys of older specs unchanged
+                *([{"checked": True}] if self.checked else []),  # an object: never equal to a backend name
             ],
             separators=(",", ":"),
         )

@@ -36,6 +36,7 @@ import grpc
 from mask_service.client import DraftMaskItem, DraftMaskResult, MaskServiceClient, MaskServiceError
 from mask_service.grammar import GrammarSpec
 from mask_service.replicas import ReplicaSet
+from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +156,9 @@ class MaskRouter:
         raise last_exc or MaskServiceError(grpc.StatusCode.UNAVAILABLE, "no mask-service replica reachable")
 
     # -- API ----------------------------------------------------------------
-    def validate_grammar(self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None) -> None:
+    def validate_grammar(
+        self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None
+    ) -> pb.ValidateGrammarResponse:
         for address in self._ranked(spec.cache_key()):
             try:
                 return self._client(address).validate_grammar(tokenizer_id, spec, vocab_size)

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import grpc
 
 from mask_service import metrics
-from mask_service.backends import engine_name
+from mask_service.backends import enforcement_of, engine_name
 from mask_service.compiler_cache import CompilerCache
 from mask_service.convert import grammar_from_proto
 from mask_service.draft_masks import DraftMaskEngine, DraftRequest
@@ -92,8 +92,13 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
     ) -> pb.ValidateGrammarResponse:
         def run() -> pb.ValidateGrammarResponse:
             entry, hit = self._compile(request.target, context)
+            enforcement, relaxed = enforcement_of(entry.compiled)
             return pb.ValidateGrammarResponse(
-                compiled_bytes=entry.size_bytes, cache_hit=hit, backend=engine_name(entry.compiled, entry.backend)
+                compiled_bytes=entry.size_bytes,
+                cache_hit=hit,
+                backend=engine_name(entry.compiled, entry.backend),
+                enforcement=enforcement,
+                relaxed=relaxed,
             )
 
         return self._guard(context, run, "ValidateGrammar")
@@ -111,6 +116,7 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
                 num_mask_words=s.num_mask_words,
                 stop_token_ids=stops,
                 backend=engine_name(entry.compiled, entry.backend),
+                enforcement=enforcement_of(entry.compiled)[0],
             )
 
         prefix = f"[request_id={request.request_id[:256]}] " if request.request_id else ""
@@ -149,6 +155,7 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
                     commit_tokens=list(it.commit_tokens),
                     commit_seq=it.commit_seq,
                     last_row_only=it.last_row_only,
+                    max_forced_tokens=it.max_forced_tokens,
                 )
                 for it in request.items
             ]
@@ -157,7 +164,10 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
             rows = []
             for req, out in zip(reqs, outcomes):
                 r = resp.results.add(
-                    num_rows=out.num_rows, num_grammar_accepted=out.num_grammar_accepted, terminated=out.terminated
+                    num_rows=out.num_rows,
+                    num_grammar_accepted=out.num_grammar_accepted,
+                    terminated=out.terminated,
+                    forced_tokens=out.forced_tokens,
                 )
                 if out.error is not None:
                     r.error_code = getattr(grpc.StatusCode, out.error.code.value).value[0]

@@ -88,6 +88,7 @@ class Grammar(_message.Message):
     KEY_SEPARATOR_FIELD_NUMBER: _builtins.int
     STRICT_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
+    CHECKED_FIELD_NUMBER: _builtins.int
     kind: Global___GrammarKind.ValueType
     text: _builtins.str
     """schema JSON / regex / grammar; empty for ANY_JSON"""
@@ -103,6 +104,12 @@ class Grammar(_message.Message):
     """Grammar engine: "" = the service picks the first of xgrammar, llguidance that
     enforces the grammar exactly; "xgrammar" / "llguidance" = that one or its refusal.
     """
+    checked: _builtins.bool
+    """JSON schema, opt-in checked mode (issue 13): where no engine enforces the schema
+    exactly only because of relaxable keywords (uniqueItems, not, oneOf, dependencies,
+    if/then/else, contains), compile a relaxation of it (a superset) instead of refusing.
+    The caller must check every output against the original schema.
+    """
     def __init__(
         self,
         *,
@@ -114,10 +121,11 @@ class Grammar(_message.Message):
         key_separator: _builtins.str = ...,
         strict: _builtins.bool = ...,
         backend: _builtins.str = ...,
+        checked: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["any_whitespace", b"any_whitespace", "backend", b"backend", "has_separators", b"has_separators", "item_separator", b"item_separator", "key_separator", b"key_separator", "kind", b"kind", "strict", b"strict", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["any_whitespace", b"any_whitespace", "backend", b"backend", "checked", b"checked", "has_separators", b"has_separators", "item_separator", b"item_separator", "key_separator", b"key_separator", "kind", b"kind", "strict", b"strict", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -178,20 +186,30 @@ class ValidateGrammarResponse(_message.Message):
     COMPILED_BYTES_FIELD_NUMBER: _builtins.int
     CACHE_HIT_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
+    ENFORCEMENT_FIELD_NUMBER: _builtins.int
+    RELAXED_FIELD_NUMBER: _builtins.int
     compiled_bytes: _builtins.int
     cache_hit: _builtins.bool
     backend: _builtins.str
     """the engine that compiled it ("xgrammar" / "llguidance")"""
+    enforcement: _builtins.str
+    """"exact", or "checked": a relaxation was compiled (Grammar.checked)"""
+    @_builtins.property
+    def relaxed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """checked: the relaxation rules applied (e.g. "uniqueItems", "oneOf")"""
+
     def __init__(
         self,
         *,
         compiled_bytes: _builtins.int = ...,
         cache_hit: _builtins.bool = ...,
         backend: _builtins.str = ...,
+        enforcement: _builtins.str = ...,
+        relaxed: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "cache_hit", b"cache_hit", "compiled_bytes", b"compiled_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "cache_hit", b"cache_hit", "compiled_bytes", b"compiled_bytes", "enforcement", b"enforcement", "relaxed", b"relaxed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -239,11 +257,14 @@ class OpenSessionResponse(_message.Message):
     NUM_MASK_WORDS_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
+    ENFORCEMENT_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     vocab_size: _builtins.int
     num_mask_words: _builtins.int
     backend: _builtins.str
     """the engine enforcing this session's grammar"""
+    enforcement: _builtins.str
+    """"exact" / "checked", as in ValidateGrammarResponse"""
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -254,10 +275,11 @@ class OpenSessionResponse(_message.Message):
         num_mask_words: _builtins.int = ...,
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         backend: _builtins.str = ...,
+        enforcement: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "num_mask_words", b"num_mask_words", "session_id", b"session_id", "stop_token_ids", b"stop_token_ids", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "enforcement", b"enforcement", "num_mask_words", b"num_mask_words", "session_id", b"session_id", "stop_token_ids", b"stop_token_ids", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,157 @@
+"""Checked mode's relaxation (issue 13): every rule only widens, and only an opt-in request gets it.
+
+Widening is checked on instances: each rule comes with instances the original
+schema accepts (all must pass the relaxed schema) and at least one it rejects
+that the relaxed schema accepts (the rule really relaxes something).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import pytest
+
+from mask_service.backends import SelectingBackend
+from mask_service.errors import GrammarError
+from mask_service.grammar import GrammarKind, GrammarSpec
+from mask_service.schema_relax import RELAXATIONS, relax_schema
+from mask_service.tokenizers import TokenizerRegistry
+
+# rule -> (schema, instances to try); the instances mix ones the original accepts and rejects.
+CASES: dict[str, tuple[Any, list[Any]]] = {
+    "uniqueItems": ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, [[1, 2], [1, 1], [], ["a"]]),
+    "not": ({"type": "string", "not": {"enum": ["no"]}}, ["yes", "no", 3]),
+    "oneOf": (
+        {"oneOf": [{"type": "integer"}, {"type": "number", "minimum": 0}]},
+        [1, -1, 1.5, -1.5, 5, "x"],
+    ),
+    "dependencies": (
+        {
+            "$schema": "http://json-schema.org/draft-07/schema#",  # 2020-12 no longer defines it
+            "type": "object",
+            "dependencies": {"a": ["b"], "c": {"required": ["d"]}},
+        },
+        [{}, {"a": 1}, {"a": 1, "b": 2}, {"c": 1}, {"c": 1, "d": 1}, []],
+    ),
+    "dependentRequired": ({"type": "object", "dependentRequired": {"a": ["b"]}}, [{}, {"a": 1}, {"a": 1, "b": 1}]),
+    "dependentSchemas": (
+        {"type": "object", "dependentSchemas": {"a": {"properties": {"b": {"type": "string"}}}}},
+        [{}, {"a": 1, "b": "x"}, {"a": 1, "b": 2}, {"b": 2}],
+    ),
+    "if": (
+        {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}, "else": {"required": ["c"]}},
+        [{"a": 1, "b": 1}, {"a": 1}, {"c": 1}, {}],
+    ),
+    "contains": (
+        {"type": "array", "contains": {"type": "string"}, "minContains": 2, "maxContains": 3},
+        [["a", "b"], ["a"], [1, 2], ["a", "b", "c", "d"]],
+    ),
+}
+# then/else/minContains/maxContains trigger the same rules as if/contains.
+ALIASES = {"then": "if", "else": "if", "minContains": "contains", "maxContains": "contains"}
+
+
+def _valid(schema: Any, instance: Any) -> bool:
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema).is_valid(instance)
+
+
+def test_every_rule_has_a_case() -> None:
+    assert set(RELAXATIONS) == set(CASES) | set(ALIASES)
+
+
+@pytest.mark.parametrize("rule", sorted(CASES))
+def test_rule_only_widens(rule: str) -> None:
+    schema, instances = CASES[rule]
+    before = json.dumps(schema)
+    relaxed, applied = relax_schema(schema)
+    assert json.dumps(schema) == before  # the input is not changed
+    assert rule in applied
+    widened = 0
+    for inst in instances:
+        if _valid(schema, inst):
+            assert _valid(relaxed, inst), (rule, inst)
+        elif _valid(relaxed, inst):
+            widened += 1
+    assert widened, f"{rule}: no instance shows the relaxation"
+    # Nested under properties/items/$defs, next to other keywords: still only wider.
+    nested = {
+        **({"$schema": schema["$schema"]} if "$schema" in schema else {}),
+        "type": "object",
+        "properties": {"x": {"$ref": "#/$defs/d"}, "y": {"type": "array", "items": schema}},
+        "$defs": {"d": schema},
+    }
+    nested_relaxed, nested_applied = relax_schema(nested)
+    assert rule in nested_applied
+    for inst in instances:
+        doc = {"x": inst, "y": [inst]}
+        if _valid(nested, doc):
+            assert _valid(nested_relaxed, doc)
+
+
+def test_one_of_next_to_any_of_becomes_a_conjunction() -> None:
+    schema = {"anyOf": [{"type": "integer"}, {"type": "string"}], "oneOf": [{"minimum": 0}, {"maximum": 10}]}
+    relaxed, _ = relax_schema(schema)
+    assert "oneOf" not in relaxed and relaxed["anyOf"] == schema["anyOf"]
+    assert relaxed["allOf"] == [{"anyOf": schema["oneOf"]}]
+    for inst in (5, -5, 50, "s", None):
+        if _valid(schema, inst):
+            assert _valid(relaxed, inst)
+    assert _valid(relaxed, 5) and not _valid(schema, 5)
+
+
+def test_data_and_property_names_are_not_relaxed() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"not": {"type": "string"}, "oneOf": {"const": {"not": 1}}},
+        "default": {"uniqueItems": True},
+    }
+    assert relax_schema(schema) == (schema, ())  # nothing to relax: no rule names
+
+
+def test_ref_into_a_relaxed_keyword_is_refused() -> None:
+    with pytest.raises(GrammarError, match="points into 'oneOf'"):
+        relax_schema({"oneOf": [{"type": "integer"}, {"type": "number"}], "$defs": {"a": {"$ref": "#/oneOf/0"}}})
+    # A property *named* like a keyword is not one.
+    _, applied = relax_schema(
+        {"properties": {"not": {"type": "string"}, "b": {"$ref": "#/properties/not"}}, "uniqueItems": True}
+    )
+    assert applied == ("uniqueItems",)
+
+
+def _spec(schema: Any, **kw: Any) -> GrammarSpec:
+    return GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema), strict=False, **kw)
+
+
+def test_selection_relaxes_only_when_opted_in(registry: TokenizerRegistry, bpe_id: str) -> None:
+    auto = SelectingBackend()
+    compilers = auto.make_compiler(registry.info(bpe_id, None), 1)
+    unique = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "uniqueItems": True}
+    with pytest.raises(GrammarError, match="uniqueItems"):
+        auto.compile(compilers, _spec(unique))  # refused as before without opt-in
+    got = auto.compile(compilers, _spec(unique, checked=True))
+    assert (got.enforcement, got.relaxed, got.backend) == ("checked", ("uniqueItems",), "xgrammar")
+    # Explicit engine choice is honoured in checked mode too.
+    got = auto.compile(compilers, _spec(unique, checked=True, backend="llguidance"))
+    assert (got.enforcement, got.backend) == ("checked", "llguidance")
+    # Exactly enforceable: exact, even when opted in.
+    exact = auto.compile(compilers, _spec({"type": "integer"}, checked=True))
+    assert (exact.enforcement, exact.relaxed) == ("exact", ())
+    # Not relaxable: refused in checked mode too, with both reasons.
+    with pytest.raises(GrammarError, match="checked mode: its relaxation"):
+        auto.compile(compilers, _spec({"type": "object", "unevaluatedProperties": False, "not": {}}, checked=True))
+    with pytest.raises(GrammarError, match="unevaluatedProperties"):
+        auto.compile(compilers, _spec({"type": "object", "unevaluatedProperties": False}, checked=True))
+    with pytest.raises(GrammarError, match="unknown grammar backend"):
+        auto.compile(compilers, _spec(unique, checked=True, backend="outlines"))
+    # Regex is never relaxed.
+    with pytest.raises(GrammarError):
+        auto.compile(compilers, GrammarSpec(GrammarKind.REGEX, "(unclosed", checked=True))
+
+
+def test_checked_is_part_of_the_cache_key() -> None:
+    a, b = _spec({"type": "integer"}), _spec({"type": "integer"}, checked=True)
+    assert a.cache_key() != b.cache_key()
+    assert _spec({"type": "integer"}, backend="x").cache_key() != b.cache_key()
