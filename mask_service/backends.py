@@ -62,6 +62,9 @@ class GrammarBackend(Protocol):
     def new_matcher(self, compiled: Any) -> Any:
         """A fresh matcher at the grammar's start state, with unbounded rollback."""
 
+    def forced_text(self, matcher: Any) -> str:
+        """The text the grammar forces from the matcher's state ("" = none); no state change."""
+
 
 class XGrammarBackend:
     name = "xgrammar"
@@ -144,6 +147,11 @@ class XGrammarBackend:
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
+
+    @staticmethod
+    def forced_text(matcher: Any) -> str:
+        """xgrammar's jump-forward string (documented not to change the matcher state)."""
+        return str(matcher.find_jump_forward_string())
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,7 @@ class DraftMaskItem:
     commit_tokens: Sequence[int] = ()  # committed FIRST (idempotent by commit_seq)
     commit_seq: int = 0  # >= 1 when commit_tokens is non-empty; a seen seq is a no-op
     last_row_only: bool = False  # return only M_k (the row after d_1..d_k): draft-side masking
+    max_forced_tokens: int = 0  # ask for up to this many grammar-forced tokens after d_k (0 = none)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,9 @@ class DraftMaskResult:
     num_grammar_accepted: int  # how many of d_1..d_k the grammar accepts (prefix length)
     terminated: bool  # matcher terminated after commit_tokens (committed state)
     accepts_stop_after: list[bool] | None = None  # not computed by the service (read stop bits from rows)
+    # The grammar's forced continuation after d_k (when asked, all drafts accepted, not terminated):
+    # canonical tokens, each grammar-accepted, stopped short of an ambiguous boundary; never committed.
+    forced_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,7 @@ class IndirectDraftMasks:
     num_grammar_accepted: list[int]  # [B]
     terminated: list[bool]  # [B]
     table_generation: int
+    forced_tokens: tuple[tuple[int, ...], ...] = ()  # [B] per request (DraftMaskResult.forced_tokens)
 
 
 class MaskServiceClient:
@@ -242,6 +247,7 @@ class MaskServiceClient:
                 commit_tokens=list(it.commit_tokens),
                 commit_seq=it.commit_seq,
                 last_row_only=it.last_row_only,
+                max_forced_tokens=it.max_forced_tokens,
             )
             for it in items
         ]
@@ -285,7 +291,9 @@ class MaskServiceClient:
         for r in resp.results:
             rows = torch.from_numpy(dense[offset : offset + r.num_rows])
             offset += r.num_rows
-            out.append(DraftMaskResult(rows, r.num_grammar_accepted, r.terminated))
+            out.append(
+                DraftMaskResult(rows, r.num_grammar_accepted, r.terminated, forced_tokens=tuple(r.forced_tokens))
+            )
         return out
 
     def draft_masks_numpy(self, items: Sequence[DraftMaskItem]) -> tuple[np.ndarray, list[pb.DraftMaskResult]]:
@@ -310,7 +318,8 @@ class MaskServiceClient:
             if table is not None
             else torch.empty(0, 0, dtype=torch.int32)
         )
-        return IndirectDraftMasks(mask_table, torch.from_numpy(slots), cu, acc, term, self._generation)
+        forced = tuple(tuple(r.forced_tokens) for r in resp.results)
+        return IndirectDraftMasks(mask_table, torch.from_numpy(slots), cu, acc, term, self._generation, forced)
 
 
 def _status_tuple(value: int) -> tuple[int, str]:

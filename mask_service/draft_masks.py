@@ -3,8 +3,10 @@
 For each request: commit its emitted tokens first (idempotent by seq), then
 fill M_0, try d_1, fill M_1, ... stopping at the first draft the grammar
 rejects or when the matcher terminates; rows past the stop stay all-ones (an
-all-zero row would turn softmax into NaN). Finally roll the matcher back, so
-computing masks never changes committed state.
+all-zero row would turn softmax into NaN). A request that asks for it
+(``max_forced_tokens``) also gets the grammar's forced continuation after its
+last row's state (forced.py), computed before the rollback and undone with it.
+Finally roll the matcher back, so computing masks never changes committed state.
 
 Parallelism: requests are independent, so a batch is cut into contiguous
 chunks run on a thread pool, one chunk inline on the calling thread.
@@ -24,13 +26,16 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from mask_service.backends import ENGINES, engine_name
 from mask_service.errors import InvalidArgument, MaskError
+from mask_service.forced import TokenizerViews, forced_continuation
 from mask_service.sessions import Session, SessionStore
 from mask_service.wire import InternedRow, RowInterner
 
@@ -44,6 +49,7 @@ class DraftRequest:
     commit_tokens: Sequence[int] = ()
     commit_seq: int = 0
     last_row_only: bool = False
+    max_forced_tokens: int = 0  # forced continuation after the last row's state (forced.py); 0 = none
 
     @property
     def num_rows(self) -> int:
@@ -56,6 +62,7 @@ class DraftOutcome:
     num_grammar_accepted: int = 0
     terminated: bool = False
     rows: list[InternedRow | None] = field(default_factory=list)  # None = all-ones
+    forced_tokens: list[int] = field(default_factory=list)  # grammar-accepted, committed state unchanged
     error: MaskError | None = None
 
 
@@ -66,6 +73,7 @@ def walk_drafts(
     last_row_only: bool,
     *,
     terminated: bool | None = None,
+    at_last_state: Callable[[Any, np.ndarray], None] | None = None,
 ) -> tuple[int, list[bool]]:
     """Fill mask rows for one request; leave ``matcher`` as it was.
 
@@ -73,6 +81,9 @@ def walk_drafts(
     untouched; they mean all-ones, so a caller that reads them pre-fills -1.
     ``terminated``: whether the matcher's committed state is terminated, when the
     caller already asked (saves a second engine call per request on the hot path).
+    ``at_last_state(matcher, last_row)``: called at the state after every draft, when
+    the grammar accepted all of them and is not terminated (last_row: its filled [W]
+    row), before the rollback; it must leave the matcher as it found it.
     Returns (number of drafts the grammar accepts, which rows were filled).
     """
     m = matcher
@@ -99,6 +110,8 @@ def walk_drafts(
     if last_row_only and not stopped:
         m.fill_next_token_bitmask(out, 0)  # type: ignore[attr-defined]
         filled[0] = True
+    if at_last_state is not None and not stopped:
+        at_last_state(m, out[-1])
     if accepted:
         m.rollback(accepted)  # type: ignore[attr-defined]
     return accepted, filled
@@ -106,9 +119,18 @@ def walk_drafts(
 
 class DraftMaskEngine:
     def __init__(
-        self, sessions: SessionStore, interner: RowInterner, *, num_threads: int, max_batch: int, max_k: int
+        self,
+        sessions: SessionStore,
+        interner: RowInterner,
+        *,
+        num_threads: int,
+        max_batch: int,
+        max_k: int,
+        tokenizers: Any = None,
     ) -> None:
+        """``tokenizers``: the TokenizerRegistry, for forced continuations (None = never computed)."""
         self._sessions = sessions
+        self._views = TokenizerViews(tokenizers) if tokenizers is not None else None
         self._interner = interner
         self._threads = max(1, num_threads)
         self._pool = (
@@ -143,7 +165,12 @@ class DraftMaskEngine:
                 session.check_tokens(req.draft_tokens, "draft")
                 res.terminated = bool(session.matcher.is_terminated())
                 res.num_grammar_accepted, filled = walk_drafts(
-                    session.matcher, req.draft_tokens, out, req.last_row_only, terminated=res.terminated
+                    session.matcher,
+                    req.draft_tokens,
+                    out,
+                    req.last_row_only,
+                    terminated=res.terminated,
+                    at_last_state=self._forcing(req, session, res),
                 )
         except MaskError as exc:
             res.error = exc
@@ -151,6 +178,24 @@ class DraftMaskEngine:
         res.num_rows = out.shape[0]
         res.rows = self._interner.intern_rows(out, filled, session.num_mask_words)
         return res
+
+    def _forcing(
+        self, req: DraftRequest, session: Session, res: DraftOutcome
+    ) -> Callable[[Any, np.ndarray], None] | None:
+        """The walk's hook that puts the forced continuation in ``res`` (None when not asked)."""
+        if req.max_forced_tokens <= 0 or self._views is None:
+            return None
+        entry = session.entry
+        view = self._views.get(entry.key[0], entry.compiled.tokenizer_info)
+        forced_text = ENGINES[engine_name(entry.compiled, entry.backend)].forced_text  # type: ignore[attr-defined]
+        cap = min(req.max_forced_tokens, self.max_k)
+
+        def hook(matcher: Any, last_row: np.ndarray) -> None:
+            res.forced_tokens = forced_continuation(
+                matcher, forced_text, view, cap, last_row=last_row, vocab_size=session.vocab_size
+            )
+
+        return hook
 
     def _chunk(
         self, jobs: list[tuple[int, DraftRequest, Session | MaskError, np.ndarray]], results: list[DraftOutcome]

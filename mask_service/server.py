@@ -114,6 +114,7 @@ def build_service(config: MaskServiceConfig, registry: TokenizerRegistry | None 
         num_threads=config.mask_threads,
         max_batch=config.max_batch,
         max_k=config.max_k,
+        tokenizers=registry,
     )
     servicer = MaskServicer(cache, sessions, engine)
     opts = [

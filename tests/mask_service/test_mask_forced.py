@@ -1,0 +1,106 @@
+"""Forced continuations in DraftMasks replies (mask_service/forced.py), both engines, real gRPC.
+
+Checked: forced tokens spell a prefix of the text the grammar forces, every one is
+accepted by the grammar (committing them succeeds), asking for them never changes
+committed state (the same request answers the same rows and tokens twice), the cap
+holds, an ambiguous last token is held back, and nothing is computed when not asked.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mask_service.client import DraftMaskItem, MaskServiceClient
+from mask_service.forced import single_allowed
+from mask_service.grammar import GrammarKind, GrammarSpec
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "email": {"type": "string"}},
+    "required": ["name", "age", "email"],
+}
+ENGINES = ("xgrammar", "llguidance")
+
+
+def _spec(backend: str) -> GrammarSpec:
+    return GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(SCHEMA), backend=backend)
+
+
+def _ids(hf_tok: Any, text: str) -> list[int]:
+    return list(hf_tok.encode(text, add_special_tokens=False))
+
+
+def _text(hf_tok: Any, ids: list[int] | tuple[int, ...]) -> str:
+    return hf_tok.decode(list(ids))
+
+
+@pytest.mark.parametrize("backend", ENGINES)
+def test_forced_key_is_accepted_and_state_unchanged(
+    client: MaskServiceClient, bpe_id: str, hf_tok: Any, backend: str
+) -> None:
+    sid = client.open_session(bpe_id, _spec(backend))
+    prefix = _ids(hf_tok, '{"name":"Bob","')
+    commit, drafts = prefix[:-2], prefix[-2:]
+    item = DraftMaskItem(sid, drafts, commit_tokens=commit, commit_seq=1, last_row_only=True, max_forced_tokens=8)
+    first = client.draft_masks([item])[0]
+    again = client.draft_masks([item])[0]  # the commit is a no-op now; the answer must not move
+    assert first.num_grammar_accepted == len(drafts)
+    assert first.forced_tokens, "the grammar forces the key 'age\":' here"
+    assert again.forced_tokens == first.forced_tokens
+    assert np.array_equal(again.bitmask.numpy(), first.bitmask.numpy())
+    assert 'age":'.startswith(_text(hf_tok, first.forced_tokens))
+    # Not asked: nothing computed.
+    plain = client.draft_masks([DraftMaskItem(sid, drafts, last_row_only=True)])[0]
+    assert plain.forced_tokens == ()
+    # Every forced token is grammar-accepted: committing drafts + forced succeeds, and the
+    # row after them is the row the walk gives over the same tokens as drafts.
+    walked = client.draft_masks([DraftMaskItem(sid, [*drafts, *first.forced_tokens], last_row_only=True)])[0]
+    assert walked.num_grammar_accepted == len(drafts) + len(first.forced_tokens)
+    assert not client.commit(sid, 2, [*drafts, *first.forced_tokens])
+    client.close_session(sid)
+
+
+@pytest.mark.parametrize("backend", ENGINES)
+def test_forced_cap_and_start_state(client: MaskServiceClient, bpe_id: str, hf_tok: Any, backend: str) -> None:
+    sid = client.open_session(bpe_id, _spec(backend))
+    # At the start the schema forces '{"name":"': capped at one token, then uncapped.
+    one = client.draft_masks([DraftMaskItem(sid, [], max_forced_tokens=1)])[0]
+    more = client.draft_masks([DraftMaskItem(sid, [], max_forced_tokens=8)])[0]
+    assert len(one.forced_tokens) == 1 and more.forced_tokens[:1] == one.forced_tokens
+    assert '{"name":"'.startswith(_text(hf_tok, more.forced_tokens))
+    # A rejected draft: no forced tokens (they would follow a state the grammar never reaches).
+    bad = client.draft_masks([DraftMaskItem(sid, _ids(hf_tok, "["), max_forced_tokens=8)])[0]
+    assert bad.num_grammar_accepted == 0 and bad.forced_tokens == ()
+    client.close_session(sid)
+
+
+@pytest.mark.parametrize("backend", ("xgrammar", "llguidance"))
+def test_forced_ambiguous_boundary(client: MaskServiceClient, bpe_id: str, hf_tok: Any, backend: str) -> None:
+    """The test tokenizer has 'ag' and 'age'. Under 'ag(e|a)' the forced text is 'ag', but the
+    grammar also allows 'age' there: the boundary after 'ag' is ambiguous, so nothing is
+    forced. Under 'aga' the whole text is forced and its last token ends the language."""
+    assert _ids(hf_tok, "ag") == [hf_tok.convert_tokens_to_ids("ag")] and hf_tok.convert_tokens_to_ids("age") > 0
+    ambiguous = client.open_session(bpe_id, GrammarSpec(GrammarKind.REGEX, "ag(e|a)", backend=backend))
+    assert client.draft_masks([DraftMaskItem(ambiguous, [], max_forced_tokens=8)])[0].forced_tokens == ()
+    whole = client.open_session(bpe_id, GrammarSpec(GrammarKind.REGEX, "aga", backend=backend))
+    res = client.draft_masks([DraftMaskItem(whole, [], max_forced_tokens=8)])[0]
+    assert _text(hf_tok, res.forced_tokens) == "aga" and list(res.forced_tokens) == _ids(hf_tok, "aga")
+    assert not client.commit(whole, 1, list(res.forced_tokens))
+    for sid in (ambiguous, whole):
+        client.close_session(sid)
+
+
+def test_single_allowed() -> None:
+    row = np.zeros(4, dtype=np.int32)
+    assert single_allowed(row, 128) is None
+    row[2] = 1 << 5
+    assert single_allowed(row, 128) == 69
+    row[2] = np.int32(-(1 << 31))  # bit 31 of a word
+    assert single_allowed(row, 128) == 95
+    assert single_allowed(row, 90) is None  # past the vocab: padding
+    row[1] = 1
+    assert single_allowed(row, 128) is None
