@@ -36,6 +36,7 @@ from mask_service.backends import BACKENDS, GrammarBackend
 from mask_service.compile_pool import CompilePool, CompileQueueFull
 from mask_service.errors import GrammarError, GrammarTooComplex, MaskError
 from mask_service.grammar import GrammarSpec
+from mask_service.grammar_checks import mark_prechecked
 from mask_service.limits import GrammarLimits, check_limits
 from mask_service.tokenizers import TokenizerRegistry
 
@@ -192,6 +193,9 @@ class CompilerCache:
             return
         outcome = trial.result()
         logger.debug("trial compile %s: %.3f s, peak RSS %d", key[2][:12], outcome.seconds, outcome.peak_rss_bytes)
+        # The worker ran the pre-checks (metaschema, Unicode, depth) on this very spec:
+        # not again here, where that Python walk would hold the GIL from draft-mask calls.
+        mark_prechecked(spec)
         try:
             self._executor.submit(self._compile_into, key, spec, fut)
         except RuntimeError as exc:  # executor shut down

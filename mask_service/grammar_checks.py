@@ -70,8 +70,17 @@ def precheck(spec: GrammarSpec) -> None:
             _passed.move_to_end(key)
             return
     _precheck(spec)
+    mark_prechecked(spec)
+
+
+def mark_prechecked(spec: GrammarSpec) -> None:
+    """Remember that ``spec`` passed ``precheck``, run elsewhere on the same text by the same code
+    (a compile worker's trial compile, issue 14): the metaschema walk is pure Python, ~80% of a
+    small schema's compile, and in the serving process it would hold the GIL from draft-mask calls."""
+    key = spec.cache_key()
     with _passed_lock:
         _passed[key] = None
+        _passed.move_to_end(key)
         while len(_passed) > _PRECHECK_MEMO:
             _passed.popitem(last=False)
 

@@ -139,3 +139,26 @@ def test_compile_queue_is_bounded_and_fair(hostile, bpe_id) -> None:  # type: ig
     assert all("retry" in e.details() for e in full)
     assert all(("retry-after-ms" in dict(e.trailing_metadata() or ())) for e in full)
     assert results[99] is None, results[99]
+
+
+def test_serving_process_skips_prechecks_the_trial_ran(hostile, bpe_id, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The worker's trial compile ran the pre-checks (a pure-Python metaschema walk, most of a small
+    schema's compile): the serving process, whose GIL draft-mask calls need, does not run them again."""
+    from mask_service import grammar_checks
+
+    calls: list[str] = []
+    inner = grammar_checks._precheck
+
+    def counting(spec: GrammarSpec) -> None:
+        calls.append(spec.cache_key())
+        inner(spec)
+
+    monkeypatch.setattr(grammar_checks, "_precheck", counting)
+    spec = GrammarSpec(
+        GrammarKind.JSON_SCHEMA,
+        json.dumps({"type": "object", "properties": {f"pre{j}": {"type": "integer"} for j in range(20)}}),
+    )
+    with _client(hostile) as c:
+        resp = c.validate_grammar(bpe_id, spec)
+    assert resp.compiled_bytes > 0
+    assert calls == [], "the serving process re-ran the pre-checks of a grammar its compile worker accepted"
