@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import random
+import resource
 import tempfile
 import threading
 import time
@@ -133,15 +134,26 @@ def warm_up(address: str, max_tokens: int) -> None:
             client.generate(build_request(PROMPT, schema=schema, temperature=0.0, max_tokens=max_tokens), timeout_s=120)
 
 
-def flood_loop(
-    address: str, stop: threading.Event, tally: Tally, max_requests: int, worker: int, distinct: bool
-) -> None:
+# What the flood clients send (--flood-mode); "known" isolates the generation load
+# the flood adds (no compiles, no refusals) from what its schemas cost.
+FLOOD_MODES = ("mixed", "pathological", "distinct", "known")
+
+
+def flood_schema(mode: str, i: int, bad: list[dict[str, Any]]) -> dict[str, Any]:
+    if mode == "pathological" or (mode == "mixed" and i % 3 == 0):
+        return bad[i % len(bad)]
+    if mode == "known":
+        return STEADY_SCHEMAS[i % len(STEADY_SCHEMAS)]
+    return distinct_schema(i)
+
+
+def flood_loop(address: str, stop: threading.Event, tally: Tally, max_requests: int, worker: int, mode: str) -> None:
     bad = pathological_schemas()
     i = worker * 1_000_000
     with OrchestratorClient(address) as client:
         while not stop.is_set() and tally.requests < max_requests:
             i += 1
-            schema = bad[i % len(bad)] if i % 3 == 0 or not distinct else distinct_schema(i)
+            schema = flood_schema(mode, i, bad)
             try:
                 client.generate(build_request(PROMPT, schema=schema, temperature=0.0, max_tokens=4), timeout_s=60)
                 tally.ok(0.0)
@@ -204,9 +216,12 @@ def child_pids(pid: int) -> list[int]:
 class Sampler:
     """RSS per process, sessions and compile-queue depth, every ``interval_s``."""
 
-    def __init__(self, running: RunningStack, worker_pids: list[int], interval_s: float) -> None:
+    def __init__(
+        self, running: RunningStack, worker_pids: list[int], interval_s: float, extra: dict[str, int] | None = None
+    ) -> None:
         self._running = running
         self._worker_pids = worker_pids
+        self._extra = dict(extra or {})  # e.g. Ray's GCS and raylet
         self._interval = interval_s
         self.samples: list[dict[str, Any]] = []
         self.max_rss_mb: dict[str, float] = {}
@@ -214,7 +229,7 @@ class Sampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="soak-sampler", daemon=True)
 
-    def _processes(self) -> dict[str, int]:
+    def processes(self) -> dict[str, int]:
         procs = {"orchestrator": 0}
         for i, m in enumerate(self._running.mask_services):
             if m.process is not None:
@@ -223,10 +238,11 @@ class Sampler:
                     procs[f"mask-service-{i}-compile-{j}"] = c
         for i, pid in enumerate(self._worker_pids):
             procs[f"gpu-worker-{i}"] = pid
+        procs.update(self._extra)
         return procs
 
     def sample(self) -> dict[str, Any]:
-        rss = {name: rss_bytes(pid or "self") / 2**20 for name, pid in self._processes().items()}
+        rss = {name: rss_bytes(pid or "self") / 2**20 for name, pid in self.processes().items()}
         for name, mb in rss.items():
             self.max_rss_mb[name] = max(self.max_rss_mb.get(name, 0.0), round(mb, 1))
         sessions = queue = 0.0
@@ -257,35 +273,163 @@ class Sampler:
         self._thread.join(10)
 
 
-def run_phase(address: str, seconds: float, steady: Tally, args: argparse.Namespace, *, hostile: bool) -> Tally:
-    stop = threading.Event()
-    flood, cancels = Tally(), Tally()
-    threads = [
-        threading.Thread(target=steady_loop, args=(address, stop, steady, args.max_tokens, i))
-        for i in range(args.steady_concurrency)
-    ]
-    if hostile:
-        threads += [
+def _role_threads(role: str, address: str, stop: threading.Event, tally: Tally, opts: dict[str, Any]) -> list:
+    if role == "steady":
+        return [
+            threading.Thread(target=steady_loop, args=(address, stop, tally, opts["max_tokens"], i))
+            for i in range(opts["steady_concurrency"])
+        ]
+    if role == "flood":
+        return [
             threading.Thread(
-                target=flood_loop, args=(address, stop, flood, args.max_flood_requests, i, not args.no_distinct)
+                target=flood_loop, args=(address, stop, tally, opts["max_flood_requests"], i, opts["flood_mode"])
             )
-            for i in range(args.flood_concurrency)
+            for i in range(opts["flood_concurrency"])
         ]
-        threads += [
-            threading.Thread(target=cancel_loop, args=(address, stop, cancels, 100 + i))
-            for i in range(args.cancel_concurrency)
-        ]
+    return [
+        threading.Thread(target=cancel_loop, args=(address, stop, tally, 100 + i))
+        for i in range(opts["cancel_concurrency"])
+    ]
+
+
+def run_role(role: str, address: str, seconds: float, opts: dict[str, Any]) -> Tally:
+    """One client role (steady, flood or cancel) for ``seconds``, in this process's threads."""
+    stop, tally = threading.Event(), Tally()
+    threads = _role_threads(role, address, stop, tally, opts)
     for t in threads:
         t.start()
     time.sleep(seconds)
     stop.set()
     for t in threads:
         t.join(120)
+    return tally
+
+
+def _role_process(role: str, address: str, seconds: float, opts: dict[str, Any], out: Any) -> None:
+    """Child-process entry: run one role, send back its tally as plain data."""
+    tally = run_role(role, address, seconds, opts)
+    out.put((role, tally.requests, tally.latencies_ms, tally.errors))
+
+
+def _phase_roles(args: argparse.Namespace, hostile: bool) -> list[str]:
+    roles = ["steady"]
     if hostile:
-        logger.info("flood: %d requests, errors %s; cancels: %d, errors %s", flood.requests, flood.errors,
-                    cancels.requests, cancels.errors)  # fmt: skip
-    flood.errors.update({f"cancel:{k}": v for k, v in cancels.errors.items()})
-    return flood
+        roles += [r for r, n in (("flood", args.flood_concurrency), ("cancel", args.cancel_concurrency)) if n > 0]
+    return roles
+
+
+def run_phase(address: str, seconds: float, args: argparse.Namespace, *, hostile: bool) -> dict[str, Tally]:
+    """The phase's clients; by default each role in a process of its own, so the clients'
+    own work (building 300 KB schemas, protobuf) does not share the GIL of the
+    orchestrator, which runs in this process (a real client never does)."""
+    opts = {k: getattr(args, k) for k in (
+        "max_tokens", "steady_concurrency", "flood_concurrency", "cancel_concurrency", "max_flood_requests",
+        "flood_mode")}  # fmt: skip
+    roles = _phase_roles(args, hostile)
+    if args.in_process_clients:
+        results: dict[str, Tally] = {}
+        threads = [
+            threading.Thread(target=lambda r=r: results.__setitem__(r, run_role(r, address, seconds, opts)))
+            for r in roles
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # never fork a process with gRPC and Ray threads
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_role_process, args=(r, address, seconds, opts, queue), daemon=True) for r in roles]
+    for proc in procs:
+        proc.start()
+    tallies: dict[str, Tally] = {}
+    for _ in procs:
+        role, requests, latencies, errors = queue.get(timeout=seconds + 300)
+        tallies[role] = Tally(latencies_ms=latencies, errors=errors, requests=requests)
+    for proc in procs:
+        proc.join(30)
+    return tallies
+
+
+def cpu_seconds(pid: int | str) -> float:
+    """User + system CPU seconds of a process so far (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[-1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def box_busy_seconds() -> float:
+    """CPU seconds the whole box spent busy (all processes, ours and others'), from /proc/stat."""
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return (sum(values[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def ray_processes() -> dict[str, int]:
+    """This driver's local Ray daemons (GCS, raylet): their RSS is part of the stack's."""
+    try:
+        import ray._private.worker as ray_worker
+
+        node = ray_worker._global_node
+        found = {}
+        for kind in ("gcs_server", "raylet"):
+            infos = node.all_processes.get(kind) or [] if node is not None else []
+            if infos:
+                found[f"ray-{kind}"] = infos[0].process.pid
+        return found
+    except Exception:  # a private API: the figures are optional
+        return {}
+
+
+class PhaseMeter:
+    """CPU per process (cores used on average), box-wide CPU and the worker's step figures over one phase."""
+
+    def __init__(self, sampler: Sampler, metrics: Any) -> None:
+        self._sampler = sampler
+        self._metrics = metrics
+
+    def _read(self) -> dict[str, Any]:
+        reg = self._metrics.registry
+        return {
+            "t": time.monotonic(),
+            "cpu": {name: cpu_seconds(pid or "self") for name, pid in self._sampler.processes().items()},
+            "box": box_busy_seconds(),
+            # The client processes of a phase, once joined (RUSAGE_CHILDREN counts waited-for children).
+            "clients": sum(getattr(resource.getrusage(resource.RUSAGE_CHILDREN), f) for f in ("ru_utime", "ru_stime")),
+            "steps": self._metrics.step_totals(),
+            "mask_wait": (
+                reg.get_sample_value("specmask_mask_wait_seconds_sum") or 0.0,
+                reg.get_sample_value("specmask_mask_wait_seconds_count") or 0.0,
+            ),
+        }
+
+    def start(self) -> None:
+        self._start = self._read()
+        self._loadavg = os.getloadavg()
+
+    def stop(self) -> dict[str, Any]:
+        a, b = self._start, self._read()
+        dt = max(1e-9, b["t"] - a["t"])
+        (s0, sec0, seq0), (s1, sec1, seq1) = a["steps"], b["steps"]
+        steps = max(1, s1 - s0)
+        ours = {k: round((v - a["cpu"].get(k, 0.0)) / dt, 2) for k, v in b["cpu"].items()}
+        ours["clients"] = round((b["clients"] - a["clients"]) / dt, 2)
+        waits = max(1.0, b["mask_wait"][1] - a["mask_wait"][1])
+        return {
+            "cpu_cores": ours,
+            "box_cpu_cores": round((b["box"] - a["box"]) / dt, 2),
+            "loadavg_at_start": [round(x, 2) for x in self._loadavg],
+            "steps": s1 - s0,
+            "step_ms_mean": round(1000 * (sec1 - sec0) / steps, 1),
+            "batch_mean": round((seq1 - seq0) / steps, 2),
+            "mask_wait_ms_mean": round(1000 * (b["mask_wait"][0] - a["mask_wait"][0]) / waits, 1),
+        }
 
 
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
@@ -312,14 +456,23 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     )
     async with running_stack(stack, max_queue=256) as running:
         pids = [ray.get(a.info.remote(), timeout=60).pid for a in running.server.worker_actors]
-        sampler = Sampler(running, pids, args.sample_s)
+        sampler = Sampler(running, pids, args.sample_s, ray_processes())
         sampler.sample()
         sampler.start()
         await asyncio.to_thread(warm_up, running.address, args.max_tokens)
-        baseline = Tally()
-        await asyncio.to_thread(run_phase, running.address, args.baseline_s, baseline, args, hostile=False)
-        under = Tally()
-        flood = await asyncio.to_thread(run_phase, running.address, args.flood_s, under, args, hostile=True)
+        meter = PhaseMeter(sampler, running.server.metrics)
+        meter.start()
+        baseline = (await asyncio.to_thread(run_phase, running.address, args.baseline_s, args, hostile=False))["steady"]
+        phase_baseline = meter.stop()
+        logger.info("baseline phase: %s", phase_baseline)
+        meter.start()
+        tallies = await asyncio.to_thread(run_phase, running.address, args.flood_s, args, hostile=True)
+        phase_flood = meter.stop()
+        logger.info("flood phase: %s", phase_flood)
+        under, flood, cancels = tallies["steady"], tallies.get("flood", Tally()), tallies.get("cancel", Tally())
+        logger.info("flood: %d requests, errors %s; cancels: %d, errors %s", flood.requests, flood.errors,
+                    cancels.requests, cancels.errors)  # fmt: skip
+        flood.errors.update({f"cancel:{k}": v for k, v in cancels.errors.items()})
         await asyncio.sleep(args.settle_s)  # cancelled streams free their sessions on the next step
         sampler.stop()
         last = sampler.sample()
@@ -339,6 +492,12 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             "flood_error_codes": flood.errors,
             "max_rss_mb": sampler.max_rss_mb,
             "max_compile_queue": max((s["compile_queue"] for s in sampler.samples), default=0),
+            "flood_mode": args.flood_mode,
+            "phase_baseline": phase_baseline,
+            "phase_flood": phase_flood,
+            "rss_mb_first_last": {
+                k: [round(sampler.samples[0]["rss_mb"].get(k, 0.0)), round(v)] for k, v in last["rss_mb"].items()
+            },
             "leaked_sessions": int(last["sessions"]),
             "health_unreachable_samples": sampler.unreachable,
             "samples": len(sampler.samples),
@@ -357,9 +516,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flood-concurrency", type=int, default=6)
     p.add_argument("--cancel-concurrency", type=int, default=1)
     p.add_argument(
-        "--no-distinct",
+        "--flood-mode",
+        choices=FLOOD_MODES,
+        default="mixed",
+        help="mixed: 1/3 pathological, 2/3 distinct valid schemas (compiled, then generated: they share the "
+        "worker); pathological; distinct; known: the steady schemas (generation load only, no compiles)",
+    )
+    p.add_argument("--no-distinct", action="store_true", help="same as --flood-mode pathological")
+    p.add_argument(
+        "--in-process-clients",
         action="store_true",
-        help="flood with pathological schemas only (distinct valid ones are also generated, sharing the worker)",
+        help="run the clients as threads of this process, which also hosts the orchestrator (GIL shared)",
     )
     p.add_argument("--max-flood-requests", type=int, default=2000, help="per flood client")
     p.add_argument("--max-tokens", type=int, default=16)
@@ -369,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample-s", type=float, default=2.0)
     p.add_argument("--log-level", default="WARNING")
     args = p.parse_args(argv)
+    if args.no_distinct:
+        args.flood_mode = "pathological"
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger(__name__).setLevel(logging.INFO)
     result = asyncio.run(soak(args))
