@@ -29,6 +29,7 @@ from gpu_worker.loading import (
     resolve_device,
     resolve_dtype,
 )
+from gpu_worker.mask_table import DeviceMaskTable
 from gpu_worker.masks import MaskChannel
 from gpu_worker.model_runner import ForwardItem, ModelRunner
 from gpu_worker.proposers.base import ProposerResources
@@ -93,12 +94,15 @@ class GpuWorker:
                 deadline_s=config.mask_deadline_s,
                 owner=self.session_owner,
             )
+        # Mask rows resident on the device: one mirror for the draft-side masking and the verifier.
+        self.mask_table = DeviceMaskTable(self.device)
         self.proposers = build_proposers(
             ProposerResources(
                 vocab_size=self.vocab_size,
                 draft_runner=self.draft,
                 ngram_min=config.ngram_min,
                 ngram_max=config.ngram_max,
+                mask_table=self.mask_table,
             )
         )
         self.stepper = StepRunner(
@@ -108,6 +112,7 @@ class GpuWorker:
             max_model_len=self.max_model_len,
             draft_max_len=self.draft.max_model_len if self.draft is not None else None,
             mask_timeout_s=config.mask_deadline_s * 4,
+            mask_table=self.mask_table,
         )
         self._seqs: dict[str, SequenceState] = {}  # insertion order = batch order
         self._rng = random.Random(config.seed)

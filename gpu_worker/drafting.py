@@ -137,7 +137,7 @@ class Drafter:
                 # happen (drafts are checked in _fill); stop drafting either way.
                 s.open = False
             else:
-                s.mask_row = res.bitmask[-1]  # [W] int32, state after d_1..d_{i-1}
+                s.mask_row = res.rows[-1]  # a slot of the client's row table: state after d_1..d_{i-1}
                 s.grammar_rows.append(s.mask_row)
         return reply.wait_s
 

@@ -15,6 +15,11 @@ for M_k (last_row_only), and the mask service never computes a row twice.
 Every request carries the sequence's pending (commit_tokens, commit_seq); the
 first to arrive applies it, the rest are no-ops, so there is no separate commit
 round trip.
+
+Mask rows stay in one form from the reply to the kernels: slots of the mask
+client's interned table (``DraftMaskResult.rows``), turned into row ids into
+the device-resident mirror (``gpu_worker.mask_table``) by the draft-side masking
+and by the verifier.
 """
 
 from __future__ import annotations
@@ -23,9 +28,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-
 from gpu_worker.drafting import Drafter
+from gpu_worker.mask_table import DeviceMaskTable
 from gpu_worker.masks import MaskChannel, mask_item
 from gpu_worker.model_runner import ForwardItem, ModelRunner
 from gpu_worker.proposers.base import DraftSlot, Proposer
@@ -53,8 +57,11 @@ class StepRunner:
         draft_max_len: int | None,
         mask_timeout_s: float,
         kernel_backend: Any = None,
+        mask_table: DeviceMaskTable | None = None,
     ) -> None:
         self.target = target
+        # The device mirror of the mask rows, shared with the draft-side masking.
+        self.mask_table = mask_table if mask_table is not None else DeviceMaskTable(target.device)
         self.masks = masks
         self.max_model_len = max_model_len
         self.draft_max_len = draft_max_len
@@ -121,11 +128,11 @@ class StepRunner:
             seq = s.seq
             if seq.seq_id in errors:
                 continue
-            mask = None  # [k_r + 1, W] int32 rows M_0..M_k; None = no grammar
+            mask = None  # [k_r + 1] rows M_0..M_k (slots of the client's row table); None = no grammar
             if seq.has_grammar and seq.session_id not in mask_results:
                 # Every row came with the draft-side masks (which also say the
                 # committed state is not terminated: they were handed out).
-                mask = torch.stack(s.grammar_rows)
+                mask = s.grammar_rows
             elif seq.has_grammar:
                 res = mask_results[seq.session_id]
                 if res.terminated:
@@ -133,9 +140,9 @@ class StepRunner:
                     # our stop set ended it last step): nothing more may be emitted.
                     outputs[seq.seq_id] = StepOutput(seq.seq_id, [], FinishReason.GRAMMAR_COMPLETE, target_forwards=1)
                     continue
-                mask = res.bitmask  # [k_r + 1, W], or [1, W] = M_k after the reused rows
+                mask = list(res.rows)  # M_0..M_k, or [M_k] after the reused rows
                 if _needs_last_row_only(s):
-                    mask = torch.cat([*(row.unsqueeze(0) for row in s.grammar_rows), mask])
+                    mask = [*s.grammar_rows, *mask]
             p = seq.request.sampling
             to_verify.append(
                 (
@@ -158,6 +165,7 @@ class StepRunner:
             vocab_size=self.target.vocab_size,
             num_mask_words=(self.target.vocab_size + 31) // 32,
             kernel_backend=self.kernel_backend,
+            mask_table=self.mask_table,
         )
         for (s, _), result in zip(to_verify, verified):
             if result.violation is not None:

@@ -2,8 +2,10 @@
 
 Layout follows kernels.rejection: request r owns k_r + 1 consecutive target
 rows; drafts are flattened in request order with cumulative counts
-``cu_num_draft_tokens``. Masks are applied through the indirect kernel so that
-sequences without a grammar share one all-ones table row.
+``cu_num_draft_tokens``. Mask rows arrive as slots of the mask client's interned
+table; ``DeviceMaskTable`` turns them into row ids into its device-resident
+mirror (sequences without a grammar use the all-ones slot 0), and the indirect
+kernel masks the logits with them: no per-step table is built.
 
 The same table and row ids go to the rejection sampler, which checks every
 emitted token against its row (issue 9, one bit read per token): a sequence
@@ -20,7 +22,8 @@ from typing import Any
 
 import torch
 
-from gpu_worker.bitmask_rows import all_ones_row
+from gpu_worker.mask_table import DeviceMaskTable
+from mask_service.row_table import MaskRow
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ class VerifyInput:
     drafts: Sequence[int]  # [k_r] d_1..d_k
     q_rows: Sequence[torch.Tensor | None]  # [k_r] each [V] float32, or None = one-hot at the draft
     logits: torch.Tensor  # [k_r + 1, V] float32 target logits, not yet grammar-masked (not modified)
-    mask: torch.Tensor | None  # [k_r + 1, W] int32 grammar rows M_0..M_k; None = no grammar
+    mask: Sequence[MaskRow] | None  # [k_r + 1] grammar rows M_0..M_k (table slots); None = no grammar
     temperature: float
     top_k: int
     top_p: float
@@ -46,9 +49,16 @@ class VerifyResult:
 
 
 def verify(
-    inputs: Sequence[VerifyInput], *, vocab_size: int, num_mask_words: int, kernel_backend: Any = None
+    inputs: Sequence[VerifyInput],
+    *,
+    vocab_size: int,
+    num_mask_words: int,
+    kernel_backend: Any = None,
+    mask_table: DeviceMaskTable | None = None,
 ) -> list[VerifyResult]:
-    """Mask and rejection-sample a batch; returns per sequence the emitted tokens."""
+    """Mask and rejection-sample a batch; returns per sequence the emitted tokens.
+
+    ``mask_table``: the worker's device mirror of the mask rows (None: a private one)."""
     from kernels.bitmask import apply_token_bitmask_indirect_inplace
     from kernels.rejection import rejection_sample
     from kernels.sampling_params import SamplingTensors
@@ -59,26 +69,23 @@ def verify(
         k = len(inp.drafts)
         if inp.logits.shape != (k + 1, vocab_size):
             raise ValueError(f"logits {tuple(inp.logits.shape)} != ({k + 1}, {vocab_size})")
-        if inp.mask is not None and tuple(inp.mask.shape) != (k + 1, num_mask_words):
-            raise ValueError(f"mask {tuple(inp.mask.shape)} != ({k + 1}, {num_mask_words})")
+        if inp.mask is not None:
+            widths = {row.view.num_mask_words for row in inp.mask}
+            if len(inp.mask) != k + 1 or widths - {num_mask_words}:
+                raise ValueError(
+                    f"mask has {len(inp.mask)} rows of widths {sorted(widths)} != ({k + 1}, {num_mask_words})"
+                )
     logits = torch.cat([inp.logits for inp in inputs], dim=0)  # [num_tokens, V]
     device = logits.device
 
-    table = row_ids = None
+    table = row_ids = None  # [num_table_rows, W] int32, [num_tokens] int32
     if any(inp.mask is not None for inp in inputs):
-        tables = [inp.mask for inp in inputs if inp.mask is not None]
-        ones_id = sum(t.shape[0] for t in tables)  # the all-ones row goes last
-        table = torch.cat([*tables, all_ones_row(num_mask_words).unsqueeze(0)]).to(device)  # [num_table_rows, W]
-        ids: list[int] = []
-        offset = 0
+        rows: list[MaskRow | None] = []
         for inp in inputs:
-            rows = len(inp.drafts) + 1
-            if inp.mask is not None:
-                ids.extend(range(offset, offset + rows))
-                offset += rows
-            else:
-                ids.extend([ones_id] * rows)
-        row_ids = torch.tensor(ids, dtype=torch.int32, device=device)  # [num_tokens]
+            rows.extend(inp.mask if inp.mask is not None else [None] * (len(inp.drafts) + 1))
+        if mask_table is None:
+            mask_table = DeviceMaskTable(device)
+        table, row_ids = mask_table.resolve(rows)
         apply_token_bitmask_indirect_inplace(logits, table, row_ids, backend=kernel_backend)
 
     flat_drafts = [t for inp in inputs for t in inp.drafts]

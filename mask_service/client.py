@@ -6,8 +6,9 @@
   committed state); OpenSession is retried only on UNAVAILABLE (a lost reply
   could leak a session, which the idle TTL reclaims).
 * Decodes the compact row format (mask_service.wire) into a packed int32 row
-  table with numpy; torch is imported lazily, only to wrap results, so
-  importing this module never pulls torch in.
+  table with numpy (mask_service.row_table); results name rows as slots of that
+  table, never as dense copies; torch is imported lazily, only to wrap results,
+  so importing this module never pulls torch in.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import numpy as np
 from mask_service.auth import client_metadata, token_from_env
 from mask_service.convert import grammar_to_proto
 from mask_service.grammar import GrammarSpec
-from mask_service.wire import MissingRow, RowTable
+from mask_service.row_table import MaskRows, RowTable, TableView
+from mask_service.wire import MissingRow
 from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
 from proto.gen.specmask.mask.v1 import mask_service_pb2_grpc as pb_grpc
 from proto.rpc_status import details_of
@@ -80,7 +82,9 @@ class DraftMaskItem:
 
 @dataclass(frozen=True)
 class DraftMaskResult:
-    bitmask: torch.Tensor  # [k+1, W] int32 ([1, W] with last_row_only); rows past the stop are all-ones
+    # [k+1] rows ([1] with last_row_only) as slots of the client's interned table (no copy);
+    # rows past the stop are all-ones (slot 0). Per row: allowed count, single token, bits.
+    rows: MaskRows
     num_grammar_accepted: int  # how many of d_1..d_k the grammar accepts (prefix length)
     terminated: bool  # matcher terminated after commit_tokens (committed state)
     accepts_stop_after: list[bool] | None = None  # not computed by the service (read stop bits from rows)
@@ -88,15 +92,22 @@ class DraftMaskResult:
     # canonical tokens, each grammar-accepted, stopped short of an ambiguous boundary; never committed.
     forced_tokens: tuple[int, ...] = ()
 
+    @property
+    def bitmask(self) -> torch.Tensor:  # [k+1, W] int32: a dense copy of ``rows`` (tests, tools)
+        import torch
+
+        return torch.from_numpy(self.rows.dense())
+
 
 @dataclass(frozen=True)
 class IndirectDraftMasks:
     """Rows as indices into an interned table (for apply_token_bitmask_indirect_inplace).
 
-    ``mask_table`` is a view of the client's table and stays valid until the
-    next draft-masks call on this client (so use one client per thread for the
-    indirect form); ``table_generation`` changes when
-    the table was cleared (a GPU-side mirror must then re-upload everything).
+    ``mask_table`` is a view of the client's table. Its rows never change (the
+    table only appends, and a clear starts fresh arrays: mask_service.row_table),
+    so it stays valid however later calls change the table; ``table_generation``
+    changes when the table was cleared or resynchronised (a GPU-side mirror must
+    then re-upload everything).
     """
 
     mask_table: torch.Tensor  # [num_table_rows, W] int32
@@ -105,6 +116,10 @@ class IndirectDraftMasks:
     num_grammar_accepted: list[int]  # [B]
     terminated: list[bool]  # [B]
     table_generation: int
+    # [num_rows] int32 set bits of each returned row (NewRow.allowed_count; all-ones rows: 32*W):
+    # a count of 1 is a grammar-forced position, with its token in table_single_token.
+    allowed_count: torch.Tensor
+    table_single_token: torch.Tensor  # [num_table_rows] int32 the token where a row allows one, else -1
     forced_tokens: tuple[tuple[int, ...], ...] = ()  # [B] per request (DraftMaskResult.forced_tokens)
 
 
@@ -232,13 +247,13 @@ class MaskServiceClient:
 
     # -- draft masks ----------------------------------------------------------
     def _draft_masks_raw(
-        self, items: Sequence[DraftMaskItem], *, gather: bool = True
-    ) -> tuple[pb.DraftMasksResponse, RowTable | None, np.ndarray, np.ndarray | None]:
+        self, items: Sequence[DraftMaskItem]
+    ) -> tuple[pb.DraftMasksResponse, TableView | None, np.ndarray]:
         """One DraftMasks round trip plus decoding.
 
-        Returns (response, table, slots [num_rows] int32, dense rows [num_rows, W] int32 or None).
-        The dense gather happens under the client lock: another thread's call may
-        clear and refill the table right after.
+        Returns (response, a view of the table, slots [num_rows] int32 into it). The
+        view is taken under the client lock; its rows never change afterwards, even
+        if another thread's call clears and refills the table right after.
         """
         proto_items = [
             pb.DraftMaskItem(
@@ -259,15 +274,15 @@ class MaskServiceClient:
             for it, r in zip(items, resp.results):
                 if r.error_code:
                     raise MaskServiceError(grpc.StatusCode(_status_tuple(r.error_code)), r.error_message, it.session_id)
-            if not resp.row_ids:
-                return resp, None, np.zeros(0, dtype=np.int32), np.zeros((0, resp.num_mask_words), np.int32)
+            if not resp.num_mask_words:
+                return resp, None, np.zeros(0, dtype=np.int32)
             with self._lock:
                 table = self._tables.get(resp.num_mask_words)
                 if table is None:
                     table = self._tables[resp.num_mask_words] = RowTable(resp.num_mask_words, self._capacity)
                 try:
                     slots = table.absorb(resp.new_rows, resp.row_ids)
-                    return resp, table, slots, (table.table[slots] if gather else None)
+                    return resp, table.view(), slots
                 except MissingRow as exc:
                     # Our dictionary and the server's belief diverged (lost reply,
                     # out-of-order replies, server restart, full table): resync.
@@ -282,14 +297,12 @@ class MaskServiceClient:
         )
 
     def draft_masks(self, items: Sequence[DraftMaskItem]) -> list[DraftMaskResult]:
-        import torch
-
-        resp, _, _, dense = self._draft_masks_raw(items)
-        assert dense is not None
+        resp, view, slots = self._draft_masks_raw(items)
         out: list[DraftMaskResult] = []
         offset = 0
         for r in resp.results:
-            rows = torch.from_numpy(dense[offset : offset + r.num_rows])
+            assert view is not None  # a result implies a row width
+            rows = MaskRows(view, slots[offset : offset + r.num_rows])
             offset += r.num_rows
             out.append(
                 DraftMaskResult(rows, r.num_grammar_accepted, r.terminated, forced_tokens=tuple(r.forced_tokens))
@@ -298,14 +311,14 @@ class MaskServiceClient:
 
     def draft_masks_numpy(self, items: Sequence[DraftMaskItem]) -> tuple[np.ndarray, list[pb.DraftMaskResult]]:
         """Torch-free variant: ([num_rows, W] int32 rows of all requests in order, per-request results)."""
-        resp, _, _, dense = self._draft_masks_raw(items)
-        assert dense is not None
+        resp, view, slots = self._draft_masks_raw(items)
+        dense = view.words[slots] if view is not None else np.zeros((0, resp.num_mask_words), np.int32)
         return dense, list(resp.results)
 
     def draft_masks_indirect(self, items: Sequence[DraftMaskItem]) -> IndirectDraftMasks:
         import torch
 
-        resp, table, slots, _ = self._draft_masks_raw(items, gather=False)
+        resp, view, slots = self._draft_masks_raw(items)
         cu, acc, term = [], [], []
         total = 0
         for r in resp.results:
@@ -313,13 +326,22 @@ class MaskServiceClient:
             cu.append(total)
             acc.append(r.num_grammar_accepted)
             term.append(r.terminated)
-        mask_table = (
-            torch.from_numpy(table.table[: table.num_rows])
-            if table is not None
-            else torch.empty(0, 0, dtype=torch.int32)
+        if view is None:
+            empty = torch.empty(0, dtype=torch.int32)
+            return IndirectDraftMasks(
+                torch.empty(0, 0, dtype=torch.int32), empty, cu, acc, term, self._generation, empty, empty
+            )
+        return IndirectDraftMasks(
+            torch.from_numpy(view.words),
+            torch.from_numpy(slots),
+            cu,
+            acc,
+            term,
+            self._generation,
+            torch.from_numpy(view.allowed[slots]),
+            torch.from_numpy(view.single),
+            tuple(tuple(r.forced_tokens) for r in resp.results),
         )
-        forced = tuple(tuple(r.forced_tokens) for r in resp.results)
-        return IndirectDraftMasks(mask_table, torch.from_numpy(slots), cu, acc, term, self._generation, forced)
 
 
 def _status_tuple(value: int) -> tuple[int, str]:

@@ -26,8 +26,8 @@ Correctness across reconnects and restarts (never apply a wrong row):
   drops its belief and resends every row.
 
 Server side (``RowInterner``, ``ClientBeliefs``) needs only numpy and xxhash; the client
-side (``RowTable``) decodes with numpy into a packed int32 table that a GPU
-kernel can index (``apply_token_bitmask_indirect_inplace``).
+side (``mask_service.row_table.RowTable``) decodes with numpy into a packed int32
+table that a GPU kernel can index (``apply_token_bitmask_indirect_inplace``).
 """
 
 from __future__ import annotations
@@ -72,20 +72,25 @@ def _set_bit_ids(words: np.ndarray) -> np.ndarray:
     return ids[bits.astype(bool)].astype("<u4")
 
 
-def encode_row(row: np.ndarray) -> tuple[int, bytes]:
-    """Pick the smallest encoding for one dense row. row: [W] int32."""
+def encode_row(row: np.ndarray) -> tuple[int, bytes, int]:
+    """Pick the smallest encoding for one dense row. row: [W] int32.
+
+    Returns (encoding, payload, allowed_count): the popcount is needed to pick
+    the encoding anyway, and travels as ``NewRow.allowed_count`` so the client
+    knows grammar-forced rows (count 1) without counting again.
+    """
     bits = row.view(np.uint32)
     allowed = int(np.bitwise_count(bits).sum())
     total = bits.size * 32
     if allowed <= SPARSE_MAX_TOKENS:
-        return pb.ROW_ENCODING_ALLOWED, _set_bit_ids(bits).tobytes()
+        return pb.ROW_ENCODING_ALLOWED, _set_bit_ids(bits).tobytes(), allowed
     if total - allowed <= SPARSE_MAX_TOKENS:
-        return pb.ROW_ENCODING_FORBIDDEN, _set_bit_ids(~bits).tobytes()
+        return pb.ROW_ENCODING_FORBIDDEN, _set_bit_ids(~bits).tobytes(), allowed
     dense = row.astype("<i4", copy=False).tobytes()
     packed = zlib.compress(dense, ZLIB_LEVEL)
     if len(packed) < len(dense):
-        return pb.ROW_ENCODING_ZLIB, packed
-    return pb.ROW_ENCODING_DENSE, dense
+        return pb.ROW_ENCODING_ZLIB, packed, allowed
+    return pb.ROW_ENCODING_DENSE, dense, allowed
 
 
 def decode_row(encoding: int, payload: bytes, out: np.ndarray) -> None:
@@ -123,6 +128,7 @@ class InternedRow:
     row_id: int  # wire content id (sha256-based, the same in every server process)
     encoding: int
     payload: bytes
+    allowed_count: int  # set bits of the row (all W*32 bits, padding included)
 
 
 # Accounting per interned row beyond its payload: the OrderedDict entry, the
@@ -191,8 +197,8 @@ class RowInterner:
         fresh = {}
         for key, idx in missing.items():
             row = rows[idx[0]]
-            encoding, payload = encode_row(row)
-            fresh[key] = InternedRow(row_content_id(row.tobytes(), num_mask_words), encoding, payload)
+            encoding, payload, allowed = encode_row(row)
+            fresh[key] = InternedRow(row_content_id(row.tobytes(), num_mask_words), encoding, payload, allowed)
         with self._lock:
             for key, new in fresh.items():
                 interned = self._rows.get(key)  # another thread may have won the race
@@ -253,63 +259,10 @@ class ClientBeliefs:
                 if r.row_id in sent:
                     continue
                 sent.add(r.row_id)
-                response.new_rows.add(row_id=r.row_id, encoding=r.encoding, payload=r.payload)
+                response.new_rows.add(
+                    row_id=r.row_id, encoding=r.encoding, payload=r.payload, allowed_count=r.allowed_count
+                )
                 held[r.row_id] = None
             while len(held) > MAX_BELIEF_ROWS_PER_CLIENT:
                 held.popitem(last=False)
         response.row_ids.extend(ids)
-
-
-class RowTable:
-    """Client-side interned rows: a packed int32 table plus content id -> slot.
-
-    ``table[:num_rows]`` ([num_table_rows, W] int32) is what a GPU kernel
-    indexes; slot 0 is always the all-ones row. When the table is full it is
-    cleared and the generation bumps, which tells the server to resend.
-    """
-
-    def __init__(self, num_mask_words: int, capacity: int) -> None:
-        if capacity < 2:
-            raise ValueError("capacity must be >= 2")
-        self.num_mask_words = num_mask_words
-        self.capacity = capacity
-        self.table = np.empty((min(capacity, 64), num_mask_words), dtype=np.int32)  # [rows, W]
-        self.clear()
-
-    def clear(self) -> None:
-        self.table[0] = -1
-        self.slot_of: dict[int, int] = {ALL_ONES_ID: 0}
-        self.num_rows = 1
-
-    def _grow(self, need: int) -> None:
-        size = self.table.shape[0]
-        if need <= size:
-            return
-        new_size = min(self.capacity, max(need, size * 2))
-        grown = np.empty((new_size, self.num_mask_words), dtype=np.int32)
-        grown[: self.num_rows] = self.table[: self.num_rows]
-        self.table = grown
-
-    def has_room(self, n: int) -> bool:
-        return self.num_rows + n <= self.capacity
-
-    def absorb(self, new_rows: list[pb.NewRow] | object, row_ids: list[int]) -> np.ndarray:
-        """Intern ``new_rows`` and map ``row_ids`` to slots. Returns [num_rows] int32 slots.
-
-        Raises MissingRow if an id is neither held nor sent.
-        """
-        fresh = [r for r in new_rows if r.row_id not in self.slot_of]  # type: ignore[attr-defined]
-        if not self.has_room(len(fresh)):
-            raise MissingRow("row table full")
-        self._grow(self.num_rows + len(fresh))
-        for r in fresh:
-            slot = self.num_rows
-            decode_row(r.encoding, r.payload, self.table[slot])
-            self.slot_of[r.row_id] = slot
-            self.num_rows += 1
-        get = self.slot_of.get
-        slots = [get(i, -1) for i in row_ids]
-        out = np.asarray(slots, dtype=np.int32)
-        if out.size and int(out.min()) < 0:
-            raise MissingRow("response references a row this client does not hold")
-        return out

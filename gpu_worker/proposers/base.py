@@ -21,8 +21,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 if TYPE_CHECKING:
+    from gpu_worker.mask_table import DeviceMaskTable
     from gpu_worker.model_runner import ModelRunner
     from gpu_worker.sequence import SequenceState
+    from mask_service.row_table import MaskRow
 
 
 @dataclass(frozen=True)
@@ -42,12 +44,13 @@ class DraftSlot:
     k: int  # k_r: the most drafts this sequence may get this step
     drafts: list[int] = field(default_factory=list)  # d_1..d_i so far
     q_rows: list[torch.Tensor | None] = field(default_factory=list)  # per draft: [V] float32 or None (one-hot)
-    # [W] int32: grammar mask for the position being proposed, after d_1..d_{i-1};
-    # None when this sequence has no grammar or no proposer asked for masks.
-    mask_row: torch.Tensor | None = None
-    # Every [W] int32 row the draft-side mask requests returned, in order: row j is
-    # M_j, the mask after d_1..d_j. The verify path reuses them rather than ask again.
-    grammar_rows: list[torch.Tensor] = field(default_factory=list)
+    # Grammar mask for the position being proposed, after d_1..d_{i-1}: a slot of the
+    # mask client's interned table (with its allowed count); None when this sequence
+    # has no grammar or no proposer asked for masks.
+    mask_row: MaskRow | None = None
+    # Every row the draft-side mask requests returned, in order: row j is M_j, the
+    # mask after d_1..d_j. The verify path reuses them rather than ask again.
+    grammar_rows: list[MaskRow] = field(default_factory=list)
     # Proposer.prepare results for the position being proposed, keyed by proposer
     # name (e.g. the draft model's [V] float32 logits); cleared after each position.
     prepared: dict[str, Any] = field(default_factory=dict)
@@ -71,6 +74,7 @@ class ProposerResources:
     ngram_min: int
     ngram_max: int
     kernel_backend: Any = None  # kernels.Backend | None (None = resolve by device)
+    mask_table: DeviceMaskTable | None = None  # device mirror of the mask rows (None: a private one)
 
 
 class Proposer(ABC):

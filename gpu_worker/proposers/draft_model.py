@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gpu_worker.bitmask_rows import all_ones_row
+from gpu_worker.mask_table import DeviceMaskTable
 from gpu_worker.model_runner import ForwardItem, ModelRunner
 from gpu_worker.proposers.base import DraftSlot, Proposal, Proposer, ProposerResources
 from gpu_worker.proposers.registry import register
@@ -31,16 +31,20 @@ class DraftModelProposer(Proposer):
     priority = 20  # the expensive fallback: only positions nobody else filled
     prepares = True  # the forward overlaps the position's mask request
 
-    def __init__(self, runner: ModelRunner, vocab_size: int, kernel_backend=None) -> None:
+    def __init__(
+        self, runner: ModelRunner, vocab_size: int, kernel_backend=None, mask_table: DeviceMaskTable | None = None
+    ) -> None:
         self.runner = runner
         self.vocab_size = vocab_size  # V: target width; q rows and masks are sized to it
         self.kernel_backend = kernel_backend
+        # Mask rows as ids into the worker's device-resident row table (shared with the verifier).
+        self.mask_table = mask_table if mask_table is not None else DeviceMaskTable(runner.device)
 
     @classmethod
     def create(cls, resources: ProposerResources) -> DraftModelProposer | None:
         if resources.draft_runner is None:
             return None
-        return cls(resources.draft_runner, resources.vocab_size, resources.kernel_backend)
+        return cls(resources.draft_runner, resources.vocab_size, resources.kernel_backend, resources.mask_table)
 
     def _fit_width(self, logits: torch.Tensor) -> torch.Tensor:  # [n, V_draft] -> [n, V]
         """Align draft logits to the target width: a narrower draft gets -inf columns,
@@ -78,13 +82,9 @@ class DraftModelProposer(Proposer):
         # A fresh [n, V] tensor: masking below writes into it, never into prepared rows.
         logits = torch.stack([s.prepared.pop(self.name) for s in slots])  # [n, V] float32
 
-        masked = [s.mask_row is not None and s.seq.request.speculation.draft_masking for s in slots]
-        if any(masked):
-            num_words = next(s.mask_row for s, m in zip(slots, masked) if m).shape[-1]
-            table = torch.stack([s.mask_row if m else all_ones_row(num_words) for s, m in zip(slots, masked)]).to(
-                logits.device
-            )  # [n, W] int32
-            row_ids = torch.arange(len(slots), dtype=torch.int32, device=logits.device)  # [n]
+        rows = [s.mask_row if s.seq.request.speculation.draft_masking else None for s in slots]
+        if any(row is not None for row in rows):
+            table, row_ids = self.mask_table.resolve(rows)  # [num_table_rows, W] int32, [n] int32
             apply_token_bitmask_indirect_inplace(logits, table, row_ids, backend=self.kernel_backend)
 
         params = [s.seq.request.sampling for s in slots]

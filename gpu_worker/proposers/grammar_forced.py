@@ -4,16 +4,15 @@ No model runs for such a position and q = 1 (one-hot). This stays exact because
 the target still verifies the token like any other draft (DESIGN.md step 1);
 under greedy decoding a forced token is accepted iff the masked target's argmax
 is that token, which it always is when the mask row has a single allowed token.
-Detected from the mask row's popcount, since the worker only sees masks.
+Detected from the row's allowed-token count, which the mask service sends with
+the row (``NewRow.allowed_count``): no popcount on the worker.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
-from gpu_worker.bitmask_rows import single_allowed_tokens
+from gpu_worker.bitmask_rows import forced_token
 from gpu_worker.proposers.base import DraftSlot, Proposal, Proposer, ProposerResources
 from gpu_worker.proposers.registry import register
 
@@ -32,10 +31,8 @@ class GrammarForcedProposer(Proposer):
         return cls(resources.vocab_size)
 
     def propose(self, slots: Sequence[DraftSlot], position: int) -> list[Proposal | None]:
-        out: list[Proposal | None] = [None] * len(slots)
-        known = [i for i, slot in enumerate(slots) if slot.mask_row is not None]
-        if known:
-            rows = torch.stack([slots[i].mask_row for i in known])  # [n_known, W] int32
-            for i, token in zip(known, single_allowed_tokens(rows, self.vocab_size)):
-                out[i] = None if token is None else Proposal(token)
+        out: list[Proposal | None] = []
+        for slot in slots:
+            token = None if slot.mask_row is None else forced_token(slot.mask_row, self.vocab_size)
+            out.append(None if token is None else Proposal(token))
         return out

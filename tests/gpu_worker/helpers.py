@@ -51,3 +51,28 @@ def torch_threads(n: int = 1) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def table_rows(dense: Any, table: Any = None) -> list[Any]:
+    """Dense rows ([n, W] int32, numpy or torch) -> MaskRows of a real ``RowTable``, absorbed
+    through the wire encoding (with allowed counts) exactly as the mask client does."""
+    import numpy as np
+
+    from mask_service.row_table import RowTable
+    from mask_service.wire import encode_row, row_content_id
+    from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+
+    dense = np.ascontiguousarray(np.asarray(dense, dtype=np.int32))
+    width = dense.shape[1]
+    table = table if table is not None else RowTable(width, capacity=4096)
+    new_rows, ids = [], []
+    for row in dense:
+        enc, payload, allowed = encode_row(row)
+        ids.append(0 if (row == -1).all() else row_content_id(row.tobytes(), width))
+        if ids[-1]:
+            new_rows.append(pb.NewRow(row_id=ids[-1], encoding=enc, payload=payload, allowed_count=allowed))
+    slots = table.absorb(new_rows, ids)
+    view = table.view()
+    from mask_service.row_table import MaskRow
+
+    return [MaskRow(view, int(s)) for s in slots]

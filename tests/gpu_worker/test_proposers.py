@@ -5,23 +5,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.bitmask_rows import all_ones_row, allowed_counts, is_allowed, single_allowed_token
+from gpu_worker.bitmask_rows import forced_token, is_allowed
 from gpu_worker.proposers.base import DraftSlot, ProposerResources
 from gpu_worker.proposers.grammar_forced import GrammarForcedProposer
 from gpu_worker.proposers.ngram import NgramProposer, lookup_next
 from gpu_worker.proposers.registry import build_proposers, order_names, registered_names
 from gpu_worker.sequence import SequenceState
 from gpu_worker.types import NewSequence
+from tests.gpu_worker.helpers import table_rows
 
 V = 70  # W = 3 words, last one partial
 
 
-def _row(*allowed: int) -> torch.Tensor:  # [W] int32
+def _dense(*allowed: int) -> torch.Tensor:  # [W] int32
     row = torch.zeros((V + 31) // 32, dtype=torch.int32)
     for t in allowed:
         word = int(row[t // 32]) | (1 << (t % 32))
         row[t // 32] = word - (1 << 32) if word >= 1 << 31 else word
     return row
+
+
+def _row(*allowed: int):  # a MaskRow of a real client row table
+    return table_rows(_dense(*allowed).unsqueeze(0))[0]
 
 
 def _slot(tokens, mask_row=None) -> DraftSlot:
@@ -48,18 +53,17 @@ def test_build_skips_draft_model_without_a_draft():
 @pytest.mark.parametrize("bits", [[0], [31], [32], [63], [69], [5, 6], []])
 def test_mask_row_helpers(bits):
     row = _row(*bits)
-    assert int(allowed_counts(row.unsqueeze(0), V)[0]) == len(bits)
-    assert single_allowed_token(row, V) == (bits[0] if len(bits) == 1 else None)
+    assert row.allowed_count == len(bits)
+    assert forced_token(row, V) == (bits[0] if len(bits) == 1 else None)
     assert all(is_allowed(row, t) for t in bits)
     assert not any(is_allowed(row, t) for t in range(V) if t not in bits)
 
 
-def test_tail_bits_past_vocab_are_ignored():
-    ones = all_ones_row((V + 31) // 32)  # "past the stop" rows arrive all-ones, tail bits included
-    assert int(allowed_counts(ones.unsqueeze(0), V)[0]) == V
-    row = _row(3)
-    row[-1] = -1 << (V % 32)  # only bits >= V set in the last word
-    assert single_allowed_token(row, V) == 3
+def test_forced_token_never_names_padding():
+    ones = table_rows(torch.full((1, (V + 31) // 32), -1, dtype=torch.int32))[0]  # "past the stop" rows
+    assert ones.slot == 0 and forced_token(ones, V) is None
+    assert forced_token(_row(V + 1), V) is None  # a lone bit >= V stands for no token
+    assert forced_token(_row(V - 1), V) == V - 1
 
 
 def test_grammar_forced_proposes_only_single_allowed_tokens():

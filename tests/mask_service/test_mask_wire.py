@@ -11,12 +11,13 @@ import pytest
 
 from mask_service.client import DraftMaskItem, MaskServiceClient
 from mask_service.grammar import GrammarKind, GrammarSpec
+from mask_service.row_table import RowTable
 from mask_service.server import build_service
 from mask_service.wire import (
     ALL_ONES_ID,
     ClientBeliefs,
     RowInterner,
-    RowTable,
+    WireError,
     decode_row,
     encode_row,
     row_content_id,
@@ -49,7 +50,8 @@ def test_encode_decode_round_trip(words: int) -> None:
     rows.append(mid)
     seen = set()
     for row in rows:
-        enc, payload = encode_row(row)
+        enc, payload, allowed = encode_row(row)
+        assert allowed == int(np.bitwise_count(row.view(np.uint32)).sum())
         seen.add(enc)
         out = np.empty(words, np.int32)
         decode_row(enc, payload, out)
@@ -67,7 +69,7 @@ def test_sparse_rows_list_every_token_in_order(n_ids: int) -> None:
     bits[ids] = 1
     row = np.packbits(bits, bitorder="little").view(np.int32)  # [W]
     for r, want_enc in ((row, pb.ROW_ENCODING_ALLOWED), (~row, pb.ROW_ENCODING_FORBIDDEN)):
-        enc, payload = encode_row(r)
+        enc, payload, _ = encode_row(r)
         assert enc == want_enc
         np.testing.assert_array_equal(np.frombuffer(payload, "<u4"), ids)
         out = np.empty(words, np.int32)
@@ -204,3 +206,75 @@ def test_server_restart_keeps_client_correct(bpe_dir, registry, bpe_id, hf_tok) 
             h2.stop(grace_s=0.2)
     finally:
         client.close()
+
+
+def _new_row(row: np.ndarray, *, send_count: bool = True) -> pb.NewRow:
+    enc, payload, allowed = encode_row(row)
+    w = row.shape[0]
+    return pb.NewRow(
+        row_id=row_content_id(row.tobytes(), w),
+        encoding=enc,
+        payload=payload,
+        allowed_count=allowed if send_count else 0,
+    )
+
+
+@pytest.mark.parametrize("send_count", [True, False])  # False: an older server (0 = recount)
+def test_table_counts_and_single_tokens_per_slot(send_count: bool) -> None:
+    w = 40
+    one = np.zeros(w, np.int32)
+    one[7] = 1 << 5  # token 229 only
+    dense = np.random.default_rng(0).integers(-(2**31), 2**31, w, dtype=np.int64).astype(np.int32)
+    rows = [one, ~one, dense]
+    table = RowTable(w, capacity=8)
+    slots = table.absorb(
+        [_new_row(r, send_count=send_count) for r in rows], [row_content_id(r.tobytes(), w) for r in rows]
+    )
+    view = table.view()
+    popcounts = [int(np.bitwise_count(r.view(np.uint32)).sum()) for r in rows]
+    assert view.allowed[slots].tolist() == popcounts and view.allowed[0] == 32 * w
+    assert view.single[slots].tolist() == [229, -1, -1] and view.single[0] == -1
+    # A count that disagrees with the row is a corrupt response, never trusted.
+    bad = _new_row(one)
+    bad.allowed_count = 2
+    with pytest.raises(WireError, match="allowed_count"):
+        RowTable(w, capacity=8).absorb([bad], [bad.row_id])
+
+
+def test_table_views_survive_clear_and_growth() -> None:
+    """A view's rows never change: the table appends within an epoch and a clear starts fresh arrays."""
+    w = 3
+    rows = [np.full(w, i, np.int32) for i in range(1, 120)]
+    table = RowTable(w, capacity=100)
+    table.absorb([_new_row(r) for r in rows[:2]], [])
+    before = table.view()
+    snapshot = before.words.copy()
+    table.absorb([_new_row(r) for r in rows[2:80]], [])  # grows past the first allocation (64 rows)
+    assert table.table.shape[0] == 100
+    table.clear()
+    table.absorb([_new_row(r) for r in rows[20:30]], [])
+    np.testing.assert_array_equal(before.words, snapshot)
+    assert table.view().epoch == before.epoch + 1 and table.view().source == before.source
+
+
+def test_client_allowed_counts_match_real_rows(service, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
+    """Counts that travel with the rows equal a popcount of the real xgrammar rows (and name forced tokens)."""
+    toks = hf_tok.encode(DOC, add_special_tokens=False)
+    with MaskServiceClient(f"127.0.0.1:{service.port}") as client:
+        sid = client.open_session(bpe_id, SCHEMA)
+        singles = 0
+        for p in range(len(toks)):
+            commit = toks[p - 1 : p] if p else []
+            (res,) = client.draft_masks([DraftMaskItem(sid, toks[p : p + 3], commit_tokens=commit, commit_seq=p + 1)])
+            dense = res.bitmask.numpy()
+            counts = np.bitwise_count(dense.view(np.uint32)).sum(axis=1)
+            np.testing.assert_array_equal(res.rows.allowed_counts(), counts)
+            for row, count in zip(res.rows, counts):
+                if count == 1:
+                    singles += 1
+                    assert row.allows(row.single_token) and dense[0].shape == (row.view.num_mask_words,)
+                else:
+                    assert row.single_token is None
+            ind = client.draft_masks_indirect([DraftMaskItem(sid, toks[p : p + 3])])
+            np.testing.assert_array_equal(ind.allowed_count.numpy(), counts)
+        assert singles > 0  # the schema forces tokens (e.g. after '{"'), so the single path is exercised
