@@ -25,6 +25,10 @@ import grpc
 
 TOKEN_ENV = "SPECMASK_MASK_TOKEN"
 AUTH_METADATA_KEY = "authorization"
+# Names the end client a grammar is compiled for (the orchestrator sets it on
+# ValidateGrammar: orchestrator.client_identity), so the replica's compile queue is
+# fair between API clients, not only between the processes that call it.
+CLIENT_METADATA_KEY = "specmask-client"
 _PROTECTED_PREFIX = "/specmask.mask.v1.MaskService/"
 
 

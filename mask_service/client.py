@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 import numpy as np
 
-from mask_service.auth import client_metadata, token_from_env
+from mask_service.auth import CLIENT_METADATA_KEY, client_metadata, token_from_env
 from mask_service.convert import grammar_to_proto
 from mask_service.grammar import GrammarSpec
 from mask_service.row_table import MaskRows, RowTable, TableView
@@ -158,11 +158,18 @@ class MaskServiceClient:
         self._lock = threading.Lock()
 
     # -- plumbing ---------------------------------------------------------
-    def _call(self, fn: Callable[..., T], request: Any, *, retry_on: tuple[grpc.StatusCode, ...] = _RETRYABLE) -> T:
+    def _call(
+        self,
+        fn: Callable[..., T],
+        request: Any,
+        *,
+        retry_on: tuple[grpc.StatusCode, ...] = _RETRYABLE,
+        metadata: tuple[tuple[str, str], ...] = (),
+    ) -> T:
         attempt = 0
         while True:
             try:
-                return fn(request, timeout=self._deadline, metadata=self._metadata)
+                return fn(request, timeout=self._deadline, metadata=self._metadata + metadata)
             except grpc.RpcError as exc:
                 code = exc.code()  # type: ignore[attr-defined]
                 if code in retry_on and attempt < self._retries:
@@ -182,11 +189,14 @@ class MaskServiceClient:
 
     # -- API ----------------------------------------------------------------
     def validate_grammar(
-        self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None
+        self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None, *, client: str = ""
     ) -> pb.ValidateGrammarResponse:
-        """Compile (or find) the grammar; the response names its engine and enforcement ("exact"/"checked")."""
+        """Compile (or find) the grammar; the response names its engine and enforcement ("exact"/"checked").
+        ``client``: the end client it is compiled for (the replica's compile queue is fair by it)."""
         return self._call(
-            self._stub.ValidateGrammar, pb.ValidateGrammarRequest(target=self._target(tokenizer_id, spec, vocab_size))
+            self._stub.ValidateGrammar,
+            pb.ValidateGrammarRequest(target=self._target(tokenizer_id, spec, vocab_size)),
+            metadata=((CLIENT_METADATA_KEY, client),) if client else (),
         )
 
     def open_session(

@@ -157,11 +157,11 @@ class MaskRouter:
 
     # -- API ----------------------------------------------------------------
     def validate_grammar(
-        self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None
+        self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None, *, client: str = ""
     ) -> pb.ValidateGrammarResponse:
         for address in self._ranked(spec.cache_key()):
             try:
-                return self._client(address).validate_grammar(tokenizer_id, spec, vocab_size)
+                return self._client(address).validate_grammar(tokenizer_id, spec, vocab_size, client=client)
             except MaskServiceError as exc:
                 if exc.code not in _FAILOVER_CODES:
                     raise

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import grpc
 
 from mask_service import metrics
+from mask_service.auth import CLIENT_METADATA_KEY
 from mask_service.backends import enforcement_of, engine_name
 from mask_service.compiler_cache import CompilerCache
 from mask_service.convert import grammar_from_proto
@@ -25,10 +26,6 @@ from proto.rpc_status import reason_from_class, status_for
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# Metadata naming the end client a grammar is compiled for (the orchestrator
-# sets it), so the compile queue is fair between API clients, not only between
-# the processes that call the mask service.
-CLIENT_METADATA_KEY = "specmask-client"
 RETRY_AFTER_METADATA_KEY = "retry-after-ms"
 
 

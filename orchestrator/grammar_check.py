@@ -32,9 +32,10 @@ class MaskServiceGrammarChecker:
         self._tokenizer_id = tokenizer_id
         self._vocab_size = vocab_size
 
-    def check(self, spec: GrammarSpec) -> None:
+    def check(self, spec: GrammarSpec, client: str = "") -> None:
+        """``client``: the end client (orchestrator.client_identity), the replica's compile-queue owner."""
         try:
-            self._router.validate_grammar(self._tokenizer_id, spec, self._vocab_size)
+            self._router.validate_grammar(self._tokenizer_id, spec, self._vocab_size, client=client)
         except MaskServiceError as exc:
             if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
                 # The mask service's reason (e.g. GRAMMAR_TOO_COMPLEX) reaches the client as is.

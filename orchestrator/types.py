@@ -46,6 +46,8 @@ class GenerationRequest:
     grammar: GrammarSpec | None = None
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     speculation: SpeculationOptions = field(default_factory=SpeculationOptions)
+    # Who sent it (orchestrator.client_identity): the mask service's compile queue is fair by it.
+    client: str = ""
 
 
 @dataclass

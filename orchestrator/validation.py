@@ -63,7 +63,7 @@ class GrammarChecker(Protocol):
     ``Unavailable`` when the engine cannot be reached.
     """
 
-    def check(self, spec: GrammarSpec) -> None: ...
+    def check(self, spec: GrammarSpec, client: str = "") -> None: ...
 
 
 class Tokenizer(Protocol):
@@ -120,7 +120,7 @@ class RequestValidator:
             if req.sampling.ignore_eos:
                 raise _fail("ignore_eos cannot be combined with a grammar (a grammar ends where it admits EOS)")
             self._check_grammar_shape(req.grammar)
-            self._grammar_checker.check(req.grammar)
+            self._grammar_checker.check(req.grammar, req.client)
         return NewSequence(
             seq_id=req.request_id,
             prompt_token_ids=prompt_ids,

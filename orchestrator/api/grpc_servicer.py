@@ -11,6 +11,7 @@ engine, which frees its KV cache and mask session on the worker.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 
@@ -18,6 +19,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from orchestrator import convert
+from orchestrator.client_identity import client_identity
 from orchestrator.engine import Engine
 from orchestrator.errors import ErrorCode, RequestError
 from orchestrator.metrics import OrchestratorMetrics
@@ -47,7 +49,10 @@ class OrchestratorServicer:
     async def _admit(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Request:
         try:
             request_id = RequestValidator.request_id(msg.request_id)
-            return await self._engine.submit(convert.request_from_proto(msg, request_id))
+            req = convert.request_from_proto(msg, request_id)
+            # The end client, for the mask service's per-owner compile fairness (issue 14).
+            client = client_identity(context.invocation_metadata() or (), context.peer() or "")
+            return await self._engine.submit(dataclasses.replace(req, client=client))
         except RequestError as exc:
             self._metrics.rejected.labels(code=exc.code.name).inc()
             logger.info("[request_id=%s] refused (%s): %s", msg.request_id or "-", exc.code.name, exc.message)

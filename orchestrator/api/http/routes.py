@@ -9,6 +9,7 @@ which frees the request's KV cache and mask session on its worker.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -25,6 +26,7 @@ from orchestrator.api.http.errors import GENERATION_FAILED, NOT_FOUND, ApiError
 from orchestrator.api.http.prompting import ChatPrompter
 from orchestrator.api.http.protocol import ChatCompletionRequest, CompletionRequest
 from orchestrator.api.http.sse import DeltaEncoder, EventStream
+from orchestrator.client_identity import client_identity
 from orchestrator.engine import Engine
 from orchestrator.errors import RequestError
 from orchestrator.metrics import OrchestratorMetrics
@@ -123,9 +125,11 @@ class OpenAIRoutes:
         except RequestError as exc:
             raise ApiError.invalid(f"{REQUEST_ID_HEADER}: {exc.message}") from None
 
-    async def _submit(self, translated: translate.Translated) -> Request:
+    async def _submit(self, translated: translate.Translated, http: web.Request) -> Request:
+        # The end client, for the mask service's per-owner compile fairness (issue 14).
+        client = client_identity(http.headers.items(), http.remote or "")
         try:
-            return await self._engine.submit(translated.request)
+            return await self._engine.submit(dataclasses.replace(translated.request, client=client))
         except RequestError as exc:
             self._metrics.rejected.labels(code=exc.code.name).inc()
             logger.info("[request_id=%s] refused (%s): %s", translated.request.request_id, exc.code.name, exc.message)
@@ -136,7 +140,7 @@ class OpenAIRoutes:
         self._check_model(body.model)
         request_id = self._request_id(request)
         translated = _guard_depth(translate.chat_request, body, request_id, self._prompter)
-        admitted = await self._submit(translated)
+        admitted = await self._submit(translated, request)
         env = rsp.Envelope(id=f"chatcmpl-{request_id}", model=self._model)
         headers = {REQUEST_ID_HEADER: request_id}
         try:
@@ -155,7 +159,7 @@ class OpenAIRoutes:
         self._check_model(body.model)
         request_id = self._request_id(request)
         translated = _guard_depth(translate.completion_request, body, request_id)
-        admitted = await self._submit(translated)
+        admitted = await self._submit(translated, request)
         env = rsp.Envelope(id=f"cmpl-{request_id}", model=self._model)
         headers = {REQUEST_ID_HEADER: request_id}
         try:
