@@ -68,12 +68,16 @@ async def start_workers(config: OrchestratorConfig) -> list[WorkerSlot]:
     # the cluster, not of this process: the orchestrator may run on a CPU node).
     # max_task_retries=0: a step is never replayed on a restarted actor (its
     # sequences are gone); the engine fails that batch and re-admits the worker.
+    # enable_task_events=False: every step/add/remove is a Ray task, ~100 a second per
+    # worker, and each one's events were kept by the GCS (up to 100,000 tasks): its RSS
+    # grew ~12 MB/min under bench.soak (issue 14). Nothing reads them.
     actors = [
         start_remote_worker(
             worker_config,
             num_gpus=config.worker_num_gpus,
             max_restarts=config.worker_max_restarts,
             max_task_retries=0,
+            enable_task_events=False,
         )
         for _ in range(config.num_workers)
     ]
