@@ -4,6 +4,7 @@
         [--subsets Github_medium,Glaiveai2K] [--backend auto|xgrammar|llguidance] [--limit N]
     python -m bench.coverage --test-suite ../shared/data/json-schema-test-suite/draft2020-12 \\
         --tokenizer ../shared/data/tokenizers/llama3 --table
+    python -m bench.coverage --schemas ... --checked    # also count checked mode (issue 13) apart
 
 Every schema is compiled through the service's own path (``backends.BACKENDS``,
 the code ``compiler_cache`` runs, in-process). For every accepted schema each
@@ -19,6 +20,17 @@ with a stop token. An instance counts as accepted if either order is.
 
 The last line is ``RESULT {json}``: totals plus the same per subset (maskbench:
 the file-name prefix; test suite: the feature file) and per backend.
+
+``--checked`` compiles every schema as an opted-in checked-mode request
+(``GrammarSpec.checked``). Schemas an engine enforces exactly are counted as
+before (``accepted``, ``invalid_accepted``: the exact path's lie figure);
+schemas accepted only through a relaxation are counted apart
+(``checked_accepted``, with ``checked_*`` instance counts), and ``refused``
+is what neither mode takes. For those, the grammar accepting an invalid
+instance is expected (``checked_grammar_invalid_accepted``); each such
+instance is then put through the orchestrator's end-of-request check against
+the ORIGINAL schema (``orchestrator.output_check``), and one it lets through
+would be returned as a success: ``checked_lies`` (goal 0, each printed).
 """
 
 from __future__ import annotations
@@ -46,6 +58,16 @@ _COUNTERS = (
     "invalid_instances",
     "invalid_accepted",
 )
+# Checked mode (--checked): schemas accepted only through a relaxation, counted apart.
+_CHECKED_COUNTERS = (
+    "checked_accepted",
+    "checked_valid_instances",
+    "checked_valid_accepted",
+    "checked_invalid_instances",
+    "checked_grammar_invalid_accepted",  # expected: the relaxation is wider; the end check must catch each
+    "checked_lies",  # grammar AND end check accept an invalid instance: would be returned as success
+    "checked_end_check_rejects_valid",  # the end check refuses a valid instance the grammar accepts
+)
 
 
 @dataclass(frozen=True)
@@ -64,16 +86,18 @@ class Tally:
     by_subset: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
     by_backend: Counter[str] = field(default_factory=Counter)
     refusal_reasons: Counter[str] = field(default_factory=Counter)
+    relaxed: Counter[str] = field(default_factory=Counter)  # checked mode: relaxation rules applied
     lies: list[str] = field(default_factory=list)
 
     def add(self, subset: str, key: str, n: int = 1) -> None:
         self.counts[key] += n
         self.by_subset[subset][key] += n
 
-    def result(self) -> dict[str, Any]:
-        out: dict[str, Any] = {k: self.counts[k] for k in _COUNTERS}
+    def result(self, checked: bool = False) -> dict[str, Any]:
+        keys = _COUNTERS + (_CHECKED_COUNTERS if checked else ())
+        out: dict[str, Any] = {k: self.counts[k] for k in keys}
         out["accepted_by"] = dict(self.by_backend)
-        out["subsets"] = {s: {k: c[k] for k in _COUNTERS} for s, c in sorted(self.by_subset.items())}
+        out["subsets"] = {s: {k: c[k] for k in keys} for s, c in sorted(self.by_subset.items())}
         return out
 
 
@@ -168,7 +192,7 @@ def serializations(instance: Any, schema: Any) -> list[str]:
 class Checker:
     """Compiles through the service's backend registry and feeds instances to its matchers."""
 
-    def __init__(self, tokenizer_dir: str, backend: str, strict: bool) -> None:
+    def __init__(self, tokenizer_dir: str, backend: str, strict: bool, checked: bool = False) -> None:
         from mask_service.backends import BACKENDS
         from mask_service.tokenizers import TokenizerRegistry, TokenizerSource
 
@@ -180,14 +204,30 @@ class Checker:
         self.compilers = self.backend.make_compiler(self.registry.info(tid, None), 2)  # type: ignore[attr-defined]
         self.explicit = "" if backend == "auto" else backend
         self.strict = strict
+        self.checked = checked
+        self._end_check: Any = None
 
-    def compile(self, schema: Any) -> Any:
+    def spec(self, schema: Any) -> Any:
         from mask_service.grammar import GrammarKind, GrammarSpec
 
-        spec = GrammarSpec(
-            GrammarKind.JSON_SCHEMA, json.dumps(schema, ensure_ascii=False), strict=self.strict, backend=self.explicit
+        text = json.dumps(schema, ensure_ascii=False)
+        return GrammarSpec(
+            GrammarKind.JSON_SCHEMA, text, strict=self.strict, backend=self.explicit, checked=self.checked
         )
-        return self.backend.compile(self.compilers, spec)
+
+    def end_check(self, schema: Any, text: str) -> bool:
+        """The orchestrator's end-of-request check of ``text`` against the original schema (fails closed)."""
+        from orchestrator.output_check import OutputChecker, OutputCheckError
+
+        if self._end_check is None:
+            self._end_check = OutputChecker()
+        try:
+            return bool(self._end_check.check(self.spec(schema), text).ok)
+        except OutputCheckError:
+            return False
+
+    def compile(self, schema: Any) -> Any:
+        return self.backend.compile(self.compilers, self.spec(schema))
 
     def accepts(self, selected: Any, text: str) -> bool:
         m = self.backend.new_matcher(selected)
@@ -214,8 +254,15 @@ def run_case(checker: Checker, case: Case, tally: Tally, verbose: bool) -> None:
         tally.add(case.subset, "crashes")
         print(f"CRASH compiling {case.name}: {type(exc).__name__}: {exc}"[:400])
         return
-    tally.add(case.subset, "accepted")
     backend = selected.backend if isinstance(selected, SelectedGrammar) else checker.explicit
+    if getattr(selected, "enforcement", "exact") == "checked":
+        tally.add(case.subset, "checked_accepted")
+        tally.by_backend[f"checked:{backend}"] += 1
+        for rule in selected.relaxed:
+            tally.relaxed[rule] += 1
+        _run_checked_instances(checker, case, selected, tally, verbose)
+        return
+    tally.add(case.subset, "accepted")
     tally.by_backend[backend] += 1
     for instance, valid in case.tests:
         texts = serializations(instance, case.schema)
@@ -237,6 +284,34 @@ def run_case(checker: Checker, case: Case, tally: Tally, verbose: bool) -> None:
             print(lie)
         elif valid and verbose:
             print(f"over-restricts [{backend}] {case.name}: rejects valid {texts[0][:160]}")
+
+
+def _run_checked_instances(checker: Checker, case: Case, selected: Any, tally: Tally, verbose: bool) -> None:
+    """A relaxation's grammar vs the labels, and the end check behind it (the checked mode's lie metric)."""
+    for instance, valid in case.tests:
+        texts = serializations(instance, case.schema)
+        if not texts:
+            continue
+        try:
+            ok = any(checker.accepts(selected, t) for t in texts)
+        except Exception as exc:
+            tally.add(case.subset, "crashes")
+            print(f"CRASH matching {case.name}: {type(exc).__name__}: {exc}"[:400])
+            continue
+        tally.add(case.subset, "checked_valid_instances" if valid else "checked_invalid_instances")
+        if valid and ok:
+            tally.add(case.subset, "checked_valid_accepted")
+            if not checker.end_check(case.schema, texts[0]):
+                tally.add(case.subset, "checked_end_check_rejects_valid")
+                if verbose:
+                    print(f"end check rejects valid [{selected.backend}] {case.name}: {texts[0][:160]}")
+        elif not valid and ok:
+            tally.add(case.subset, "checked_grammar_invalid_accepted")
+            if checker.end_check(case.schema, texts[0]):
+                tally.add(case.subset, "checked_lies")
+                lie = f"CHECKED LIE [{selected.backend}] {case.name}: end check passes invalid {texts[0][:200]}"
+                tally.lies.append(lie)
+                print(lie)
 
 
 def mask_cost(checker: Checker, cases: Iterator[Case], num_schemas: int) -> dict[str, Any]:
@@ -302,15 +377,26 @@ def _reason_key(message: str) -> str:
     return first[:90]
 
 
-def feature_table(result: dict[str, Any]) -> str:
-    """Markdown: per test-suite feature, groups enforced / refused / lied and instance counts."""
+def feature_table(result: dict[str, Any], checked: bool = False) -> str:
+    """Markdown: per test-suite feature, groups enforced / refused / lied and instance counts.
+
+    ``checked``: a "checked" column (groups accepted only through a relaxation) and, for them,
+    invalid instances the relaxed grammar accepts that the end check caught (caught/grammar-accepted).
+    """
+    extra_head = " checked | checked: invalid caught by end check |" if checked else ""
     lines = [
-        "| feature | groups | accepted | refused | groups that lied | invalid accepted | valid rejected |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| feature | groups | accepted |"
+        + extra_head
+        + " refused | groups that lied | invalid accepted | valid rejected |",
+        "|---|---:|---:|" + ("---:|---:|" if checked else "") + "---:|---:|---:|---:|",
     ]
     for name, c in result["subsets"].items():
+        extra = ""
+        if checked:
+            grammar_ok = c["checked_grammar_invalid_accepted"]
+            extra = f" {c['checked_accepted']} | {grammar_ok - c['checked_lies']}/{grammar_ok} |"
         lines.append(
-            f"| {name} | {c['schemas']} | {c['accepted']} | {c['refused']} | {c.get('lied_groups', 0)} | "
+            f"| {name} | {c['schemas']} | {c['accepted']} |{extra} {c['refused']} | {c.get('lied_groups', 0)} | "
             f"{c['invalid_accepted']}/{c['invalid_instances']} | "
             f"{c['valid_instances'] - c['valid_accepted']}/{c['valid_instances']} |"
         )
@@ -340,6 +426,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="instead: per-row mask time of both engines on the first N schemas both compile",
     )
+    ap.add_argument(
+        "--checked",
+        action="store_true",
+        help="compile as opted-in checked-mode requests: schemas accepted only through a relaxation counted apart",
+    )
     ap.add_argument("--table", action="store_true", help="print the per-subset table as markdown")
     ap.add_argument("--verbose", action="store_true", help="print every refusal and over-restriction")
     args = ap.parse_args(argv)
@@ -351,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cases = test_suite_cases(Path(args.test_suite), subsets)
         strict = args.strict == "on"  # the suite's instances follow plain JSON-Schema semantics
-    checker = Checker(args.tokenizer, args.backend, strict)
+    checker = Checker(args.tokenizer, args.backend, strict, checked=args.checked)
     if args.mask_cost:
         print("RESULT " + json.dumps({"mask_cost": mask_cost(checker, cases, args.mask_cost)}, sort_keys=True))
         return 0
@@ -372,7 +463,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"... {tally.counts['schemas']} schemas, {time.perf_counter() - t0:.0f}s", file=sys.stderr)
     except KeyboardInterrupt:  # SIGINT: report what was checked so far, marked partial
         partial = True
-    result = tally.result()
+    result = tally.result(checked=args.checked)
+    result["checked"] = args.checked
+    if args.checked:
+        result["relaxed"] = dict(tally.relaxed.most_common())
     result["partial"] = partial
     result["every"] = args.every
     result["strict"] = strict
@@ -382,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         for name, c in tally.by_subset.items():
             result["subsets"][name]["lied_groups"] = c["lied_groups"]
-        print(feature_table(result))
+        print(feature_table(result, checked=args.checked))
     print("RESULT " + json.dumps(result, sort_keys=True))
     return 0
 

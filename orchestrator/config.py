@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from gpu_worker.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_K, WorkerConfig
 from mask_service.replicas import parse_targets
+from orchestrator import validation
 
 # Local runs listen on loopback only (a dev box should not expose an
 # unauthenticated API); the images and the Helm chart pass --host 0.0.0.0,
@@ -40,6 +41,8 @@ DEFAULT_SHUTDOWN_GRACE_S = 5.0
 # -1 = always, as a Deployment would. The engine probes a lost worker and puts
 # it back into placement once it answers again.
 DEFAULT_WORKER_MAX_RESTARTS = -1
+# Checked mode (issue 13): the most generations (1 + resamples) a request may ask for.
+DEFAULT_CHECKED_MAX_ATTEMPTS = validation.DEFAULT_CHECKED_MAX_ATTEMPTS
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class OrchestratorConfig:
     mask_max_retries: int = DEFAULT_MASK_MAX_RETRIES
     validation_threads: int = DEFAULT_VALIDATION_THREADS
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
+    checked_max_attempts: int = DEFAULT_CHECKED_MAX_ATTEMPTS  # checked mode: cap on a request's max_attempts
     # Logging of the GPU-worker processes (Ray actors): INFO keeps their [request_id=...] lines.
     worker_log_level: str | None = "INFO"
     log_format: str = "text"
@@ -78,7 +82,14 @@ class OrchestratorConfig:
         if not self.mask_service_addresses:
             raise ValueError("at least one mask-service address is required")
         parse_targets(self.mask_service_addresses)  # host:port or dns:///name:port, else ValueError
-        for name in ("num_workers", "max_queue", "max_batch", "default_max_tokens", "validation_threads"):
+        for name in (
+            "num_workers",
+            "max_queue",
+            "max_batch",
+            "default_max_tokens",
+            "validation_threads",
+            "checked_max_attempts",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.worker_max_restarts < -1:

@@ -14,6 +14,7 @@ from orchestrator.errors import InvalidRequest
 from orchestrator.types import (
     GenerationRequest,
     GenerationResult,
+    GrammarReport,
     RequestOutput,
     SamplingOptions,
     SpeculationOptions,
@@ -48,6 +49,10 @@ FINISH_REASONS: dict[FinishReason, int] = {
 }
 
 
+# Mask-service enforcement names -> the API's enum.
+ENFORCEMENTS: dict[str, int] = {"exact": pb.ENFORCEMENT_EXACT, "checked": pb.ENFORCEMENT_CHECKED}
+
+
 # ---- requests -------------------------------------------------------------
 
 
@@ -63,11 +68,18 @@ def grammar_from_proto(msg: pb.Grammar) -> GrammarSpec:
         any_whitespace=msg.any_whitespace,
         separators=separators,
         strict=not msg.allow_additional_properties,
+        backend=msg.backend,
+        checked=msg.checked,
     )
 
 
 def grammar_to_proto(spec: GrammarSpec) -> pb.Grammar:
-    msg = pb.Grammar(any_whitespace=spec.any_whitespace, allow_additional_properties=not spec.strict)
+    msg = pb.Grammar(
+        any_whitespace=spec.any_whitespace,
+        allow_additional_properties=not spec.strict,
+        backend=spec.backend,
+        checked=spec.checked,
+    )
     if spec.kind is GrammarKind.ANY_JSON:
         msg.any_json.SetInParent()
     else:
@@ -117,12 +129,14 @@ def request_from_proto(msg: pb.GenerateRequest, request_id: str) -> GenerationRe
         )
     else:
         prompt = msg.text if which == "text" else tuple(msg.token_ids.ids)
+    has_grammar = msg.HasField("grammar")
     return GenerationRequest(
         request_id=request_id,
         prompt=prompt,
-        grammar=grammar_from_proto(msg.grammar) if msg.HasField("grammar") else None,
+        grammar=grammar_from_proto(msg.grammar) if has_grammar else None,
         sampling=sampling_from_proto(msg.sampling),
         speculation=speculation_from_proto(msg.speculation),
+        max_attempts=msg.grammar.max_attempts if has_grammar and msg.grammar.HasField("max_attempts") else None,
     )
 
 
@@ -139,6 +153,8 @@ def request_to_proto(req: GenerationRequest) -> pb.GenerateRequest:
         msg.token_ids.ids.extend(req.prompt)
     if req.grammar is not None:
         msg.grammar.CopyFrom(grammar_to_proto(req.grammar))
+        if req.max_attempts is not None:
+            msg.grammar.max_attempts = req.max_attempts
     s = req.sampling
     msg.sampling.temperature = s.temperature
     msg.sampling.top_p = s.top_p
@@ -175,8 +191,17 @@ def usage_to_proto(usage: Usage) -> pb.Usage:
     )
 
 
+def grammar_report_to_proto(report: GrammarReport) -> pb.GrammarReport:
+    return pb.GrammarReport(
+        enforcement=ENFORCEMENTS.get(report.enforcement, pb.ENFORCEMENT_UNSPECIFIED),  # type: ignore[arg-type]
+        backend=report.backend,
+        attempts=report.attempts,
+        relaxed=list(report.relaxed),
+    )
+
+
 def result_to_proto(result: GenerationResult) -> pb.GenerateResponse:
-    return pb.GenerateResponse(
+    msg = pb.GenerateResponse(
         request_id=result.request_id,
         text=result.text,
         token_ids=list(result.token_ids),
@@ -184,6 +209,9 @@ def result_to_proto(result: GenerationResult) -> pb.GenerateResponse:
         error=result.error or "",
         usage=usage_to_proto(result.usage),
     )
+    if result.grammar is not None:
+        msg.grammar.CopyFrom(grammar_report_to_proto(result.grammar))
+    return msg
 
 
 def output_to_proto(out: RequestOutput) -> pb.GenerateStreamResponse:
@@ -193,4 +221,6 @@ def output_to_proto(out: RequestOutput) -> pb.GenerateStreamResponse:
         msg.error = out.error or ""
     if out.usage is not None:
         msg.usage.CopyFrom(usage_to_proto(out.usage))
+    if out.grammar is not None:
+        msg.grammar.CopyFrom(grammar_report_to_proto(out.grammar))
     return msg

@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +53,7 @@ from typing import Any
 
 from ray.exceptions import RayTaskError
 
-from gpu_worker.types import FinishReason, StepOutput, UnknownSequenceError, WorkerInfo
+from gpu_worker.types import FinishReason, SamplingParams, StepOutput, UnknownSequenceError, WorkerInfo
 from orchestrator.detokenizer import Decoder
 from orchestrator.errors import DuplicateRequestId, Overloaded, ShuttingDown, Unavailable
 from orchestrator.metrics import OrchestratorMetrics
@@ -73,6 +75,8 @@ _REMOVE_ON_SHUTDOWN_TIMEOUT_S = 10.0
 # (plus model loading); a hung one answers once its stuck call returns.
 _RECOVERY_PROBE_S = 1.0
 _RECOVERY_PROBE_MAX_S = 10.0
+# Checked mode: attempt n of a seeded request uses seed + n * this (odd, so attempts never share a seed).
+_SEED_STRIDE = 0x9E3779B97F4A7C15
 
 
 @dataclass(frozen=True)
@@ -229,7 +233,7 @@ class Engine:
         self._metrics.queue_depth.set(self.queue_depth)
         try:
             loop = asyncio.get_running_loop()
-            seq = await loop.run_in_executor(self._executor, self._validator.validate, req)
+            validated = await loop.run_in_executor(self._executor, self._validator.validate_request, req)
         except BaseException:
             del self._live[req.request_id]
             raise
@@ -239,7 +243,15 @@ class Engine:
         if self._stopping or not self.healthy:
             del self._live[req.request_id]
             raise Unavailable("no healthy GPU worker")
-        request = Request(seq, tokenizer=self._tokenizer, stop=req.sampling.stop, arrival_time=arrival)
+        seq = validated.seq
+        request = Request(
+            seq,
+            tokenizer=self._tokenizer,
+            stop=req.sampling.stop,
+            arrival_time=arrival,
+            grammar=validated.grammar,
+            max_attempts=validated.max_attempts,
+        )
         self._live[request.request_id] = request
         self._waiting.append(request)
         request.log.info(
@@ -274,6 +286,8 @@ class Engine:
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
         request.finish(reason, error)
+        if request.grammar is not None:
+            self._metrics.grammar_requests.labels(enforcement=request.grammar.enforcement).inc()
         self._live.pop(request.request_id, None)
         self._slot_of.pop(request.request_id, None)
         assert request.finish_time is not None  # set by Request.finish
@@ -406,8 +420,19 @@ class Engine:
                 verdict = Verdict(False, f"the output could not be verified ({exc!r})")
             if request.finished:  # cancelled meanwhile
                 return
+            checked = request.grammar is not None and request.grammar.checked
             if verdict.ok:
+                if checked:
+                    self._metrics.checked_attempts.labels(outcome="passed").inc()
                 self._finish(request, FinishReason.GRAMMAR_COMPLETE)
+                return
+            if checked:  # checked mode (issue 13): the relaxation allowed it; the end check caught it
+                if request.may_resample:
+                    self._metrics.checked_attempts.labels(outcome="resampled").inc()
+                    self._resample(request, verdict.reason)
+                    return
+                self._metrics.checked_attempts.labels(outcome="exhausted").inc()
+                self._finish(request, FinishReason.GRAMMAR_VIOLATION, _exhausted(request, verdict.reason))
                 return
             self._metrics.grammar_violations.labels(stage="output_check").inc()
             self._log_violation(request, "output_check", verdict.reason)
@@ -416,6 +441,14 @@ class Engine:
         task = asyncio.create_task(run(), name=f"output-check-{request.request_id}")
         self._checking.add(task)
         task.add_done_callback(self._checking.discard)
+
+    def _resample(self, request: Request, reason: str) -> None:
+        """Checked mode: discard the held attempt and queue the request again with a fresh seed."""
+        request.log.info("checked mode: attempt %d failed the end check (%s); resampling", request.attempts, reason)
+        request.restart(dataclasses.replace(request.seq, sampling=_fresh_seed(request.seq.sampling, request.attempts)))
+        self._slot_of.pop(request.request_id, None)  # the worker freed it when it reported completion
+        self._waiting.appendleft(request)  # it was admitted already: first in line
+        self._place()
 
     @staticmethod
     def _log_violation(request: Request, stage: str, reason: str) -> None:
@@ -520,6 +553,23 @@ class Engine:
             self._tasks.append(asyncio.create_task(self._run_worker(slot), name=f"worker-{slot.index}-loop"))
             self._place()
             return
+
+
+def _fresh_seed(sampling: SamplingParams, attempt: int) -> SamplingParams:
+    """The sampling of attempt ``attempt + 1``: a seeded request derives its seeds (so it replays
+    exactly), an unseeded one draws a new one."""
+    if sampling.seed is None:
+        seed = secrets.randbits(63)
+    else:
+        seed = (sampling.seed + attempt * _SEED_STRIDE) & ((1 << 63) - 1)
+    return dataclasses.replace(sampling, seed=seed)
+
+
+def _exhausted(request: Request, reason: str) -> str:
+    if request.max_attempts == 1 and request.seq.sampling.temperature == 0.0:
+        why = "greedy decoding is deterministic, so a resample would repeat this output; send temperature > 0"
+        return f"grammar violation (checked mode, 1 attempt: {why}): {reason}"
+    return f"grammar violation (checked mode, all {request.attempts} attempts failed the end check; last: {reason})"
 
 
 async def _ray_get(ref: Any, timeout_s: float) -> Any:

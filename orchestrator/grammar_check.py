@@ -14,6 +14,7 @@ from mask_service.client import MaskServiceError
 from mask_service.grammar import GrammarSpec
 from mask_service.router import MaskRouter
 from orchestrator.errors import GrammarTimeout, InvalidRequest, Overloaded, Unavailable
+from orchestrator.types import GrammarReport
 
 
 class MaskServiceGrammarChecker:
@@ -32,10 +33,10 @@ class MaskServiceGrammarChecker:
         self._tokenizer_id = tokenizer_id
         self._vocab_size = vocab_size
 
-    def check(self, spec: GrammarSpec, client: str = "") -> None:
+    def check(self, spec: GrammarSpec, client: str = "") -> GrammarReport:
         """``client``: the end client (orchestrator.client_identity), the replica's compile-queue owner."""
         try:
-            self._router.validate_grammar(self._tokenizer_id, spec, self._vocab_size, client=client)
+            resp = self._router.validate_grammar(self._tokenizer_id, spec, self._vocab_size, client=client)
         except MaskServiceError as exc:
             if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
                 # The mask service's reason (e.g. GRAMMAR_TOO_COMPLEX) reaches the client as is.
@@ -48,6 +49,7 @@ class MaskServiceGrammarChecker:
                 # retry (a grammar over a limit or over budget is INVALID_ARGUMENT above).
                 raise Overloaded(f"mask service busy compiling grammars: {exc.message}") from None
             raise Unavailable(f"mask service could not validate the grammar ({exc.code.name}): {exc.message}") from None
+        return GrammarReport(enforcement=resp.enforcement or "exact", backend=resp.backend, relaxed=tuple(resp.relaxed))
 
     def release_sessions(self, owner: str) -> int:
         """Close every mask session a lost GPU worker (``owner``) left open, on every

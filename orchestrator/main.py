@@ -89,6 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=cfg.DEFAULT_SHUTDOWN_GRACE_S,
         help="on SIGTERM, streams get this long to finish, then end with a final message",
     )
+    parser.add_argument(
+        "--checked-max-attempts",
+        type=int,
+        default=cfg.DEFAULT_CHECKED_MAX_ATTEMPTS,
+        help="checked mode (issue 13): most generations one request may ask for (Grammar.max_attempts)",
+    )
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument(
         "--log-format", default="text", choices=LOG_FORMATS, help="text (for people) or json (one object a line)"
@@ -122,6 +128,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         worker_max_restarts=args.worker_max_restarts,
         mask_deadline_s=args.mask_deadline_s,
         shutdown_grace_s=args.shutdown_grace_s,
+        checked_max_attempts=args.checked_max_attempts,
         worker_log_level=args.log_level,
         log_format=args.log_format,
     )

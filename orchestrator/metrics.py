@@ -87,6 +87,20 @@ class OrchestratorMetrics:
             ["stage"],
             registry=r,
         )
+        self.grammar_requests = Counter(
+            "specmask_grammar_requests",
+            "Grammar requests finished, by enforcement: exact (masked by the caller's grammar) or checked "
+            "(masked by a relaxation, checked at the end; issue 13)",
+            ["enforcement"],
+            registry=r,
+        )
+        self.checked_attempts = Counter(
+            "specmask_checked_attempts",
+            "Checked-mode generations by outcome: passed (returned), resampled (failed the end check, regenerated), "
+            "exhausted (failed the end check with no attempts left: GRAMMAR_VIOLATION)",
+            ["outcome"],
+            registry=r,
+        )
         self.worker_recoveries = Counter(
             "specmask_worker_recoveries", "Lost workers that answered again and were put back", ["worker"], registry=r
         )

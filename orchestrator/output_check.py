@@ -12,7 +12,8 @@ What "the caller's grammar" means, per kind (a registry, not an if-chain):
 * ``JSON_SCHEMA``: the text parses as strict JSON (no duplicate keys, no NaN or
   Infinity) and a compiled ``jsonschema`` validator for the caller's ORIGINAL schema
   (not the mask service's rewrite) accepts it, with ``format`` asserted. ``strict``
-  (the default) is part of what the caller asked for: it means what xgrammar's
+  (the default) is part of what the caller asked for, checked by a second validator
+  (the document must pass the schema as written too: see ``_json_schema_checker``): it means what xgrammar's
   ``strict_mode`` means, i.e. an object schema that lists ``properties`` or
   ``patternProperties`` and says nothing about ``additionalProperties`` allows no
   other keys, and ``prefixItems`` without ``items`` allows no further items. Those
@@ -172,23 +173,48 @@ def _json_schema_checker(spec: GrammarSpec) -> Callable[[str], Verdict]:
         schema = json.loads(spec.text)
     except ValueError as exc:
         raise OutputCheckError(f"schema is not JSON: {exc}") from exc
-    if spec.strict:
-        schema = strict_schema(schema)
     cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
-    validator = cls(schema, format_checker=cls.FORMAT_CHECKER)
+    # The schema as written, always: strict defaults pushed into a condition or a negation
+    # (``if``, ``not``, a ``oneOf`` branch) would make the check LOOSER (a document the
+    # strict ``if`` no longer matches skips its ``then``), so strict mode only adds a
+    # second validator; a document must pass both.
+    validators = [cls(schema, format_checker=cls.FORMAT_CHECKER)]
+    if spec.strict:
+        validators.append(cls(strict_schema(schema), format_checker=cls.FORMAT_CHECKER))
+    if isinstance(schema, dict) and "$schema" not in schema and _uses_keyword(schema, "dependencies"):
+        # No declared draft, and a keyword only drafts 4-7 define (2020-12 ignores it): the mask
+        # service took the schema under any draft, so the output must satisfy draft 7's reading too.
+        validators.append(jsonschema.Draft7Validator(schema, format_checker=jsonschema.Draft7Validator.FORMAT_CHECKER))
 
     def check(text: str) -> Verdict:
         try:
             doc = parse_strict_json(text)
         except ValueError as exc:
             return Verdict(False, f"output is not valid JSON: {exc}")
-        error = jsonschema.exceptions.best_match(validator.iter_errors(doc))
-        if error is not None:
-            where = "/".join(str(p) for p in error.absolute_path) or "(root)"
-            return Verdict(False, f"output breaks the schema at {where}: {error.message}")
+        for validator in validators:
+            error = jsonschema.exceptions.best_match(validator.iter_errors(doc))
+            if error is not None:
+                where = "/".join(str(p) for p in error.absolute_path) or "(root)"
+                return Verdict(False, f"output breaks the schema at {where}: {error.message}")
         return Verdict(True)
 
     return check
+
+
+def _uses_keyword(node: Any, keyword: str) -> bool:
+    """Whether ``keyword`` appears at a schema position anywhere in ``node`` (not inside data)."""
+    if isinstance(node, list):
+        return any(_uses_keyword(sub, keyword) for sub in node)
+    if not isinstance(node, dict):
+        return False
+    if keyword in node:
+        return True
+    return any(
+        _uses_keyword(v, keyword)
+        if k not in ("const", "enum", "default", "examples", "properties")
+        else (k == "properties" and isinstance(v, dict) and any(_uses_keyword(sub, keyword) for sub in v.values()))
+        for k, v in node.items()
+    )
 
 
 def _xgrammar_checker(spec: GrammarSpec) -> Callable[[str], Verdict]:

@@ -5,6 +5,12 @@ A ``Request`` turns the worker's per-step ``StepOutput`` into client-facing
 incrementally, applies stop strings, and queues deltas for the servicer. The
 engine decides *when* a request runs; the request decides *what* the client
 sees.
+
+Checked mode (issue 13): a request whose grammar is enforced by a relaxation
+(``GrammarReport.checked``) *holds* its output: nothing is streamed until the
+engine's end check passes (``release`` then sends the whole text as one
+delta), because an attempt that fails the check is discarded and regenerated
+(``restart``). A held request that fails returns no text at all.
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ from collections.abc import AsyncIterator
 from gpu_worker.types import FinishReason, NewSequence, StepOutput
 from orchestrator.detokenizer import Decoder, IncrementalDetokenizer
 from orchestrator.stop_strings import StopStringMatcher
-from orchestrator.types import GenerationResult, RequestOutput, Usage
+from orchestrator.types import GenerationResult, GrammarReport, RequestOutput, Usage
 
 logger = logging.getLogger(__name__)
+# Finish reasons on which a held (checked-mode) request's output is released to the client.
+_HELD_SUCCESSES = frozenset({FinishReason.STOP, FinishReason.LENGTH, FinishReason.GRAMMAR_COMPLETE})
 
 
 class RequestLog(logging.LoggerAdapter):
@@ -40,8 +48,18 @@ class Request:
         tokenizer: Decoder,
         stop: tuple[str, ...] = (),
         arrival_time: float | None = None,
+        grammar: GrammarReport | None = None,
+        max_attempts: int = 1,
     ) -> None:
         self.seq = seq
+        self.grammar = grammar  # how the grammar is enforced (None: no grammar)
+        self.max_attempts = max_attempts  # generations the engine may run (checked mode)
+        self.attempts = 1
+        self._hold = grammar is not None and grammar.checked  # no deltas until the end check passes
+        self._held_ids: list[int] = []
+        self._held_text: list[str] = []
+        self._tokenizer = tokenizer
+        self._stop_strings = stop
         self.log = RequestLog(logger, {"request_id": seq.seq_id})
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.first_token_time: float | None = None
@@ -81,7 +99,7 @@ class Request:
         self.usage.mask_time_s += out.mask_time_s
         if not out.new_token_ids:
             return False
-        if self.first_token_time is None:
+        if self.first_token_time is None and not self._hold:
             self.first_token_time = time.monotonic()
         new_ids = tuple(int(t) for t in out.new_token_ids)
         self.token_ids.extend(new_ids)
@@ -90,10 +108,34 @@ class Request:
         self._emit(new_ids, text)
         return stopped
 
+    @property
+    def may_resample(self) -> bool:
+        """Checked mode with attempts left (the validator gives greedy and exact requests one)."""
+        return self.grammar is not None and self.grammar.checked and self.attempts < self.max_attempts
+
+    def restart(self, seq: NewSequence) -> None:
+        """Discard the current (held, never sent) attempt and start another with ``seq``."""
+        assert self._hold and not self.finished
+        self.seq = seq
+        self.attempts += 1
+        self.token_ids = []
+        self._held_ids, self._held_text = [], []
+        self.usage.completion_tokens = 0  # the returned output's tokens; forwards and drafts stay cumulative
+        self._detokenizer = IncrementalDetokenizer(self._tokenizer)
+        self._stop = StopStringMatcher(self._stop_strings)
+
+    def _report(self) -> GrammarReport | None:
+        return None if self.grammar is None else dataclasses.replace(self.grammar, attempts=self.attempts)
+
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
-        """Queue the final event (remaining text, finish reason, usage). Idempotent."""
+        """Queue the final event (remaining text, finish reason, usage). Idempotent.
+
+        A held (checked) request's text is released on a success (STOP, LENGTH,
+        GRAMMAR_COMPLETE) and dropped on anything else: a failed attempt is never returned."""
         if self.finished:
             return
+        held_success = self._hold and reason in _HELD_SUCCESSES
+        discard = self._hold and not held_success
         self.finish_reason = reason
         self.error = error
         self.finish_time = time.monotonic()
@@ -104,6 +146,12 @@ class Request:
             tail, stopped = self._stop.feed(self._detokenizer.flush())
             if not stopped:
                 tail += self._stop.flush()
+        if discard:
+            tail = ""
+            self.token_ids = []
+            self._held_ids, self._held_text = [], []
+        elif held_success:
+            self._release()
         if tail:
             self._text_parts.append(tail)
         if error:
@@ -125,10 +173,24 @@ class Request:
                 finish_reason=reason,
                 error=error,
                 usage=dataclasses.replace(self.usage),
+                grammar=self._report(),
             )
         )
 
+    def _release(self) -> None:
+        """Send what a held request generated, as one delta (the end check passed)."""
+        self._hold = False
+        ids, text = tuple(self._held_ids), "".join(self._held_text)
+        self._held_ids, self._held_text = [], []
+        if ids or text:
+            self.first_token_time = time.monotonic()  # what the client sees first
+            self._emit(ids, text)
+
     def _emit(self, token_ids: tuple[int, ...], text: str) -> None:
+        if self._hold:
+            self._held_ids.extend(token_ids)
+            self._held_text.append(text)
+            return
         if text:
             self._text_parts.append(text)
         self._events.put_nowait(RequestOutput(request_id=self.request_id, token_ids=token_ids, text=text))
@@ -153,4 +215,5 @@ class Request:
             finish_reason=self.finish_reason,
             error=self.error,
             usage=dataclasses.replace(self.usage),
+            grammar=self._report(),
         )

@@ -38,6 +38,20 @@ class SpeculationOptions:
 
 
 @dataclass(frozen=True)
+class GrammarReport:
+    """How a grammar request's output was constrained (the mask service's answer + attempts)."""
+
+    enforcement: str  # "exact", or "checked" (a relaxation masked it; the output passed the end check)
+    backend: str  # the engine that masked it ("xgrammar" / "llguidance"; "" if the service did not say)
+    attempts: int = 1  # generations run: 1 + resamples (checked mode)
+    relaxed: tuple[str, ...] = ()  # checked: the relaxation rules applied
+
+    @property
+    def checked(self) -> bool:
+        return self.enforcement == "checked"
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """One client request, before validation against the model and grammar engine."""
 
@@ -46,6 +60,8 @@ class GenerationRequest:
     grammar: GrammarSpec | None = None
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
     speculation: SpeculationOptions = field(default_factory=SpeculationOptions)
+    # Checked mode (grammar.checked): generations to try; None = the server default.
+    max_attempts: int | None = None
     # Who sent it (orchestrator.client_identity): the mask service's compile queue is fair by it.
     client: str = ""
 
@@ -85,6 +101,7 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     usage: Usage | None = None
+    grammar: GrammarReport | None = None  # final event of a grammar request
 
     @property
     def finished(self) -> bool:
@@ -101,3 +118,4 @@ class GenerationResult:
     finish_reason: FinishReason
     error: str | None
     usage: Usage
+    grammar: GrammarReport | None = None  # grammar requests: enforcement, engine, attempts

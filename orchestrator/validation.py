@@ -12,6 +12,7 @@ engine runs it on a thread pool, never on the event loop.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import uuid
@@ -22,7 +23,7 @@ from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams, Wor
 from mask_service.grammar import GrammarKind, GrammarSpec
 from orchestrator.chat import ChatError, ChatPrompt, ChatRenderer
 from orchestrator.errors import InvalidRequest
-from orchestrator.types import GenerationRequest
+from orchestrator.types import GenerationRequest, GrammarReport
 
 # Client-chosen ids appear in logs and are used as worker sequence ids: keep
 # them short and printable so they cannot forge log lines.
@@ -52,6 +53,12 @@ KNOWN_PROPOSERS = frozenset({"draft_model", "grammar_forced", "ngram"})
 DRAFTLESS_PROPOSERS = ("grammar_forced", "ngram")
 # Longest plausible token, in characters (used only to bound tokenizer work).
 MAX_CHARS_PER_TOKEN = 64
+# Checked mode (issue 13): generations a request gets when it names no max_attempts, and the
+# default server cap (--checked-max-attempts).
+DEFAULT_CHECKED_ATTEMPTS = 4
+DEFAULT_CHECKED_MAX_ATTEMPTS = 8
+# Engine names a request may give (GrammarSpec.backend); "auto" is the same as "" (the service picks).
+KNOWN_BACKENDS = ("auto", "llguidance", "xgrammar")
 # Seeds arrive as uint64; kernels take int64.
 _SEED_MASK = (1 << 63) - 1
 
@@ -60,10 +67,11 @@ class GrammarChecker(Protocol):
     """Asks the grammar engine whether it accepts a grammar.
 
     Raises ``InvalidRequest`` (the engine's message) for refused grammars and
-    ``Unavailable`` when the engine cannot be reached.
+    ``Unavailable`` when the engine cannot be reached. Returns how the grammar will be
+    enforced (engine, exact or checked); None = exact, engine unknown.
     """
 
-    def check(self, spec: GrammarSpec, client: str = "") -> None: ...
+    def check(self, spec: GrammarSpec, client: str = "") -> GrammarReport | None: ...
 
 
 class Tokenizer(Protocol):
@@ -78,6 +86,16 @@ class ServingDefaults:
 
     max_tokens: int
     k: int
+    checked_max_attempts: int = DEFAULT_CHECKED_MAX_ATTEMPTS  # server cap on GenerationRequest.max_attempts
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """What the engine runs: the worker's sequence, plus how its grammar is enforced."""
+
+    seq: NewSequence
+    grammar: GrammarReport | None = None  # None: no grammar
+    max_attempts: int = 1  # generations the engine may run (checked enforcement only; greedy: 1)
 
 
 def _fail(message: str) -> InvalidRequest:
@@ -112,25 +130,49 @@ class RequestValidator:
 
     def validate(self, req: GenerationRequest) -> NewSequence:
         """Check everything; the grammar last, since it is the only remote call."""
+        return self.validate_request(req).seq
+
+    def validate_request(self, req: GenerationRequest) -> ValidatedRequest:
+        """``validate``, plus the grammar's enforcement and the attempts checked mode may take."""
         prompt = self._render_chat(req.prompt, req.grammar) if isinstance(req.prompt, ChatPrompt) else req.prompt
         prompt_ids = self._prompt_ids(prompt)
         sampling = self._sampling(req, len(prompt_ids))
         speculation = self._speculation(req)
-        if req.grammar is not None:
+        grammar = req.grammar
+        report: GrammarReport | None = None
+        max_attempts = self._max_attempts(req)
+        if grammar is not None:
             if req.sampling.ignore_eos:
                 raise _fail("ignore_eos cannot be combined with a grammar (a grammar ends where it admits EOS)")
-            self._check_grammar_shape(req.grammar)
-            self._grammar_checker.check(req.grammar, req.client)
-        return NewSequence(
+            self._check_grammar_shape(grammar)
+            if grammar.backend == "auto":
+                grammar = dataclasses.replace(grammar, backend="")
+            report = self._grammar_checker.check(grammar, req.client) or GrammarReport("exact", grammar.backend)
+        seq = NewSequence(
             seq_id=req.request_id,
             prompt_token_ids=prompt_ids,
-            grammar=req.grammar,
+            grammar=grammar,
             sampling=sampling,
             speculation=speculation,
             # () = no stop tokens: only max_tokens (or the context) ends the sequence.
             stop_token_ids=() if req.sampling.ignore_eos else None,
             request_id=req.request_id,
         )
+        if report is None or not report.checked or sampling.temperature == 0.0:
+            max_attempts = 1  # exact: a violation is a bug, not resampled; greedy: a resample repeats itself
+        return ValidatedRequest(seq, report, max_attempts)
+
+    def _max_attempts(self, req: GenerationRequest) -> int:
+        cap = self._defaults.checked_max_attempts
+        if req.max_attempts is None:
+            return min(DEFAULT_CHECKED_ATTEMPTS, cap)
+        if req.grammar is None or not req.grammar.checked:
+            raise _fail("max_attempts applies to checked mode only (a JSON Schema grammar with checked set)")
+        if not 1 <= req.max_attempts <= cap:
+            raise _fail(
+                f"max_attempts must be in [1, {cap}] (the server's --checked-max-attempts), got {req.max_attempts}"
+            )
+        return req.max_attempts
 
     def _render_chat(self, chat: ChatPrompt, grammar: GrammarSpec | None) -> str:
         if self._chat is None:
@@ -231,6 +273,14 @@ class RequestValidator:
         """Local checks that need no engine: size, JSON-only options on JSON kinds."""
         if len(spec.text) > MAX_GRAMMAR_CHARS:
             raise _fail(f"grammar of {len(spec.text)} characters exceeds the limit of {MAX_GRAMMAR_CHARS}")
+        if spec.backend and spec.backend not in KNOWN_BACKENDS:
+            raise InvalidRequest(
+                f"unknown grammar backend {spec.backend!r}; known: {', '.join(KNOWN_BACKENDS)}",
+                reason="UNKNOWN_BACKEND",
+                field="grammar.backend",
+            )
+        if spec.checked and spec.kind is not GrammarKind.JSON_SCHEMA:
+            raise _fail(f"checked mode applies to JSON Schema grammars only, not {spec.kind.value}")
         is_json = spec.kind in (GrammarKind.JSON_SCHEMA, GrammarKind.ANY_JSON)
         if not is_json and (spec.any_whitespace or spec.separators is not None or not spec.strict):
             raise _fail(

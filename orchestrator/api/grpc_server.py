@@ -164,7 +164,11 @@ async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer,
             deadline_s=config.mask_deadline_s,
             max_retries=config.mask_max_retries,
         )
-        defaults = ServingDefaults(max_tokens=config.default_max_tokens, k=min(config.default_k, info.max_k))
+        defaults = ServingDefaults(
+            max_tokens=config.default_max_tokens,
+            k=min(config.default_k, info.max_k),
+            checked_max_attempts=config.checked_max_attempts,
+        )
         chat = await asyncio.to_thread(ChatRenderer.for_model, config.target_dir)
         validator = RequestValidator(tokenizer, info, checker, defaults, chat)
         metrics = OrchestratorMetrics()

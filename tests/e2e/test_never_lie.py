@@ -84,13 +84,15 @@ def test_wrong_output_is_a_violation_not_a_success(
     engine = stack.running.server.engine
     digits = _digit_token_ids(tiny_pair[0])
     assert digits
-    validate = engine._validator.validate
+    validate = engine._validator.validate_request
 
     def with_digit_stops(req):
-        seq = validate(req)
-        return dataclasses.replace(seq, stop_token_ids=digits) if req.request_id.startswith("wrong-") else seq
+        validated = validate(req)
+        if not req.request_id.startswith("wrong-"):
+            return validated
+        return dataclasses.replace(validated, seq=dataclasses.replace(validated.seq, stop_token_ids=digits))
 
-    monkeypatch.setattr(engine._validator, "validate", with_digit_stops)
+    monkeypatch.setattr(engine._validator, "validate_request", with_digit_stops)
     before = _violations_metric(stack, "output_check")
     with OrchestratorClient(stack.address) as client:
         result = client.generate(build_request("x", regex="[0-9]{5}", max_tokens=16, request_id="wrong-1"))

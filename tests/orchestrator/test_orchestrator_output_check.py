@@ -93,3 +93,29 @@ def test_compiled_checkers_are_cached(checker: OutputChecker) -> None:
     small.check(grammar, "yes")
     small.check(spec(GrammarKind.REGEX, "x"), "x")
     assert len(small._cache) == 1
+
+
+def test_strict_defaults_never_loosen_conditions() -> None:
+    """Checked mode (issue 13) reaches the end check with if/not/oneOf: strict defaults pushed into
+    a condition must not let a document skip its ``then`` (found by bench.coverage --checked)."""
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "string"}, "b": {"type": "integer"}, "c": {"type": "string"}},
+        "if": {"properties": {"c": {"const": "ghi"}}},
+        "then": {"required": ["a", "b", "c"]},
+        "else": {"required": ["a", "c"]},
+    }
+    spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema))  # strict (the default)
+    checker = OutputChecker()
+    assert not checker.check(spec, '{"a":"x","c":"ghi"}').ok  # "then" applies: b is required
+    assert checker.check(spec, '{"a":"x","b":1,"c":"ghi"}').ok
+    # Plain: {"a":1} matches both branches (invalid); strict alone would close branch 0 and pass it.
+    one_of = {"oneOf": [{"type": "object", "properties": {"x": {}}}, {"type": "object", "required": ["a"]}]}
+    assert not checker.check(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(one_of)), '{"a":1}').ok
+
+
+def test_draft7_dependencies_without_a_declared_draft_are_checked() -> None:
+    spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "object", "dependencies": {"a": ["b"]}}))
+    checker = OutputChecker()
+    assert not checker.check(spec, '{"a":1}').ok
+    assert checker.check(spec, '{"a":1,"b":2}').ok

@@ -91,3 +91,40 @@ def test_result(bpe_tokenizer) -> None:
     result = asyncio.run(request.result())
     assert result.text == "[1,2,3]" and result.finish_reason is FinishReason.STOP
     assert list(result.token_ids) == bpe_tokenizer.encode("[1,2,3]").ids
+
+
+def _checked_request(tokenizer, max_attempts: int = 3) -> Request:
+    from orchestrator.types import GrammarReport
+
+    report = GrammarReport("checked", "xgrammar", relaxed=("uniqueItems",))
+    return Request(_seq(), tokenizer=tokenizer, grammar=report, max_attempts=max_attempts)
+
+
+def test_checked_request_holds_output_until_released(bpe_tokenizer) -> None:
+    """Checked mode: no delta of an attempt that may be discarded; a restart discards it."""
+    request = _checked_request(bpe_tokenizer)
+    for out in _steps(bpe_tokenizer, "[1,1]"):
+        request.apply_step(out)
+    assert request._events.empty() and request.text == ""  # nothing sent yet
+    assert request.may_resample
+    request.restart(_seq())  # the end check failed: the next attempt starts clean
+    assert (request.attempts, request.token_ids, request.usage.completion_tokens) == (2, [], 0)
+    for out in _steps(bpe_tokenizer, "[1,2]"):
+        request.apply_step(out)
+    assert request._events.empty()
+    request.finish(FinishReason.GRAMMAR_COMPLETE)
+    events = _events(request)
+    assert [e.text for e in events if not e.finished] == ["[1,2]"]  # one delta, the passing attempt only
+    assert request.text == "[1,2]" and events[-1].grammar.attempts == 2
+    assert events[-1].grammar.enforcement == "checked" and events[-1].usage.target_forwards == 6  # both attempts
+
+
+def test_checked_request_failure_returns_no_text(bpe_tokenizer) -> None:
+    request = _checked_request(bpe_tokenizer, max_attempts=1)
+    for out in _steps(bpe_tokenizer, "[1,1]"):
+        request.apply_step(out)
+    assert not request.may_resample
+    request.finish(FinishReason.GRAMMAR_VIOLATION, "grammar violation: duplicate items")
+    result = asyncio.run(request.result())  # consumes the events: only the final one, without text
+    assert result.text == "" and result.token_ids == () and result.grammar.attempts == 1
+    assert result.finish_reason is FinishReason.GRAMMAR_VIOLATION and request._events.empty()

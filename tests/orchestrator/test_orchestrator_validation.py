@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -195,3 +196,35 @@ def test_request_ids() -> None:
     assert RequestValidator.request_id("client-1") == "client-1"
     a, b = RequestValidator.request_id(""), RequestValidator.request_id("")
     assert a != b and len(a) == 32
+
+
+UNIQUE = {"type": "array", "items": {"enum": [1, 2]}, "minItems": 2, "maxItems": 2, "uniqueItems": True}
+
+
+def test_backend_and_checked_mode(validator) -> None:
+    """Issue 13: engine choice and checked mode through validation; bad values are typed errors."""
+    exact = validator.validate_request(_req(grammar=SCHEMA, temperature=1.0))
+    assert (exact.grammar.enforcement, exact.grammar.backend, exact.max_attempts) == ("exact", "xgrammar", 1)
+    named = validator.validate_request(_req(grammar=dataclasses.replace(SCHEMA, backend="llguidance")))
+    assert named.grammar.backend == "llguidance" and named.seq.grammar.backend == "llguidance"
+    auto = validator.validate_request(_req(grammar=dataclasses.replace(SCHEMA, backend="auto")))
+    assert auto.seq.grammar.backend == "" and auto.grammar.backend == "xgrammar"  # "auto" = the service picks
+    with pytest.raises(InvalidRequest) as exc:
+        validator.validate(_req(grammar=dataclasses.replace(SCHEMA, backend="outlines")))
+    assert "known: auto, llguidance, xgrammar" in exc.value.message and exc.value.reason == "UNKNOWN_BACKEND"
+    unique = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(UNIQUE))
+    with pytest.raises(InvalidRequest, match="uniqueItems"):  # refused as before without opting in
+        validator.validate(_req(grammar=unique, temperature=1.0))
+    checked = dataclasses.replace(unique, checked=True)
+    got = validator.validate_request(_req(grammar=checked, temperature=1.0))
+    assert (got.grammar.enforcement, got.grammar.relaxed, got.max_attempts) == ("checked", ("uniqueItems",), 4)
+    req = dataclasses.replace(_req(grammar=checked, temperature=1.0), max_attempts=8)
+    assert validator.validate_request(req).max_attempts == 8
+    assert validator.validate_request(_req(grammar=checked)).max_attempts == 1  # greedy: a resample repeats
+    for bad in (0, 9):
+        with pytest.raises(InvalidRequest, match="max_attempts must be in"):
+            validator.validate(dataclasses.replace(_req(grammar=checked, temperature=1.0), max_attempts=bad))
+    with pytest.raises(InvalidRequest, match="checked mode only"):
+        validator.validate(dataclasses.replace(_req(grammar=SCHEMA), max_attempts=2))
+    with pytest.raises(InvalidRequest, match="JSON Schema grammars only"):
+        validator.validate(_req(grammar=GrammarSpec(GrammarKind.REGEX, "[a-z]+", checked=True)))

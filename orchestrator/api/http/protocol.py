@@ -8,7 +8,8 @@ while their neutral values (``n=1``, ``logprobs=false``, penalties 0) pass.
 
 Extensions (named after vLLM's ``extra_body`` fields where one exists):
 ``top_k``, ``ignore_eos``, ``guided_json``, ``guided_regex``, ``guided_grammar``
-(EBNF), ``guided_lark``, ``guided_choice``, and ours: ``speculation``
+(EBNF), ``guided_lark``, ``guided_choice``, ``guided_decoding_backend``, and ours:
+``guided_checked`` / ``guided_max_attempts`` (checked mode), ``speculation``
 (``enabled``, ``k``, ``proposers``, ``draft_masking``) and, for chat,
 ``schema_instruction``.
 """
@@ -131,6 +132,12 @@ class _Generation(_Body):
     guided_lark: str | None = None
     guided_choice: list[str] | None = None
     speculation: Speculation | None = None
+    # Grammar engine, named like vLLM's field: "auto" (the service picks), "xgrammar", "llguidance"
+    # ("guidance", vLLM's name for llguidance, is taken too). Checked mode (issue 13, opt-in):
+    # ``guided_checked`` + optional ``guided_max_attempts``. All three need an output constraint.
+    guided_decoding_backend: str | None = None
+    guided_checked: bool | None = None
+    guided_max_attempts: int | None = None
 
 
 class ChatCompletionRequest(_Generation):

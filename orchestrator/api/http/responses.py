@@ -14,7 +14,7 @@ from typing import Any
 
 from gpu_worker.types import FinishReason
 from orchestrator.api.http.errors import GENERATION_FAILED, UNAVAILABLE, ApiError
-from orchestrator.types import Usage
+from orchestrator.types import GrammarReport, Usage
 
 # Engine finish reason -> OpenAI finish_reason, for the reasons that are a success.
 FINISH_REASONS: dict[FinishReason, str] = {
@@ -35,8 +35,18 @@ def finish_error(reason: FinishReason, error: str | None) -> ApiError | None:
     return ApiError(GENERATION_FAILED, f"generation failed ({reason.value}){detail}")
 
 
-def usage_body(usage: Usage) -> dict[str, Any]:
+def grammar_body(grammar: GrammarReport) -> dict[str, Any]:
+    """``usage.specmask.grammar``: how the output was constrained (issue 13)."""
     return {
+        "enforcement": grammar.enforcement,
+        "backend": grammar.backend,
+        "attempts": grammar.attempts,
+        "relaxed": list(grammar.relaxed),
+    }
+
+
+def usage_body(usage: Usage, grammar: GrammarReport | None = None) -> dict[str, Any]:
+    body = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
@@ -49,6 +59,9 @@ def usage_body(usage: Usage) -> dict[str, Any]:
             "mask_time_s": usage.mask_time_s,
         },
     }
+    if grammar is not None:
+        body[USAGE_EXTENSION_KEY]["grammar"] = grammar_body(grammar)  # type: ignore[index]
+    return body
 
 
 @dataclass(frozen=True)
@@ -60,14 +73,16 @@ class Envelope:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def chat_completion(env: Envelope, message: dict[str, Any], finish_reason: str, usage: Usage) -> dict[str, Any]:
+def chat_completion(
+    env: Envelope, message: dict[str, Any], finish_reason: str, usage: Usage, grammar: GrammarReport | None = None
+) -> dict[str, Any]:
     return {
         "id": env.id,
         "object": "chat.completion",
         "created": env.created,
         "model": env.model,
         "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage_body(usage),
+        "usage": usage_body(usage, grammar),
     }
 
 
@@ -81,14 +96,16 @@ def chat_chunk(env: Envelope, delta: dict[str, Any], finish_reason: str | None =
     }
 
 
-def completion(env: Envelope, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
+def completion(
+    env: Envelope, text: str, finish_reason: str, usage: Usage, grammar: GrammarReport | None = None
+) -> dict[str, Any]:
     return {
         "id": env.id,
         "object": "text_completion",
         "created": env.created,
         "model": env.model,
         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage_body(usage),
+        "usage": usage_body(usage, grammar),
     }
 
 
@@ -102,7 +119,7 @@ def completion_chunk(env: Envelope, text: str, finish_reason: str | None = None)
     }
 
 
-def usage_chunk(env: Envelope, obj: str, usage: Usage) -> dict[str, Any]:
+def usage_chunk(env: Envelope, obj: str, usage: Usage, grammar: GrammarReport | None = None) -> dict[str, Any]:
     """The final chunk of ``stream_options.include_usage``: no choices, the whole usage."""
     return {
         "id": env.id,
@@ -110,5 +127,5 @@ def usage_chunk(env: Envelope, obj: str, usage: Usage) -> dict[str, Any]:
         "created": env.created,
         "model": env.model,
         "choices": [],
-        "usage": usage_body(usage),
+        "usage": usage_body(usage, grammar),
     }

@@ -31,7 +31,7 @@ from orchestrator.engine import Engine
 from orchestrator.errors import RequestError
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.request import Request
-from orchestrator.types import GenerationResult, Usage
+from orchestrator.types import GenerationResult, GrammarReport, Usage
 from orchestrator.validation import RequestValidator
 
 logger = logging.getLogger(__name__)
@@ -150,7 +150,9 @@ class OpenAIRoutes:
             result = await admitted.result()
             _raise_for_finish(result.finish_reason, result.error)
             message, finish = _chat_message(result.text, result.finish_reason, translated.tool_call)
-            return web.json_response(rsp.chat_completion(env, message, finish, result.usage), headers=headers)
+            return web.json_response(
+                rsp.chat_completion(env, message, finish, result.usage, result.grammar), headers=headers
+            )
         finally:
             self._engine.cancel(admitted.request_id)
 
@@ -169,7 +171,9 @@ class OpenAIRoutes:
             result: GenerationResult = await admitted.result()
             _raise_for_finish(result.finish_reason, result.error)
             finish = rsp.FINISH_REASONS[result.finish_reason]
-            return web.json_response(rsp.completion(env, result.text, finish, result.usage), headers=headers)
+            return web.json_response(
+                rsp.completion(env, result.text, finish, result.usage, result.grammar), headers=headers
+            )
         finally:
             self._engine.cancel(admitted.request_id)
 
@@ -215,7 +219,7 @@ class OpenAIRoutes:
                 else:
                     finish = rsp.FINISH_REASONS[out.finish_reason]
                 await stream.send(rsp.chat_chunk(env, {}, finish))
-                await self._finish_stream(stream, env, "chat.completion.chunk", out.usage, include_usage)
+                await self._finish_stream(stream, env, "chat.completion.chunk", out.usage, include_usage, out.grammar)
         except ConnectionResetError:
             logger.info("[request_id=%s] client went away mid-stream", admitted.request_id)
         return stream.response
@@ -240,7 +244,7 @@ class OpenAIRoutes:
                         return stream.response
                     finish = rsp.FINISH_REASONS[out.finish_reason]
                     await stream.send(rsp.completion_chunk(env, out.text, finish))
-                    await self._finish_stream(stream, env, "text_completion", out.usage, include_usage)
+                    await self._finish_stream(stream, env, "text_completion", out.usage, include_usage, out.grammar)
                 elif out.text:
                     await stream.send_raw(deltas.encode(out.text))
         except ConnectionResetError:
@@ -248,9 +252,16 @@ class OpenAIRoutes:
         return stream.response
 
     @staticmethod
-    async def _finish_stream(stream: EventStream, env: rsp.Envelope, obj: str, usage: Usage, include: bool) -> None:
+    async def _finish_stream(
+        stream: EventStream,
+        env: rsp.Envelope,
+        obj: str,
+        usage: Usage,
+        include: bool,
+        grammar: GrammarReport | None = None,
+    ) -> None:
         if include:
-            await stream.send(rsp.usage_chunk(env, obj, usage))
+            await stream.send(rsp.usage_chunk(env, obj, usage, grammar))
         await stream.done()
 
 

@@ -13,6 +13,7 @@ call (``tools`` + ``tool_choice``), or one ``guided_*`` extension field.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,9 @@ from orchestrator.chat import ChatMessage, ChatPrompt
 from orchestrator.types import GenerationRequest, SamplingOptions, SpeculationOptions
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
+# guided_decoding_backend values -> GrammarSpec.backend ("" = the mask service picks). vLLM calls
+# llguidance "guidance"; its other backends (outlines, lm-format-enforcer) are not here: a 400.
+BACKEND_NAMES = {"auto": "", "xgrammar": "xgrammar", "llguidance": "llguidance", "guidance": "llguidance"}
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,11 @@ def chat_request(body: ChatCompletionRequest, request_id: str, prompter: ChatPro
     grammars += _guided_grammars(body)
     return Translated(
         request=_request(
-            body, request_id, _chat_prompt(body, prompter, tool_schema is not None), max_tokens, _one_grammar(grammars)
+            body,
+            request_id,
+            _chat_prompt(body, prompter, tool_schema is not None),
+            max_tokens,
+            _one_grammar(grammars, body),
         ),
         tool_call=tool_schema is not None,
     )
@@ -93,7 +101,7 @@ def completion_request(body: CompletionRequest, request_id: str) -> Translated:
     else:
         raise ApiError.invalid("one prompt per request (a list of prompts is a batch, not supported)", param="prompt")
     grammars = _format_grammar(body.response_format) + _guided_grammars(body)
-    return Translated(request=_request(body, request_id, prompt, body.max_tokens, _one_grammar(grammars)))
+    return Translated(request=_request(body, request_id, prompt, body.max_tokens, _one_grammar(grammars, body)))
 
 
 def _request(
@@ -136,7 +144,12 @@ def _request(
         )
     )
     return GenerationRequest(
-        request_id=request_id, prompt=prompt, grammar=grammar, sampling=sampling, speculation=speculation
+        request_id=request_id,
+        prompt=prompt,
+        grammar=grammar,
+        sampling=sampling,
+        speculation=speculation,
+        max_attempts=body.guided_max_attempts,
     )
 
 
@@ -180,8 +193,31 @@ def _guided_grammars(body: _Generation) -> list[tuple[str, GrammarSpec]]:
     return out
 
 
-def _one_grammar(grammars: list[tuple[str, GrammarSpec]]) -> GrammarSpec | None:
+def _one_grammar(grammars: list[tuple[str, GrammarSpec]], body: _Generation) -> GrammarSpec | None:
     if len(grammars) > 1:
         names = ", ".join(name for name, _ in grammars)
         raise ApiError.invalid(f"more than one output constraint given ({names}); send one", param=grammars[1][0])
-    return grammars[0][1] if grammars else None
+    spec = grammars[0][1] if grammars else None
+    options = {
+        "guided_decoding_backend": body.guided_decoding_backend,
+        "guided_checked": body.guided_checked,
+        "guided_max_attempts": body.guided_max_attempts,
+    }
+    given = [name for name, value in options.items() if value is not None]
+    if spec is None:
+        if given:
+            raise ApiError.invalid(
+                f"{given[0]} needs an output constraint (response_format, tools or guided_*)", param=given[0]
+            )
+        return None
+    backend = body.guided_decoding_backend
+    if backend is not None:
+        if backend not in BACKEND_NAMES:
+            raise ApiError.invalid(
+                f"unknown guided_decoding_backend {backend!r}; known: {', '.join(sorted(BACKEND_NAMES))}",
+                param="guided_decoding_backend",
+            )
+        spec = dataclasses.replace(spec, backend=BACKEND_NAMES[backend])
+    if body.guided_checked:
+        spec = dataclasses.replace(spec, checked=True)
+    return spec

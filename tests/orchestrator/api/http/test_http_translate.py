@@ -211,3 +211,26 @@ def test_domain_errors_map_to_openai_statuses() -> None:
         api = ApiError.from_request_error(exc)
         assert api.status == status and api.body()["error"]["message"] == exc.message
         assert api.headers().get("Retry-After") == retry_after
+
+
+def test_backend_and_checked_mode_extensions() -> None:
+    """Issue 13: vLLM-style ``guided_decoding_backend`` plus our ``guided_checked``/``guided_max_attempts``."""
+    schema = {"type": "array", "uniqueItems": True}
+    req = chat(guided_json=schema, guided_decoding_backend="llguidance", guided_checked=True, guided_max_attempts=3)
+    assert (req.request.grammar.backend, req.request.grammar.checked, req.request.max_attempts) == (
+        "llguidance",
+        True,
+        3,
+    )
+    assert chat(guided_json=schema, guided_decoding_backend="guidance").request.grammar.backend == "llguidance"
+    assert chat(guided_json=schema, guided_decoding_backend="auto").request.grammar.backend == ""
+    plain = chat(guided_json=schema).request
+    assert (plain.grammar.backend, plain.grammar.checked, plain.max_attempts) == ("", False, None)
+    with pytest.raises(ApiError) as exc:
+        chat(guided_json=schema, guided_decoding_backend="outlines")
+    assert exc.value.param == "guided_decoding_backend" and "known: auto, guidance, llguidance, xgrammar" in str(
+        exc.value.message
+    )
+    with pytest.raises(ApiError) as exc:
+        chat(guided_checked=True)  # nothing to check
+    assert exc.value.param == "guided_checked"

@@ -96,6 +96,29 @@ check, or the end-of-request output check): never a success; see `error`.
 """
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
+class _Enforcement:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _EnforcementEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Enforcement.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ENFORCEMENT_UNSPECIFIED: _Enforcement.ValueType  # 0
+    """no grammar"""
+    ENFORCEMENT_EXACT: _Enforcement.ValueType  # 1
+    """every token masked by the caller's grammar (or a stricter form)"""
+    ENFORCEMENT_CHECKED: _Enforcement.ValueType  # 2
+    """masked by a relaxation; the output passed the end check"""
+
+class Enforcement(_Enforcement, metaclass=_EnforcementEnumTypeWrapper): ...
+
+ENFORCEMENT_UNSPECIFIED: Enforcement.ValueType  # 0
+"""no grammar"""
+ENFORCEMENT_EXACT: Enforcement.ValueType  # 1
+"""every token masked by the caller's grammar (or a stricter form)"""
+ENFORCEMENT_CHECKED: Enforcement.ValueType  # 2
+"""masked by a relaxation; the output passed the end check"""
+Global___Enforcement: _TypeAlias = Enforcement  # noqa: Y015
+
 @_typing.final
 class GenerateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -244,6 +267,9 @@ class Grammar(_message.Message):
     ANY_WHITESPACE_FIELD_NUMBER: _builtins.int
     SEPARATORS_FIELD_NUMBER: _builtins.int
     ALLOW_ADDITIONAL_PROPERTIES_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    CHECKED_FIELD_NUMBER: _builtins.int
+    MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
     json_schema: _builtins.str
     """a JSON Schema document, as JSON text"""
     regex: _builtins.str
@@ -256,6 +282,27 @@ class Grammar(_message.Message):
     allow_additional_properties: _builtins.bool
     """JSON Schema only: allow properties the schema does not name (off by
     default: generated objects carry only the schema's properties).
+    """
+    backend: _builtins.str
+    """Grammar engine: "" or "auto" = the mask service picks (xgrammar if it enforces the
+    grammar exactly, else llguidance); "xgrammar" / "llguidance" = that engine or its
+    refusal. Any other name is INVALID_ARGUMENT (the message lists the known ones).
+    """
+    checked: _builtins.bool
+    """JSON Schema only, opt-in checked mode (never the default). A schema no engine
+    enforces exactly only because of uniqueItems, not, non-disjoint oneOf,
+    dependencies/dependent*, if/then/else or contains is generated under a
+    relaxation of it (a superset), every output is checked against the original
+    schema at the end, and a violating output is regenerated with a fresh seed, up
+    to max_attempts generations; past that the request ends with
+    FINISH_REASON_GRAMMAR_VIOLATION. A violation is never returned as a success.
+    Such a request's output is held back until it passes (a stream sends it in one
+    message at the end). Greedy requests make one attempt (a resample would repeat it).
+    A schema enforced exactly stays exact (and streams) when this is set.
+    """
+    max_attempts: _builtins.int
+    """Checked mode: generations to try, 1..server max (--checked-max-attempts); unset = the
+    server default (4, capped by the max).
     """
     @_builtins.property
     def any_json(self) -> Global___AnyJson:
@@ -276,13 +323,21 @@ class Grammar(_message.Message):
         any_whitespace: _builtins.bool = ...,
         separators: Global___JsonSeparators | None = ...,
         allow_additional_properties: _builtins.bool = ...,
+        backend: _builtins.str = ...,
+        checked: _builtins.bool = ...,
+        max_attempts: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["any_json", b"any_json", "ebnf", b"ebnf", "json_schema", b"json_schema", "kind", b"kind", "lark", b"lark", "regex", b"regex", "separators", b"separators"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_attempts", b"_max_attempts", "any_json", b"any_json", "ebnf", b"ebnf", "json_schema", b"json_schema", "kind", b"kind", "lark", b"lark", "max_attempts", b"max_attempts", "regex", b"regex", "separators", b"separators"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_additional_properties", b"allow_additional_properties", "any_json", b"any_json", "any_whitespace", b"any_whitespace", "ebnf", b"ebnf", "json_schema", b"json_schema", "kind", b"kind", "lark", b"lark", "regex", b"regex", "separators", b"separators"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_attempts", b"_max_attempts", "allow_additional_properties", b"allow_additional_properties", "any_json", b"any_json", "any_whitespace", b"any_whitespace", "backend", b"backend", "checked", b"checked", "ebnf", b"ebnf", "json_schema", b"json_schema", "kind", b"kind", "lark", b"lark", "max_attempts", b"max_attempts", "regex", b"regex", "separators", b"separators"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_attempts: _TypeAlias = _typing.Literal["max_attempts"]  # noqa: Y015
+    _WhichOneofArgType__max_attempts: _TypeAlias = _typing.Literal["_max_attempts", b"_max_attempts"]  # noqa: Y015
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json_schema", "regex", "ebnf", "lark", "any_json"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_attempts) -> _WhichOneofReturnType__max_attempts | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
 Global___Grammar: _TypeAlias = Grammar  # noqa: Y015
@@ -441,6 +496,41 @@ class SpeculationParams(_message.Message):
 Global___SpeculationParams: _TypeAlias = SpeculationParams  # noqa: Y015
 
 @_typing.final
+class GrammarReport(_message.Message):
+    """How a grammar request's output was constrained (final message only)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENFORCEMENT_FIELD_NUMBER: _builtins.int
+    BACKEND_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
+    RELAXED_FIELD_NUMBER: _builtins.int
+    enforcement: Global___Enforcement.ValueType
+    backend: _builtins.str
+    """the engine that masked it ("xgrammar" / "llguidance")"""
+    attempts: _builtins.int
+    """generations run: 1 + resamples (checked mode)"""
+    @_builtins.property
+    def relaxed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """checked: the relaxation rules applied ("uniqueItems", "oneOf", ...)"""
+
+    def __init__(
+        self,
+        *,
+        enforcement: Global___Enforcement.ValueType = ...,
+        backend: _builtins.str = ...,
+        attempts: _builtins.int = ...,
+        relaxed: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "backend", b"backend", "enforcement", b"enforcement", "relaxed", b"relaxed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GrammarReport: _TypeAlias = GrammarReport  # noqa: Y015
+
+@_typing.final
 class Usage(_message.Message):
     """Speculation statistics for one request."""
 
@@ -496,6 +586,7 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
     finish_reason: Global___FinishReason.ValueType
@@ -505,6 +596,10 @@ class GenerateResponse(_message.Message):
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def usage(self) -> Global___Usage: ...
+    @_builtins.property
+    def grammar(self) -> Global___GrammarReport:
+        """set for grammar requests"""
+
     def __init__(
         self,
         *,
@@ -514,10 +609,11 @@ class GenerateResponse(_message.Message):
         finish_reason: Global___FinishReason.ValueType = ...,
         error: _builtins.str = ...,
         usage: Global___Usage | None = ...,
+        grammar: Global___GrammarReport | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["grammar", b"grammar", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finish_reason", b"finish_reason", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finish_reason", b"finish_reason", "grammar", b"grammar", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -538,6 +634,7 @@ class GenerateStreamResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
     finish_reason: Global___FinishReason.ValueType
@@ -546,6 +643,10 @@ class GenerateStreamResponse(_message.Message):
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def usage(self) -> Global___Usage: ...
+    @_builtins.property
+    def grammar(self) -> Global___GrammarReport:
+        """final message of a grammar request"""
+
     def __init__(
         self,
         *,
@@ -555,10 +656,11 @@ class GenerateStreamResponse(_message.Message):
         finish_reason: Global___FinishReason.ValueType = ...,
         error: _builtins.str = ...,
         usage: Global___Usage | None = ...,
+        grammar: Global___GrammarReport | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["grammar", b"grammar", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finish_reason", b"finish_reason", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finish_reason", b"finish_reason", "grammar", b"grammar", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
