@@ -100,6 +100,8 @@ class PhaseStats:
     sequence_steps: int = 0
     error_samples: list[str] = field(default_factory=list)
     subsets: dict[str, dict[str, int]] = field(default_factory=dict)  # subset -> OUTCOMES counts
+    outputs: dict[int, tuple[int, ...]] = field(default_factory=dict)  # case index -> token ids (finished)
+    mask_calls: int = 0  # DraftMasks calls the mask replicas served during the phase (their /metrics)
 
     def count(self, case: Case, outcome: str) -> None:
         """One request's outcome, overall and in its subset."""
@@ -113,6 +115,10 @@ class PhaseStats:
     @property
     def mean_step_ms(self) -> float:
         return 1000 * self.step_s / self.steps if self.steps else 0.0
+
+    @property
+    def mask_round_trips_per_step(self) -> float:
+        return self.mask_calls / self.steps if self.steps else 0.0
 
     @property
     def mean_batch(self) -> float:
@@ -200,6 +206,7 @@ async def _one(
             return
     usage = result.usage or pb.Usage()
     lengths[index] = usage.completion_tokens
+    stats.outputs[index] = tuple(result.token_ids)
     stats.usage.completion_tokens += usage.completion_tokens
     stats.usage.target_forwards += usage.target_forwards
     stats.usage.drafts_proposed += usage.drafts_proposed
@@ -236,6 +243,7 @@ async def run_phase(
     lengths = [0] * len(cases)
     metrics = running.server.metrics
     steps0, step_s0, seqs0 = metrics.step_totals()
+    calls0 = await asyncio.to_thread(mask_call_count, running)
     gate = asyncio.Semaphore(concurrency)
     async with grpc.aio.insecure_channel(running.address) as channel:
         stub = pb_grpc.OrchestratorServiceStub(channel)
@@ -261,7 +269,33 @@ async def run_phase(
         stats.wall_s = time.monotonic() - started
     steps1, step_s1, seqs1 = metrics.step_totals()
     stats.steps, stats.step_s, stats.sequence_steps = steps1 - steps0, step_s1 - step_s0, seqs1 - seqs0
+    stats.mask_calls = await asyncio.to_thread(mask_call_count, running) - calls0
     return stats, lengths
+
+
+# A DraftMasks call is one mask round trip of a worker step; each replica counts the calls it served.
+_DRAFT_CALLS_METRIC = "specmask_mask_draft_call_seconds_count"
+
+
+def mask_call_count(running: RunningStack) -> int:
+    """DraftMasks calls served so far by every replica of the stack (0 without /metrics)."""
+    import urllib.request
+
+    total = 0
+    for proc in running.mask_services:
+        if proc.metrics_port is None:
+            continue
+        with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith(_DRAFT_CALLS_METRIC + " "):
+                    total += int(float(line.split()[1]))
+    return total
+
+
+def identical_outputs(a: PhaseStats, b: PhaseStats) -> tuple[int, int]:
+    """(requests whose token ids are the same in both phases, requests finished in both)."""
+    both = a.outputs.keys() & b.outputs.keys()
+    return sum(a.outputs[i] == b.outputs[i] for i in both), len(both)
 
 
 def print_table(phases: list[PhaseStats]) -> None:
@@ -338,6 +372,7 @@ def merge(rounds: list[PhaseStats]) -> PhaseStats:
             "steps",
             "step_s",
             "sequence_steps",
+            "mask_calls",
         ):
             setattr(total, name, getattr(total, name) + getattr(r, name))
         for name in ("completion_tokens", "target_forwards", "drafts_proposed", "drafts_accepted"):
@@ -417,6 +452,7 @@ async def bench(args: argparse.Namespace, cases: list[Case], stack: StackConfig)
     step_ratios = per_round("constrained", "unconstrained", "mean_step_ms")
     nodraftmask_ratios = per_round("constrained-nodraftmask", "unconstrained", "mean_step_ms")
     speedups = per_round("constrained", "constrained-nospec", "tokens_per_s")
+    same = [identical_outputs(r["constrained"], r["constrained-nospec"]) for r in rounds if "constrained-nospec" in r]
     return {
         "rounds": args.rounds,
         "requests": constrained.requests,
@@ -443,6 +479,10 @@ async def bench(args: argparse.Namespace, cases: list[Case], stack: StackConfig)
         "nonspec_tokens_per_s": round(nospec.tokens_per_s, 1),
         "spec_vs_nonspec_speedup": _median(speedups),
         "spec_vs_nonspec_speedup_rounds": speedups,
+        # Greedy: speculation must not change a token. [same, compared] summed over rounds.
+        "spec_nonspec_identical_outputs": [sum(s for s, _ in same), sum(n for _, n in same)] if same else None,
+        "mask_round_trips_per_step": round(constrained.mask_round_trips_per_step, 3),
+        "nospec_mask_round_trips_per_step": round(nospec.mask_round_trips_per_step, 3),
         "device": device,
     }
 
@@ -486,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpu_worker.models.resolve import resolve_cli_models
 
     target, draft = resolve_cli_models(args.target, args.draft, toy=args.target is None, progress=False)
-    result = asyncio.run(bench(args, cases, StackConfig(target_dir=target, draft_dir=draft)))
+    result = asyncio.run(bench(args, cases, StackConfig(target_dir=target, draft_dir=draft, mask_metrics=True)))
     print("RESULT " + json.dumps(result, sort_keys=True))
     return 0
 

@@ -24,6 +24,18 @@ sequence it does not cover (just added) sends its own position-1 request, in
 flight with the forward like any other position. With M_0 in hand, forced
 first positions skip the draft forward outright.
 
+Forced continuations (issue 15.3): for a sequence with grammar-forced drafts,
+every draft-side request also asks the service for the grammar's forced
+continuation after its drafts (``max_forced_tokens``). A reply with f_1..f_m
+makes them the next drafts at once, q = 1 (one-hot) like any grammar-forced
+draft: no draft forward and no round trip for those positions. The row the reply
+carried is then stale (it is for the state before the run), so the slot asks
+again, with the run among its drafts, for the position after it; at position 1
+that second request is the position's own. Rows for the forced positions are not
+requested on the draft side: the verify path asks such a sequence for all k+1
+rows (one request, in flight with the target forward), and the target verifies
+forced drafts exactly like any other.
+
 Sequences without a grammar, or whose proposers need no masks, never wait on a
 position's mask request: their whole position (cheap proposers, forward,
 sampling) completes before the wait. (Position 1 waits for the prefetched rows
@@ -35,11 +47,19 @@ off never reach this phase (k_r = 0) and are never prefetched for.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from gpu_worker.bitmask_rows import is_allowed
 from gpu_worker.masks import MaskChannel, MaskReply, PendingMasks, mask_item
-from gpu_worker.proposers.base import DraftSlot, Proposer
+from gpu_worker.proposers.base import DraftSlot, Proposal, Proposer
 from gpu_worker.sequence import SequenceState
+
+if TYPE_CHECKING:
+    from mask_service.client import DraftMaskItem
+
+# The proposer whose sequences also take the grammar's forced continuations.
+FORCED_PROPOSER = "grammar_forced"
 
 
 class Drafter:
@@ -75,7 +95,7 @@ class Drafter:
         self._first = None
         if wanted:
             assert self.masks is not None
-            items = [mask_item(seq, (), last_row_only=True) for seq in wanted]
+            items = [self._item(seq, (), seq.k) for seq in wanted]
             self._first = self.masks.request(items, timeout_s=self.mask_timeout_s)
 
     def propose(self, slots: Sequence[DraftSlot], errors: dict[str, str]) -> float:
@@ -93,11 +113,15 @@ class Drafter:
                 covered = [s for s in masked if s.seq.session_id in first.session_ids]
                 if covered:
                     waited += self._apply(first.wait(), covered, errors)
-            fetch = [s for s in masked if s.open and s.mask_row is None and s.seq.seq_id not in errors]
+            fetch = [
+                s
+                for s in masked
+                if s.open and s.mask_row is None and len(s.drafts) < s.k and s.seq.seq_id not in errors
+            ]
             pending = None
             if fetch:
                 assert self.masks is not None
-                items = [mask_item(s.seq, s.drafts, last_row_only=True) for s in fetch]
+                items = [self._item(s.seq, s.drafts, s.k) for s in fetch]
                 pending = self.masks.request(items, timeout_s=self.mask_timeout_s)
             fetching = {id(s) for s in fetch}
             ready = [s for s in open_slots if s.open and id(s) not in fetching and s.seq.seq_id not in errors]
@@ -114,7 +138,8 @@ class Drafter:
 
             if pending is not None:
                 waited += self._apply(pending.wait(), fetch, errors)
-                live = [s for s in fetch if s.open and s.seq.seq_id not in errors]
+                # A slot that just took a forced run waits for the next position's row.
+                live = [s for s in fetch if s.open and s.mask_row is not None and s.seq.seq_id not in errors]
                 unfilled += self._fill(live, position, self._ordered)
             for s in unfilled:
                 s.open = False  # no proposer had anything for this position
@@ -124,8 +149,18 @@ class Drafter:
         return waited
 
     @staticmethod
+    def _item(seq: SequenceState, drafts: Sequence[int], k: int) -> DraftMaskItem:
+        """The draft-side request for the row after ``drafts``, asking for the forced
+        continuation (up to the drafts ``k`` still allows) when ``seq`` takes them."""
+        item = mask_item(seq, drafts, last_row_only=True)
+        if FORCED_PROPOSER in seq.proposers and k > len(drafts):
+            item = replace(item, max_forced_tokens=k - len(drafts))
+        return item
+
+    @staticmethod
     def _apply(reply: MaskReply, slots: Sequence[DraftSlot], errors: dict[str, str]) -> float:
-        """Give each slot its row from ``reply`` (or its error); returns the wait."""
+        """Give each slot its row from ``reply`` (or its error), then its forced run if
+        the reply has one (the row is then stale: cleared); returns the wait."""
         for s in slots:
             session_id = s.seq.session_id
             if session_id in reply.errors:
@@ -138,7 +173,13 @@ class Drafter:
                 s.open = False
             else:
                 s.mask_row = res.rows[-1]  # a slot of the client's row table: state after d_1..d_{i-1}
-                s.grammar_rows.append(s.mask_row)
+                if len(s.grammar_rows) == len(s.drafts):  # M_0..M_{i-1} with no gap (none after a forced run)
+                    s.grammar_rows.append(s.mask_row)
+                forced = res.forced_tokens[: s.k - len(s.drafts)] if FORCED_PROPOSER in s.seq.proposers else ()
+                for token in forced:
+                    s.add(Proposal(token))  # q = 1; every forced token is grammar-accepted
+                if forced:
+                    s.mask_row = None
         return reply.wait_s
 
     @staticmethod

@@ -19,6 +19,9 @@ from tests.gpu_worker.reference import compile_grammar, exact_distribution
 scipy_stats = pytest.importorskip("scipy.stats")
 
 GRAMMAR = "root ::= [a-d] [a-d] [a-d]?"
+# After its first letter this grammar forces the text "status" (several tokens of the tiny
+# pair's BPE: st|at|u|s), so drafts come from forced continuations (mask_service/forced.py).
+FORCED_GRAMMAR = 'root ::= [a-d] "status" [a-d]?'
 PROMPT = [5, 6, 7]
 TEMPERATURE = 0.25  # sharpens the random-init models so p and q differ clearly
 NUM_SAMPLES = 800
@@ -28,10 +31,17 @@ EOS = 0
 
 @pytest.fixture(scope="module")
 def exact(tiny_pair):
-    with torch_threads(1):
-        return exact_distribution(
-            tiny_pair[0], PROMPT, compile_grammar(tiny_pair[0], "ebnf", GRAMMAR, (EOS,)), TEMPERATURE
-        )
+    """grammar -> its exact output distribution (computed on first use)."""
+    cache: dict[str, dict] = {}
+
+    def get(grammar: str) -> dict:
+        if grammar not in cache:
+            with torch_threads(1):
+                compiled = compile_grammar(tiny_pair[0], "ebnf", grammar, (EOS,))
+                cache[grammar] = exact_distribution(tiny_pair[0], PROMPT, compiled, TEMPERATURE)
+        return cache[grammar]
+
+    return get
 
 
 def _chi_square_pvalue(counts: dict, exact: dict, n: int) -> float:
@@ -54,16 +64,33 @@ def _chi_square_pvalue(counts: dict, exact: dict, n: int) -> float:
 
 SPECS = {
     # Masked drafts (valid by construction) plus grammar-forced ones.
-    "grammar_aware": SpeculationParams(k=3, proposers=("draft_model", "grammar_forced"), draft_masking=True),
+    "grammar_aware": (SpeculationParams(k=3, proposers=("draft_model", "grammar_forced"), draft_masking=True), GRAMMAR),
     # Blind drafts: mostly invalid, rejected by the verify-side masks, recovered from p - q.
-    "blind": SpeculationParams(k=3, proposers=("draft_model",), draft_masking=False),
+    "blind": (SpeculationParams(k=3, proposers=("draft_model",), draft_masking=False), GRAMMAR),
+    # Forced continuations (q = 1) mixed with masked draft-model drafts.
+    "forced_text": (
+        SpeculationParams(k=3, proposers=("draft_model", "grammar_forced"), draft_masking=True),
+        FORCED_GRAMMAR,
+    ),
 }
 
 
 @pytest.mark.parametrize("mode", list(SPECS))
-def test_sampled_speculative_output_matches_exact_distribution(make_worker, exact, mode):
+def test_sampled_speculative_output_matches_exact_distribution(make_worker, exact, mode, monkeypatch):
+    import mask_service.draft_masks as draft_masks
+
+    forced_runs = []  # the (in-process) mask service's non-empty forced continuations
+    compute = draft_masks.forced_continuation
+
+    def counting(*args, **kwargs):
+        out = compute(*args, **kwargs)
+        forced_runs.extend([out] if out else [])
+        return out
+
+    monkeypatch.setattr(draft_masks, "forced_continuation", counting)
     worker = make_worker(max_batch=BATCH)
-    spec = SPECS[mode]
+    spec, grammar = SPECS[mode]
+    exact = exact(grammar)
     counts: dict[tuple[int, ...], int] = {}
     accepted = proposed = 0
     for start in range(0, NUM_SAMPLES, BATCH):
@@ -71,7 +98,7 @@ def test_sampled_speculative_output_matches_exact_distribution(make_worker, exac
             NewSequence(
                 f"s{i}",
                 tuple(PROMPT),
-                GrammarSpec(GrammarKind.EBNF, GRAMMAR),
+                GrammarSpec(GrammarKind.EBNF, grammar),
                 SamplingParams(temperature=TEMPERATURE, seed=i if mode == "blind" else 10_000 + i, max_tokens=10),
                 spec,
             )
@@ -85,5 +112,7 @@ def test_sampled_speculative_output_matches_exact_distribution(make_worker, exac
             accepted += r.drafts_accepted
             proposed += r.drafts_proposed
     assert 0 < accepted < proposed  # rejections happened, so recovered tokens were exercised
+    if mode == "forced_text":
+        assert any(len(run) > 1 for run in forced_runs), "no multi-token forced continuation was proposed"
     p_value = _chi_square_pvalue(counts, exact, NUM_SAMPLES)
     assert p_value > 1e-3, (p_value, counts, exact)

@@ -1,0 +1,101 @@
+"""Forced-continuation drafts (gpu_worker/drafting.py + mask_service/forced.py) on the tiny pair.
+
+The grammars force multi-token text (JSON keys, a regex literal) that no single
+row pins to one token, so these drafts come only from the forced continuations
+the draft-side mask replies carry. Checked: they are proposed, every emitted
+token is accepted by an independent xgrammar matcher (greedy and sampled), and
+greedy output is the same with and without them.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
+from mask_service.grammar import GrammarKind, GrammarSpec
+from tests.gpu_worker.helpers import run_to_completion
+from tests.gpu_worker.reference import compile_grammar
+
+EOS = 0
+GRAMMARS = {
+    "keys": (
+        GrammarKind.JSON_SCHEMA,
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {
+                    "status": {"type": "string", "enum": ["active", "pending"]},
+                    "total_amount": {"type": "integer"},
+                    "description": {"type": "string", "maxLength": 6},
+                },
+                "required": ["status", "total_amount", "description"],
+                "additionalProperties": False,
+            }
+        ),
+    ),
+    "regex": (GrammarKind.REGEX, r"(ab|cd)-status-[0-9]{2}"),
+}
+SPEC = SpeculationParams(k=4, proposers=("grammar_forced",), draft_masking=False)
+
+
+def _run(make_worker, monkeypatch, *, forced: bool, temperature: float = 0.0):  # type: ignore[no-untyped-def]
+    """Run every grammar (greedy, or sampled with seeds); returns (results, forced runs proposed)."""
+    import mask_service.draft_masks as draft_masks
+
+    runs: list[list[int]] = []
+    compute = draft_masks.forced_continuation
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = compute(*args, **kwargs) if forced else []
+        runs.extend([out] if out else [])
+        return out
+
+    monkeypatch.setattr(draft_masks, "forced_continuation", recording)
+    worker = make_worker()
+    seqs = [
+        NewSequence(
+            f"{name}-{i}",
+            (5, 6, 7 + i),
+            GrammarSpec(kind, text),
+            SamplingParams(temperature=temperature, seed=i, max_tokens=60),
+            SPEC,
+        )
+        for name, (kind, text) in GRAMMARS.items()
+        for i in range(3 if temperature else 1)
+    ]
+    assert worker.add(seqs) == [None] * len(seqs)
+    return run_to_completion(worker), runs
+
+
+def _check_in_grammar(tiny_pair, results) -> None:  # type: ignore[no-untyped-def]
+    import xgrammar as xgr
+
+    for seq_id, r in results.items():
+        assert r.error is None, (seq_id, r.error)
+        kind, text = GRAMMARS[seq_id.rsplit("-", 1)[0]]
+        matcher = xgr.GrammarMatcher(compile_grammar(tiny_pair[0], kind.value, text, (EOS,)))
+        for i, token in enumerate(r.tokens):
+            assert matcher.accept_token(token), f"{seq_id}: token {token} at {i} is outside the grammar"
+        if r.finish is FinishReason.GRAMMAR_COMPLETE:
+            assert matcher.accept_token(EOS), f"{seq_id}: ended before the document was complete"
+
+
+def test_forced_drafts_are_proposed_and_stay_in_grammar(tiny_pair, make_worker, monkeypatch) -> None:
+    with_forced, runs = _run(make_worker, monkeypatch, forced=True)
+    assert any(len(run) > 1 for run in runs), "no multi-token forced continuation was proposed"
+    _check_in_grammar(tiny_pair, with_forced)
+    without, none = _run(make_worker, monkeypatch, forced=False)
+    assert not none
+    for seq_id, r in with_forced.items():
+        assert r.tokens == without[seq_id].tokens, seq_id  # greedy: drafts never change the output
+    assert sum(r.drafts_proposed for r in with_forced.values()) > sum(r.drafts_proposed for r in without.values())
+    assert sum(r.steps for r in with_forced.values()) < sum(r.steps for r in without.values())
+
+
+@pytest.mark.parametrize("temperature", [1.0])
+def test_sampled_forced_drafts_stay_in_grammar(tiny_pair, make_worker, monkeypatch, temperature) -> None:
+    results, runs = _run(make_worker, monkeypatch, forced=True, temperature=temperature)
+    assert runs
+    _check_in_grammar(tiny_pair, results)
