@@ -39,6 +39,7 @@ from typing import Any
 
 import grpc
 
+from mask_service.auth import CLIENT_METADATA_KEY
 from mask_service.memory import rss_bytes
 from orchestrator.client import OrchestratorClient, build_request
 from orchestrator.dev.local_stack import RunningStack, StackConfig, health_status, running_stack
@@ -114,6 +115,11 @@ def percentile(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def _identity(role: str) -> tuple[tuple[str, str], ...]:
+    """Each role is one API client to the orchestrator (its compile share, its in-flight cap)."""
+    return ((CLIENT_METADATA_KEY, f"soak-{role}"),)
+
+
 def steady_loop(address: str, stop: threading.Event, tally: Tally, max_tokens: int, seed: int) -> None:
     rng = random.Random(seed)
     with OrchestratorClient(address) as client:
@@ -121,7 +127,7 @@ def steady_loop(address: str, stop: threading.Event, tally: Tally, max_tokens: i
             req = build_request(PROMPT, schema=rng.choice(STEADY_SCHEMAS), temperature=0.0, max_tokens=max_tokens)
             t0 = time.perf_counter()
             try:
-                client.generate(req, timeout_s=60)
+                client.stub.Generate(req, timeout=60, metadata=_identity("steady"))
                 tally.ok((time.perf_counter() - t0) * 1000)
             except grpc.RpcError as exc:
                 tally.error(exc.code().name)  # type: ignore[attr-defined]
@@ -155,7 +161,8 @@ def flood_loop(address: str, stop: threading.Event, tally: Tally, max_requests: 
             i += 1
             schema = flood_schema(mode, i, bad)
             try:
-                client.generate(build_request(PROMPT, schema=schema, temperature=0.0, max_tokens=4), timeout_s=60)
+                req = build_request(PROMPT, schema=schema, temperature=0.0, max_tokens=4)
+                client.stub.Generate(req, timeout=60, metadata=_identity("flood"))
                 tally.ok(0.0)
             except grpc.RpcError as exc:
                 tally.error(exc.code().name)  # type: ignore[attr-defined]
@@ -166,7 +173,7 @@ def cancel_loop(address: str, stop: threading.Event, tally: Tally, seed: int) ->
     with OrchestratorClient(address) as client:
         while not stop.is_set():
             req = build_request(PROMPT, schema=rng.choice(STEADY_SCHEMAS), temperature=1.0, max_tokens=64)
-            call = client.stream(req, timeout_s=60)
+            call = client.stub.GenerateStream(req, timeout=60, metadata=_identity("cancel"))
             cancel_at = time.monotonic() + rng.uniform(0.05, 1.0)
             try:
                 for _ in call:
@@ -245,13 +252,20 @@ class Sampler:
         rss = {name: rss_bytes(pid or "self") / 2**20 for name, pid in self.processes().items()}
         for name, mb in rss.items():
             self.max_rss_mb[name] = max(self.max_rss_mb.get(name, 0.0), round(mb, 1))
-        sessions = queue = 0.0
+        sessions = queue = cache_mb = 0.0
         for m in self._running.mask_services:
             sessions += scrape(m.metrics_port, "specmask_mask_sessions") or 0.0
             queue += scrape(m.metrics_port, "specmask_mask_compile_queue_depth") or 0.0
+            cache_mb += (scrape(m.metrics_port, "specmask_mask_grammar_cache_bytes") or 0.0) / 2**20
             if health_status(m.address, timeout_s=2.0) != 1:
                 self.unreachable += 1
-        row = {"t": round(time.monotonic(), 1), "rss_mb": rss, "sessions": sessions, "compile_queue": queue}
+        row = {
+            "t": round(time.monotonic(), 1),
+            "rss_mb": rss,
+            "sessions": sessions,
+            "compile_queue": queue,
+            "grammar_cache_mb": round(cache_mb, 1),
+        }
         self.samples.append(row)
         return row
 
@@ -259,9 +273,10 @@ class Sampler:
         while not self._stop.wait(self._interval):
             row = self.sample()
             logger.info(
-                "sessions %d, compile queue %d, RSS MB %s",
+                "sessions %d, compile queue %d, grammar cache %.0f MB, RSS MB %s",
                 row["sessions"],
                 row["compile_queue"],
+                row["grammar_cache_mb"],
                 {k: round(v) for k, v in row["rss_mb"].items()},
             )
 
@@ -454,7 +469,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         mask_metrics=True,
         worker_logs=False,
     )
-    async with running_stack(stack, max_queue=256) as running:
+    async with running_stack(stack, max_queue=256, max_inflight_per_client=args.max_inflight_per_client) as running:
         pids = [ray.get(a.info.remote(), timeout=60).pid for a in running.server.worker_actors]
         sampler = Sampler(running, pids, args.sample_s, ray_processes())
         sampler.sample()
@@ -493,6 +508,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             "max_rss_mb": sampler.max_rss_mb,
             "max_compile_queue": max((s["compile_queue"] for s in sampler.samples), default=0),
             "flood_mode": args.flood_mode,
+            "max_inflight_per_client": args.max_inflight_per_client,
             "phase_baseline": phase_baseline,
             "phase_flood": phase_flood,
             "rss_mb_first_last": {
@@ -531,6 +547,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-flood-requests", type=int, default=2000, help="per flood client")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--mask-replicas", type=int, default=1)
+    p.add_argument(
+        "--max-inflight-per-client",
+        type=int,
+        default=0,
+        help="the orchestrator's per-client in-flight cap (each client role is one client); 0 = none",
+    )
     p.add_argument("--compile-timeout-s", type=float, default=4.0)
     p.add_argument("--compile-queue", type=int, default=16)
     p.add_argument("--sample-s", type=float, default=2.0)

@@ -74,6 +74,7 @@ class OrchestratorConfig:
     validation_threads: int = DEFAULT_VALIDATION_THREADS
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     checked_max_attempts: int = DEFAULT_CHECKED_MAX_ATTEMPTS  # checked mode: cap on a request's max_attempts
+    max_inflight_per_client: int = 0  # per end client (orchestrator.client_identity); 0 = no cap
     # Logging of the GPU-worker processes (Ray actors): INFO keeps their [request_id=...] lines.
     worker_log_level: str | None = "INFO"
     log_format: str = "text"

@@ -84,6 +84,9 @@ class EngineConfig:
     max_queue: int  # requests validating or waiting beyond which submit() refuses
     step_timeout_s: float  # per Ray call to a worker
     validation_threads: int
+    # Requests one end client (GenerationRequest.client) may have in flight; 0 = no cap. Bounds
+    # one client's share of the batches, so its flood is its own queueing (issue 14).
+    max_inflight_per_client: int = 0
 
 
 @dataclass(eq=False)
@@ -142,6 +145,8 @@ class Engine:
         self._live: dict[str, Request | None] = {}  # None: id reserved while validating
         self._waiting: collections.deque[Request] = collections.deque()
         self._slot_of: dict[str, WorkerSlot] = {}
+        self._client_of: dict[str, str] = {}  # request id -> end client, while in _live
+        self._per_client: collections.Counter[str] = collections.Counter()
         self._validating = 0
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
@@ -228,7 +233,13 @@ class Engine:
             raise Overloaded(f"admission queue is full ({self._config.max_queue} requests waiting); retry later")
         if req.request_id in self._live:
             raise DuplicateRequestId(f"request_id {req.request_id!r} is already in flight")
+        cap = self._config.max_inflight_per_client
+        if cap and req.client and self._per_client[req.client] >= cap:
+            raise Overloaded(f"this client already has {cap} requests in flight (the per-client limit); retry later")
         self._live[req.request_id] = None
+        if req.client:
+            self._client_of[req.request_id] = req.client
+            self._per_client[req.client] += 1
         self._validating += 1
         self._metrics.queue_depth.set(self.queue_depth)
         try:
@@ -236,12 +247,14 @@ class Engine:
             validated = await loop.run_in_executor(self._executor, self._validator.validate_request, req)
         except BaseException:
             del self._live[req.request_id]
+            self._release_client(req.request_id)
             raise
         finally:
             self._validating -= 1
             self._metrics.queue_depth.set(self.queue_depth)
         if self._stopping or not self.healthy:
             del self._live[req.request_id]
+            self._release_client(req.request_id)
             raise Unavailable("no healthy GPU worker")
         seq = validated.seq
         request = Request(
@@ -289,12 +302,20 @@ class Engine:
         if request.grammar is not None:
             self._metrics.grammar_requests.labels(enforcement=request.grammar.enforcement).inc()
         self._live.pop(request.request_id, None)
+        self._release_client(request.request_id)
         self._slot_of.pop(request.request_id, None)
         assert request.finish_time is not None  # set by Request.finish
         self._metrics.observe_finish(
             reason, request.usage, request.arrival_time, request.first_token_time, request.finish_time
         )
         self._place()
+
+    def _release_client(self, request_id: str) -> None:
+        client = self._client_of.pop(request_id, None)
+        if client is not None:
+            self._per_client[client] -= 1
+            if self._per_client[client] <= 0:
+                del self._per_client[client]
 
     def _free_slots(self) -> int:
         """Batch slots on healthy workers not yet taken by a running or placed request."""

@@ -56,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name", default=None, help="model id of the HTTP API (default: the --target dir's name)"
     )
     parser.add_argument(
+        "--max-inflight-per-client",
+        type=int,
+        default=0,
+        help="requests one end client (specmask-client metadata, API key, else address) may have in flight; "
+        "past it RESOURCE_EXHAUSTED (0 = no limit)",
+    )
+    parser.add_argument(
         "--max-queue",
         type=int,
         default=cfg.DEFAULT_MAX_QUEUE,
@@ -115,6 +122,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         http_port=port_flag(args.http_port),
         served_model_name=args.served_model_name,
         max_queue=args.max_queue,
+        max_inflight_per_client=args.max_inflight_per_client,
         max_batch=args.max_batch,
         max_k=args.max_k,
         default_k=args.default_k,
