@@ -1,0 +1,143 @@
+"""Checked mode and engine choice through the whole stack (issue 13).
+
+A schema no engine enforces exactly (``uniqueItems``) is refused unless the
+request opts in; opted in, it is generated under its relaxation, checked at the
+end against the original schema and regenerated on a violation: a violating
+output is never returned, and a stream sends nothing of a discarded attempt.
+"""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import jsonschema
+import pytest
+
+from orchestrator.client import OrchestratorClient, build_request
+from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from tests.e2e.stack import ThreadStack
+
+pytestmark = pytest.mark.slow
+
+# Two items from {1, 2}, distinct: half of what the relaxed grammar allows breaks uniqueItems.
+UNIQUE = {"type": "array", "items": {"enum": [1, 2]}, "minItems": 2, "maxItems": 2, "uniqueItems": True}
+# Unsatisfiable: every output of the relaxation ({"enum": [1, 2]}, one token) breaks the original.
+NEVER = {"enum": [1, 2], "not": {"enum": [1, 2]}}
+
+
+def _checked(schema: dict, *, max_attempts: int | None = None, **kw) -> pb.GenerateRequest:
+    req = build_request("x", schema=schema, max_tokens=24, **kw)
+    req.grammar.checked = True
+    if max_attempts is not None:
+        req.grammar.max_attempts = max_attempts
+    return req
+
+
+def _attempts_metric(stack: ThreadStack, outcome: str) -> float:
+    assert stack.running is not None
+    registry = stack.running.server.metrics.registry
+    return registry.get_sample_value("specmask_checked_attempts_total", {"outcome": outcome}) or 0.0
+
+
+def test_checked_unique_items_never_returns_a_violation(stack: ThreadStack) -> None:
+    resampled_before = _attempts_metric(stack, "resampled")
+    attempts, completed = 0, 0
+    with OrchestratorClient(stack.address) as client:
+        with pytest.raises(grpc.RpcError) as exc:  # without opting in: refused as before
+            client.generate(build_request("x", schema=UNIQUE, max_tokens=24))
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "uniqueItems" in exc.value.details()
+        for seed in range(8):
+            result = client.generate(_checked(UNIQUE, max_attempts=6, temperature=1.0, seed=seed))
+            report = result.grammar
+            assert report.enforcement == pb.ENFORCEMENT_CHECKED and list(report.relaxed) == ["uniqueItems"]
+            assert report.backend in ("xgrammar", "llguidance") and 1 <= report.attempts <= 6
+            attempts += report.attempts
+            if result.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE:
+                jsonschema.validate(json.loads(result.text), UNIQUE)  # never a violation
+                completed += 1
+            else:  # every attempt failed: a typed error, and none of their text
+                assert result.finish_reason == pb.FINISH_REASON_GRAMMAR_VIOLATION, result
+                assert result.text == "" and "checked mode" in result.error
+            # Seeded: the same request replays the same attempts and output.
+            if seed == 0:
+                again = client.generate(_checked(UNIQUE, max_attempts=6, temperature=1.0, seed=seed))
+                assert (again.text, again.grammar.attempts) == (result.text, report.attempts)
+    assert completed >= 1
+    assert attempts > 8, "no attempt was ever resampled: the test did not exercise the loop"
+    assert _attempts_metric(stack, "resampled") >= resampled_before + (attempts - 8)
+
+
+def test_checked_exhausts_its_attempts_with_a_typed_error(stack: ThreadStack) -> None:
+    with OrchestratorClient(stack.address) as client:
+        result = client.generate(_checked(NEVER, max_attempts=3, temperature=1.0, seed=5))
+        assert result.finish_reason == pb.FINISH_REASON_GRAMMAR_VIOLATION
+        assert result.grammar.attempts == 3 and result.text == "" and "all 3 attempts" in result.error
+        greedy = client.generate(_checked(NEVER, max_attempts=3))  # greedy: one attempt, then the error
+        assert greedy.finish_reason == pb.FINISH_REASON_GRAMMAR_VIOLATION
+        assert greedy.grammar.attempts == 1 and "greedy" in greedy.error
+        for bad in (0, 99):
+            with pytest.raises(grpc.RpcError) as exc:
+                client.generate(_checked(NEVER, max_attempts=bad, temperature=1.0))
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_attempts" in exc.value.details()
+
+
+def test_checked_stream_holds_discarded_attempts(stack: ThreadStack) -> None:
+    with OrchestratorClient(stack.address) as client:
+        messages = list(client.stream(_checked(UNIQUE, max_attempts=6, temperature=1.0, seed=3)))
+    final = messages[-1]
+    assert final.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    texts = [m.text for m in messages[:-1] if m.text]
+    assert len(texts) <= 1  # the passing attempt in one message, nothing of a failed one
+    if final.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE:
+        jsonschema.validate(json.loads("".join(m.text for m in messages)), UNIQUE)
+    else:
+        assert not texts and final.finish_reason == pb.FINISH_REASON_GRAMMAR_VIOLATION
+    assert final.grammar.enforcement == pb.ENFORCEMENT_CHECKED
+
+
+def test_backend_choice_is_honoured(stack: ThreadStack) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    with OrchestratorClient(stack.address) as client:
+        for backend, expected in (("", "xgrammar"), ("auto", "xgrammar"), ("llguidance", "llguidance")):
+            for _ in range(2):  # deterministic
+                req = build_request("x", schema=schema, max_tokens=24)
+                req.grammar.backend = backend
+                result = client.generate(req)
+                assert result.grammar.backend == expected and result.grammar.enforcement == pb.ENFORCEMENT_EXACT
+        req = build_request("x", schema=schema, max_tokens=24)
+        req.grammar.backend = "outlines"
+        with pytest.raises(grpc.RpcError) as exc:
+            client.generate(req)
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "known: auto, llguidance, xgrammar" in exc.value.details()
+
+
+def test_http_extensions(stack: ThreadStack) -> None:
+    import urllib.request
+
+    assert stack.running is not None and stack.running.server.http_port
+    url = f"http://127.0.0.1:{stack.running.server.http_port}/v1/completions"
+
+    def post(body: dict) -> tuple[int, dict]:
+        data = json.dumps({"model": "target", "prompt": "x", "max_tokens": 24, **body}).encode()
+        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as rsp:
+                return rsp.status, json.loads(rsp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    status, body = post({"guided_json": UNIQUE, "guided_checked": True, "guided_max_attempts": 6, "seed": 1})
+    if status == 200:
+        jsonschema.validate(json.loads(body["choices"][0]["text"]), UNIQUE)
+        grammar = body["usage"]["specmask"]["grammar"]
+        assert grammar["enforcement"] == "checked" and grammar["relaxed"] == ["uniqueItems"]
+    else:
+        assert status == 500 and "checked mode" in body["error"]["message"]
+    status, body = post({"guided_json": UNIQUE})
+    assert status == 400 and "uniqueItems" in body["error"]["message"]
+    status, body = post({"guided_json": {"type": "integer"}, "guided_decoding_backend": "llguidance"})
+    assert status == 200 and body["usage"]["specmask"]["grammar"]["backend"] == "llguidance"
+    status, body = post({"guided_json": {"type": "integer"}, "guided_decoding_backend": "outlines"})
+    assert status == 400 and body["error"]["param"] == "guided_decoding_backend"
