@@ -85,3 +85,28 @@ def test_responses() -> None:
     assert final.finish_reason == pb.FINISH_REASON_ERROR and final.error == "boom"
     assert final.usage.completion_tokens == 8
     assert set(convert.FINISH_REASONS) == set(FinishReason)
+
+
+def test_backend_checked_mode_and_grammar_report() -> None:
+    """Issue 13's fields: engine choice, checked mode, max_attempts in; the GrammarReport out."""
+    from orchestrator.types import GrammarReport
+
+    spec = GrammarSpec(GrammarKind.JSON_SCHEMA, '{"uniqueItems":true}', backend="llguidance", checked=True)
+    req = GenerationRequest(request_id="abc", prompt="hi", grammar=spec, max_attempts=5)
+    msg = convert.request_to_proto(req)
+    assert (msg.grammar.backend, msg.grammar.checked, msg.grammar.max_attempts) == ("llguidance", True, 5)
+    assert convert.request_from_proto(msg, "abc") == req
+    msg.grammar.ClearField("max_attempts")
+    assert convert.request_from_proto(msg, "abc").max_attempts is None
+    report = GrammarReport("checked", "xgrammar", attempts=3, relaxed=("uniqueItems",))
+    result = GenerationResult("abc", "[1]", (1,), FinishReason.GRAMMAR_COMPLETE, None, Usage(), grammar=report)
+    got = convert.result_to_proto(result).grammar
+    assert (got.enforcement, got.backend, got.attempts, list(got.relaxed)) == (
+        pb.ENFORCEMENT_CHECKED,
+        "xgrammar",
+        3,
+        ["uniqueItems"],
+    )
+    final = RequestOutput("abc", (), "", FinishReason.GRAMMAR_COMPLETE, usage=Usage(), grammar=report)
+    assert convert.output_to_proto(final).grammar.enforcement == pb.ENFORCEMENT_CHECKED
+    assert not convert.output_to_proto(RequestOutput("abc", (1,), "x")).HasField("grammar")
