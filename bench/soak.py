@@ -12,6 +12,15 @@ orchestrator; the toy model pair; 127.0.0.1 only) serves three clients:
   and a stream of distinct schemas, so every one is a compile;
 * **cancel**: streams cancelled at a random point.
 
+Each role runs in a process of its own (not in this one, which hosts the
+orchestrator) and is one API client to it (``specmask-client`` metadata), so
+the compile queue's and ``--max-inflight-per-client``'s fairness apply per
+role; the flood honours RESOURCE_EXHAUSTED retry hints (capped at 1 s).
+``--flood-mode known`` floods with the steady schemas: the flood's generation
+load alone, to tell it from what its schemas cost. Per phase the RESULT line
+has ``phase_baseline`` / ``phase_flood``: CPU cores per process (and the whole
+box's), the worker's mean step time, batch size and mask wait.
+
 Sampled every ``--sample-s``: RSS per process (orchestrator, each mask
 replica and its compile workers, each GPU worker), open mask sessions and the
 compile-queue depth (each replica's /metrics). Bounded by time and count. The
@@ -43,6 +52,7 @@ from mask_service.auth import CLIENT_METADATA_KEY
 from mask_service.memory import rss_bytes
 from orchestrator.client import OrchestratorClient, build_request
 from orchestrator.dev.local_stack import RunningStack, StackConfig, health_status, running_stack
+from proto.rpc_status import details_of
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +176,10 @@ def flood_loop(address: str, stop: threading.Event, tally: Tally, max_requests: 
                 tally.ok(0.0)
             except grpc.RpcError as exc:
                 tally.error(exc.code().name)  # type: ignore[attr-defined]
+                if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
+                    # The flood honours the server's retry hint (capped at 1 s): it stays a flood,
+                    # but not a spin on instant refusals.
+                    stop.wait(min(1.0, details_of(exc).retry_after_s or 0.1))
 
 
 def cancel_loop(address: str, stop: threading.Event, tally: Tally, seed: int) -> None:
