@@ -27,6 +27,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grammar.add_argument("--schema", type=Path, help="JSON Schema file constraining the output")
     grammar.add_argument("--regex", help="regular expression constraining the output")
     grammar.add_argument("--any-json", action="store_true", help="constrain to any JSON value")
+    parser.add_argument("--backend", default="", help="grammar engine: auto (default), xgrammar or llguidance")
+    parser.add_argument(
+        "--checked",
+        action="store_true",
+        help="JSON Schema: opt into checked mode (a relaxation, the output checked at the end, resampled)",
+    )
+    parser.add_argument("--max-attempts", type=int, default=None, help="checked mode: generations to try")
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
     parser.add_argument("--top-p", type=float, default=None)
@@ -77,6 +84,11 @@ def run(args: argparse.Namespace) -> int:
         draft_masking=False if args.no_draft_masking else None,
         request_id=args.request_id,
     )
+    if args.backend or args.checked or args.max_attempts is not None:
+        req.grammar.backend = args.backend  # the server refuses these without a grammar (INVALID_ARGUMENT)
+        req.grammar.checked = args.checked
+        if args.max_attempts is not None:
+            req.grammar.max_attempts = args.max_attempts
     with OrchestratorClient(args.address) as client:
         try:
             if args.stream:

@@ -141,3 +141,24 @@ def test_http_extensions(stack: ThreadStack) -> None:
     assert status == 200 and body["usage"]["specmask"]["grammar"]["backend"] == "llguidance"
     status, body = post({"guided_json": {"type": "integer"}, "guided_decoding_backend": "outlines"})
     assert status == 400 and body["error"]["param"] == "guided_decoding_backend"
+
+
+def test_generate_cli_flags(stack: ThreadStack, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from orchestrator import generate_cli
+
+    schema = tmp_path / "unique.json"
+    schema.write_text(json.dumps(UNIQUE))
+    parser = argparse.ArgumentParser()
+    generate_cli.add_arguments(parser)
+    base = ["--address", stack.address, "--prompt", "x", "--schema", str(schema), "--max-tokens", "24", "--json"]
+    assert generate_cli.run(parser.parse_args(base)) == 1  # refused without opting in
+    assert "uniqueItems" in capsys.readouterr().err
+    checked = ["--checked", "--max-attempts", "6", "--temperature", "1", "--seed", "1", "--backend", "xgrammar"]
+    generate_cli.run(parser.parse_args(base + checked))
+    out = json.loads(capsys.readouterr().out)
+    if out["finish_reason"] == "grammar_complete":
+        jsonschema.validate(json.loads(out["text"]), UNIQUE)
+    else:
+        assert out["finish_reason"] == "grammar_violation" and out["text"] == ""
