@@ -107,9 +107,10 @@ def test_one_clients_flood_does_not_starve_anothers_new_schema(service, bpe_dir,
             th.join(timeout=60)
     finally:
         checker.close()
-    assert outcomes["b"] is None, outcomes["b"]
-    # B waited for at most the one compile running (A's, killed at its budget), not for A's flood;
-    # generous slack for a loaded 2-core box.
-    assert took < BUDGET_S + 6.0, took
+    assert outcomes["b"] is None, outcomes["b"]  # without the client's identity: RESOURCE_EXHAUSTED
+    # Round-robin by owner: B waited for A's running compile and A's one queued before it (each
+    # killed at its budget, the worker restarted after each: seconds on a loaded 2-core box),
+    # never for more of A's flood.
+    assert took < 2 * BUDGET_S + 16.0, took
     refused = [outcomes[f"a{i}"] for i in range(4) if isinstance(outcomes[f"a{i}"], Overloaded)]
     assert refused, outcomes  # A's flood is bounded by its own share of the queue
