@@ -41,6 +41,12 @@ Known and *not* refused: xgrammar treats ``oneOf`` whose branches it cannot
 prove disjoint as ``anyOf`` (it logs a warning); refusing every ``oneOf``
 would refuse a large share of real schemas.
 
+A request that opts into checked mode (``GrammarSpec.checked``) gets, instead
+of some of these refusals, a relaxation of the schema (``schema_relax``:
+``uniqueItems``, ``not``, ``dependencies``/``dependent*``, ``if``/``then``/``else``,
+``contains``/``min``/``maxContains`` dropped, ``oneOf`` -> ``anyOf``), compiled
+through these same checks, and an end-of-request check against the original.
+
 Annotation-only keywords (``title``, ``description``, ``examples``,
 ``default``, unknown ``format`` values) are not validation and are allowed.
 
