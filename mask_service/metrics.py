@@ -17,6 +17,11 @@ DRAFT_ROWS = Counter("specmask_mask_rows_total", "Bitmask rows returned")
 NEW_ROWS = Counter("specmask_mask_new_rows_total", "Rows sent with content (not a dictionary reference)")
 RPC_ERRORS = Counter("specmask_mask_errors_total", "Requests failed, by status code", ["code"])
 SESSIONS_OPENED = Counter("specmask_mask_sessions_opened_total", "Sessions opened")
+GRAMMAR_VALIDATIONS = Counter(
+    "specmask_mask_grammar_validations_total",
+    "ValidateGrammar answers, by engine and enforcement (exact, or checked: a relaxation; issue 13)",
+    ["backend", "enforcement"],
+)
 
 # Replica figures (issue 14), read when scraped from the latest service built in this process.
 SESSIONS = Gauge("specmask_mask_sessions", "Open sessions")

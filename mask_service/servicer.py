@@ -90,6 +90,7 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
         def run() -> pb.ValidateGrammarResponse:
             entry, hit = self._compile(request.target, context)
             enforcement, relaxed = enforcement_of(entry.compiled)
+            metrics.GRAMMAR_VALIDATIONS.labels(engine_name(entry.compiled, entry.backend), enforcement).inc()
             return pb.ValidateGrammarResponse(
                 compiled_bytes=entry.size_bytes,
                 cache_hit=hit,

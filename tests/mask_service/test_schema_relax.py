@@ -155,3 +155,22 @@ def test_checked_is_part_of_the_cache_key() -> None:
     a, b = _spec({"type": "integer"}), _spec({"type": "integer"}, checked=True)
     assert a.cache_key() != b.cache_key()
     assert _spec({"type": "integer"}, backend="x").cache_key() != b.cache_key()
+
+
+def test_service_reports_enforcement(client: Any, bpe_id: str) -> None:
+    """Through the real gRPC service: the response says checked (and which rules), the session too."""
+    from prometheus_client import REGISTRY
+
+    def validations(enforcement: str) -> float:
+        labels = {"backend": "xgrammar", "enforcement": enforcement}
+        return REGISTRY.get_sample_value("specmask_mask_grammar_validations_total", labels) or 0.0
+
+    unique = {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True}
+    before = validations("checked")
+    resp = client.validate_grammar(bpe_id, _spec(unique, checked=True))
+    assert (resp.backend, resp.enforcement, list(resp.relaxed)) == ("xgrammar", "checked", ["uniqueItems"])
+    assert validations("checked") == before + 1
+    info = client.open_session_info(bpe_id, _spec(unique, checked=True))
+    assert info.enforcement == "checked"
+    client.close_session(info.session_id)
+    assert client.validate_grammar(bpe_id, _spec({"type": "integer"}, checked=True)).enforcement == "exact"
