@@ -32,7 +32,12 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device) -> Any:
 
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model dir does not exist: {path}")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, attn_implementation="sdpa")
+    from gpu_worker.attention import register
+
+    # SDPA with native grouped-query attention under the runner's masks (gpu_worker/attention.py).
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, local_files_only=True, attn_implementation=register()
+    )
     model.to(device)
     model.eval()
     return model
