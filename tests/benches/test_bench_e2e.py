@@ -33,5 +33,8 @@ def test_bench_e2e_smoke(tmp_path: Path) -> None:
     for key in ("constrained_vs_unconstrained_step_time", "spec_vs_nonspec_speedup"):
         assert len(result[f"{key}_rounds"]) == 2 and all(r and r > 0 for r in result[f"{key}_rounds"]), result
         assert result[key] in result[f"{key}_rounds"]
+    same, compared = result["spec_nonspec_identical_outputs"]
+    assert same == compared > 0, result  # greedy: speculation changes no token
+    assert result["mask_round_trips_per_step"] >= 1 and result["nospec_mask_round_trips_per_step"] >= 1, result
     for phase in ("constrained", "unconstrained", "constrained-nodraftmask", "constrained-nospec"):
         assert phase in proc.stdout
