@@ -44,6 +44,7 @@ import argparse
 import asyncio
 import json
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -425,8 +426,10 @@ def _ratio(a: float, b: float) -> float | None:
 
 
 def _median(values: list[float | None]) -> float | None:
-    present = sorted(v for v in values if v is not None)
-    return present[len(present) // 2] if present else None
+    """The median; with an even count the mean of the middle two (never the larger alone,
+    which would flatter a two-round ratio)."""
+    present = [v for v in values if v is not None]
+    return round(statistics.median(present), 3) if present else None
 
 
 async def bench(args: argparse.Namespace, cases: list[Case], stack: StackConfig) -> dict[str, Any]:
