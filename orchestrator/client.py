@@ -11,6 +11,7 @@ mutual TLS) and ``options`` (gRPC channel options, e.g.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,6 +152,20 @@ class OrchestratorClient:
 
     def generate(self, req: pb.GenerateRequest, *, timeout_s: float = 120.0) -> pb.GenerateResponse:
         return self.stub.Generate(req, timeout=timeout_s)
+
+    def generate_retrying_overload(self, req: pb.GenerateRequest, *, timeout_s: float = 120.0) -> pb.GenerateResponse:
+        """``generate``, retried with backoff while the server answers RESOURCE_EXHAUSTED (admission or
+        compile queue full: nothing ran); any other error propagates."""
+        delay = OVERLOAD_RETRY_FIRST_S
+        for attempt in range(OVERLOAD_RETRY_ATTEMPTS):
+            try:
+                return self.generate(req, timeout_s=timeout_s)
+            except grpc.RpcError as exc:
+                if attempt == OVERLOAD_RETRY_ATTEMPTS - 1 or exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
+                    raise
+            time.sleep(delay)
+            delay = min(2 * delay, OVERLOAD_RETRY_MAX_S)
+        raise AssertionError("unreachable")
 
     def stream(self, req: pb.GenerateRequest, *, timeout_s: float = 120.0) -> Iterator[pb.GenerateStreamResponse]:
         return self.stub.GenerateStream(req, timeout=timeout_s)
