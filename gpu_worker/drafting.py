@@ -60,6 +60,8 @@ if TYPE_CHECKING:
 
 # The proposer whose sequences also take the grammar's forced continuations.
 FORCED_PROPOSER = "grammar_forced"
+# DraftSlot.sources name for drafts taken from the service's forced continuation.
+FORCED_CONTINUATION = "forced_continuation"
 
 
 class Drafter:
@@ -177,7 +179,7 @@ class Drafter:
                     s.grammar_rows.append(s.mask_row)
                 forced = res.forced_tokens[: s.k - len(s.drafts)] if FORCED_PROPOSER in s.seq.proposers else ()
                 for token in forced:
-                    s.add(Proposal(token))  # q = 1; every forced token is grammar-accepted
+                    s.add(Proposal(token), FORCED_CONTINUATION)  # q = 1; every forced token is grammar-accepted
                 if forced:
                     s.mask_row = None
         return reply.wait_s
@@ -200,7 +202,7 @@ class Drafter:
                     # The target would reject it for certain (its mask bit is 0): stop here.
                     slot.open = False
                     continue
-                slot.add(proposal)
+                slot.add(proposal, proposer.name)
                 if proposal.token_id in slot.seq.stop_token_ids:
                     slot.open = False  # nothing valid follows a stop token
             pending = [s for s in pending if id(s) not in filled]

@@ -36,6 +36,7 @@ from gpu_worker.proposers.base import DraftSlot, Proposer
 from gpu_worker.sequence import SequenceState
 from gpu_worker.types import FinishReason, StepOutput
 from gpu_worker.verifier import VerifyInput, verify
+from gpu_worker.verify_width import WidthChooser
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,11 @@ class StepRunner:
         mask_timeout_s: float,
         kernel_backend: Any = None,
         mask_table: DeviceMaskTable | None = None,
+        width: WidthChooser | None = None,
     ) -> None:
         self.target = target
+        # Picks the batch's verify width after proposal (None: verify every draft proposed).
+        self.width = width if width is not None else WidthChooser()
         # The device mirror of the mask rows, shared with the draft-side masking.
         self.mask_table = mask_table if mask_table is not None else DeviceMaskTable(target.device)
         self.masks = masks
@@ -91,6 +95,8 @@ class StepRunner:
         errors: dict[str, str] = {}
         slots = [DraftSlot(seq, k=self.plan_k(seq)) for seq in seqs]
         mask_wait = self.drafter.propose(slots, errors)
+        if self.width is not None:
+            self.width.trim([s for s in slots if s.seq.seq_id not in errors])
 
         # Verify-path masks M_0..M_k: in flight while the target forward runs. Rows the
         # proposal phase already received are not computed again: a sequence drafted
@@ -185,6 +191,8 @@ class StepRunner:
                     target_forwards=1,
                 )
                 continue
+            if self.width is not None:
+                self.width.record(s, result.num_accepted)
             outputs[s.seq.seq_id] = self._commit(s, result.emitted, result.num_accepted)
         for seq_id, message in errors.items():
             outputs[seq_id] = StepOutput(seq_id, [], FinishReason.ERROR, error=message)

@@ -44,6 +44,9 @@ class DraftSlot:
     k: int  # k_r: the most drafts this sequence may get this step
     drafts: list[int] = field(default_factory=list)  # d_1..d_i so far
     q_rows: list[torch.Tensor | None] = field(default_factory=list)  # per draft: [V] float32 or None (one-hot)
+    # Per draft: where it came from (a proposer name, or FORCED_CONTINUATION), for the
+    # verify-width choice's per-source acceptance (gpu_worker.verify_width).
+    sources: list[str] = field(default_factory=list)
     # Grammar mask for the position being proposed, after d_1..d_{i-1}: a slot of the
     # mask client's interned table (with its allowed count); None when this sequence
     # has no grammar or no proposer asked for masks.
@@ -60,9 +63,19 @@ class DraftSlot:
         """Committed tokens followed by the drafts so far."""
         return self.seq.token_ids + self.drafts
 
-    def add(self, proposal: Proposal) -> None:
+    def add(self, proposal: Proposal, source: str = "") -> None:
         self.drafts.append(proposal.token_id)
         self.q_rows.append(proposal.q)
+        self.sources.append(source)
+
+    def trim(self, keep: int) -> int:
+        """Keep the first ``keep`` drafts (and the mask rows M_0..M_keep); returns how many went."""
+        dropped = len(self.drafts) - keep
+        if dropped <= 0:
+            return 0
+        del self.drafts[keep:], self.q_rows[keep:], self.sources[keep:]
+        del self.grammar_rows[keep + 1 :]  # rows past M_keep are for dropped drafts
+        return dropped
 
 
 @dataclass(frozen=True)

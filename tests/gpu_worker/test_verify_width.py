@@ -1,0 +1,78 @@
+"""The verify-width choice: trims long low-confidence draft tails, keeps drafts that pay."""
+
+from __future__ import annotations
+
+from gpu_worker.proposers.base import DraftSlot, Proposal
+from gpu_worker.sequence import SequenceState
+from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
+from gpu_worker.verify_width import WidthChooser
+
+
+def _slot(sources: list[str]) -> DraftSlot:
+    seq = SequenceState(
+        request=NewSequence(
+            seq_id="s",
+            prompt_token_ids=(1, 2),
+            grammar=None,
+            sampling=SamplingParams(max_tokens=8),
+            speculation=SpeculationParams(enabled=True, k=4),
+        ),
+        stop_token_ids=frozenset(),
+        proposers=("ngram",),
+        k=4,
+        seed=0,
+        token_ids=[1, 2],
+    )
+    slot = DraftSlot(seq, k=len(sources))
+    for i, source in enumerate(sources):
+        slot.add(Proposal(10 + i), source)
+    return slot
+
+
+def _learn(chooser: WidthChooser, source: str, accepted_of_four: int, times: int = 200) -> None:
+    for _ in range(times):
+        chooser.record(_slot([source] * 4), accepted_of_four)
+
+
+def test_one_unlikely_tail_does_not_widen_the_batch() -> None:
+    chooser = WidthChooser()
+    _learn(chooser, "ngram", 0)  # n-gram drafts are never accepted
+    _learn(chooser, "grammar_forced", 4)  # forced drafts always are
+    slots = [_slot(["grammar_forced"]) for _ in range(8)] + [_slot(["ngram"] * 4)]
+    assert chooser.choose(slots) == 2
+    assert chooser.trim(slots) == 3
+    assert [len(s.drafts) for s in slots] == [1] * 9
+    assert slots[-1].sources == ["ngram"] and slots[-1].q_rows == [None]
+
+
+def test_drafts_that_are_accepted_keep_their_width() -> None:
+    chooser = WidthChooser()
+    _learn(chooser, "ngram", 4)
+    slots = [_slot(["ngram"] * 4) for _ in range(9)]
+    assert chooser.choose(slots) == 5
+    assert chooser.trim(slots) == 0
+
+
+def test_acceptance_is_learned_by_depth() -> None:
+    chooser = WidthChooser()
+    _learn(chooser, "ngram", 2)
+    assert chooser.rate("ngram", 1) > 0.95 and chooser.rate("ngram", 2) > 0.95
+    assert chooser.rate("ngram", 3) < 0.05
+    assert ("ngram", 4) not in chooser.stats  # never reached: nothing learned
+
+
+def test_trim_keeps_the_mask_rows_of_kept_drafts() -> None:
+    slot = _slot(["ngram"] * 3)
+    slot.grammar_rows.extend(["M0", "M1", "M2", "M3"])  # type: ignore[list-item]
+    assert slot.trim(1) == 2
+    assert slot.drafts == [10] and slot.grammar_rows == ["M0", "M1"]
+    assert slot.trim(5) == 0
+
+
+def test_a_trimmed_depth_is_tried_again_later() -> None:
+    chooser = WidthChooser()
+    _learn(chooser, "ngram", 1)  # only the first n-gram draft is accepted
+    assert chooser.trim([_slot(["ngram"] * 4) for _ in range(9)]) == 27  # verified one each
+    for _ in range(300):  # steps that never verify depth 2: its estimate fades to the prior
+        chooser.trim([_slot(["ngram"])])
+    assert 0.4 < chooser.rate("ngram", 2) < 0.6
