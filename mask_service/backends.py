@@ -201,6 +201,23 @@ SELECTION_ORDER = ("xgrammar", "llguidance")
 _FALLBACK_KINDS = frozenset({GrammarKind.JSON_SCHEMA})
 
 
+def _with_checked_hint(refusal: GrammarError, spec: GrammarSpec) -> GrammarError:
+    """The refusal, naming checked mode when the schema has keywords it would relax (a pure
+    rewrite, no compile: the relaxation may still be refused when a request opts in)."""
+    if type(refusal) is not GrammarError:  # a typed subclass (too complex, ...) keeps its type
+        return refusal
+    try:
+        _, rules = relax_schema(load_schema(spec.text))
+    except GrammarError:
+        return refusal
+    if not rules:
+        return refusal
+    return GrammarError(
+        f"{refusal.message} (checked mode could serve it: generate under a relaxation ({', '.join(rules)}) "
+        "and check the output against this schema at the end; opt in per request)"
+    )
+
+
 class SelectingBackend:
     """Picks an engine per grammar (deterministic: fixed order, first that accepts)."""
 
@@ -217,8 +234,10 @@ class SelectingBackend:
         try:
             return self._select(compilers, spec)
         except GrammarError as exc:
-            if not (spec.checked and spec.kind is GrammarKind.JSON_SCHEMA):
+            if spec.kind is not GrammarKind.JSON_SCHEMA:
                 raise
+            if not spec.checked:
+                raise _with_checked_hint(exc, spec) from None
             return self._select_relaxed(compilers, spec, exc)
 
     def _select_relaxed(self, compilers: EngineCompilers, spec: GrammarSpec, refusal: GrammarError) -> SelectedGrammar:

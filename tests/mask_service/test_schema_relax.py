@@ -129,8 +129,12 @@ def test_selection_relaxes_only_when_opted_in(registry: TokenizerRegistry, bpe_i
     auto = SelectingBackend()
     compilers = auto.make_compiler(registry.info(bpe_id, None), 1)
     unique = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "uniqueItems": True}
-    with pytest.raises(GrammarError, match="uniqueItems"):
+    with pytest.raises(GrammarError, match="uniqueItems") as refused:
         auto.compile(compilers, _spec(unique))  # refused as before without opt-in
+    assert "checked mode could serve it" in refused.value.message  # the refusal names the way out
+    with pytest.raises(GrammarError) as plain:
+        auto.compile(compilers, _spec({"type": "object", "unevaluatedProperties": False}))
+    assert "checked mode" not in plain.value.message  # nothing relaxable: no such hint
     got = auto.compile(compilers, _spec(unique, checked=True))
     assert (got.enforcement, got.relaxed, got.backend) == ("checked", ("uniqueItems",), "xgrammar")
     # Explicit engine choice is honoured in checked mode too.
