@@ -264,16 +264,7 @@ def run_case(checker: Checker, case: Case, tally: Tally, verbose: bool) -> None:
         return
     tally.add(case.subset, "accepted")
     tally.by_backend[backend] += 1
-    for instance, valid in case.tests:
-        texts = serializations(instance, case.schema)
-        if not texts:
-            continue
-        try:
-            ok = any(checker.accepts(selected, t) for t in texts)
-        except Exception as exc:
-            tally.add(case.subset, "crashes")
-            print(f"CRASH matching {case.name}: {type(exc).__name__}: {exc}"[:400])
-            continue
+    for texts, valid, ok in _matched_instances(checker, case, selected, tally):
         tally.add(case.subset, "valid_instances" if valid else "invalid_instances")
         if valid and ok:
             tally.add(case.subset, "valid_accepted")
@@ -286,8 +277,11 @@ def run_case(checker: Checker, case: Case, tally: Tally, verbose: bool) -> None:
             print(f"over-restricts [{backend}] {case.name}: rejects valid {texts[0][:160]}")
 
 
-def _run_checked_instances(checker: Checker, case: Case, selected: Any, tally: Tally, verbose: bool) -> None:
-    """A relaxation's grammar vs the labels, and the end check behind it (the checked mode's lie metric)."""
+def _matched_instances(
+    checker: Checker, case: Case, selected: Any, tally: Tally
+) -> Iterator[tuple[list[str], bool, bool]]:
+    """(serialisations, labelled valid, grammar accepts one) per instance of ``case`` that
+    serialises; a matcher crash is counted and printed, and that instance skipped."""
     for instance, valid in case.tests:
         texts = serializations(instance, case.schema)
         if not texts:
@@ -298,6 +292,12 @@ def _run_checked_instances(checker: Checker, case: Case, selected: Any, tally: T
             tally.add(case.subset, "crashes")
             print(f"CRASH matching {case.name}: {type(exc).__name__}: {exc}"[:400])
             continue
+        yield texts, valid, ok
+
+
+def _run_checked_instances(checker: Checker, case: Case, selected: Any, tally: Tally, verbose: bool) -> None:
+    """A relaxation's grammar vs the labels, and the end check behind it (the checked mode's lie metric)."""
+    for texts, valid, ok in _matched_instances(checker, case, selected, tally):
         tally.add(case.subset, "checked_valid_instances" if valid else "checked_invalid_instances")
         if valid and ok:
             tally.add(case.subset, "checked_valid_accepted")
