@@ -73,59 +73,38 @@ class Envelope:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
+def _body(env: Envelope, obj: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
+    """One response body: the envelope, its choices and (on final bodies) its usage."""
+    body: dict[str, Any] = {"id": env.id, "object": obj, "created": env.created, "model": env.model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
 def chat_completion(
     env: Envelope, message: dict[str, Any], finish_reason: str, usage: Usage, grammar: GrammarReport | None = None
 ) -> dict[str, Any]:
-    return {
-        "id": env.id,
-        "object": "chat.completion",
-        "created": env.created,
-        "model": env.model,
-        "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage_body(usage, grammar),
-    }
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    return _body(env, "chat.completion", [choice], usage_body(usage, grammar))
 
 
 def chat_chunk(env: Envelope, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-    return {
-        "id": env.id,
-        "object": "chat.completion.chunk",
-        "created": env.created,
-        "model": env.model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-    }
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return _body(env, "chat.completion.chunk", [choice], None)
 
 
 def completion(
     env: Envelope, text: str, finish_reason: str, usage: Usage, grammar: GrammarReport | None = None
 ) -> dict[str, Any]:
-    return {
-        "id": env.id,
-        "object": "text_completion",
-        "created": env.created,
-        "model": env.model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage_body(usage, grammar),
-    }
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return _body(env, "text_completion", [choice], usage_body(usage, grammar))
 
 
 def completion_chunk(env: Envelope, text: str, finish_reason: str | None = None) -> dict[str, Any]:
-    return {
-        "id": env.id,
-        "object": "text_completion",
-        "created": env.created,
-        "model": env.model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-    }
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return _body(env, "text_completion", [choice], None)
 
 
 def usage_chunk(env: Envelope, obj: str, usage: Usage, grammar: GrammarReport | None = None) -> dict[str, Any]:
     """The final chunk of ``stream_options.include_usage``: no choices, the whole usage."""
-    return {
-        "id": env.id,
-        "object": obj,
-        "created": env.created,
-        "model": env.model,
-        "choices": [],
-        "usage": usage_body(usage, grammar),
-    }
+    return _body(env, obj, [], usage_body(usage, grammar))
