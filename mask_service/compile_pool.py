@@ -1,18 +1,49 @@
 """Killable compile workers behind a bounded, per-owner fair queue (issue 14).
 
 Each worker is a child process (mask_service.compile_worker) driven by one
-dispatcher thread. A job runs under two limits: a wall-clock budget and a
-resident-memory cap, both watched from here (RSS is read from /proc every
-``_POLL_S``); a job that passes either is killed with its process, answered
-with ``GrammarTooComplex`` and the worker is started afresh. So a pathological
-grammar costs at most its budget on one worker, never the serving path, and a
-SIGTERM to the service ends the workers with it.
+dispatcher thread. A job runs under three limits, all watched from here every
+``_POLL_S``:
 
-Admission: at most ``max_queue`` jobs wait (``max_queue_per_owner`` per
-owner); past either the caller gets ``CompileQueueFull`` (RESOURCE_EXHAUSTED,
-retry later). Waiting jobs are served round-robin by owner, so one client
-flooding distinct schemas delays another client's compile by at most one job
-per worker, not by the whole flood.
+* a **CPU-time budget** (``budget_s``): the worker's own user + system time
+  since the job started, all its threads, read from ``/proc/<pid>/stat``. Past
+  it the grammar is *too complex* (``GrammarTooComplex``, cached by the caller):
+  CPU time is what the grammar costs, whatever else the box is doing, so a
+  loaded box does not turn valid schemas into refusals, and the workers can run
+  at the lowest priority (nice 19, SCHED_IDLE) without being judged for it;
+* a **resident-memory cap** (``memory_cap_bytes``): also "too complex";
+* a **wall-clock backstop** (``wall_budget_s``, longer): a compile starved of
+  CPU (the box is busy serving) or a worker that stopped making progress
+  (SIGSTOP, a hang) is ended with ``CompileStarved``: RESOURCE_EXHAUSTED with
+  a retry hint, never cached (the grammar was not judged) and never a reason to
+  mark the replica dead.
+
+Why the parent polls the child's CPU time instead of RLIMIT_CPU/SIGXCPU in the
+child: a worker is long-lived and runs many jobs, and RLIMIT_CPU counts the
+process's whole life in whole seconds, so it would have to be re-armed per job
+and could not hold sub-second budgets; its SIGXCPU cannot interrupt the engine's
+C++ loop anyway (a Python handler runs only between bytecodes), and a process
+killed by the kernel at the hard limit is hard to tell from one the OOM killer
+took. Polling fits the RSS cap that was already polled, charges exactly the
+job (the tokenizer load is acknowledged first and not charged), and the worker
+also reports the compile's own CPU seconds when it finishes, so a compile that
+ends between two polls is judged by the same rule. Where /proc is not readable
+(not Linux) only that final report and the wall backstop apply.
+
+A job killed for any of these reasons takes its process with it, and the worker
+is started afresh. So a pathological grammar costs at most its budget on one
+worker, never the serving path, and a SIGTERM to the service ends the workers
+with it.
+
+Admission: at most ``max_queue`` jobs wait in all. Each owner is guaranteed a
+share of ``max_queue_per_owner`` waiting jobs; past its share an owner may
+*borrow* idle capacity, but only while no other owner has a job waiting. When
+the queue is full and an owner within its share arrives, the newest job of the
+owner furthest over its share is dropped for it (that caller gets
+``CompileQueueFull``). Otherwise the caller gets ``CompileQueueFull``
+(RESOURCE_EXHAUSTED, retry later). Waiting jobs are served round-robin by
+owner, so one client flooding distinct schemas delays another client's
+compile by at most one job per worker, not by the whole flood, and a lone
+client's burst of new schemas is not refused while the queue is idle.
 """
 
 from __future__ import annotations
@@ -40,7 +71,19 @@ from mask_service.parent_watch import PARENT_PID_ENV
 
 logger = logging.getLogger(__name__)
 
-_POLL_S = 0.05  # RSS / deadline checks while a job runs
+_POLL_S = 0.05  # RSS / CPU / deadline checks while a job runs
+# The wall-clock backstop when none is configured: generous against the CPU
+# budget (a lowest-priority worker on a busy box gets a small share of a core),
+# and long enough that clients' retries (10 s deadlines) join the running
+# compile instead of starting over.
+_MIN_WALL_BUDGET_S = 30.0
+_WALL_BUDGET_FACTOR = 4.0
+
+
+def default_wall_budget_s(cpu_budget_s: float) -> float:
+    return max(_MIN_WALL_BUDGET_S, _WALL_BUDGET_FACTOR * cpu_budget_s)
+
+
 _START_TIMEOUT_S = 120.0  # importing xgrammar (and torch) in a fresh worker; not charged to a job
 
 
@@ -52,9 +95,33 @@ class CompileQueueFull(LimitExceeded):
         self.retry_after_s = retry_after_s
 
 
+class CompileStarved(CompileQueueFull):
+    """The compile got too little CPU to finish within the wall-clock backstop (RESOURCE_EXHAUSTED).
+
+    The grammar was not judged: the box was busy (compile workers run at the lowest
+    priority) or the worker stopped. Retrying later can succeed, so it is never cached,
+    and it is no sign of a dead replica."""
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process, all its threads (None where /proc cannot say)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # Fields after the parenthesised command name (which may hold spaces):
+            # state is field 3, utime 14, stime 15.
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 @dataclass(frozen=True)
 class CompileOutcome:
     seconds: float  # the trial compile's wall time in the worker
+    cpu_seconds: float  # its CPU time (all the worker's threads)
     compiled_bytes: int  # the engine's own size estimate of the compiled grammar
     peak_rss_bytes: int  # the worker's highest RSS seen during the job
 
@@ -114,9 +181,9 @@ class _Worker:
         assert self.proc is not None and self.proc.stdin is not None
         write_frame(self.proc.stdin, message)
 
-    def _read(self, deadline: float, watch: Callable[[int], bool] | None) -> Any:
-        """Wait for one frame until ``deadline``; ``watch(pid)`` returning False aborts.
-        Returns the message, "timeout", "aborted" or None (the process died)."""
+    def _read(self, deadline: float, watch: Callable[[int], str | None] | None) -> Any:
+        """Wait for one frame until ``deadline``; ``watch(pid)`` returning a reason aborts.
+        Returns the message, "timeout", the watch's reason or None (the process died)."""
         assert self.proc is not None and self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
         while True:
@@ -126,8 +193,14 @@ class _Worker:
             ready, _, _ = select.select([fd], [], [], min(_POLL_S, deadline - now))
             if ready:
                 return read_frame(self.proc.stdout)
-            if watch is not None and not watch(self.proc.pid):
-                return "aborted"
+            reason = watch(self.proc.pid) if watch is not None else None
+            if reason is not None:
+                return reason
+
+
+def _fail(job: _Job, error: BaseException) -> None:
+    if job.future.set_running_or_notify_cancel():
+        job.future.set_exception(error)
 
 
 class CompilePool:
@@ -142,13 +215,16 @@ class CompilePool:
         memory_cap_bytes: int,
         max_queue: int,
         max_queue_per_owner: int,
+        wall_budget_s: float = 0.0,
         threads_per_compile: int = 1,
-        nice: int = 10,
+        nice: int = 19,
+        sched_idle: bool = True,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
         self._tokenizer_json = tokenizer_json
-        self.budget_s = budget_s
+        self.budget_s = budget_s  # CPU seconds: past it, "too complex"
+        self.wall_budget_s = wall_budget_s or default_wall_budget_s(budget_s)  # past it, "starved: retry"
         self.memory_cap_bytes = memory_cap_bytes
         self._max_queue = max_queue
         self._max_per_owner = max_queue_per_owner
@@ -156,6 +232,7 @@ class CompilePool:
         env = dict(os.environ)
         env[PARENT_PID_ENV] = str(os.getpid())
         env["SPECMASK_COMPILE_NICE"] = str(nice)
+        env["SPECMASK_COMPILE_SCHED_IDLE"] = "1" if sched_idle else "0"
         # Kernel backstop at twice the polled cap (RSS polling acts first).
         env["SPECMASK_COMPILE_AS_EXTRA"] = str(2 * memory_cap_bytes if memory_cap_bytes else 0)
         self._workers = [_Worker(i, env) for i in range(workers)]
@@ -198,21 +275,43 @@ class CompilePool:
             if self._closed:
                 raise CompileQueueFull("mask service is shutting down", retry_after_s=1.0)
             retry = max(1.0, self.budget_s * (self._queued + 1) / len(self._workers))
-            if self._queued >= self._max_queue:
+            mine = len(self._queue.get(owner, ()))
+            others_waiting = len(self._queue) > (owner in self._queue)
+            if mine >= self._max_per_owner and (others_waiting or self._queued >= self._max_queue):
+                # Past its share an owner only borrows idle capacity: not while others wait.
                 raise CompileQueueFull(
-                    f"compile queue full ({self._queued} grammars waiting); retry in ~{retry:.0f} s", retry
-                )
-            mine = self._queue.get(owner)
-            if mine is not None and len(mine) >= self._max_per_owner:
-                raise CompileQueueFull(
-                    f"compile queue: {len(mine)} grammars of this client already waiting "
-                    f"(limit {self._max_per_owner}); retry in ~{retry:.0f} s",
+                    f"compile queue: {mine} grammars of this client already waiting "
+                    f"(share {self._max_per_owner} while other clients wait); retry in ~{retry:.0f} s",
                     retry,
                 )
+            dropped = None
+            if self._queued >= self._max_queue:
+                dropped = self._drop_borrowed()  # an owner within its share displaces a borrower
+                if dropped is None:
+                    raise CompileQueueFull(
+                        f"compile queue full ({self._queued} grammars waiting); retry in ~{retry:.0f} s", retry
+                    )
             self._queue.setdefault(owner, deque()).append(job)
             self._queued += 1
             self._cond.notify_all()
+        if dropped is not None:
+            # Failed off this thread: the future's callbacks take locks our caller may hold.
+            error = CompileQueueFull(
+                f"compile queue: this client's grammar gave its borrowed place to another client's; "
+                f"retry in ~{retry:.0f} s",
+                retry,
+            )
+            threading.Thread(target=_fail, args=(dropped, error), name="compile-drop", daemon=True).start()
         return job.future
+
+    def _drop_borrowed(self) -> _Job | None:
+        """Take out the newest job of the owner furthest past its share (caller holds the lock)."""
+        jobs = max(self._queue.values(), key=len, default=deque())
+        if len(jobs) <= self._max_per_owner:
+            return None
+        job = jobs.pop()
+        self._queued -= 1
+        return job
 
     def _take(self, worker: _Worker) -> _Job | None:
         with self._cond:
@@ -261,36 +360,65 @@ class CompilePool:
                     worker.busy = False
                     self._cond.notify_all()
 
+    def _starved(self, what: str, cpu_used: float | None) -> CompileStarved:
+        used = "" if cpu_used is None else f", {cpu_used:.1f} s of its {self.budget_s:g} s CPU budget used"
+        return CompileStarved(
+            f"compile {what} within the {self.wall_budget_s:g} s wall-clock backstop (the replica is busy{used}); "
+            f"retry in ~{self.budget_s:.0f} s",
+            retry_after_s=max(1.0, self.budget_s),
+        )
+
     def _run(self, worker: _Worker, job: _Job) -> CompileOutcome:
         if not worker.started:
             worker.start()
+        deadline = time.monotonic() + self.wall_budget_s
         if job.tok_key not in worker.tokenizers:
             worker.send(("tokenizer", job.tok_key, self._tokenizer_json(job.tok_key)))
+            ack = worker._read(deadline, None)
+            if ack != ("tokenizer-ok",):  # the box or the worker, not the grammar: not a verdict
+                worker.kill()
+                raise self._starved("worker did not load the tokenizer", None)
             worker.tokenizers.add(job.tok_key)
         worker.send(("compile", job.backend, job.tok_key, job.spec, self._threads))
+        assert worker.proc is not None
+        cpu_start = cpu_seconds(worker.proc.pid)
         peak = 0
+        cpu_used: float | None = None
 
-        def under_cap(pid: int) -> bool:
-            nonlocal peak
+        def within_limits(pid: int) -> str | None:
+            nonlocal peak, cpu_used
             rss = rss_bytes(pid)
             peak = max(peak, rss)
-            return not self.memory_cap_bytes or rss <= self.memory_cap_bytes
+            if self.memory_cap_bytes and rss > self.memory_cap_bytes:
+                return "memory"
+            now = cpu_seconds(pid)
+            if cpu_start is not None and now is not None:
+                cpu_used = now - cpu_start
+                if cpu_used > self.budget_s:
+                    return "cpu"
+            return None
 
-        reply = worker._read(time.monotonic() + self.budget_s, under_cap)
+        reply = worker._read(deadline, within_limits)
+        too_complex = f"grammar too complex: compile exceeded {self.budget_s:g} s of CPU time"
         if isinstance(reply, tuple) and reply:
             if reply[0] == "ok":
-                return CompileOutcome(float(reply[1]), int(reply[2]), peak)
+                # The worker's own count: a compile that ended between two polls is judged alike.
+                if float(reply[3]) > self.budget_s:
+                    raise GrammarTooComplex(too_complex)
+                return CompileOutcome(float(reply[1]), float(reply[3]), int(reply[2]), peak)
             if reply[0] == "refused":
                 raise GrammarError(str(reply[1]))
             worker.kill()  # the worker may be in a bad state after a failure
             raise GrammarTooComplex(f"grammar too complex: compile failed ({reply[1]})")
         worker.kill()
-        if reply == "timeout":
-            raise GrammarTooComplex(f"grammar too complex: compile exceeded {self.budget_s:g} s")
-        if reply == "aborted":
+        if reply == "cpu":
+            raise GrammarTooComplex(too_complex)
+        if reply == "memory":
             raise GrammarTooComplex(
                 f"grammar too complex: compile exceeded the {self.memory_cap_bytes / 2**20:.0f} MiB memory cap"
             )
+        if reply == "timeout":
+            raise self._starved("did not finish", cpu_used)
         raise GrammarTooComplex("grammar too complex: the compile worker died while compiling it")
 
     def shutdown(self) -> None:

@@ -21,10 +21,18 @@ outside the service writes to these pipes). Messages:
 
 * child -> parent, once: ``("ready", pid)``
 * parent -> child: ``("tokenizer", tok_key, tokenizer_info_json)`` (once per key)
+* child -> parent: ``("tokenizer-ok",)`` (loading it is not charged to a compile's CPU budget)
 * parent -> child: ``("compile", backend_name, tok_key, spec, max_threads)``
-* child -> parent: ``("ok", seconds, compiled_bytes)`` or ``("refused", message)``
-  (the engine rejected the grammar: the message is the client's) or
-  ``("failed", message)`` (anything else, e.g. out of memory under the cap)
+* child -> parent: ``("ok", seconds, compiled_bytes, cpu_seconds)`` or
+  ``("refused", message)`` (the engine rejected the grammar: the message is the
+  client's) or ``("failed", message)`` (anything else, e.g. out of memory under the cap)
+
+Priority: the worker lowers itself before importing anything (so every thread
+the engine starts inherits it): nice ``SPECMASK_COMPILE_NICE`` (default 19) and,
+on Linux with ``SPECMASK_COMPILE_SCHED_IDLE=1``, the SCHED_IDLE policy, which
+runs it only on CPU time nothing else wants. That is safe because the verdict
+"too complex" is taken on the worker's own CPU time (compile_pool), not on the
+wall clock: a starved compile is not mistaken for an expensive one.
 """
 
 from __future__ import annotations
@@ -93,16 +101,19 @@ def serve(stdin: IO[bytes], stdout: IO[bytes], *, address_space_extra: int) -> N
         if msg[0] == "tokenizer":
             _, tok_key, info_json = msg
             infos[tok_key] = xgr.TokenizerInfo.deserialize_json(info_json)
+            write_frame(stdout, ("tokenizer-ok",))
             continue
         _, backend_name, tok_key, spec, max_threads = msg
         t0 = time.perf_counter()
+        cpu0 = time.process_time()  # all threads of this process: the engine's pool included
         try:
             backend = BACKENDS[backend_name]
             ckey = (backend_name, tok_key, max_threads)
             if ckey not in compilers:
                 compilers[ckey] = backend.make_compiler(infos[tok_key], max_threads)  # type: ignore[attr-defined]
             compiled = backend.compile(compilers[ckey], spec)
-            reply: tuple[Any, ...] = ("ok", time.perf_counter() - t0, int(getattr(compiled, "memory_size_bytes", 0)))
+            size = int(getattr(compiled, "memory_size_bytes", 0))
+            reply: tuple[Any, ...] = ("ok", time.perf_counter() - t0, size, time.process_time() - cpu0)
             del compiled
         except GrammarError as exc:
             reply = ("refused", exc.message)
@@ -113,15 +124,24 @@ def serve(stdin: IO[bytes], stdout: IO[bytes], *, address_space_extra: int) -> N
         write_frame(stdout, reply)
 
 
+def lower_priority(nice: int, sched_idle: bool) -> None:
+    """Yield the CPU to the serving process (draft masks, commits): this thread and every
+    thread started after it (Linux keeps nice and policy per thread, and threads inherit them)."""
+    if nice:
+        with contextlib.suppress(OSError):
+            os.nice(nice)
+    if sched_idle and hasattr(os, "SCHED_IDLE"):
+        with contextlib.suppress(OSError):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
 def main() -> int:
     from mask_service.parent_watch import die_with_parent_from_env
 
     die_with_parent_from_env()
-    nice = int(os.environ.get("SPECMASK_COMPILE_NICE", "10"))
-    if nice:
-        # Compiles yield the CPU to the serving process (draft masks, commits).
-        with contextlib.suppress(OSError):
-            os.nice(nice)
+    lower_priority(
+        int(os.environ.get("SPECMASK_COMPILE_NICE", "19")), os.environ.get("SPECMASK_COMPILE_SCHED_IDLE") == "1"
+    )
     extra = int(os.environ.get("SPECMASK_COMPILE_AS_EXTRA", "0"))
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     # Frames go over the real stdout; anything a library prints goes to stderr.

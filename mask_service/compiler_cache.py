@@ -6,7 +6,8 @@ Keyed by (tokenizer id, vocab size, grammar cache key). A miss goes through:
    limit, compile over budget) is refused again at once, never recompiled;
 2. structural limits (mask_service.limits): microseconds, before any compile;
 3. a trial compile in a killable worker process (mask_service.compile_pool),
-   under a time budget and a memory cap, behind a per-owner fair queue;
+   under a CPU-time budget, a memory cap and a wall-clock backstop, behind a
+   per-owner fair queue;
 4. the real compile in this process, on a small pool of low-priority threads
    (the trial proved it finishes within budget), then the LRU.
 
@@ -15,7 +16,9 @@ its own deadline (less a margin); if the compile is still queued or running
 then, it gets RESOURCE_EXHAUSTED ("still compiling, retry"), never
 DEADLINE_EXCEEDED, which the router would read as a dead replica. The number
 of requests waiting on compiles is bounded too, so waiting requests cannot
-take every gRPC thread from draft-mask calls.
+take every gRPC thread from draft-mask calls; one owner may take all but
+``waiters_reserve`` of those places, which stay for other owners (as the
+compile queue lets a lone owner borrow idle places but keeps each owner's share).
 """
 
 from __future__ import annotations
@@ -50,7 +53,9 @@ TOO_COMPLEX_REFUSAL_TTL_S = 600.0
 # (RESOURCE_EXHAUSTED, retry) reaches the client before its deadline fires.
 _DEADLINE_MARGIN_S = 0.25
 # In-process compile threads run at this nice value (Linux: per thread), so a
-# compile yields the CPU to draft-mask calls.
+# compile yields the CPU to draft-mask calls. Not the compile workers' 19 /
+# SCHED_IDLE: these threads share the GIL with the serving threads, and a starved
+# thread holding it would stall them (the engine's compile itself releases it).
 _COMPILE_THREAD_NICE = 10
 
 CacheKey = tuple[str, int, str]
@@ -85,7 +90,9 @@ class CompilerCache:
         backend: str = "auto",  # backends.SelectingBackend: xgrammar, else llguidance
         limits: GrammarLimits | None = None,
         max_waiters: int = 8,
+        waiters_reserve: int | None = None,
         max_refusals: int = DEFAULT_MAX_REFUSALS,
+        wall_timeout_s: float | None = None,
     ) -> None:
         self._registry = registry
         self._max_bytes = max_bytes
@@ -97,6 +104,12 @@ class CompilerCache:
         # run in-process only, unbounded in time and memory (tools, engine tests).
         self._pool: CompilePool | None = None
         self._max_waiters = max_waiters
+        # Places one owner cannot take (None: a quarter), kept for the others.
+        reserve = max_waiters // 4 if waiters_reserve is None else waiters_reserve
+        self._max_waiters_per_owner = max(1, max_waiters - reserve)
+        self._waiters_by_owner: dict[str, int] = {}
+        # Without a wait of its own, a request waits for the compile's wall backstop, twice.
+        self._default_wait_s = 2 * (wall_timeout_s or compile_timeout_s)
         self._max_refusals = max_refusals
         self._executor = ThreadPoolExecutor(
             max_workers=compile_threads, thread_name_prefix="compile", initializer=_lower_thread_priority
@@ -252,9 +265,12 @@ class CompilerCache:
                 self._refuse(key, exc)
                 raise
         with self._lock:
-            if self._waiters >= self._max_waiters:
+            mine = self._waiters_by_owner.get(owner, 0)
+            if self._waiters >= self._max_waiters or mine >= self._max_waiters_per_owner:
                 raise CompileQueueFull(
-                    f"{self._waiters} requests already waiting for grammar compiles; retry shortly", retry_after_s=1.0
+                    f"{self._waiters} requests already waiting for grammar compiles "
+                    f"({mine} of this client's); retry shortly",
+                    retry_after_s=1.0,
                 )
             fut = self._inflight.get(key)
             if fut is None:
@@ -262,13 +278,14 @@ class CompilerCache:
                     return self._entries[key], True
                 fut = self._start(key, spec, owner)
             self._waiters += 1
+            self._waiters_by_owner[owner] = mine + 1
         # The reply must reach the client before its deadline, also on a loaded box.
-        wait = 2 * self._timeout if wait_s is None else max(0.0, wait_s - max(_DEADLINE_MARGIN_S, 0.05 * wait_s))
+        wait = self._default_wait_s if wait_s is None else max(0.0, wait_s - max(_DEADLINE_MARGIN_S, 0.05 * wait_s))
         try:
             return fut.result(timeout=wait), False
         except FutureTimeout:
             raise CompileInProgress(
-                f"grammar still compiling after {wait:.1f} s (budget {self._timeout:g} s); retry shortly",
+                f"grammar still compiling after {wait:.1f} s (budget {self._timeout:g} s of CPU); retry shortly",
                 retry_after_s=max(1.0, self._timeout / 2),
             ) from None
         except MaskError:
@@ -276,6 +293,9 @@ class CompilerCache:
         finally:
             with self._lock:
                 self._waiters -= 1
+                left = self._waiters_by_owner.pop(owner) - 1
+                if left:
+                    self._waiters_by_owner[owner] = left
 
     def shutdown(self) -> None:
         if self._pool is not None:

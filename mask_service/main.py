@@ -35,7 +35,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=cfg.DEFAULT_MAX_BATCH)
     parser.add_argument("--max-k", type=int, default=cfg.DEFAULT_MAX_K)
     parser.add_argument("--mask-threads", type=int, default=MaskServiceConfig.mask_threads)
-    parser.add_argument("--compile-timeout-s", type=float, default=cfg.DEFAULT_COMPILE_TIMEOUT_S)
+    parser.add_argument(
+        "--compile-timeout-s",
+        type=float,
+        default=cfg.DEFAULT_COMPILE_TIMEOUT_S,
+        help="a compile's CPU-time budget; past it the grammar is refused as too complex",
+    )
+    parser.add_argument(
+        "--compile-wall-timeout-s",
+        type=float,
+        default=cfg.DEFAULT_COMPILE_WALL_TIMEOUT_S,
+        help="wall-clock backstop of a starved compile: RESOURCE_EXHAUSTED, retry (0 = max(30, 4x the CPU budget))",
+    )
+    parser.add_argument("--compile-nice", type=int, default=cfg.DEFAULT_COMPILE_NICE)
+    parser.add_argument(
+        "--compile-sched-idle",
+        action=argparse.BooleanOptionalAction,
+        default=cfg.DEFAULT_COMPILE_SCHED_IDLE,
+        help="compile workers under Linux SCHED_IDLE (only CPU nothing else wants)",
+    )
     parser.add_argument("--grammar-cache-mb", type=int, default=cfg.DEFAULT_GRAMMAR_CACHE_BYTES // 2**20)
     parser.add_argument(
         "--compile-workers",
@@ -90,6 +108,9 @@ def config_from_args(args: argparse.Namespace) -> MaskServiceConfig:
         max_k=args.max_k,
         mask_threads=args.mask_threads,
         compile_timeout_s=args.compile_timeout_s,
+        compile_wall_timeout_s=args.compile_wall_timeout_s,
+        compile_nice=args.compile_nice,
+        compile_sched_idle=args.compile_sched_idle,
         grammar_cache_bytes=args.grammar_cache_mb * 2**20,
         compile_workers=args.compile_workers,
         compile_memory_bytes=args.compile_memory_mb * 2**20,

@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 
 from mask_service import metrics
 from mask_service.auth import TokenAuthInterceptor
-from mask_service.compile_pool import CompilePool
+from mask_service.compile_pool import CompilePool, default_wall_budget_s
 from mask_service.compiler_cache import CompilerCache
 from mask_service.config import MaskServiceConfig
 from mask_service.draft_masks import DraftMaskEngine
@@ -83,6 +83,8 @@ def build_service(config: MaskServiceConfig, registry: TokenizerRegistry | None 
         compile_timeout_s=config.compile_timeout_s,
         limits=config.grammar_limits,
         max_waiters=config.compile_waiters,
+        waiters_reserve=min(config.compile_queue_per_owner, config.compile_waiters // 2),
+        wall_timeout_s=config.compile_wall_timeout_s or default_wall_budget_s(config.compile_timeout_s),
     )
     pool = None
     if config.compile_workers > 0:
@@ -93,6 +95,9 @@ def build_service(config: MaskServiceConfig, registry: TokenizerRegistry | None 
             memory_cap_bytes=config.compile_memory_bytes,
             max_queue=config.compile_queue,
             max_queue_per_owner=config.compile_queue_per_owner,
+            wall_budget_s=config.compile_wall_timeout_s,
+            nice=config.compile_nice,
+            sched_idle=config.compile_sched_idle,
         )
         cache.attach_pool(pool)
         # Warm-up is explicit: the service reports SERVING with a compile worker up, so

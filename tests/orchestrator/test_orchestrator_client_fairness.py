@@ -56,9 +56,12 @@ def service(bpe_dir) -> Iterator[MaskServiceHandle]:  # type: ignore[no-untyped-
         bpe_dir,
         compile_timeout_s=BUDGET_S,
         compile_workers=1,
-        compile_queue=8,
+        compile_queue=2,  # A's share 1 + one place A may borrow while it is alone
         compile_queue_per_owner=1,
         grammar_limits=GrammarLimits(max_schema_bytes=10**7, max_properties=10**6),
+        # A's compiles must reach their CPU budget on a shared box: not the idle class.
+        compile_nice=10,
+        compile_sched_idle=False,
     )
     handle = build_service(cfg)
     handle.server.start()
@@ -98,7 +101,7 @@ def test_one_clients_flood_does_not_starve_anothers_new_schema(service, bpe_dir,
         flood = [threading.Thread(target=send, args=(f"a{i}", "client:A", _slow(i))) for i in range(4)]
         for th in flood:
             th.start()
-            time.sleep(0.3)  # one compiles, one waits (A's share), the rest are refused
+            time.sleep(0.3)  # one compiles, one waits (A's share), one borrows the idle place, one is refused
         new_schema = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "array", "items": {"type": "boolean"}}))
         t0 = time.monotonic()
         send("b", "client:B", new_schema)
@@ -113,4 +116,5 @@ def test_one_clients_flood_does_not_starve_anothers_new_schema(service, bpe_dir,
     # never for more of A's flood.
     assert took < 2 * BUDGET_S + 16.0, took
     refused = [outcomes[f"a{i}"] for i in range(4) if isinstance(outcomes[f"a{i}"], Overloaded)]
-    assert refused, outcomes  # A's flood is bounded by its own share of the queue
+    # A's flood is bounded by the queue, and B took back the place A had borrowed.
+    assert len(refused) >= 2, outcomes
