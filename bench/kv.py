@@ -2,13 +2,17 @@
 
     python -m bench.kv                        # B=32, L=1000, a small Llama on CPU
     python -m bench.kv --device cuda --shape llama-3.2-1b --dtype bfloat16
+    python -m bench.kv --model smollm2-135m-instruct --batch 9 --length 500 \\
+        --widths 1,2,3,4,5 --layouts packed,padded --threads 2   # packed vs padded A/B
 
 B sequences are prefilled to L tokens each (lengths staggered by a few tokens,
-as in a real batch), then each timed round is one verify-style forward of k+1
-new tokens per sequence followed by a rollback of k of them (rejected drafts),
-so lengths stay near L. Uses only the public ``ModelRunner`` / ``SequenceKV``
-API, so the same script times any version of the KV code (an A/B runs it
-against two trees). Last line: ``RESULT {json}``.
+as in a real batch), then each timed round is one verify-style forward of new
+tokens per sequence followed by a rollback of all but one of them (rejected
+drafts), so lengths stay near L. Row r verifies ``widths[r % len(widths)]``
+tokens (default: k + 1 for every row). With several ``--layouts`` the rounds
+interleave the layouts (ModelRunner ``packed`` on/off over the same model and
+pasts), so a noisy box affects both alike. Uses only the public
+``ModelRunner`` / ``SequenceKV`` API. Last line: ``RESULT {json}``.
 """
 
 from __future__ import annotations
@@ -24,10 +28,28 @@ SMALL = dict(
     vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
 )  # fmt: skip
+# ModelRunner keyword arguments of each layout.
+LAYOUTS = {"packed": dict(batched=True, packed=True), "padded": dict(batched=True, packed=False)}
+
+
+def _model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    if args.model:
+        from gpu_worker.loading import load_causal_lm
+        from gpu_worker.models.registry import resolve_model
+
+        return load_causal_lm(resolve_model(args.model, progress=False), dtype, device)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench.gpu import SHAPES
+
+    torch.manual_seed(0)
+    kwargs = SMALL if args.shape == "small" else SHAPES[args.shape]
+    config = LlamaConfig(**{**kwargs, "max_position_embeddings": max(4096, args.length + 64)})
+    with torch.device(device):
+        return LlamaForCausalLM(config).to(dtype).eval()
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.gpu import SHAPES
     from gpu_worker.kv_cache import SequenceKV
     from gpu_worker.model_runner import ForwardItem, ModelRunner
 
@@ -35,62 +57,79 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--length", type=int, default=1000)
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--widths", default=None, help="per-row verify widths, cycled (e.g. 1,2,3,4,5); default k+1")
+    parser.add_argument("--layouts", default="packed", help=f"comma list of {list(LAYOUTS)}, interleaved per round")
     parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--shape", default="small", help=f"small or one of {list(SHAPES)}")
+    parser.add_argument("--shape", default="small", help="small or a bench.gpu shape (ignored with --model)")
+    parser.add_argument("--model", default=None, help="a model dir or registered name instead of a random --shape")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from transformers import LlamaConfig, LlamaForCausalLM
+    layouts = args.layouts.split(",")
+    if unknown := [name for name in layouts if name not in LAYOUTS]:
+        parser.error(f"unknown layouts {unknown}; choose from {list(LAYOUTS)}")
+    widths = [int(w) for w in args.widths.split(",")] if args.widths else [args.k + 1]
+    if min(widths) < 1:
+        parser.error("widths must be >= 1")
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    torch.manual_seed(0)
-    kwargs = SMALL if args.shape == "small" else SHAPES[args.shape]
-    config = LlamaConfig(**{**kwargs, "max_position_embeddings": max(4096, args.length + 64)})
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype).eval()
-    runner = ModelRunner(model, batched=True)
+    model = _model(args, device, dtype)
+    runners = {name: ModelRunner(model, **LAYOUTS[name]) for name in layouts}
     gen = torch.Generator().manual_seed(0)
-    vocab = config.vocab_size
-    kvs = [SequenceKV() for _ in range(args.batch)]
-    for start in range(0, args.batch, 8):  # prefill 8 sequences at a time (bounded memory)
-        chunk = kvs[start : start + 8]
-        runner.forward(
-            [
-                ForwardItem(kv, torch.randint(0, vocab, (args.length - (j % 7),), generator=gen).tolist(), 0)
-                for j, kv in enumerate(chunk, start)
-            ]
-        )
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    kvs = {name: [SequenceKV() for _ in range(args.batch)] for name in layouts}
+    prompts = [torch.randint(0, vocab, (args.length - (j % 7),), generator=gen).tolist() for j in range(args.batch)]
+    for name, runner in runners.items():
+        for start in range(0, args.batch, 8):  # prefill 8 sequences at a time (bounded memory)
+            runner.forward([ForwardItem(kv, p, 0) for kv, p in zip(kvs[name][start : start + 8], prompts[start:])])
+    row_widths = [widths[r % len(widths)] for r in range(args.batch)]
 
-    def one_round() -> None:
-        items = [ForwardItem(kv, torch.randint(0, vocab, (args.k + 1,), generator=gen).tolist(), 1) for kv in kvs]
-        runner.forward(items)[-1].sum().item()  # waits for the device
-        for kv in kvs:
-            kv.crop(kv.length - args.k)
-
-    one_round()
-    times = []
-    for _ in range(args.rounds):
+    def one_round(name: str) -> float:
+        items = [
+            ForwardItem(kv, torch.randint(0, vocab, (w,), generator=gen).tolist(), w)
+            for kv, w in zip(kvs[name], row_widths)
+        ]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        one_round()
-        times.append(1e3 * (time.perf_counter() - t0))
+        runners[name].forward(items)[-1].sum().item()  # waits for the device
+        elapsed = 1e3 * (time.perf_counter() - t0)
+        for kv, w in zip(kvs[name], row_widths):
+            kv.crop(kv.length - (w - 1))
+        return elapsed
+
+    for name in layouts:
+        one_round(name)  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in layouts}
+    for _ in range(args.rounds):
+        for name in layouts:
+            times[name].append(one_round(name))
     result = {
         "batch": args.batch,
         "length": args.length,
-        "k": args.k,
-        "shape": args.shape,
+        "widths": row_widths,
+        "real_positions": sum(row_widths),
+        "padded_positions": args.batch * max(row_widths),
+        "model": args.model or args.shape,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": args.dtype,
-        "forward_ms_median": statistics.median(times),
-        "forward_ms_min": min(times),
-        "forward_ms": times,
+        "threads": torch.get_num_threads(),
+        # The first layout's figures at the top level, as before --layouts existed.
+        "forward_ms_median": statistics.median(times[layouts[0]]),
+        "forward_ms_min": min(times[layouts[0]]),
+        "layouts": {
+            name: {"forward_ms_median": statistics.median(t), "forward_ms_min": min(t), "forward_ms": t}
+            for name, t in times.items()
+        },
     }
-    median, fastest = result["forward_ms_median"], result["forward_ms_min"]
-    print(f"B={args.batch} L={args.length} k={args.k} {args.shape} {device}: {median:.1f} ms median, {fastest:.1f} min")
+    for name, t in times.items():
+        print(
+            f"{name}: B={args.batch} L={args.length} widths={widths} {result['model']} {device}: "
+            f"{statistics.median(t):.1f} ms median, {min(t):.1f} min"
+        )
     print("RESULT " + json.dumps(result))
     return 0
 

@@ -10,19 +10,38 @@ took 136 ms for 1 token per row but 670 ms for 2 and 853 ms for 5 (62% of it
 ``aten::copy_``). Torch's SDPA takes ``enable_gqa`` with a mask on CPU (the
 flash-attention CPU kernel): 127 / 180 / 273 ms for the same forwards.
 
+Packed forwards (model_runner.py): the runner feeds the decoder only the real
+new tokens of every row, concatenated as one ``[1, N]`` sequence, so the linear
+layers compute N = Σ T_r positions instead of R · T_max. Attention still runs
+over the pool rows: the runner passes the layout as the ``packed_rows`` keyword
+(transformers forwards the decoder's extra keyword arguments through every
+layer to the attention function), and this function scatters the packed query
+``[1, H_q, N, D]`` into the ``[R, H_q, T_max, D]`` grid of the runner's mask
+(a few KB), runs SDPA there and gathers the N real outputs back.
+
 ``ATTENTION`` is registered with transformers' ``AttentionInterface`` when a model
 is loaded (``register``), never at import. Without a mask, or without grouped
-heads, it defers to transformers' own SDPA function unchanged.
+heads, an unpacked forward defers to transformers' own SDPA function unchanged.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 ATTENTION = "specmask_sdpa_gqa"
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Where the N tokens of a packed forward sit in the ``[rows, width]`` grid of the mask."""
+
+    index: torch.Tensor  # [N] long: row * width + column of each packed token (distinct)
+    rows: int  # R: pool rows the forward attends over (dummy rows included)
+    width: int  # T_max: the widest row's new tokens
 
 
 def gqa_sdpa_attention(
@@ -36,10 +55,16 @@ def gqa_sdpa_attention(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Returns ([B, T, H_q, D], None), as transformers' attention functions do."""
+    """Returns ([B, T, H_q, D], None), as transformers' attention functions do.
+
+    With ``packed_rows`` (a ``PackedRows``): B = 1 and T = N packed tokens, while
+    ``key``/``value`` are ``[R, H_kv, S, D]`` pool rows and the mask is ``[R, 1, T_max, S]``."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = int(getattr(module, "num_key_value_groups", 1))
+    packed = kwargs.pop("packed_rows", None)
+    if packed is not None:
+        return _packed_attention(packed, query, key, value, attention_mask, dropout, scaling, groups > 1), None
     if attention_mask is None or groups == 1 or kwargs.get("position_bias") is not None or kwargs.get("cache"):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
@@ -48,6 +73,33 @@ def gqa_sdpa_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
     )  # [B, H_q, T, D]
     return out.transpose(1, 2).contiguous(), None
+
+
+def _packed_attention(
+    packed: PackedRows,
+    query: torch.Tensor,  # [1, H_q, N, D]
+    key: torch.Tensor,  # [R, H_kv, S, D]
+    value: torch.Tensor,  # [R, H_kv, S, D]
+    attention_mask: torch.Tensor | None,  # [R, 1, T_max, S] bool
+    dropout: float,
+    scaling: float | None,
+    gqa: bool,
+) -> torch.Tensor:  # [1, N, H_q, D]
+    if attention_mask is None or query.shape[0] != 1 or key.shape[0] != packed.rows:
+        raise ValueError(
+            f"packed attention needs a [R, 1, T_max, S] mask over R={packed.rows} rows and a [1, H, N, D] query, "
+            f"got query {tuple(query.shape)}, key {tuple(key.shape)}"
+        )
+    _, heads, _, dim = query.shape
+    # Grid cells with no token (short rows, dummy rows) keep a zero query: their outputs
+    # are dropped, and the mask gives each of them at least one key (no NaN).
+    grid = query.new_zeros(packed.rows * packed.width, heads, dim)  # [R * T_max, H_q, D]
+    grid[packed.index] = query[0].transpose(0, 1)
+    grid_q = grid.view(packed.rows, packed.width, heads, dim).transpose(1, 2)  # [R, H_q, T_max, D]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        grid_q, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa
+    )  # [R, H_q, T_max, D]
+    return out.transpose(1, 2).reshape(-1, heads, dim)[packed.index].unsqueeze(0)  # [1, N, H_q, D]
 
 
 @functools.cache

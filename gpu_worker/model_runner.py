@@ -4,20 +4,34 @@ Every sequence's keys/values live in one row of the model's ``SlotPool``
 (gpu_worker.kv_cache): per layer ``[slots, H, capacity, D]``. A forward runs
 over the contiguous range of pool rows its items occupy, attending straight
 over those rows (a view: nobody's past is copied), and writes the new entries
-into them in place (``_slot_cache``: one indexed write per layer):
+into them in place (``_slot_cache``: one indexed write per layer).
+
+**Packed** (the default for a batch): the decoder sees only the real new
+tokens, all rows' concatenated into one ``[1, N]`` sequence, N = Σ T_r, with
+each token's true position id. On a CPU the linear layers are most of a
+forward's cost and scale with the positions they compute, so a verify batch of
+rows 1..5 wide pays for Σ T_r positions, not R · T_max (issue 10). Attention
+still runs over the pool rows: each layer's cache write scatters the N new
+keys/values to (slot, position), and the attention function
+(gpu_worker.attention, told the layout through the ``packed_rows`` keyword)
+lays the N queries out on the ``[R, T_max]`` grid of the mask below, so
+
+    row r:  [ past L_r | new T_r ]   (nothing is written past L_r + T_r)
+
+**Padded** (``packed=False``, kept as a reference): the new tokens are
+right-padded into ``[R, T_max]`` and every layer computes all R · T_max
+positions, including pool rows in the range that are not in the batch
+("dummy rows"; the pool keeps used slots dense, so there are none when the
+batch is everyone), whose writes land past their own length:
 
     row r:  [ past L_r | new T_r | (pad up to T_max: written past L_r + T_r, never read) ]
 
-The new tokens are right-padded into ``[R, T_max]``, position ids are
-``L_r + arange(T_max)``, and a 4-D boolean mask lets query t of row r see keys
-``0 .. L_r + t`` of its own row, so every real query sees exactly its own
+Either way a 4-D boolean mask ``[R, 1, T_max, end]`` lets query t of row r see
+keys ``0 .. L_r + t`` of its own row, so every real query sees exactly its own
 past and new tokens, at their true positions; results match a fresh forward up
 to float rounding (tests/gpu_worker/test_model_runner.py checks float32
-closeness). Slots in the range that are not in the batch (the pool keeps used
-slots dense, so there are none when the batch is everyone) ride along as
-dummy rows whose writes land past their own length, where nothing reads them.
-``batched=False`` runs one forward per sequence (R = 1); it is the reference
-for the batched path.
+closeness). ``batched=False`` runs one forward per sequence (R = 1); it is the
+reference for both batched paths.
 
 Logits are computed only for the rows asked for (``num_logits`` trailing rows
 per sequence): prefill asks for none, so the ``[T, V]`` projection of a long
@@ -33,6 +47,7 @@ from typing import Any
 
 import torch
 
+from gpu_worker.attention import ATTENTION, PackedRows, register
 from gpu_worker.kv_cache import SequenceKV, SlotPool
 
 # Token id written into padding slots. Any valid id works: padded queries'
@@ -50,12 +65,19 @@ class ForwardItem:
 
 
 class ModelRunner:
-    """Owns one loaded causal LM and runs padded batch forwards over per-sequence caches."""
+    """Owns one loaded causal LM and runs batch forwards (packed or padded) over per-sequence caches."""
 
-    def __init__(self, model: Any, *, batched: bool = True, name: str = "model") -> None:
+    def __init__(self, model: Any, *, batched: bool = True, packed: bool = True, name: str = "model") -> None:
         self.model = model
         self.name = name
         self.batched = batched
+        self.packed = packed
+        if batched and packed and model.config._attn_implementation != ATTENTION:
+            # Only gpu_worker.attention reads the packed layout; any other attention
+            # function would ignore it and attend with the [1, N] query as one row.
+            model.set_attn_implementation(register())
+            if model.config._attn_implementation != ATTENTION:
+                raise ValueError(f"{name}: {type(model).__name__} cannot take the packed-forward attention function")
         config = model.config.get_text_config(decoder=True)
         self._decoder = model.base_model  # hidden states, no vocabulary projection
         self._lm_head = model.get_output_embeddings()
@@ -65,9 +87,11 @@ class ModelRunner:
         self.max_model_len: int = int(getattr(config, "max_position_embeddings", 1 << 30))
         self.device: torch.device = next(model.parameters()).device
         self.pool: SlotPool | None = None  # every sequence's KV for this model (built at the first forward)
-        # Counters for benchmarks and metrics: batched forwards run, token positions computed.
+        # Counters for benchmarks and metrics: batched forwards run, real token positions, and the
+        # positions the linear layers computed (real + padding + dummy rows; equal when packed).
         self.num_forwards = 0
         self.num_positions = 0
+        self.num_computed_positions = 0
 
     @torch.inference_mode()
     def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
@@ -82,10 +106,10 @@ class ModelRunner:
                     f"{self.name}: {it.kv.length + len(it.token_ids)} positions exceed max length {self.max_model_len}"
                 )
         if self.batched and len(items) > 1:
-            hidden = self._forward_slots(items)
+            hidden = self._forward_packed(items) if self.packed else self._forward_padded(items)
             self.num_forwards += 1
         else:
-            hidden = [h for it in items for h in self._forward_slots([it])]
+            hidden = [h for it in items for h in self._forward_padded([it])]
             self.num_forwards += len(items)
         self.num_positions += sum(len(it.token_ids) for it in items)
         return self._project(hidden)
@@ -104,33 +128,100 @@ class ModelRunner:
                 raise ValueError(f"{self.name}: a KV cache of another model was passed")
         return self.pool
 
-    def _forward_slots(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
-        """One forward over the pool rows ``items`` occupy; returns per item [num_logits, hidden]."""
+    def _rows(self, items: Sequence[ForwardItem]) -> tuple[SlotPool, int, list[int]]:
+        """The pool, the first pool row ``lo`` of the range [lo, hi) the items occupy, and every
+        row's length (dummy rows: their owner's)."""
         pool = self._pool_for(items)
-        dev = self.device
         lo = min(it.kv.slot for it in items)  # type: ignore[type-var]
         hi = max(it.kv.slot for it in items) + 1  # type: ignore[operator]
-        rows = hi - lo
-        by_slot = {it.kv.slot: it for it in items}
-        if len(by_slot) != len(items):
+        if len({it.kv.slot for it in items}) != len(items):
             raise ValueError(f"{self.name}: one KV cache appears twice in a forward")
+        return pool, lo, [pool.owner(slot).length for slot in range(lo, hi)]
+
+    def _forward_packed(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
+        """One forward over the real new tokens only (``[1, N]``); returns per item [num_logits, hidden]."""
+        pool, lo, lengths = self._rows(items)
+        dev = self.device
+        rows, width = len(lengths), max(len(it.token_ids) for it in items)
+        end = max(it.kv.length + len(it.token_ids) for it in items)  # keys the attention reads: 0..end-1
+        pool.reserve(end)
+        ids: list[int] = []
+        row_of: list[int] = []  # [N] pool row (relative to lo) of each packed token
+        col_of: list[int] = []  # [N] its column in the [R, T_max] grid
+        pos_of: list[int] = []  # [N] its position in its sequence
+        for it in items:
+            n, r, past = len(it.token_ids), it.kv.slot - lo, it.kv.length  # type: ignore[operator]
+            ids.extend(it.token_ids)
+            row_of.extend([r] * n)
+            col_of.extend(range(n))
+            pos_of.extend(range(past, past + n))
+        input_ids = torch.tensor([ids], dtype=torch.long).to(dev, non_blocking=True)  # [1, N]
+        row_t = torch.tensor([row_of], dtype=torch.long).to(dev, non_blocking=True)  # [1, N]
+        pos_t = torch.tensor([pos_of], dtype=torch.long).to(dev, non_blocking=True)  # [1, N]
+        index = row_t[0] * width + torch.tensor(col_of, dtype=torch.long).to(dev, non_blocking=True)  # [N]
+        # Query (r, t) sees keys 0 .. L_r + t. Grid cells with no token see key 0 only: their
+        # (zero) queries' outputs are dropped, and a fully masked row would give NaN.
+        grid_pos = torch.zeros(rows * width, dtype=torch.long, device=dev)
+        grid_pos[index] = pos_t[0]
+        mask = torch.arange(end, device=dev).view(1, 1, end) <= grid_pos.view(rows, width, 1)  # [R, T_max, end]
+
+        hi = lo + rows
+        cache = _slot_cache(
+            [k[lo:hi] for k in pool.k],
+            [v[lo:hi] for v in pool.v],
+            rows=row_t,
+            positions=pos_t,
+            end=end,
+            past=max(it.kv.length for it in items),
+        )
+        out = self._decoder(
+            input_ids=input_ids,
+            attention_mask=mask.unsqueeze(1),  # [R, 1, T_max, end]: returned unchanged by transformers' masking
+            position_ids=pos_t,
+            past_key_values=cache,
+            use_cache=True,
+            packed_rows=PackedRows(index=index, rows=rows, width=width),  # reaches gpu_worker.attention
+        )
+        hidden = out.last_hidden_state[0]  # [N, hidden]
+        self.num_computed_positions += len(ids)
+        results = []
+        offset = 0
+        for it in items:
+            n = len(it.token_ids)
+            it.kv.advance(n)  # the layers wrote its new entries into its own slot
+            results.append(hidden[offset + n - it.num_logits : offset + n])  # [num_logits, hidden]
+            offset += n
+        return results
+
+    def _forward_padded(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
+        """One forward over the pool rows ``items`` occupy, padded to ``[R, T_max]``; returns per item
+        [num_logits, hidden]."""
+        pool, lo, starts = self._rows(items)
+        dev = self.device
+        rows = len(starts)
         max_new = max(len(it.token_ids) for it in items)
-        # Per row: where its new tokens start (dummy rows: past their owner's length).
-        starts = [pool.owner(lo + r).length for r in range(rows)]
         end = max(starts) + max_new  # keys the attention reads: positions 0..end-1
         pool.reserve(end)
 
         input_ids = torch.full((rows, max_new), _PAD_TOKEN_ID, dtype=torch.long)  # [R, T_max]
-        for slot, it in by_slot.items():
-            input_ids[slot - lo, : len(it.token_ids)] = torch.as_tensor(list(it.token_ids), dtype=torch.long)
+        for it in items:
+            r = it.kv.slot - lo  # type: ignore[operator]
+            input_ids[r, : len(it.token_ids)] = torch.as_tensor(list(it.token_ids), dtype=torch.long)
         input_ids = input_ids.to(dev, non_blocking=True)
         start_t = torch.tensor(starts, dtype=torch.long).to(dev, non_blocking=True)  # [R]
         positions = start_t.unsqueeze(1) + torch.arange(max_new, device=dev)  # [R, T_max]
         # Query t of row r sees keys 0 .. L_r + t: its past and its own new tokens so far.
         mask = torch.arange(end, device=dev).view(1, 1, end) <= positions.unsqueeze(2)  # [R, T_max, end]
 
+        hi = lo + rows
+        row_t = torch.arange(rows, device=dev).unsqueeze(1)  # [R, 1]
         cache = _slot_cache(
-            [k[lo:hi] for k in pool.k], [v[lo:hi] for v in pool.v], positions=positions, end=end, past=max(starts)
+            [k[lo:hi] for k in pool.k],
+            [v[lo:hi] for v in pool.v],
+            rows=row_t,
+            positions=positions,
+            end=end,
+            past=max(starts),
         )
         out = self._decoder(
             input_ids=input_ids,
@@ -140,6 +231,7 @@ class ModelRunner:
             use_cache=True,
         )
         hidden = out.last_hidden_state  # [R, T_max, hidden]
+        self.num_computed_positions += rows * max_new
         results = []
         for it in items:
             r, n = it.kv.slot - lo, len(it.token_ids)  # type: ignore[operator]
@@ -160,17 +252,27 @@ class ModelRunner:
 
 @functools.cache
 def _slot_layer_class() -> type:
-    """``DynamicLayer`` over pool rows: ``update`` writes each row's new entries at that row's own
-    positions (one indexed write) and returns the rows' keys/values up to ``end`` (views).
+    """``DynamicLayer`` over pool rows: ``update`` writes each new entry at its (row, position)
+    (one indexed write) and returns the rows' keys/values up to ``end`` (views).
     Built lazily: transformers is imported only when a model runs."""
     from transformers.cache_utils import DynamicLayer
 
     class SlotLayer(DynamicLayer):
-        def __init__(self, k_rows: torch.Tensor, v_rows: torch.Tensor, positions: torch.Tensor, end: int, past: int):
+        def __init__(
+            self,
+            k_rows: torch.Tensor,
+            v_rows: torch.Tensor,
+            rows: torch.Tensor,
+            positions: torch.Tensor,
+            end: int,
+            past: int,
+        ):
             super().__init__()
             self._k_rows, self._v_rows = k_rows, v_rows  # [R, H, capacity, D] views of the pool
-            self._rows = torch.arange(k_rows.shape[0], device=k_rows.device).unsqueeze(1)  # [R, 1]
-            self._positions = positions  # [R, T_max]: where each new entry goes
+            # Where new entry (b, t) of the layer's [B, H, T, D] input goes: row rows[b, t] (broadcast),
+            # position positions[b, t]. Padded: [R, 1] and [R, T_max]; packed: [1, N] and [1, N].
+            self._rows = rows
+            self._positions = positions
             self._end = end
             self._past = past
             self.dtype, self.device = k_rows.dtype, k_rows.device
@@ -180,7 +282,7 @@ def _slot_layer_class() -> type:
         def update(
             self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            # [R, H, T, D] -> [R, T, H, D], the layout of rows[r], :, positions[r, t]
+            # [B, H, T, D] -> [B, T, H, D], the layout of rows[b, t], :, positions[b, t]
             self._k_rows[self._rows, :, self._positions] = key_states.transpose(1, 2)
             self._v_rows[self._rows, :, self._positions] = value_states.transpose(1, 2)
             self.keys, self.values = self._k_rows[:, :, : self._end], self._v_rows[:, :, : self._end]
@@ -193,7 +295,13 @@ def _slot_layer_class() -> type:
 
 
 def _slot_cache(
-    k_rows: Sequence[torch.Tensor], v_rows: Sequence[torch.Tensor], *, positions: torch.Tensor, end: int, past: int
+    k_rows: Sequence[torch.Tensor],
+    v_rows: Sequence[torch.Tensor],
+    *,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    end: int,
+    past: int,
 ) -> Any:
     """A ``DynamicCache`` whose layers write into and read from pool rows (see ``_slot_layer_class``)."""
     from transformers import DynamicCache
@@ -201,5 +309,7 @@ def _slot_cache(
 
     layer_class = _slot_layer_class()
     cache = DynamicCache.__new__(DynamicCache)
-    Cache.__init__(cache, layers=[layer_class(k, v, positions, end, past) for k, v in zip(k_rows, v_rows, strict=True)])
+    Cache.__init__(
+        cache, layers=[layer_class(k, v, rows, positions, end, past) for k, v in zip(k_rows, v_rows, strict=True)]
+    )
     return cache

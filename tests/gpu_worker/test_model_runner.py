@@ -1,4 +1,4 @@
-"""Model runner and KV caches: rollback and batching are exact (float32)."""
+"""Model runner and KV caches: rollback and batching (packed and padded) are exact (float32)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,15 @@ from gpu_worker.model_runner import ForwardItem, ModelRunner
 
 VOCAB = 97  # odd on purpose
 ATOL = 1e-5  # float32: batched and unbatched differ only by summation order
+# How a runner batches: one forward per sequence (the reference), padded [R, T_max], packed [1, Σ T_r].
+LAYOUTS = {
+    "per_sequence": dict(batched=False),
+    "padded": dict(batched=True, packed=False),
+    "packed": dict(batched=True, packed=True),
+}
 
 
-@pytest.fixture(scope="module")
-def model():
+def _tiny_llama(kv_heads: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tests.gpu_worker.helpers import torch_threads
@@ -24,12 +29,22 @@ def model():
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
-        num_key_value_heads=2,  # grouped-query attention
+        num_key_value_heads=kv_heads,
         max_position_embeddings=64,
     )
     with torch.random.fork_rng(devices=[]), torch_threads(1):
         torch.manual_seed(0)
         return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _tiny_llama(kv_heads=2)  # grouped-query attention
+
+
+@pytest.fixture(scope="module")
+def mha_model():
+    return _tiny_llama(kv_heads=4)  # one KV head per query head
 
 
 def _fresh_logits(model, ids: list[int]) -> torch.Tensor:  # [len(ids), V]
@@ -42,9 +57,9 @@ def _ids(n: int, seed: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=g).tolist()
 
 
-@pytest.mark.parametrize("batched", [False, True])
-def test_incremental_forward_matches_fresh_forward(model, batched):
-    runner = ModelRunner(model, batched=batched)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_incremental_forward_matches_fresh_forward(model, layout):
+    runner = ModelRunner(model, **LAYOUTS[layout])
     ids = _ids(20, 1)
     kv = SequenceKV()
     runner.forward([ForwardItem(kv, ids[:7], 0)])
@@ -56,10 +71,10 @@ def test_incremental_forward_matches_fresh_forward(model, batched):
     assert kv.length == 20
 
 
-@pytest.mark.parametrize("batched", [False, True])
-def test_cropped_cache_gives_fresh_forward_logits(model, batched):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cropped_cache_gives_fresh_forward_logits(model, layout):
     """Roll back rejected drafts, feed different tokens: same logits as a fresh forward."""
-    runner = ModelRunner(model, batched=batched)
+    runner = ModelRunner(model, **LAYOUTS[layout])
     committed, rejected, other = _ids(11, 2), _ids(4, 3), _ids(3, 4)
     kv = SequenceKV()
     runner.forward([ForwardItem(kv, committed[:-1], 0)])
@@ -72,16 +87,24 @@ def test_cropped_cache_gives_fresh_forward_logits(model, batched):
     torch.testing.assert_close(got, fresh[-3:], atol=ATOL, rtol=0)
 
 
-def test_batched_forward_matches_per_sequence_forwards(model):
-    """Ragged batch: different cache lengths (including empty) and new-token counts."""
-    batched, single = ModelRunner(model, batched=True), ModelRunner(model, batched=False)
-    shapes = [(0, 3), (9, 1), (17, 5), (4, 2), (1, 1)]  # (cached length, new tokens)
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("gqa", [True, False], ids=["gqa", "mha"])
+def test_batched_forward_matches_per_sequence_forwards(model, mha_model, packed, gqa):
+    """Ragged batch: different cache lengths (including empty) and new-token counts,
+    among them a prefill-sized row beside one-token rows."""
+    model = model if gqa else mha_model
+    batched, single = ModelRunner(model, batched=True, packed=packed), ModelRunner(model, batched=False)
+    shapes = [(0, 3), (9, 1), (17, 5), (4, 2), (1, 1), (0, 40)]  # (cached length, new tokens)
     seqs = [_ids(p + n, 10 + i) for i, (p, n) in enumerate(shapes)]
     kv_b = [SequenceKV() for _ in seqs]
     kv_s = [SequenceKV() for _ in seqs]
     for kvs, runner in ((kv_b, batched), (kv_s, single)):
         runner.forward([ForwardItem(kv, s[:p], 0) for kv, s, (p, _) in zip(kvs, seqs, shapes) if p])
+    computed = batched.num_computed_positions
     out_b = batched.forward([ForwardItem(kv, s[p:], n) for kv, s, (p, n) in zip(kv_b, seqs, shapes)])
+    # Packed: only the real tokens go through the layers; padded: every row is as wide as the widest.
+    real = sum(n for _, n in shapes)
+    assert batched.num_computed_positions - computed == (real if packed else len(shapes) * 40)
     out_s = single.forward([ForwardItem(kv, s[p:], n) for kv, s, (p, n) in zip(kv_s, seqs, shapes)])
     for (p, n), a, b, s, ka, kb in zip(shapes, out_b, out_s, seqs, kv_b, kv_s):
         assert a.shape == (n, VOCAB)
@@ -97,20 +120,26 @@ def test_batched_forward_matches_per_sequence_forwards(model):
         assert kv.buffers()[0][0].data_ptr() == batched.pool.k[0][kv.slot].data_ptr()
 
 
-def test_subset_batches_and_freed_slots_keep_every_sequence_exact(model):
-    """A forward over some of the pool's sequences (the others ride along as dummy rows, which
-    must not disturb them), and a freed middle slot (the last sequence moves into it)."""
-    runner = ModelRunner(model, batched=True)
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_subset_batches_and_freed_slots_keep_every_sequence_exact(model, packed):
+    """A forward over some of the pool's sequences (the others sit in the attended row range as
+    dummy rows, which must not disturb them), and a freed middle slot (the last sequence moves
+    into it)."""
+    runner = ModelRunner(model, batched=True, packed=packed)
     seqs = [_ids(30, 40 + i) for i in range(4)]
     kvs = [SequenceKV() for _ in seqs]
     runner.forward([ForwardItem(kv, s[: 5 + i], 0) for i, (kv, s) in enumerate(zip(kvs, seqs))])
-    # Rows 0 and 2 only: row 1 is inside the range and must come out untouched.
+    # Rows 2 and 0 only (items in any order): row 1 is inside the range and must come out untouched.
     before = [t.clone() for t in kvs[1].keys + kvs[1].values]
-    out = runner.forward([ForwardItem(kvs[0], seqs[0][5:9], 4), ForwardItem(kvs[2], seqs[2][7:8], 1)])
-    torch.testing.assert_close(out[0], _fresh_logits(model, seqs[0][:9])[5:9], atol=ATOL, rtol=0)
-    torch.testing.assert_close(out[1], _fresh_logits(model, seqs[2][:8])[7:8], atol=ATOL, rtol=0)
+    whole_row = [t.clone() for t in kvs[1].buffers()[0] + kvs[1].buffers()[1]]
+    out = runner.forward([ForwardItem(kvs[2], seqs[2][7:8], 1), ForwardItem(kvs[0], seqs[0][5:9], 4)])
+    torch.testing.assert_close(out[1], _fresh_logits(model, seqs[0][:9])[5:9], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[0], _fresh_logits(model, seqs[2][:8])[7:8], atol=ATOL, rtol=0)
     for a, b in zip(kvs[1].keys + kvs[1].values, before):
         assert torch.equal(a, b)
+    if packed:  # a packed forward writes nothing at all into a dummy row (padded: past its length)
+        for a, b in zip(kvs[1].buffers()[0] + kvs[1].buffers()[1], whole_row):
+            assert torch.equal(a, b)
     kvs[1].free()  # slot 1 freed: the sequence in slot 3 moves there
     assert kvs[3].slot == 1 and runner.pool.num_used == 3 and kvs[1].pool is None
     items = [ForwardItem(kvs[i], seqs[i][kvs[i].length : kvs[i].length + 2], 2) for i in (0, 2, 3)]
