@@ -156,6 +156,19 @@ class DraftMaskEngine:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._views is not None:
+            self._views.shutdown()
+
+    @property
+    def forced_views(self) -> TokenizerViews | None:
+        """The per-tokenizer views forced continuations use (None: never computed)."""
+        return self._views
+
+    def warm_forced(self, tokenizer_id: str, tokenizer_info: Any) -> None:
+        """Start building the forced-continuation view for a tokenizer in the background
+        (OpenSession calls it), so the session's first forced request does not pay for it."""
+        if self._views is not None:
+            self._views.warm(tokenizer_id, tokenizer_info)
 
     def _one(self, req: DraftRequest, session: Session, out: np.ndarray) -> DraftOutcome:
         res = DraftOutcome()

@@ -29,7 +29,9 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,24 +98,90 @@ class TokenizerView:
 
 
 class TokenizerViews:
-    """Lazily built ``TokenizerView`` per (tokenizer id, vocab size), shared by all sessions."""
+    """``TokenizerView`` per (tokenizer id, vocab size), built once and shared by all sessions.
+
+    Building one takes a while (SmolLM2's 49k-token vocab: ~0.15 s and up, the
+    Llama-3 vocab several times that), so it is started off the request path with
+    ``warm`` when a session opens for a (tokenizer, vocab size) pair (OpenSession),
+    on one background thread; ``get`` on the request path then finds it built, or
+    waits only for the rest of that one build. Each key is built exactly once, and
+    a build never holds up ``get`` for another key.
+    """
 
     def __init__(self, registry: Any) -> None:
         self._registry = registry  # mask_service.tokenizers.TokenizerRegistry
-        self._views: dict[tuple[str, int], TokenizerView] = {}
+        self._views: dict[tuple[str, int], TokenizerView] = {}  # built
+        self._building: dict[tuple[str, int], Future[TokenizerView]] = {}  # being built
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None  # the background builder, made on the first warm()
+        self.builds = 0  # views built (tests)
 
     def get(self, tokenizer_id: str, tokenizer_info: Any) -> TokenizerView:
+        """The view, built here if nobody started it (raises what the build raised)."""
         key = (tokenizer_id, int(tokenizer_info.vocab_size))
         view = self._views.get(key)
-        if view is None:
+        if view is not None:
+            return view
+        future, mine = self._claim(key)
+        if mine:
+            self._build(key, tokenizer_info, future)
+        return future.result()
+
+    def warm(self, tokenizer_id: str, tokenizer_info: Any) -> Future[TokenizerView] | None:
+        """Start building the view on the background thread and return at once; None when it
+        is already built. The returned future is the build's (tests wait on it)."""
+        key = (tokenizer_id, int(tokenizer_info.vocab_size))
+        if key in self._views:
+            return None
+        future, mine = self._claim(key)
+        if mine:
             with self._lock:
-                view = self._views.get(key)
-                if view is None:
-                    view = TokenizerView.build(self._registry.get(tokenizer_id).hf_tokenizer, tokenizer_info)
-                    self._views[key] = view
-                    logger.info("forced-continuation view built for tokenizer %s (vocab %d)", *key)
-        return view
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forced-views")
+                pool = self._pool
+            pool.submit(self._build, key, tokenizer_info, future)
+        return future
+
+    def _claim(self, key: tuple[str, int]) -> tuple[Future[TokenizerView], bool]:
+        """(the key's build future, whether the caller must run the build)."""
+        with self._lock:
+            view = self._views.get(key)
+            if view is not None:
+                done: Future[TokenizerView] = Future()
+                done.set_result(view)
+                return done, False
+            future = self._building.get(key)
+            if future is not None:
+                return future, False
+            future = self._building[key] = Future()
+            return future, True
+
+    def _build(self, key: tuple[str, int], tokenizer_info: Any, future: Future[TokenizerView]) -> None:
+        t0 = time.perf_counter()
+        try:
+            view = TokenizerView.build(self._registry.get(key[0]).hf_tokenizer, tokenizer_info)
+        except BaseException as exc:
+            with self._lock:
+                del self._building[key]  # a later call tries again
+            future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        with self._lock:
+            self._views[key] = view
+            del self._building[key]
+            self.builds += 1
+        future.set_result(view)
+        logger.info(
+            "forced-continuation view built for tokenizer %s (vocab %d) in %.2f s", *key, time.perf_counter() - t0
+        )
+
+    def shutdown(self) -> None:
+        """Stop the background builder (a build in progress finishes)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False)  # not cancel_futures: a get() may be waiting on a queued build
 
 
 def single_allowed(row: np.ndarray, vocab_size: int) -> int | None:

@@ -106,6 +106,8 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
             entry, _ = self._compile(request.target, context, request.owner)
             s = self._sessions.open(entry, entry.vocab_size, owner=request.owner, request_id=request.request_id)
             metrics.SESSIONS_OPENED.inc()
+            # Off this RPC's path: the first forced request of the session then finds it built.
+            self._engine.warm_forced(entry.key[0], entry.compiled.tokenizer_info)
             logger.info("%ssession %s opened (tokenizer %s)", s.log_prefix, s.session_id, request.target.tokenizer_id)
             stops = list(entry.compiled.tokenizer_info.stop_token_ids)
             return pb.OpenSessionResponse(

@@ -104,3 +104,53 @@ def test_single_allowed() -> None:
     assert single_allowed(row, 90) is None  # past the vocab: padding
     row[1] = 1
     assert single_allowed(row, 128) is None
+
+
+def test_open_session_warms_the_forced_view_off_the_request_path(bpe_dir: Any, registry: Any, bpe_id: str) -> None:
+    """OpenSession starts the tokenizer's forced-continuation view in the background: it is
+    built with no DraftMasks call, built once, and the first forced request then uses it."""
+    import time
+
+    from mask_service.server import build_service
+    from tests.mask_service.service_config import make_config
+
+    handle = build_service(make_config(bpe_dir, max_sessions=20, max_batch=8, max_k=8), registry)
+    handle.server.start()
+    client = MaskServiceClient(f"127.0.0.1:{handle.port}", deadline_s=120.0)
+    try:
+        views = handle._parts[1].forced_views
+        assert views is not None and views.builds == 0
+        sid = client.open_session(bpe_id, _spec("xgrammar"))
+        deadline = time.monotonic() + 60
+        while views.builds == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert views.builds == 1, "the view was not built after OpenSession"
+        res = client.draft_masks([DraftMaskItem(sid, [], max_forced_tokens=8)])[0]
+        assert res.forced_tokens, 'the schema forces \'{"name":"\' at the start'
+        other = client.open_session(bpe_id, _spec("llguidance"))  # same tokenizer: nothing to build
+        assert client.draft_masks([DraftMaskItem(other, [], max_forced_tokens=8)])[0].forced_tokens
+        assert views.builds == 1
+    finally:
+        client.close()
+        handle.stop(grace_s=1.0)
+
+
+def test_tokenizer_views_build_each_key_once(registry: Any, bpe_id: str) -> None:
+    """A get() while warm() is building waits for that build; a failed build raises and is retried."""
+    from mask_service.forced import TokenizerViews
+
+    views = TokenizerViews(registry)
+    info = registry.info(bpe_id, None)
+    try:
+        future = views.warm(bpe_id, info)
+        assert future is not None
+        view = views.get(bpe_id, info)
+        assert future.result(timeout=60) is view and views.builds == 1
+        assert views.warm(bpe_id, info) is None and views.get(bpe_id, info) is view
+        with pytest.raises(Exception, match="nope"):
+            views.get("nope", info)
+        failed = views.warm("nope", info)
+        assert failed is not None and failed.exception(timeout=60) is not None
+        assert views.builds == 1
+    finally:
+        views.shutdown()
