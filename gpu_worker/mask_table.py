@@ -17,6 +17,13 @@ Refresh rule, per client table (``TableView.source``):
   from their own view, which is still intact, and appended after the mirror.
 So a row id is never read from a table that was cleared or overwritten.
 
+The key is the epoch, not the client's row-dictionary generation
+(``IndirectDraftMasks.table_generation``): the generation bumps on every resync
+with the server (a lost or reordered reply, a server restart), and a resync clears
+the table only when it is out of room. Without a clear every slot keeps its row, so
+keying on the generation would re-upload the whole table for nothing; a clear
+always bumps the epoch, so keying on it misses no change.
+
 On a CPU device the mirror is the client's numpy table itself (zero copy):
 a view's rows never change, so sharing its memory is safe.
 """

@@ -105,9 +105,11 @@ class IndirectDraftMasks:
 
     ``mask_table`` is a view of the client's table. Its rows never change (the
     table only appends, and a clear starts fresh arrays: mask_service.row_table),
-    so it stays valid however later calls change the table; ``table_generation``
-    changes when the table was cleared or resynchronised (a GPU-side mirror must
-    then re-upload everything).
+    so it stays valid however later calls change the table. ``table_generation`` is
+    the row-dictionary generation: it changes on every resync with the server, which
+    clears the table only when it is out of room. A device mirror must therefore key
+    on the table's epoch (``TableView.epoch``, bumped by a clear), not on this: a
+    resync without a clear leaves every slot exact (gpu_worker.mask_table).
     """
 
     mask_table: torch.Tensor  # [num_table_rows, W] int32

@@ -125,3 +125,52 @@ def test_worker_outputs_exact_when_the_client_table_clears_mid_run(make_worker, 
     client = next(iter(worker.masks._router._clients.values()))
     assert max(t.epoch for t in client._tables.values()) > 1
     assert np.all([t.num_rows <= 24 for t in client._tables.values()])
+
+
+def test_mirror_is_keyed_on_the_table_epoch_not_the_dictionary_generation(tiny_pair, mask_address):
+    """A row-dictionary resync (real gRPC) bumps the client's generation (``table_generation``)
+    but keeps its table: same epoch, rows append-only, so every mirrored row is still exact.
+    The mirror then uploads only the rows the resync added (keyed on the generation it would
+    re-upload everything); a clear, which does change the rows, still re-uploads everything."""
+    from transformers import AutoTokenizer
+
+    from mask_service.client import DraftMaskItem, MaskServiceClient
+    from mask_service.grammar import GrammarKind, GrammarSpec
+    from mask_service.tokenizer_id import tokenizer_id_for_path
+
+    tok_id = tokenizer_id_for_path(tiny_pair[0])
+    hf = AutoTokenizer.from_pretrained(str(tiny_pair[0]))
+    spec = GrammarSpec(
+        GrammarKind.JSON_SCHEMA,
+        '{"type":"object","properties":{"aa":{"type":"integer"},"bb":{"type":"string"}},"required":["aa","bb"]}',
+    )
+    drafts = list(hf.encode('{"aa":12,"bb":"x', add_special_tokens=False))
+    with MaskServiceClient(mask_address, deadline_s=60.0) as a, MaskServiceClient(mask_address, deadline_s=60.0) as b:
+        sa, sb = a.open_session(tok_id, spec), b.open_session(tok_id, spec)
+        first = a.draft_masks([DraftMaskItem(sa, drafts[:1])])[0]
+        mirror = DeviceMaskTable("cpu", zero_copy=False)  # the accelerator's upload path
+        mirror.resolve(list(first.rows))
+        assert mirror.full_uploads == 1
+        uploaded = mirror.rows_uploaded
+        # b shares a's client id and asks for a row a has not seen: the server now believes a
+        # holds it, so a's reply for that state names a row a lacks -> MissingRow -> resync
+        # with the next generation.
+        b.client_id = a.client_id
+        b.draft_masks([DraftMaskItem(sb, drafts, last_row_only=True)])
+        generation = a.dict_generation
+        later = a.draft_masks([DraftMaskItem(sa, drafts, last_row_only=True)])[0]
+        assert a.dict_generation == generation + 1, "no resync happened"
+        assert later.rows.view.epoch == first.rows.view.epoch  # the table was not cleared
+        rows = [*first.rows, *later.rows]
+        table, ids = mirror.resolve(rows)
+        assert mirror.full_uploads == 1
+        assert mirror.rows_uploaded - uploaded == later.rows.view.num_rows - first.rows.view.num_rows
+        ones = torch.full((first.rows.view.num_mask_words,), -1, dtype=torch.int32)
+        assert torch.equal(table[ids.long()], _dense(rows, ones))
+        # A clear is a new epoch: everything is uploaded again.
+        next(iter(a._tables.values())).clear()
+        again = a.draft_masks([DraftMaskItem(sa, drafts[:2])])[0]
+        assert again.rows.view.epoch == later.rows.view.epoch + 1
+        table, ids = mirror.resolve(list(again.rows))
+        assert mirror.full_uploads == 2
+        assert torch.equal(table[ids.long()], _dense(list(again.rows), ones))
