@@ -840,13 +840,33 @@ def print_tables(result: dict[str, Any]) -> None:
                 print(f"  per round (paired): {rounds}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def apply_defaults(args: argparse.Namespace) -> None:
+    """Fill what the flags left unset: full-size defaults, or tiny ones for ``--dry-run``.
+    A value given on the command line is kept as given (``--dry-run --k 4`` runs k = 4)."""
+    dry = args.dry_run
+    args.pairs = (args.pairs or ("tiny" if dry else "llama3-8b-1b,smollm2-135m")).split(",")
+    args.batches = [int(b) for b in (args.batches or ("1,2" if dry else "1,8,32,64")).split(",")]
+    args.modes = [m for m in args.modes.split(",") if m]
+    args.k_defaulted = args.k is None
+    if args.k is None:
+        args.k = 2 if dry else 4  # tiny shapes: k = 2 keeps the CPU run short
+    args.prompt_len = args.prompt_len or (24 if dry else 256)
+    args.warmup = args.warmup if args.warmup is not None else (1 if dry else 3)
+    args.steps = args.steps or (2 if dry else 8)
+    args.rounds = args.rounds or (1 if dry else 2)
+    args.profile_modes = [m for m in args.profile_modes.split(",") if m]
+    if dry:
+        args.torch_threads = args.torch_threads or 1
+        args.mask_threads = min(args.mask_threads, 2)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (float32): checks the harness")
     parser.add_argument("--pairs", default=None, help=f"comma list of {list(PAIRS)} (default: both real pairs)")
     parser.add_argument("--batches", default=None, help="comma list of batch sizes (default 1,8,32,64)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma list of modes")
-    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--k", type=int, default=None, help="max drafts per step (default 4; 2 with --dry-run)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per sequence (default 256)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per measurement (default 3)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per measurement and round (default 8)")
@@ -863,6 +883,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available; cpu for --dry-run)")
     parser.add_argument("--log-dir", type=Path, default=None, help="where mask-service logs go (default: a temp dir)")
     parser.add_argument("--json-out", type=Path, default=None, help="also write the RESULT json here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
@@ -882,18 +907,8 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.gpu: no CUDA device here; use --dry-run to check the harness on CPU (no GPU figures)")
         return 2
     dry = args.dry_run
-    args.pairs = (args.pairs or ("tiny" if dry else "llama3-8b-1b,smollm2-135m")).split(",")
-    args.batches = [int(b) for b in (args.batches or ("1,2" if dry else "1,8,32,64")).split(",")]
-    args.modes = [m for m in args.modes.split(",") if m]
-    args.k = 2 if dry and args.k == 4 else args.k
-    args.prompt_len = args.prompt_len or (24 if dry else 256)
-    args.warmup = args.warmup if args.warmup is not None else (1 if dry else 3)
-    args.steps = args.steps or (2 if dry else 8)
-    args.rounds = args.rounds or (1 if dry else 2)
-    args.profile_modes = [m for m in args.profile_modes.split(",") if m]
-    if dry:
-        args.torch_threads = args.torch_threads or 1
-        args.mask_threads = min(args.mask_threads, 2)
+    apply_defaults(args)
+    print(f"bench.gpu: k={args.k}" + (" (the --dry-run default; --k sets it)" if dry and args.k_defaulted else ""))
     modes_named = args.modes + args.profile_modes
     for bad in [p for p in args.pairs if p not in PAIRS] + [m for m in modes_named if m not in MODES]:
         parser.error(f"unknown pair or mode {bad!r}; pairs {list(PAIRS)}, modes {list(MODES)}")

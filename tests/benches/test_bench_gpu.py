@@ -48,3 +48,19 @@ def test_missing_wheels_are_named(monkeypatch: pytest.MonkeyPatch, capsys: pytes
     monkeypatch.setitem(gpu.REQUIRED_WHEELS, "specmask_no_such_module", "no-such-wheel==1.0")
     assert gpu.main(["--dry-run"]) == 2
     assert "no-such-wheel==1.0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "k", "defaulted"),
+    [
+        (["--dry-run"], 2, True),  # tiny shapes default to k = 2 ...
+        (["--dry-run", "--k", "4"], 4, False),  # ... but an explicit --k is kept, 4 included
+        (["--dry-run", "--k", "3"], 3, False),
+        ([], 4, True),
+        (["--k", "2"], 2, False),
+    ],
+)
+def test_k_is_the_requested_one(argv: list[str], k: int, defaulted: bool) -> None:
+    args = gpu.build_parser().parse_args(argv)
+    gpu.apply_defaults(args)
+    assert (args.k, args.k_defaulted) == (k, defaulted)
