@@ -33,8 +33,11 @@ DEFAULT_WORKER_START_TIMEOUT_S = 600.0
 # Per ValidateGrammar call; compiling a large schema can take ~100 ms+.
 DEFAULT_MASK_DEADLINE_S = 10.0
 DEFAULT_MASK_MAX_RETRIES = 2
-# Threads that tokenize prompts and validate grammars off the event loop.
-DEFAULT_VALIDATION_THREADS = 8
+# Threads that tokenize prompts and validate grammars off the event loop. A
+# validation may wait seconds on a new grammar's compile (compile workers run at
+# the lowest priority), so a flood of new schemas must not hold every thread from
+# requests whose grammars are cached: admission (--max-queue) bounds them anyway.
+DEFAULT_VALIDATION_THREADS = 32
 # Seconds in-flight RPCs get to finish on shutdown before being cancelled.
 DEFAULT_SHUTDOWN_GRACE_S = 5.0
 # Ray restarts a crashed worker actor (process death, OOM) this many times;

@@ -65,6 +65,10 @@ from orchestrator.validation import RequestValidator
 logger = logging.getLogger(__name__)
 # How often drain() looks whether the live requests have finished.
 _DRAIN_POLL_S = 0.05
+# End-of-request output checks (short CPU work) have threads of their own: on the
+# validation pool they queued behind validations blocked for seconds on a grammar
+# compile, so a flood of new schemas delayed every request's completion (issue 14).
+_OUTPUT_CHECK_THREADS = 2
 
 # On shutdown, remove() frees what the workers still hold: fast (KV caches,
 # session closes), though it may queue behind one in-flight step. Bounded so a
@@ -142,6 +146,7 @@ class Engine:
         self._on_health_change: Callable[[bool], None] | None = None
         self._draining = False
         self._executor = ThreadPoolExecutor(config.validation_threads, thread_name_prefix="validate")
+        self._check_executor = ThreadPoolExecutor(_OUTPUT_CHECK_THREADS, thread_name_prefix="output-check")
         self._live: dict[str, Request | None] = {}  # None: id reserved while validating
         self._waiting: collections.deque[Request] = collections.deque()
         self._slot_of: dict[str, WorkerSlot] = {}
@@ -200,6 +205,7 @@ class Engine:
             if isinstance(result, BaseException):
                 logger.warning("freeing sequences on shutdown failed: %r", result)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._check_executor.shutdown(wait=False, cancel_futures=True)
 
     @property
     def healthy(self) -> bool:
@@ -434,7 +440,7 @@ class Engine:
 
         async def run() -> None:
             try:
-                verdict = await asyncio.get_running_loop().run_in_executor(self._executor, check)
+                verdict = await asyncio.get_running_loop().run_in_executor(self._check_executor, check)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # e.g. the executor is gone: still never a success
