@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -116,6 +117,54 @@ class Tally:
     @property
     def num_errors(self) -> int:
         return sum(self.errors.values())
+
+    def merge(self, other: Tally) -> None:
+        self.requests += other.requests
+        self.latencies_ms.extend(other.latencies_ms)
+        for code, n in other.errors.items():
+            self.errors[code] = self.errors.get(code, 0) + n
+
+
+class GcWatch:
+    """Full (generation 2) GC passes in this process, which hosts the orchestrator's event loop."""
+
+    def __init__(self) -> None:
+        self.passes, self.seconds, self.longest_s, self._t0 = 0, 0.0, 0.0, 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        took = time.perf_counter() - self._t0
+        self.passes, self.seconds, self.longest_s = self.passes + 1, self.seconds + took, max(self.longest_s, took)
+
+    def summary(self) -> dict[str, float]:
+        return {
+            "passes": self.passes,
+            "ms": round(1000 * self.seconds, 1),
+            "longest_ms": round(1000 * self.longest_s, 1),
+        }
+
+
+def mean_phase(phases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-round phase figures averaged (steps summed; load averages as measured at each round's start)."""
+    if len(phases) == 1:
+        return phases[0]
+    out: dict[str, Any] = {}
+    for key, value in phases[0].items():
+        values = [p[key] for p in phases]
+        if key == "steps":
+            out[key] = sum(values)
+        elif key == "loadavg_at_start":
+            out[key] = values
+        elif isinstance(value, dict):
+            out[key] = {k: round(sum(v.get(k, 0.0) for v in values) / len(values), 2) for k in value}
+        else:
+            out[key] = round(sum(values) / len(values), 2)
+    return out
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -354,6 +403,7 @@ def run_phase(address: str, seconds: float, args: argparse.Namespace, *, hostile
     opts = {k: getattr(args, k) for k in (
         "max_tokens", "steady_concurrency", "flood_concurrency", "cancel_concurrency", "max_flood_requests",
         "flood_mode")}  # fmt: skip
+    opts["max_flood_requests"] = max(1, args.max_flood_requests // args.rounds)  # the bound is for the whole run
     roles = _phase_roles(args, hostile)
     if args.in_process_clients:
         results: dict[str, Tally] = {}
@@ -484,21 +534,50 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         worker_logs=False,
     )
     async with running_stack(stack, max_queue=256, max_inflight_per_client=args.max_inflight_per_client) as running:
+        # This process hosts the orchestrator: as `specmask orchestrator` and `specmask up` do,
+        # keep what startup loaded out of full GC passes (~110 ms each over torch, Ray and the
+        # tokenizer's objects, on the event loop that drives every step).
+        gc.collect()
+        gc.freeze()
+        gc_watch = GcWatch()
         pids = [ray.get(a.info.remote(), timeout=60).pid for a in running.server.worker_actors]
         sampler = Sampler(running, pids, args.sample_s, ray_processes())
         sampler.sample()
         sampler.start()
         await asyncio.to_thread(warm_up, running.address, args.max_tokens)
         meter = PhaseMeter(sampler, running.server.metrics)
-        meter.start()
-        baseline = (await asyncio.to_thread(run_phase, running.address, args.baseline_s, args, hostile=False))["steady"]
-        phase_baseline = meter.stop()
-        logger.info("baseline phase: %s", phase_baseline)
-        meter.start()
-        tallies = await asyncio.to_thread(run_phase, running.address, args.flood_s, args, hostile=True)
-        phase_flood = meter.stop()
-        logger.info("flood phase: %s", phase_flood)
-        under, flood, cancels = tallies["steady"], tallies.get("flood", Tally()), tallies.get("cancel", Tally())
+        # --rounds > 1 alternates shorter baseline and flood phases, so a change in the box's
+        # other load during the run weighs on both sides of the ratio alike.
+        baseline, under, flood, cancels = Tally(), Tally(), Tally(), Tally()
+        phases_baseline: list[dict[str, Any]] = []
+        phases_flood: list[dict[str, Any]] = []
+        round_ratios = []
+        for r in range(args.rounds):
+            if r:
+                await asyncio.sleep(args.settle_s)  # the last round's cancelled streams free their sessions
+            meter.start()
+            base_r = (
+                await asyncio.to_thread(run_phase, running.address, args.baseline_s / args.rounds, args, hostile=False)
+            )["steady"]
+            phases_baseline.append(meter.stop())
+            logger.info("round %d baseline phase: %s", r, phases_baseline[-1])
+            meter.start()
+            tallies = await asyncio.to_thread(
+                run_phase, running.address, args.flood_s / args.rounds, args, hostile=True
+            )
+            phases_flood.append(meter.stop())
+            logger.info("round %d flood phase: %s", r, phases_flood[-1])
+            for total, part in (
+                (baseline, base_r),
+                (under, tallies["steady"]),
+                (flood, tallies.get("flood", Tally())),
+                (cancels, tallies.get("cancel", Tally())),
+            ):
+                total.merge(part)
+            round_ratios.append(
+                round(percentile(tallies["steady"].latencies_ms, 0.99) / percentile(base_r.latencies_ms, 0.99), 2)
+            )
+        phase_baseline, phase_flood = mean_phase(phases_baseline), mean_phase(phases_flood)
         logger.info("flood: %d requests, errors %s; cancels: %d, errors %s", flood.requests, flood.errors,
                     cancels.requests, cancels.errors)  # fmt: skip
         flood.errors.update({f"cancel:{k}": v for k, v in cancels.errors.items()})
@@ -531,6 +610,10 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             "leaked_sessions": int(last["sessions"]),
             "health_unreachable_samples": sampler.unreachable,
             "samples": len(sampler.samples),
+            "rounds": args.rounds,
+            "steady_p99_ratio_per_round": round_ratios,
+            "loadavg_at_end": [round(x, 2) for x in os.getloadavg()],
+            "orchestrator_gc_full": gc_watch.summary(),
         }
     return result
 
@@ -542,6 +625,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline-s", type=float, default=30.0)
     p.add_argument("--flood-s", type=float, default=60.0)
     p.add_argument("--settle-s", type=float, default=3.0)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alternate this many baseline/flood phase pairs (each 1/rounds of --baseline-s/--flood-s)",
+    )
     p.add_argument("--steady-concurrency", type=int, default=2)
     p.add_argument("--flood-concurrency", type=int, default=6)
     p.add_argument("--cancel-concurrency", type=int, default=1)
@@ -558,7 +647,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run the clients as threads of this process, which also hosts the orchestrator (GIL shared)",
     )
-    p.add_argument("--max-flood-requests", type=int, default=2000, help="per flood client")
+    p.add_argument(
+        "--max-flood-requests",
+        type=int,
+        default=2000,
+        help="requests of the flood role in all (its threads share it), over every round",
+    )
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--mask-replicas", type=int, default=1)
     p.add_argument(

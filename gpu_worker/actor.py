@@ -12,6 +12,7 @@ unknown id raises ``UnknownSequenceError`` after removing the known ones.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -125,6 +126,13 @@ class GpuWorker:
             self.max_model_len,
             sorted(self.proposers),
         )
+        if _session_owner():
+            # A Ray actor process of its own: keep what loading left (torch, transformers, the
+            # models' modules, the tokenizer: ~200k objects, a ~100 ms full GC pass) out of full
+            # GC passes between steps, as the orchestrator and mask-service mains do. Not in a
+            # process that merely builds a worker (tests, benches): it would freeze theirs.
+            gc.collect()
+            gc.freeze()
 
     def _check_shared_tokenizer(self, draft_dir: str) -> None:
         """Draft tokens are fed to the target as ids: both must use the same vocabulary."""
