@@ -36,6 +36,26 @@ requested on the draft side: the verify path asks such a sequence for all k+1
 rows (one request, in flight with the target forward), and the target verifies
 forced drafts exactly like any other.
 
+Lookahead (issue 15, step cost). A sequence drafting with grammar-forced and n-gram
+drafts only has no draft forward for a position's round trip to hide behind, so
+each position's request was a wait on the critical path (~5 round trips and ~6 ms
+per step on SmolLM2, CPU). Its drafts need no model, though: the n-gram lookup
+can run ahead of the grammar. So its request carries the n-gram continuation
+c_1..c_m of its context (``NgramProposer.chain``) after its drafts, and asks for
+every row along it; on the reply the slot walks the chain exactly as the
+proposers would, position by position: the grammar-forced token where a row
+allows a single token, else c_j if its row allows it. One round trip then covers
+a whole run of n-gram drafts. The walk leaves the chain (and the next position
+asks again) where a forced token differs from c_j, and where c_j is refused: the
+forced continuation a reply carries is for the state after the whole chain, so
+that state is asked again without a lookahead, for its own (position-by-position
+drafting would have had it; with nothing forced there, drafting stops). The
+position-1 request sent after the commit carries the lookahead too, and when the
+walk ends with every row M_0..M_k known the verify path asks for nothing. The
+drafts differ from position-by-position drafting only where the grammar forces a
+multi-token text at a state the chain passes through with an allowed token (the
+chain's spelling is kept); exactness never depends on the drafts.
+
 Sequences without a grammar, or whose proposers need no masks, never wait on a
 position's mask request: their whole position (cheap proposers, forward,
 sampling) completes before the wait. (Position 1 waits for the prefetched rows
@@ -50,18 +70,23 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from gpu_worker.bitmask_rows import is_allowed
+from gpu_worker.bitmask_rows import forced_token, is_allowed
 from gpu_worker.masks import MaskChannel, MaskReply, PendingMasks, mask_item
 from gpu_worker.proposers.base import DraftSlot, Proposal, Proposer
 from gpu_worker.sequence import SequenceState
 
 if TYPE_CHECKING:
     from mask_service.client import DraftMaskItem
+    from mask_service.row_table import MaskRow
 
 # The proposer whose sequences also take the grammar's forced continuations.
 FORCED_PROPOSER = "grammar_forced"
 # DraftSlot.sources name for drafts taken from the service's forced continuation.
 FORCED_CONTINUATION = "forced_continuation"
+NGRAM_PROPOSER = "ngram"
+# Sequences drafting with these proposers only (no model) send their n-gram lookahead
+# with each draft-side request (see "Lookahead" in the module note).
+LOOKAHEAD_PROPOSERS = frozenset({FORCED_PROPOSER, NGRAM_PROPOSER})
 
 
 class Drafter:
@@ -81,6 +106,10 @@ class Drafter:
         self.mask_timeout_s = mask_timeout_s
         # M_0 request sent after the previous step's commit (see prefetch_first).
         self._first: PendingMasks | None = None
+        # session_id -> the lookahead that request carries (its drafts start at d_1).
+        self._first_chains: dict[str, list[int]] = {}
+        # id(slot) of slots whose next request goes without a lookahead (see _walk).
+        self._plain: set[int] = set()
 
     def wants_masks(self, seq: SequenceState) -> bool:
         """Whether proposal for ``seq`` needs its grammar mask row at each draft position."""
@@ -95,15 +124,30 @@ class Drafter:
         their commit; the next ``propose`` uses it for position 1. Replaces any earlier one."""
         wanted = [seq for seq in seqs if self.wants_masks(seq)]
         self._first = None
+        self._first_chains = {}
         if wanted:
             assert self.masks is not None
-            items = [self._item(seq, (), seq.k) for seq in wanted]
+            items = []
+            for seq in wanted:
+                chain = self._lookahead(seq, seq.token_ids, seq.k)
+                if chain:
+                    self._first_chains[seq.session_id] = chain  # type: ignore[index]
+                items.append(self._item(seq, (), seq.k, chain))
             self._first = self.masks.request(items, timeout_s=self.mask_timeout_s)
+
+    def settle_prefetch(self) -> None:
+        """Block until the position-1 request ``prefetch_first`` sent has been answered,
+        leaving its reply for the next ``propose`` (whose wait then counts only what is
+        left). For benches that model the gap a served worker spends between steps."""
+        if self._first is not None:
+            self._first.settle()
 
     def propose(self, slots: Sequence[DraftSlot], errors: dict[str, str]) -> float:
         """Fill slot.drafts position by position; failed sequences go to ``errors``
         (seq_id -> message). Returns seconds spent waiting on masks."""
         first, self._first = self._first, None
+        first_chains, self._first_chains = self._first_chains, {}
+        self._plain = set()
         waited = 0.0
         max_k = max((s.k for s in slots), default=0)
         for position in range(1, max_k + 1):
@@ -114,16 +158,24 @@ class Drafter:
             if position == 1 and first is not None:
                 covered = [s for s in masked if s.seq.session_id in first.session_ids]
                 if covered:
-                    waited += self._apply(first.wait(), covered, errors)
+                    chains = {id(s): (0, first_chains.get(s.seq.session_id, [])) for s in covered}
+                    waited += self._apply(first.wait(), covered, errors, chains)
             fetch = [
                 s
                 for s in masked
                 if s.open and s.mask_row is None and len(s.drafts) < s.k and s.seq.seq_id not in errors
             ]
             pending = None
+            chains: dict[int, tuple[int, list[int]]] = {}  # id(slot) -> (drafts before, lookahead)
             if fetch:
                 assert self.masks is not None
-                items = [self._item(s.seq, s.drafts, s.k) for s in fetch]
+                items = []
+                for s in fetch:
+                    plain = id(s) in self._plain
+                    self._plain.discard(id(s))
+                    chain = [] if plain else self._lookahead(s.seq, s.context(), s.k - len(s.drafts))
+                    chains[id(s)] = (len(s.drafts), chain)
+                    items.append(self._item(s.seq, s.drafts, s.k, chain))
                 pending = self.masks.request(items, timeout_s=self.mask_timeout_s)
             fetching = {id(s) for s in fetch}
             ready = [s for s in open_slots if s.open and id(s) not in fetching and s.seq.seq_id not in errors]
@@ -139,7 +191,7 @@ class Drafter:
             unfilled = self._fill(ready, position, self._from_forward)
 
             if pending is not None:
-                waited += self._apply(pending.wait(), fetch, errors)
+                waited += self._apply(pending.wait(), fetch, errors, chains)
                 # A slot that just took a forced run waits for the next position's row.
                 live = [s for s in fetch if s.open and s.mask_row is not None and s.seq.seq_id not in errors]
                 unfilled += self._fill(live, position, self._ordered)
@@ -150,39 +202,110 @@ class Drafter:
                 s.prepared.clear()
         return waited
 
-    @staticmethod
-    def _item(seq: SequenceState, drafts: Sequence[int], k: int) -> DraftMaskItem:
-        """The draft-side request for the row after ``drafts``, asking for the forced
-        continuation (up to the drafts ``k`` still allows) when ``seq`` takes them."""
-        item = mask_item(seq, drafts, last_row_only=True)
-        if FORCED_PROPOSER in seq.proposers and k > len(drafts):
-            item = replace(item, max_forced_tokens=k - len(drafts))
-        return item
+    def _lookahead(self, seq: SequenceState, context: Sequence[int], limit: int) -> list[int]:
+        """The n-gram continuation of ``context`` to send with ``seq``'s draft-side request:
+        [] unless ``seq`` drafts with grammar-forced and n-gram drafts only."""
+        ngram = self.proposers.get(NGRAM_PROPOSER)
+        if ngram is None or limit <= 0 or NGRAM_PROPOSER not in seq.proposers:
+            return []
+        if not LOOKAHEAD_PROPOSERS.issuperset(seq.proposers):
+            return []
+        return ngram.chain(context, limit)  # type: ignore[attr-defined, no-any-return]
 
     @staticmethod
-    def _apply(reply: MaskReply, slots: Sequence[DraftSlot], errors: dict[str, str]) -> float:
-        """Give each slot its row from ``reply`` (or its error), then its forced run if
-        the reply has one (the row is then stale: cleared); returns the wait."""
+    def _item(seq: SequenceState, drafts: Sequence[int], k: int, chain: Sequence[int] = ()) -> DraftMaskItem:
+        """The draft-side request for the row after ``drafts`` (and, with a lookahead
+        ``chain``, every row along it), asking for the forced continuation after them (up
+        to the drafts ``k`` still allows) when ``seq`` takes them."""
+        if chain:
+            item = mask_item(seq, [*drafts, *chain], last_row_only=False)
+        else:
+            item = mask_item(seq, drafts, last_row_only=True)
+        room = k - len(drafts) - len(chain)
+        if FORCED_PROPOSER in seq.proposers and room > 0:
+            item = replace(item, max_forced_tokens=room)
+        return item
+
+    def _apply(
+        self,
+        reply: MaskReply,
+        slots: Sequence[DraftSlot],
+        errors: dict[str, str],
+        chains: dict[int, tuple[int, list[int]]] | None = None,
+    ) -> float:
+        """Give each slot its row from ``reply`` (or its error), walk its lookahead if it sent
+        one, then take the forced run if the reply has one (the row is then stale: cleared);
+        returns the wait. ``chains``: id(slot) -> (drafts it held when the request went out,
+        the lookahead sent after them)."""
         for s in slots:
             session_id = s.seq.session_id
             if session_id in reply.errors:
                 errors[s.seq.seq_id] = reply.errors[session_id]
                 continue
             res = reply.results.get(session_id)
-            if res is None or res.terminated or res.num_grammar_accepted < len(s.drafts):
+            base, chain = (chains or {}).get(id(s), (len(s.drafts), []))
+            if res is None or res.terminated or res.num_grammar_accepted < base or len(s.drafts) != base:
                 # Terminated: nothing may follow. A grammar-rejected draft cannot
                 # happen (drafts are checked in _fill); stop drafting either way.
                 s.open = False
-            else:
-                s.mask_row = res.rows[-1]  # a slot of the client's row table: state after d_1..d_{i-1}
-                if len(s.grammar_rows) == len(s.drafts):  # M_0..M_{i-1} with no gap (none after a forced run)
-                    s.grammar_rows.append(s.mask_row)
-                forced = res.forced_tokens[: s.k - len(s.drafts)] if FORCED_PROPOSER in s.seq.proposers else ()
-                for token in forced:
-                    s.add(Proposal(token), FORCED_CONTINUATION)  # q = 1; every forced token is grammar-accepted
-                if forced:
-                    s.mask_row = None
+                continue
+            rows = list(res.rows)[base:] if chain else [res.rows[-1]]  # M_base.. along the lookahead
+            s.mask_row = rows[0]  # a slot of the client's row table: state after d_1..d_{i-1}
+            if len(s.grammar_rows) == len(s.drafts):  # M_0..M_{i-1} with no gap (none after a forced run)
+                s.grammar_rows.append(s.mask_row)
+            if chain and not self._walk(s, chain, rows, res.num_grammar_accepted - base):
+                continue  # left the lookahead (or stopped): the reply's forced run is not for here
+            forced = res.forced_tokens[: s.k - len(s.drafts)] if FORCED_PROPOSER in s.seq.proposers else ()
+            for token in forced:
+                s.add(Proposal(token), FORCED_CONTINUATION)  # q = 1; every forced token is grammar-accepted
+            if forced or len(s.drafts) >= s.k:
+                s.mask_row = None
         return reply.wait_s
+
+    def _walk(self, slot: DraftSlot, chain: Sequence[int], rows: Sequence[MaskRow], accepted: int) -> bool:
+        """Draft along ``chain`` with its rows (rows[j] = the mask before chain[j]), as the
+        proposers would position by position: the grammar-forced token where a row allows
+        one token, else the n-gram token if its row allows it. ``accepted``: how many chain
+        tokens the service's walk accepted; rows past that state were not filled (all-ones)
+        and are never read. Returns True when the whole chain was taken (slot.mask_row = the
+        row after it), False when drafting left it (slot.mask_row = None: the next row is
+        not known) or stopped (slot closed)."""
+        forcing = FORCED_PROPOSER in slot.seq.proposers and FORCED_PROPOSER in self.proposers
+        vocab_size = getattr(self.proposers.get(FORCED_PROPOSER), "vocab_size", None)
+        for j, candidate in enumerate(chain):
+            if j > accepted:
+                # Not reached by the service's walk; cannot happen (at j == accepted the
+                # walk below leaves the chain or stops), but never read an unfilled row.
+                slot.open = False
+                return False
+            row = rows[j]
+            if len(slot.drafts) >= slot.k:
+                slot.mask_row = None
+                return False
+            forced = forced_token(row, vocab_size) if forcing and vocab_size is not None else None
+            if forced is not None:
+                token, source = forced, FORCED_PROPOSER
+            elif j < accepted and is_allowed(row, candidate):
+                token, source = candidate, NGRAM_PROPOSER
+            else:
+                # The n-gram token is refused here. Position by position, this state's own
+                # request would have brought its forced continuation (the reply's is for the
+                # chain's end), so ask for this state again without a lookahead; if nothing
+                # is forced there, the proposers find nothing and drafting stops then.
+                slot.mask_row = None
+                self._plain.add(id(slot))
+                return False
+            slot.add(Proposal(token), source)
+            if token in slot.seq.stop_token_ids:
+                slot.open = False  # nothing valid follows a stop token
+                return False
+            if token != candidate or j + 1 >= len(rows):
+                slot.mask_row = None  # off the lookahead: the row after this token was not asked for
+                return False
+            slot.mask_row = rows[j + 1]
+            if len(slot.grammar_rows) == len(slot.drafts):
+                slot.grammar_rows.append(slot.mask_row)
+        return True
 
     @staticmethod
     def _fill(slots: Sequence[DraftSlot], position: int, proposers: Sequence[Proposer]) -> list[DraftSlot]:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -157,6 +158,10 @@ class PendingMasks:
     def session_ids(self) -> frozenset[str]:
         """The sessions this request covers."""
         return frozenset(self._items)
+
+    def settle(self) -> None:
+        """Block until the call has finished (or timed out) without taking its reply."""
+        futures_wait([self._future], timeout=self._timeout_s)
 
     def wait(self) -> MaskReply:
         """Block until the answer is in; on a per-item error fail only that sequence.

@@ -42,6 +42,20 @@ class NgramProposer(Proposer):
     def create(cls, resources: ProposerResources) -> NgramProposer:
         return cls(resources.ngram_min, resources.ngram_max)
 
+    def chain(self, context: Sequence[int], limit: int) -> list[int]:
+        """Up to ``limit`` tokens the lookup predicts after ``context``, each on the
+        context extended by the ones before it: what ``propose`` would give position
+        by position if every proposal were kept (no mask applied here)."""
+        ctx = list(context)
+        out: list[int] = []
+        while len(out) < limit:
+            token = lookup_next(ctx, self.n_min, self.n_max)
+            if token is None:
+                break
+            out.append(token)
+            ctx.append(token)
+        return out
+
     def propose(self, slots: Sequence[DraftSlot], position: int) -> list[Proposal | None]:
         out: list[Proposal | None] = []
         for slot in slots:

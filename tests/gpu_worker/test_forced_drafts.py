@@ -99,3 +99,39 @@ def test_sampled_forced_drafts_stay_in_grammar(tiny_pair, make_worker, monkeypat
     results, runs = _run(make_worker, monkeypatch, forced=True, temperature=temperature)
     assert runs
     _check_in_grammar(tiny_pair, results)
+
+
+def test_ngram_lookahead_cuts_round_trips_and_keeps_output(tiny_pair, make_worker, monkeypatch) -> None:
+    """Grammar-forced + n-gram drafting sends its n-gram lookahead with each draft-side request
+    (drafting.py "Lookahead"): fewer mask round trips per step than asking position by
+    position, the same greedy output, every token inside the grammar."""
+    import gpu_worker.drafting as drafting
+
+    grammars = {"keys": GRAMMARS["keys"], "ab": (GrammarKind.REGEX, r"[ab]{24}")}
+    spec = SpeculationParams(k=4, proposers=("grammar_forced", "ngram"), draft_masking=False)
+
+    def run(lookahead: bool):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(drafting, "LOOKAHEAD_PROPOSERS", drafting.LOOKAHEAD_PROPOSERS if lookahead else frozenset())
+        worker = make_worker()
+        calls = [0]
+        inner = worker.masks.draft_masks_async
+
+        def counted(items):  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            return inner(items)
+
+        worker.masks.draft_masks_async = counted
+        seqs = [
+            NewSequence(name, (5, 6, 7), GrammarSpec(kind, text), SamplingParams(max_tokens=40), spec)
+            for name, (kind, text) in grammars.items()
+        ]
+        assert worker.add(seqs) == [None] * len(seqs)
+        results = run_to_completion(worker)
+        return results, calls[0]
+
+    with_lookahead, calls_on = run(True)
+    position_by_position, calls_off = run(False)
+    assert {k: r.tokens for k, r in with_lookahead.items()} == {k: r.tokens for k, r in position_by_position.items()}
+    monkeypatch.setitem(GRAMMARS, "ab", grammars["ab"])  # _check_in_grammar looks grammars up by name
+    _check_in_grammar(tiny_pair, {f"{k}-0": r for k, r in with_lookahead.items()})
+    assert calls_on < calls_off, (calls_on, calls_off)
