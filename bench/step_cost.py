@@ -245,6 +245,12 @@ class ReplayProposer(Proposer):
             rec = self._rec(s)
             count = rec.counts.get(position, len(s.drafts))
             if count <= len(s.drafts):
+                # An iteration that added nothing but kept the slot open (a lookahead slot
+                # re-asking one state, drafting.py): its later drafts come now, or the
+                # Drafter would close the slot. Such slots run no draft forward, so the
+                # forward schedule is unchanged.
+                count = max((c for p, c in rec.counts.items() if p > position), default=count)
+            if count <= len(s.drafts):
                 out.append(None)  # the constrained slot got nothing more: drafting stops here too
                 continue
             self._catch_up(s, count - 1)
