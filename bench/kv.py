@@ -87,26 +87,31 @@ def main(argv: list[str] | None = None) -> int:
             runner.forward([ForwardItem(kv, p, 0) for kv, p in zip(kvs[name][start : start + 8], prompts[start:])])
     row_widths = [widths[r % len(widths)] for r in range(args.batch)]
 
-    def one_round(name: str) -> float:
+    def one_round(name: str) -> tuple[float, float]:
         items = [
             ForwardItem(kv, torch.randint(0, vocab, (w,), generator=gen).tolist(), w)
             for kv, w in zip(kvs[name], row_widths)
         ]
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         runners[name].forward(items)[-1].sum().item()  # waits for the device
-        elapsed = 1e3 * (time.perf_counter() - t0)
+        elapsed, cpu = 1e3 * (time.perf_counter() - t0), 1e3 * (time.process_time() - c0)
         for kv, w in zip(kvs[name], row_widths):
             kv.crop(kv.length - (w - 1))
-        return elapsed
+        return elapsed, cpu
 
     for name in layouts:
         one_round(name)  # warm-up
     times: dict[str, list[float]] = {name: [] for name in layouts}
+    # CPU time of the process: on a shared box it moves less than wall time (with
+    # OMP_WAIT_POLICY=passive, so idle OpenMP threads do not spin).
+    cpu: dict[str, list[float]] = {name: [] for name in layouts}
     for _ in range(args.rounds):
         for name in layouts:
-            times[name].append(one_round(name))
+            wall_ms, cpu_ms = one_round(name)
+            times[name].append(wall_ms)
+            cpu[name].append(cpu_ms)
     result = {
         "batch": args.batch,
         "length": args.length,
@@ -121,14 +126,19 @@ def main(argv: list[str] | None = None) -> int:
         "forward_ms_median": statistics.median(times[layouts[0]]),
         "forward_ms_min": min(times[layouts[0]]),
         "layouts": {
-            name: {"forward_ms_median": statistics.median(t), "forward_ms_min": min(t), "forward_ms": t}
+            name: {
+                "forward_ms_median": statistics.median(t),
+                "forward_ms_min": min(t),
+                "cpu_ms_median": statistics.median(cpu[name]),
+                "forward_ms": t,
+            }
             for name, t in times.items()
         },
     }
     for name, t in times.items():
         print(
             f"{name}: B={args.batch} L={args.length} widths={widths} {result['model']} {device}: "
-            f"{statistics.median(t):.1f} ms median, {min(t):.1f} min"
+            f"{statistics.median(t):.1f} ms median, {min(t):.1f} min, {statistics.median(cpu[name]):.1f} ms CPU"
         )
     print("RESULT " + json.dumps(result))
     return 0

@@ -14,7 +14,8 @@ rows 1..5 wide pays for Σ T_r positions, not R · T_max (issue 10). Attention
 still runs over the pool rows: each layer's cache write scatters the N new
 keys/values to (slot, position), and the attention function
 (gpu_worker.attention, told the layout through the ``packed_rows`` keyword)
-lays the N queries out on the ``[R, T_max]`` grid of the mask below, so
+runs each row's T_r queries over that row's own keys under its corner of the
+mask below, so
 
     row r:  [ past L_r | new T_r ]   (nothing is written past L_r + T_r)
 
@@ -47,7 +48,7 @@ from typing import Any
 
 import torch
 
-from gpu_worker.attention import ATTENTION, PackedRows, register
+from gpu_worker.attention import ATTENTION, PackedRows, RowSpan, register
 from gpu_worker.kv_cache import SequenceKV, SlotPool
 
 # Token id written into padding slots. Any valid id works: padded queries'
@@ -147,23 +148,22 @@ class ModelRunner:
         pool.reserve(end)
         ids: list[int] = []
         row_of: list[int] = []  # [N] pool row (relative to lo) of each packed token
-        col_of: list[int] = []  # [N] its column in the [R, T_max] grid
         pos_of: list[int] = []  # [N] its position in its sequence
+        spans = []
         for it in items:
             n, r, past = len(it.token_ids), it.kv.slot - lo, it.kv.length  # type: ignore[operator]
+            spans.append(RowSpan(row=r, start=len(ids), count=n, keys=past + n))
             ids.extend(it.token_ids)
             row_of.extend([r] * n)
-            col_of.extend(range(n))
             pos_of.extend(range(past, past + n))
         input_ids = torch.tensor([ids], dtype=torch.long).to(dev, non_blocking=True)  # [1, N]
         row_t = torch.tensor([row_of], dtype=torch.long).to(dev, non_blocking=True)  # [1, N]
         pos_t = torch.tensor([pos_of], dtype=torch.long).to(dev, non_blocking=True)  # [1, N]
-        index = row_t[0] * width + torch.tensor(col_of, dtype=torch.long).to(dev, non_blocking=True)  # [N]
-        # Query (r, t) sees keys 0 .. L_r + t. Grid cells with no token see key 0 only: their
-        # (zero) queries' outputs are dropped, and a fully masked row would give NaN.
-        grid_pos = torch.zeros(rows * width, dtype=torch.long, device=dev)
-        grid_pos[index] = pos_t[0]
-        mask = torch.arange(end, device=dev).view(1, 1, end) <= grid_pos.view(rows, width, 1)  # [R, T_max, end]
+        # Query t of row r sees keys 0 .. L_r + t. The attention reads only each row's own corner
+        # [:T_r, :L_r + T_r] (gpu_worker.attention); dummy rows' and padding cells are never read.
+        grid_pos = torch.tensor(lengths, dtype=torch.long).unsqueeze(1) + torch.arange(width)  # [R, T_max]
+        grid_pos = grid_pos.to(dev, non_blocking=True)
+        mask = torch.arange(end, device=dev).view(1, 1, end) <= grid_pos.unsqueeze(2)  # [R, T_max, end]
 
         hi = lo + rows
         cache = _slot_cache(
@@ -180,7 +180,7 @@ class ModelRunner:
             position_ids=pos_t,
             past_key_values=cache,
             use_cache=True,
-            packed_rows=PackedRows(index=index, rows=rows, width=width),  # reaches gpu_worker.attention
+            packed_rows=PackedRows(spans=tuple(spans), rows=rows),  # reaches gpu_worker.attention
         )
         hidden = out.last_hidden_state[0]  # [N, hidden]
         self.num_computed_positions += len(ids)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.attention import ATTENTION, PackedRows, gqa_sdpa_attention, register
+from gpu_worker.attention import ATTENTION, PackedRows, RowSpan, gqa_sdpa_attention, register
 
 
 class _Module(torch.nn.Module):
@@ -35,35 +35,34 @@ def test_masked_gqa_matches_repeated_heads() -> None:
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
-def test_packed_query_matches_row_by_row_attention() -> None:
-    """Rows of 2, 0 (a dummy row) and 4 new tokens over different pasts, packed in the order 2, 0."""
+def test_packed_query_matches_padded_grid_attention() -> None:
+    """Rows of 2, 0 (a dummy row), 4 and 1 new tokens over different pasts, packed in the order
+    3, 0, 2: equal to SDPA over the padded [R, T_max] grid with repeated K/V heads."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
     g = torch.Generator().manual_seed(1)
     kv_heads, groups, s, d = 2, 3, 13, 8
-    k = torch.randn(3, kv_heads, s, d, generator=g)  # [R, H_kv, S, D]
-    v = torch.randn(3, kv_heads, s, d, generator=g)
-    pasts, news, order = [5, 7, 9], [2, 0, 4], [2, 0]
+    rows = 4
+    k = torch.randn(rows, kv_heads, s, d, generator=g)  # [R, H_kv, S, D]
+    v = torch.randn(rows, kv_heads, s, d, generator=g)
+    pasts, news, order = [5, 7, 9, 11], [2, 0, 4, 1], [3, 0, 2]
     width = max(news)
-    n = sum(news)
-    q = torch.randn(1, kv_heads * groups, n, d, generator=g)  # [1, H_q, N, D], rows in ``order``
-    index = torch.tensor([r * width + t for r in order for t in range(news[r])])  # [N]
-    grid_pos = torch.zeros(3 * width, dtype=torch.long)
-    grid_pos[index] = torch.tensor([pasts[r] + t for r in order for t in range(news[r])])
-    mask = (torch.arange(s).view(1, 1, s) <= grid_pos.view(3, width, 1)).unsqueeze(1)  # [R, 1, T_max, S]
-    packed = PackedRows(index=index, rows=3, width=width)
-    got, _ = gqa_sdpa_attention(_Module(groups), q, k, v, mask, scaling=0.25, packed_rows=packed)
-    assert got.shape == (1, n, kv_heads * groups, d)
-    offset = 0
+    grid_q = torch.randn(rows, kv_heads * groups, width, d, generator=g)  # [R, H_q, T_max, D]
+    grid_pos = torch.tensor(pasts).view(rows, 1) + torch.arange(width)  # [R, T_max]
+    mask = (torch.arange(s).view(1, 1, s) <= grid_pos.unsqueeze(2)).unsqueeze(1)  # [R, 1, T_max, S]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        grid_q, repeat_kv(k, groups), repeat_kv(v, groups), attn_mask=mask, scale=0.25
+    ).transpose(1, 2)  # [R, T_max, H_q, D]
+    spans, start = [], 0
     for r in order:
-        t = news[r]
-        row_q = q[:, :, offset : offset + t]  # [1, H_q, T_r, D]
-        row_mask = torch.arange(s).view(1, s) <= (pasts[r] + torch.arange(t)).view(t, 1)  # [T_r, S]
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            row_q, repeat_kv(k[r : r + 1], groups), repeat_kv(v[r : r + 1], groups), attn_mask=row_mask, scale=0.25
-        ).transpose(1, 2)  # [1, T_r, H_q, D]
-        torch.testing.assert_close(got[:, offset : offset + t], ref, rtol=1e-5, atol=1e-6)
-        offset += t
+        spans.append(RowSpan(row=r, start=start, count=news[r], keys=pasts[r] + news[r]))
+        start += news[r]
+    q = torch.cat([grid_q[r : r + 1, :, : news[r]] for r in order], dim=2)  # [1, H_q, N, D]
+    packed = PackedRows(spans=tuple(spans), rows=rows)
+    got, _ = gqa_sdpa_attention(_Module(groups), q, k, v, mask, scaling=0.25, packed_rows=packed)
+    assert got.shape == (1, start, kv_heads * groups, d)
+    want = torch.cat([ref[r : r + 1, : news[r]] for r in order], dim=1)  # [1, N, H_q, D]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="packed attention needs"):
         gqa_sdpa_attention(_Module(groups), q, k[:2], v[:2], mask, packed_rows=packed)
 
