@@ -62,7 +62,7 @@ class StepRunner:
         width: WidthChooser | None = None,
     ) -> None:
         self.target = target
-        # Picks the batch's verify width after proposal (None: verify every draft proposed).
+        # Picks each slot's verify width (drafts kept) after proposal (None: verify every draft proposed).
         self.width = width if width is not None else WidthChooser()
         # The device mirror of the mask rows, shared with the draft-side masking.
         self.mask_table = mask_table if mask_table is not None else DeviceMaskTable(target.device)

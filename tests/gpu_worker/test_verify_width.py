@@ -1,4 +1,4 @@
-"""The verify-width choice: trims long low-confidence draft tails, keeps drafts that pay."""
+"""The verify-width choice: per row, trims long low-confidence draft tails, keeps drafts that pay."""
 
 from __future__ import annotations
 
@@ -34,23 +34,57 @@ def _learn(chooser: WidthChooser, source: str, accepted_of_four: int, times: int
         chooser.record(_slot([source] * 4), accepted_of_four)
 
 
-def test_one_unlikely_tail_does_not_widen_the_batch() -> None:
+def test_an_unlikely_tail_is_trimmed_to_the_minimum() -> None:
     chooser = WidthChooser()
     _learn(chooser, "ngram", 0)  # n-gram drafts are never accepted
     _learn(chooser, "grammar_forced", 4)  # forced drafts always are
     slots = [_slot(["grammar_forced"]) for _ in range(8)] + [_slot(["ngram"] * 4)]
-    assert chooser.choose(slots) == 2
+    assert chooser.choose(slots) == [1] * 9  # still one draft where one was proposed
     assert chooser.trim(slots) == 3
     assert [len(s.drafts) for s in slots] == [1] * 9
     assert slots[-1].sources == ["ngram"] and slots[-1].q_rows == [None]
+
+
+def test_each_row_keeps_the_drafts_that_pay_for_it() -> None:
+    """Per-row widths: a row of sure drafts keeps all four beside rows whose tails are cut."""
+    chooser = WidthChooser()
+    _learn(chooser, "grammar_forced", 4)
+    _learn(chooser, "ngram", 1)  # only the first n-gram draft is accepted
+    slots = [_slot(["grammar_forced"] * 4)] + [_slot(["ngram"] * 4) for _ in range(8)] + [_slot([])]
+    assert chooser.choose(slots) == [4] + [1] * 8 + [0]
+    assert chooser.trim(slots) == 8 * 3
 
 
 def test_drafts_that_are_accepted_keep_their_width() -> None:
     chooser = WidthChooser()
     _learn(chooser, "ngram", 4)
     slots = [_slot(["ngram"] * 4) for _ in range(9)]
-    assert chooser.choose(slots) == 5
+    assert chooser.choose(slots) == [4] * 9
     assert chooser.trim(slots) == 0
+
+
+def test_the_choice_maximises_expected_tokens_per_cost() -> None:
+    """Brute force over every per-row count (at least one draft each) on a mixed batch."""
+    import itertools
+
+    chooser = WidthChooser(fixed_positions=6.0)
+    _learn(chooser, "ngram", 2, times=3)  # rates well inside (0, 1)
+    _learn(chooser, "draft_model", 1, times=2)
+    slots = [_slot(["ngram"] * 4), _slot(["draft_model"] * 3), _slot(["ngram", "draft_model"]), _slot([])]
+
+    def value(keep: tuple[int, ...]) -> float:
+        expected = float(len(slots))
+        for s, k in zip(slots, keep):
+            chance = 1.0
+            for j, source in enumerate(s.sources[:k], start=1):
+                chance *= chooser.rate(source, j)
+                expected += chance
+        return expected / (chooser.fixed_positions + len(slots) + sum(keep))
+
+    options = [range(min(1, len(s.drafts)), len(s.drafts) + 1) for s in slots]
+    best = max(value(keep) for keep in itertools.product(*options))
+    got = chooser.choose(slots)
+    assert abs(value(tuple(got)) - best) < 1e-12
 
 
 def test_acceptance_is_learned_by_depth() -> None:
