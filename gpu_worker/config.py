@@ -32,7 +32,8 @@ class WorkerConfig:
     max_k: int = DEFAULT_MAX_K
     # None = the target config's max_position_embeddings; a smaller value caps sequences sooner.
     max_model_len: int | None = None
-    # True: one padded forward per model for the whole batch (attention masks + position ids).
+    # True: one packed forward per model for the whole batch: every row's real new tokens as one
+    # [1, Σ T_r] sequence over the slot pool (gpu_worker/model_runner.py).
     # False: one forward per sequence (the exact reference the batched path is tested against).
     batched_forward: bool = True
     mask_deadline_s: float = 5.0  # per mask-service call, handed to the router
