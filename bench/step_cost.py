@@ -386,12 +386,16 @@ def run_interleaved(runs: Sequence[Run]) -> None:
         turn += 1
 
 
-def _register_replay() -> None:
-    """Make ``replay`` a proposer name requests may carry (explicit: no work at import)."""
+def _register_replay() -> bool:
+    """Make ``replay`` a proposer name requests may carry (explicit: no work at import).
+    Returns whether this call added it (the caller then removes it when done: the registry is
+    process-wide, and a run inside a test process must not leave ``replay`` behind)."""
     from gpu_worker.proposers.registry import register, registered_names
 
-    if ReplayProposer.name not in registered_names():
-        register(ReplayProposer)
+    if ReplayProposer.name in registered_names():
+        return False
+    register(ReplayProposer)
+    return True
 
 
 def _resolve_models(args: argparse.Namespace) -> tuple[str, str | None]:
@@ -466,6 +470,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
+    added_replay = _register_replay()
+    try:
+        return _run(args)
+    finally:
+        if added_replay:
+            from gpu_worker.proposers.registry import unregister
+
+            unregister(ReplayProposer)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Record and replay ``args.rounds`` times; print the table and RESULT."""
     from gpu_worker.actor import GpuWorker
     from gpu_worker.config import WorkerConfig
     from gpu_worker.toy.schemas import schema_json
@@ -473,7 +489,6 @@ def main(argv: list[str] | None = None) -> int:
     from mask_service.grammar import GrammarKind, GrammarSpec
     from orchestrator.dev.local_stack import MaskServiceProcess
 
-    _register_replay()
     target_dir, draft_dir = _resolve_models(args)
     if args.proposers:
         proposers = tuple(p for p in args.proposers.split(",") if p)

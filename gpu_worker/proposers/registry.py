@@ -17,6 +17,12 @@ def register(cls: type[Proposer]) -> type[Proposer]:
     return cls
 
 
+def unregister(cls: type[Proposer]) -> None:
+    """Undo ``register(cls)`` (for tools that add a proposer for one run, e.g. bench.step_cost's replay)."""
+    if _REGISTRY.get(cls.name) is cls:
+        del _REGISTRY[cls.name]
+
+
 def _load_builtins() -> None:
     # Importing registers them; done on first use rather than at package import.
     from gpu_worker.proposers import draft_model, grammar_forced, ngram  # noqa: F401

@@ -21,7 +21,11 @@ def test_step_cost_replays_the_constrained_run(tmp_path_factory, capsys, propose
     argv = ["--target", str(target), "--proposers", proposers, "--n", "3", "--max-tokens", "12", "--rounds", "2"]
     if "draft_model" in proposers:
         argv += ["--draft", str(draft)]
+    from gpu_worker.proposers.registry import registered_names
+
+    before = registered_names()
     assert main(argv) == 0
+    assert registered_names() == before  # its replay proposer does not outlive the run
     last = capsys.readouterr().out.strip().splitlines()[-1]
     result = json.loads(last.removeprefix("RESULT "))
     assert len(result["constrained_vs_unconstrained_step_time_rounds"]) == 2
