@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.worker import tally_outputs
 from gpu_worker.drafting import Drafter
 from gpu_worker.proposers.base import DraftSlot, Proposal, Proposer
 from gpu_worker.step import StepRunner
@@ -349,8 +350,6 @@ class Run:
         """One timed ``worker.step()``, then (untimed) let the next step's position-1 mask
         request land: in the served stack it is in flight while the orchestrator handles
         the step's outputs, not during another worker's step."""
-        from gpu_worker.types import FinishReason
-
         stats, worker = self.stats, self.worker
         batch = tuple(worker.active_ids())
         calls0 = self.counter.calls
@@ -360,15 +359,7 @@ class Run:
         stats.round_trips.append(self.counter.calls - calls0)
         stats.mask_wait_s.append(max((o.mask_time_s for o in outs), default=0.0))
         stats.batches.append(batch)
-        for out in outs:
-            if out.error:
-                raise RuntimeError(f"{out.seq_id}: {out.error}")
-            stats.outputs[out.seq_id].extend(out.new_token_ids)
-            stopped = out.finish_reason in (FinishReason.STOP, FinishReason.GRAMMAR_COMPLETE)
-            stats.tokens += len(out.new_token_ids) + int(stopped)
-            stats.forwards += out.target_forwards
-            stats.proposed += out.drafts_proposed
-            stats.accepted += out.drafts_accepted
+        tally_outputs(outs, stats)
         if worker.draft is not None:
             stats.draft_forwards = worker.draft.num_forwards - self._draft_forwards0
         self.stepper.drafter.settle_prefetch()

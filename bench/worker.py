@@ -30,6 +30,7 @@ import argparse
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,9 +88,27 @@ def _toy_dirs(args: argparse.Namespace) -> tuple[str, str]:
     return str(result.target_dir), str(result.draft_dir)
 
 
+def tally_outputs(outs: Sequence[Any], into: Any) -> None:
+    """Add one step's outputs (``StepOutput``s) to ``into``'s ``outputs``/``tokens``/``forwards``/
+    ``proposed``/``accepted``; an output with an error ends the bench."""
+    from gpu_worker.types import FinishReason
+
+    for out in outs:
+        if out.error:
+            raise RuntimeError(f"{out.seq_id}: {out.error}")
+        into.outputs[out.seq_id].extend(out.new_token_ids)
+        # The stop token is emitted by the target but not returned: count it, so that
+        # plain decoding is exactly 1 token per forward.
+        stopped = out.finish_reason in (FinishReason.STOP, FinishReason.GRAMMAR_COMPLETE)
+        into.tokens += len(out.new_token_ids) + int(stopped)
+        into.forwards += out.target_forwards
+        into.proposed += out.drafts_proposed
+        into.accepted += out.drafts_accepted
+
+
 def run_mode(worker: Any, schemas: dict[str, Any], mode: str, args: argparse.Namespace) -> ModeResult:
     from gpu_worker.toy.schemas import prompt_for, schema_json
-    from gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
+    from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
     from mask_service.grammar import GrammarKind, GrammarSpec
 
     enabled, proposers, masking = MODES[mode]
@@ -114,17 +133,7 @@ def run_mode(worker: Any, schemas: dict[str, Any], mode: str, args: argparse.Nam
         outs = worker.step()
         result.steps += 1
         result.mask_wait_s += max((o.mask_time_s for o in outs), default=0.0)
-        for out in outs:
-            if out.error:
-                raise RuntimeError(f"{out.seq_id}: {out.error}")
-            result.outputs[out.seq_id].extend(out.new_token_ids)
-            # The stop token is emitted by the target but not returned: count it, so that
-            # plain decoding is exactly 1 token per forward.
-            stopped = out.finish_reason in (FinishReason.STOP, FinishReason.GRAMMAR_COMPLETE)
-            result.tokens += len(out.new_token_ids) + int(stopped)
-            result.forwards += out.target_forwards
-            result.proposed += out.drafts_proposed
-            result.accepted += out.drafts_accepted
+        tally_outputs(outs, result)
     result.wall_s = time.perf_counter() - started
     if worker.draft is not None:
         result.draft_forwards = worker.draft.num_forwards - draft_forwards_before
