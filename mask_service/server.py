@@ -76,6 +76,9 @@ def build_service(config: MaskServiceConfig, registry: TokenizerRegistry | None 
     ``registry`` lets tests share one loaded tokenizer set across servers.
     """
     registry = registry or TokenizerRegistry(list(config.tokenizers))
+    # The compile's wall-clock backstop (0 = derived from the CPU budget), resolved once: the
+    # pool enforces it and the cache's default wait for a compile follows it.
+    wall_budget_s = config.compile_wall_timeout_s or default_wall_budget_s(config.compile_timeout_s)
     cache = CompilerCache(
         registry,
         max_bytes=config.grammar_cache_bytes,
@@ -84,7 +87,7 @@ def build_service(config: MaskServiceConfig, registry: TokenizerRegistry | None 
         limits=config.grammar_limits,
         max_waiters=config.compile_waiters,
         waiters_reserve=min(config.compile_queue_per_owner, config.compile_waiters // 2),
-        wall_timeout_s=config.compile_wall_timeout_s or default_wall_budget_s(config.compile_timeout_s),
+        wall_timeout_s=wall_budget_s,
     )
     pool = None
     if config.compile_workers > 0:
@@ -95,7 +98,7 @@ def build_service(config: MaskServiceConfig, registry: TokenizerRegistry | None 
             memory_cap_bytes=config.compile_memory_bytes,
             max_queue=config.compile_queue,
             max_queue_per_owner=config.compile_queue_per_owner,
-            wall_budget_s=config.compile_wall_timeout_s,
+            wall_budget_s=wall_budget_s,
             nice=config.compile_nice,
             sched_idle=config.compile_sched_idle,
         )
