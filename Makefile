@@ -3,20 +3,27 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# Re-install whenever the dependency list changes.
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+# The venv installs the versions the images pin (deploy/docker/lock.py writes them from a
+# tested venv; the orchestrator's list holds every other image's pins): without them a
+# transitive dependency released upstream lands in a fresh venv, the suite runs versions
+# no image has, and tests/deploy's lock check fails on a clean checkout.
+LOCK := deploy/docker/requirements/orchestrator.txt
+# Re-install whenever the dependency list or the pins change.
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | sha1sum | cut -c1-12)
 TORCH_VERSION := 2.13.0
 
 .PHONY: venv test demo proto proto-check bench bench-gpu clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: an unpinned resolve pulls GBs of CUDA wheels.
 	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
-	$(PY) -m pip install --quiet -e '.[dev]'
+	# Pins only (no index options): a constraints file for pip.
+	grep -E '^[A-Za-z0-9_.-]+==' $(LOCK) > $(VENV)/constraints.txt
+	$(PY) -m pip install --quiet -e '.[dev]' -c $(VENV)/constraints.txt
 	rm -f $(VENV)/.installed-*
 	touch $@
 
