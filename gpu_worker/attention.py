@@ -106,22 +106,28 @@ def _packed_attention(
             f"got query {tuple(query.shape)}, key {tuple(key.shape)}"
         )
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[3]
+    groups = heads // kv_heads  # G: query heads per KV head (head h reads KV head h // G, as repeat_kv)
     outs = []
     for span in packed.spans:
         r, t, s = span.row, span.count, span.keys
-        # A one-token row sees all of its keys: no mask (SDPA's cheaper path).
-        mask = None if t == 1 else attention_mask[r : r + 1, :, :t, :s]  # [1, 1, T_r, L_r + T_r]
-        outs.append(
-            sdpa(
-                query[:, :, span.start : span.start + t],  # [1, H_q, T_r, D]
-                key[r : r + 1, :, :s],  # [1, H_kv, L_r + T_r, D]: a view of the pool row
-                value[r : r + 1, :, :s],
-                attn_mask=mask,
-                dropout_p=dropout,
-                scale=scaling,
-                enable_gqa=gqa,
-            )
-        )  # [1, H_q, T_r, D]
+        q = query[:, :, span.start : span.start + t]  # [1, H_q, T_r, D]
+        k = key[r : r + 1, :, :s]  # [1, H_kv, L_r + T_r, D]: a view of the pool row
+        v = value[r : r + 1, :, :s]
+        if t == 1 or not gqa:
+            # A one-token row sees all of its keys: no mask (SDPA's cheaper path).
+            mask = None if t == 1 else attention_mask[r : r + 1, :, :t, :s]  # [1, 1, T_r, L_r + T_r]
+            outs.append(sdpa(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa))
+            continue
+        # Several queries under a mask with grouped heads: fold each KV head's G query heads into
+        # its query axis ([1, H_kv, G·T_r, D], rows ordered (g, t)) and repeat the mask rows G
+        # times, so SDPA sees as many query heads as KV heads. Torch's enable_gqa path costs
+        # ~0.26 ms per call here for 2-5 queries over ~1,200 keys (9 over 3 heads, 2 threads)
+        # against ~0.17-0.23 ms folded: 270 calls per SmolLM2 verify forward of 9 rows.
+        mask = attention_mask[r : r + 1, :, :t, :s].repeat(1, 1, groups, 1)  # [1, 1, G·T_r, L_r + T_r]
+        folded = q.reshape(1, kv_heads, groups * t, dim)  # [1, H_kv, G·T_r, D]
+        out = sdpa(folded, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)  # [1, H_kv, G·T_r, D]
+        outs.append(out.view(1, heads, t, dim))  # [1, H_q, T_r, D]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()  # [1, N, H_q, D]
 
 
