@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gpu_worker.row_index import RowIndexCache
 from mask_service.row_table import MaskRow, TableView
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,9 @@ class DeviceMaskTable:
         self.rows_uploaded = 0
         self.full_uploads = 0
         self.stale_rows = 0
+        # The same rows as token ids, for masking CPU logits without unpacking bits (the
+        # verifier's CPU reference path); filled on first use of a row, empty on a GPU.
+        self.row_index = RowIndexCache()
 
     def _refresh(self, view: TableView) -> _Mirror:
         """Bring the mirror of ``view.source`` up to ``view`` (same or newer epoch)."""

@@ -5,7 +5,9 @@ rows; drafts are flattened in request order with cumulative counts
 ``cu_num_draft_tokens``. Mask rows arrive as slots of the mask client's interned
 table; ``DeviceMaskTable`` turns them into row ids into its device-resident
 mirror (sequences without a grammar use the all-ones slot 0), and the indirect
-kernel masks the logits with them: no per-step table is built.
+kernel masks the logits with them: no per-step table is built. On the CPU
+reference path the logits are masked from token ids cached per row instead
+(``gpu_worker.row_index``: same result, without unpacking every row each step).
 
 The same table and row ids go to the rejection sampler, which checks every
 emitted token against its row (issue 9, one bit read per token): a sequence
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 
 from gpu_worker.mask_table import DeviceMaskTable
+from kernels.backend import Backend, resolve_backend
 from mask_service.row_table import MaskRow
 
 
@@ -86,7 +89,12 @@ def verify(
         if mask_table is None:
             mask_table = DeviceMaskTable(device)
         table, row_ids = mask_table.resolve(rows)
-        apply_token_bitmask_indirect_inplace(logits, table, row_ids, backend=kernel_backend)
+        if device.type == "cpu" and resolve_backend(kernel_backend, device) is Backend.REFERENCE:
+            # Same result as the kernel below, from token ids cached per interned row
+            # (gpu_worker.row_index): the reference kernel unpacks every row every step.
+            mask_table.row_index.mask_(logits, rows)
+        else:
+            apply_token_bitmask_indirect_inplace(logits, table, row_ids, backend=kernel_backend)
 
     flat_drafts = [t for inp in inputs for t in inp.drafts]
     draft_token_ids = torch.tensor(flat_drafts, dtype=torch.int64, device=device)  # [num_draft_tokens]
