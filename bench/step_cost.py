@@ -101,7 +101,17 @@ class Trace(dict[Key, StepTrace]):
     """Key -> StepTrace for one constrained run."""
 
     def at(self, slot: DraftSlot) -> StepTrace:
-        return self.setdefault((slot.seq.seq_id, slot.seq.step), StepTrace())
+        return self.of(slot.seq)
+
+    def of(self, seq: Any) -> StepTrace:
+        """The record of ``seq``'s current step (created on first use)."""
+        # Not setdefault(key, StepTrace()): that builds a StepTrace on every call, and the
+        # recording's cost lands on the constrained run's step time only (the replay has none).
+        key = (seq.seq_id, seq.step)
+        rec = self.get(key)
+        if rec is None:
+            rec = self[key] = StepTrace()
+        return rec
 
 
 # -- recording (the constrained run) -------------------------------------------------------------
@@ -127,8 +137,7 @@ class _RecordingProposer:
         return self._inner.propose(slots, position)
 
     def chain(self, context: Sequence[int], limit: int) -> list[int]:
-        seq = self._drafter.lookahead_seq
-        self._trace.setdefault((seq.seq_id, seq.step), StepTrace()).lookaheads.append((len(context), limit))
+        self._trace.of(self._drafter.lookahead_seq).lookaheads.append((len(context), limit))
         return self._inner.chain(context, limit)  # type: ignore[attr-defined, no-any-return]
 
 

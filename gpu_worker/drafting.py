@@ -67,7 +67,6 @@ off never reach this phase (k_r = 0) and are never prefetched for.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gpu_worker.bitmask_rows import forced_token, is_allowed
@@ -217,14 +216,11 @@ class Drafter:
         """The draft-side request for the row after ``drafts`` (and, with a lookahead
         ``chain``, every row along it), asking for the forced continuation after them (up
         to the drafts ``k`` still allows) when ``seq`` takes them."""
-        if chain:
-            item = mask_item(seq, [*drafts, *chain], last_row_only=False)
-        else:
-            item = mask_item(seq, drafts, last_row_only=True)
         room = k - len(drafts) - len(chain)
-        if FORCED_PROPOSER in seq.proposers and room > 0:
-            item = replace(item, max_forced_tokens=room)
-        return item
+        forced = room if FORCED_PROPOSER in seq.proposers and room > 0 else 0
+        if chain:
+            return mask_item(seq, [*drafts, *chain], last_row_only=False, max_forced_tokens=forced)
+        return mask_item(seq, drafts, last_row_only=True, max_forced_tokens=forced)
 
     def _apply(
         self,
