@@ -174,6 +174,7 @@ async def _one(
     draft_masking: bool,
     max_tokens: int,
     ignore_eos: bool,
+    k: int | None,
     gate: asyncio.Semaphore,
     lengths: list[int],
 ) -> None:
@@ -191,6 +192,7 @@ async def _one(
         temperature=0.0,
         speculation=speculation,
         draft_masking=draft_masking if speculation else None,
+        k=k if speculation else None,
         request_id=f"{stats.phase}-{index}",
     )
     result = StreamedResult()
@@ -236,6 +238,7 @@ async def run_phase(
     draft_masking: bool = True,
     max_tokens: int | list[int],
     concurrency: int,
+    k: int | None = None,
 ) -> tuple[PhaseStats, list[int]]:
     """Run one phase; ``max_tokens`` per request (a list) means exactly that many (ignore_eos)."""
     stats = PhaseStats(phase=phase, requests=len(cases))
@@ -261,6 +264,7 @@ async def run_phase(
                     draft_masking=draft_masking,
                     max_tokens=max(1, budgets[i]),
                     ignore_eos=exact,
+                    k=k,
                     gate=gate,
                     lengths=lengths,
                 )
@@ -389,7 +393,7 @@ def merge(rounds: list[PhaseStats]) -> PhaseStats:
 async def run_round(running: RunningStack, cases: list[Case], args: argparse.Namespace) -> dict[str, PhaseStats]:
     """The phases back to back; the unconstrained one replays the constrained lengths.
     A phase left out of ``--phases`` is skipped (the ratios that need it are then null)."""
-    common: dict[str, Any] = {"concurrency": args.concurrency}
+    common: dict[str, Any] = {"concurrency": args.concurrency, "k": args.k}
     out: dict[str, PhaseStats] = {}
     out["constrained"], lengths = await run_phase(
         running, cases, "constrained", constrained=True, max_tokens=args.max_tokens, **common
@@ -502,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--max-batch", type=int, default=64, help="active sequences per worker")
     parser.add_argument("--rounds", type=int, default=3, help="times the four phases run, alternating")
+    parser.add_argument("--k", type=int, default=None, help="drafts per step when speculating (default: the server's)")
     parser.add_argument("--target", default=None, help="target model dir or registered name (default: the toy pair)")
     parser.add_argument("--draft", default=None, help="draft model dir or name ('none' = no draft model)")
     parser.add_argument(
