@@ -20,9 +20,12 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from gpu_worker.config import WorkerConfig
 from gpu_worker.kv_cache import SequenceKV
 from gpu_worker.loading import (
+    cpu_threads,
     eos_token_ids,
     has_tokenizer,
     load_causal_lm,
@@ -63,11 +66,10 @@ class GpuWorker:
             from mask_service.log_format import configure_logging
 
             configure_logging(config.log_level, config.log_format)
-        if config.torch_threads is not None:
-            import torch
-
-            torch.set_num_threads(config.torch_threads)
         self.device = resolve_device(config.device)
+        threads = cpu_threads(config.torch_threads, self.device)
+        if threads is not None:
+            torch.set_num_threads(threads)
         dtype = resolve_dtype(config.dtype)
         self.tokenizer = load_tokenizer(config.target_dir)
         if target_model is None:
@@ -153,6 +155,7 @@ class GpuWorker:
             max_k=self.config.max_k,
             pid=os.getpid(),
             session_owner=self.session_owner,
+            torch_threads=torch.get_num_threads(),
         )
 
     def num_active(self) -> int:

@@ -39,8 +39,12 @@ class WorkerConfig:
     mask_deadline_s: float = 5.0  # per mask-service call, handed to the router
     ngram_min: int = DEFAULT_NGRAM_MIN
     ngram_max: int = DEFAULT_NGRAM_MAX
-    # torch intra-op threads for CPU work (process-wide); None keeps torch's default.
-    # On a small shared CPU box 1 avoids oversubscription (tiny matmuls slow down ~50x).
+    # torch intra-op threads (process-wide). None keeps the process's default: in a Ray
+    # actor without num_cpus that is 1, since Ray sets OMP_NUM_THREADS=1 there. 0 = every
+    # CPU this process may run on, when the device is the CPU (a CPU worker's forward is
+    # its whole job: SmolLM2 on 2 cores, 1 -> 2 threads made bench.e2e 1.38x faster with
+    # speculation and 1.24x without). In-process tests pass 1: toy-sized matmuls gain
+    # nothing from threads and oversubscribe a small shared box.
     torch_threads: int | None = None
     # Seed for sequences that bring none (their per-request seeds are drawn from it).
     seed: int = 0
@@ -55,6 +59,8 @@ class WorkerConfig:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_k < 0:
             raise ValueError(f"max_k must be >= 0, got {self.max_k}")
+        if self.torch_threads is not None and self.torch_threads < 0:
+            raise ValueError(f"torch_threads must be >= 0 (0 = every CPU), got {self.torch_threads}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
         if self.max_model_len is not None and self.max_model_len < 2:

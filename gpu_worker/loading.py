@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,16 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def cpu_threads(requested: int | None, device: torch.device) -> int | None:
+    """torch intra-op threads for WorkerConfig.torch_threads: None = leave the process's
+    setting; 0 = every CPU this process may run on when ``device`` is the CPU (else leave it)."""
+    if requested != 0:
+        return requested
+    if device.type != "cpu":
+        return None
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def resolve_dtype(name: str) -> torch.dtype:

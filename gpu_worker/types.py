@@ -124,6 +124,7 @@ class WorkerInfo:
     # Owner its mask sessions carry (stable across actor restarts; '' = none): lets the
     # orchestrator release them when the worker is lost.
     session_owner: str = ""
+    torch_threads: int = 0  # torch intra-op threads the worker process runs with
 
     def serves_same_model(self, other: WorkerInfo) -> bool:
         """Interchangeable for the orchestrator: same tokenizer, logits width and length limit."""

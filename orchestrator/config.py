@@ -44,6 +44,10 @@ DEFAULT_SHUTDOWN_GRACE_S = 5.0
 # -1 = always, as a Deployment would. The engine probes a lost worker and puts
 # it back into placement once it answers again.
 DEFAULT_WORKER_MAX_RESTARTS = -1
+# torch threads of each worker process: 0 = every CPU it may run on, when its device is
+# the CPU (Ray would give an actor without num_cpus one: it sets OMP_NUM_THREADS=1).
+# GPU workers keep their default. See WorkerConfig.torch_threads for the figures.
+DEFAULT_WORKER_TORCH_THREADS = 0
 # Checked mode (issue 13): the most generations (1 + resamples) a request may ask for.
 DEFAULT_CHECKED_MAX_ATTEMPTS = validation.DEFAULT_CHECKED_MAX_ATTEMPTS
 
@@ -72,6 +76,7 @@ class OrchestratorConfig:
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
     worker_start_timeout_s: float = DEFAULT_WORKER_START_TIMEOUT_S
     worker_max_restarts: int = DEFAULT_WORKER_MAX_RESTARTS
+    worker_torch_threads: int = DEFAULT_WORKER_TORCH_THREADS
     mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S
     mask_max_retries: int = DEFAULT_MASK_MAX_RETRIES
     validation_threads: int = DEFAULT_VALIDATION_THREADS
@@ -96,6 +101,8 @@ class OrchestratorConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.worker_torch_threads < 0:
+            raise ValueError(f"worker_torch_threads must be >= 0 (0 = every CPU), got {self.worker_torch_threads}")
         if self.worker_max_restarts < -1:
             raise ValueError(f"worker_max_restarts must be >= -1, got {self.worker_max_restarts}")
         if not 0 <= self.default_k <= self.max_k:
@@ -113,6 +120,7 @@ class OrchestratorConfig:
             max_k=self.max_k,
             max_model_len=self.max_model_len,
             mask_deadline_s=self.mask_deadline_s,
+            torch_threads=self.worker_torch_threads,
             log_level=self.worker_log_level,
             log_format=self.log_format,
         )

@@ -89,6 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=cfg.DEFAULT_WORKER_MAX_RESTARTS,
         help="times Ray restarts a crashed worker actor (-1 = always); a restarted worker rejoins placement",
     )
+    parser.add_argument(
+        "--worker-torch-threads",
+        type=int,
+        default=cfg.DEFAULT_WORKER_TORCH_THREADS,
+        help="torch threads per CPU worker (0 = every CPU the worker process may run on; GPU workers keep "
+        "their default)",
+    )
     parser.add_argument("--mask-deadline-s", type=float, default=cfg.DEFAULT_MASK_DEADLINE_S)
     parser.add_argument(
         "--shutdown-grace-s",
@@ -134,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         step_timeout_s=args.step_timeout_s,
         worker_start_timeout_s=args.worker_start_timeout_s,
         worker_max_restarts=args.worker_max_restarts,
+        worker_torch_threads=args.worker_torch_threads,
         mask_deadline_s=args.mask_deadline_s,
         shutdown_grace_s=args.shutdown_grace_s,
         checked_max_attempts=args.checked_max_attempts,

@@ -26,3 +26,17 @@ def test_workers_log_at_info_with_the_orchestrator_format() -> None:
     """A Ray actor starts with WARNING and no handler: without this its [request_id=...] lines are lost."""
     cfg = OrchestratorConfig(target_dir="/m", mask_service_addresses=("m:1",), log_format="json")
     assert (cfg.worker_config().log_level, cfg.worker_config().log_format) == ("INFO", "json")
+
+
+def test_worker_torch_threads() -> None:
+    """0 (default) = every CPU of the worker process; Ray alone would give a CPU actor one thread."""
+    cfg = OrchestratorConfig(target_dir="/m", mask_service_addresses=("m:1",))
+    assert cfg.worker_config().torch_threads == 0
+    assert (
+        OrchestratorConfig(target_dir="/m", mask_service_addresses=("m:1",), worker_torch_threads=3)
+        .worker_config()
+        .torch_threads
+        == 3
+    )
+    with pytest.raises(ValueError, match="worker_torch_threads"):
+        OrchestratorConfig(target_dir="/m", mask_service_addresses=("m:1",), worker_torch_threads=-1)
