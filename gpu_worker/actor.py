@@ -67,13 +67,13 @@ class GpuWorker:
 
             configure_logging(config.log_level, config.log_format)
         self.device = resolve_device(config.device)
-        threads = cpu_threads(config.torch_threads, self.device)
-        if threads is not None:
-            torch.set_num_threads(threads)
         dtype = resolve_dtype(config.dtype)
         self.tokenizer = load_tokenizer(config.target_dir)
         if target_model is None:
             target_model = load_causal_lm(config.target_dir, dtype, self.device)
+        threads = cpu_threads(config.torch_threads, self.device, sum(p.numel() for p in target_model.parameters()))
+        if threads is not None:
+            torch.set_num_threads(threads)
         self.target = ModelRunner(target_model, batched=config.batched_forward, name="target")
         self.draft: ModelRunner | None = None
         if config.draft_dir is not None:

@@ -41,10 +41,9 @@ class WorkerConfig:
     ngram_max: int = DEFAULT_NGRAM_MAX
     # torch intra-op threads (process-wide). None keeps the process's default: in a Ray
     # actor without num_cpus that is 1, since Ray sets OMP_NUM_THREADS=1 there. 0 = every
-    # CPU this process may run on, when the device is the CPU (a CPU worker's forward is
-    # its whole job: SmolLM2 on 2 cores, 1 -> 2 threads made bench.e2e 1.38x faster with
-    # speculation and 1.24x without). In-process tests pass 1: toy-sized matmuls gain
-    # nothing from threads and oversubscribe a small shared box.
+    # CPU this process may run on, when the device is the CPU and the target is not tiny
+    # (loading.cpu_threads: SmolLM2 on 2 cores, 1 -> 2 threads made bench.e2e 1.38x faster
+    # with speculation and 1.24x without; the toy pair stays at 1). In-process tests pass 1.
     torch_threads: int | None = None
     # Seed for sequences that bring none (their per-request seeds are drawn from it).
     seed: int = 0

@@ -20,13 +20,24 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_threads(requested: int | None, device: torch.device) -> int | None:
-    """torch intra-op threads for WorkerConfig.torch_threads: None = leave the process's
-    setting; 0 = every CPU this process may run on when ``device`` is the CPU (else leave it)."""
+# Below this many target parameters a CPU worker keeps one torch thread. Per-op work is then
+# too small to split, and OpenMP's second thread spin-waits between regions: with the tiny
+# test pair at 2 threads, bench.soak's worker used 1.36 cores at a 16 ms step and the steady
+# p50 went ~70 -> 112 ms (the spin takes the cores the mask service and orchestrator share).
+# SmolLM2-135M at 2 threads on the same box: bench.e2e 1.38x faster with speculation.
+MIN_PARAMS_FOR_THREADS = 20_000_000
+
+
+def cpu_threads(requested: int | None, device: torch.device, num_params: int) -> int | None:
+    """torch intra-op threads for WorkerConfig.torch_threads. None = leave the process's setting;
+    0 = every CPU this process may run on, when ``device`` is the CPU and the model (of
+    ``num_params`` parameters) is large enough to use them (else 1); a GPU worker is left alone."""
     if requested != 0:
         return requested
     if device.type != "cpu":
         return None
+    if num_params < MIN_PARAMS_FOR_THREADS:
+        return 1
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
