@@ -27,11 +27,16 @@ What "the caller's grammar" means, per kind (a registry, not an if-chain):
 
 Formatting options (separators, whitespace) are not checked: they change how a
 document is written, not whether it satisfies the grammar.
+
+``multipleOf`` is checked in decimal, on each number's shortest round-trip spelling:
+jsonschema divides floats (10000.89 / 0.01 = 1000088.9999999999) and so failed a
+valid ``10000.89`` against ``multipleOf: 0.01`` (bench.e2e, Github_easy---o46379).
 """
 
 from __future__ import annotations
 
 import collections
+import decimal
 import json
 import threading
 from collections.abc import Callable
@@ -173,7 +178,7 @@ def _json_schema_checker(spec: GrammarSpec) -> Callable[[str], Verdict]:
         schema = json.loads(spec.text)
     except ValueError as exc:
         raise OutputCheckError(f"schema is not JSON: {exc}") from exc
-    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    cls = _exact_multiples(jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator))
     # The schema as written, always: strict defaults pushed into a condition or a negation
     # (``if``, ``not``, a ``oneOf`` branch) would make the check LOOSER (a document the
     # strict ``if`` no longer matches skips its ``then``), so strict mode only adds a
@@ -184,7 +189,8 @@ def _json_schema_checker(spec: GrammarSpec) -> Callable[[str], Verdict]:
     if isinstance(schema, dict) and "$schema" not in schema and _uses_keyword(schema, "dependencies"):
         # No declared draft, and a keyword only drafts 4-7 define (2020-12 ignores it): the mask
         # service took the schema under any draft, so the output must satisfy draft 7's reading too.
-        validators.append(jsonschema.Draft7Validator(schema, format_checker=jsonschema.Draft7Validator.FORMAT_CHECKER))
+        draft7 = _exact_multiples(jsonschema.Draft7Validator)
+        validators.append(draft7(schema, format_checker=draft7.FORMAT_CHECKER))
 
     def check(text: str) -> Verdict:
         try:
@@ -199,6 +205,33 @@ def _json_schema_checker(spec: GrammarSpec) -> Callable[[str], Verdict]:
         return Verdict(True)
 
     return check
+
+
+# Digits enough for any float64 quotient (exponents span about 10^-324 .. 10^308).
+_DECIMAL = decimal.Context(prec=700, traps=[decimal.InvalidOperation])
+
+
+def _exact_multiple_of(validator: Any, divisor: Any, instance: Any, schema: Any) -> Any:
+    """``multipleOf`` in decimal: each float as its shortest round-trip spelling, which is
+    the number a JSON reader gets from the text. An error here is a violation (fails closed)."""
+    import jsonschema
+
+    if not validator.is_type(instance, "number"):
+        return
+    if isinstance(divisor, float) or isinstance(instance, float):
+        remainder = _DECIMAL.remainder(decimal.Decimal(repr(instance)), decimal.Decimal(repr(divisor)))
+        ok = remainder == 0
+    else:
+        ok = instance % divisor == 0
+    if not ok:
+        yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {divisor!r}")
+
+
+def _exact_multiples(cls: Any) -> Any:
+    """``cls`` with ``multipleOf`` checked by ``_exact_multiple_of``."""
+    import jsonschema
+
+    return jsonschema.validators.extend(cls, {"multipleOf": _exact_multiple_of})
 
 
 def _uses_keyword(node: Any, keyword: str) -> bool:

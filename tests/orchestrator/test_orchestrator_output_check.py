@@ -119,3 +119,24 @@ def test_draft7_dependencies_without_a_declared_draft_are_checked() -> None:
     checker = OutputChecker()
     assert not checker.check(spec, '{"a":1}').ok
     assert checker.check(spec, '{"a":1,"b":2}').ok
+
+
+@pytest.mark.parametrize(
+    ("schema", "text", "ok"),
+    [
+        # jsonschema's float division: 10000.89 / 0.01 = 1000088.9999999999 (bench.e2e, Github_easy)
+        ({"type": "number", "multipleOf": 0.01}, "10000.89", True),
+        ({"type": "number", "multipleOf": 0.1}, "0.3", True),
+        ({"type": "number", "multipleOf": 0.01}, "10000.891", False),
+        ({"type": "number", "multipleOf": 0.1}, "0.35", False),
+        ({"type": "number", "multipleOf": 0.5}, "3", True),
+        ({"type": "number", "multipleOf": 0.5}, "3.25", False),
+        ({"type": "integer", "multipleOf": 3}, "9", True),
+        ({"type": "integer", "multipleOf": 3}, "10", False),
+        ({"type": "number", "multipleOf": 1e-300}, "1e300", True),  # huge quotient: still decided
+        ({"$schema": "http://json-schema.org/draft-04/schema#", "multipleOf": 0.01}, "19.99", True),
+        ({"multipleOf": 0.01}, '"not a number"', True),  # multipleOf only constrains numbers
+    ],
+)
+def test_multiple_of_is_decided_in_decimal(checker: OutputChecker, schema: object, text: str, ok: bool) -> None:
+    assert checker.check(spec(GrammarKind.JSON_SCHEMA, schema), text).ok is ok
