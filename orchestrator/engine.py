@@ -431,10 +431,11 @@ class Engine:
         assert request.seq.grammar is not None
         spec = request.seq.grammar
         text = self._tokenizer.decode(list(request.token_ids), skip_special_tokens=True)
+        engine = request.grammar.backend if request.grammar is not None else ""
 
         def check() -> Verdict:
             try:
-                return self.output_checker.check(spec, text)
+                return self.output_checker.check(spec, text, engine)
             except OutputCheckError as exc:  # fail closed: unverifiable is not valid
                 return Verdict(False, f"the output could not be verified ({exc})")
 

@@ -13,10 +13,12 @@ What "the caller's grammar" means, per kind (a registry, not an if-chain):
   Infinity) and a compiled ``jsonschema`` validator for the caller's ORIGINAL schema
   (not the mask service's rewrite) accepts it, with ``format`` asserted. ``strict``
   (the default) is part of what the caller asked for, checked by a second validator
-  (the document must pass the schema as written too: see ``_json_schema_checker``): it means what xgrammar's
-  ``strict_mode`` means, i.e. an object schema that lists ``properties`` or
+  (the document must pass the schema as written too: see ``_json_schema_checker``): it means
+  what the engine that masked the output enforced for it (``STRICT_READINGS``). For
+  xgrammar, its ``strict_mode``: an object schema that lists ``properties`` or
   ``patternProperties`` and says nothing about ``additionalProperties`` allows no
-  other keys, and ``prefixItems`` without ``items`` allows no further items. Those
+  other keys, and ``prefixItems`` without ``items`` allows no further items; for
+  llguidance, the service's strict rewrite, which leaves intersections open. Those
   defaults are written into the schema before validating; nothing else changes.
   Validators are cached by the spec's cache key (schema text + options).
 * ``ANY_JSON``: strict JSON, as above.
@@ -44,8 +46,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from mask_service.grammar import GrammarKind, GrammarSpec
+from mask_service.llguidance_check import strict_schema as llguidance_strict
 
-__all__ = ["OutputCheckError", "OutputChecker", "Verdict", "strict_schema"]
+__all__ = ["OutputCheckError", "OutputChecker", "Verdict", "exact_multiples", "strict_schema"]
 
 # Compiled checkers kept (LRU). A compiled jsonschema validator or a byte-level
 # xgrammar grammar is small; 512 covers a serving mix of distinct grammars.
@@ -106,6 +109,17 @@ def strict_schema(schema: Any) -> Any:
     return out
 
 
+# What ``strict`` means, per engine that can mask a JSON schema. xgrammar's strict_mode
+# closes every object that lists properties; llguidance's strict rewrite
+# (mask_service.llguidance_check) leaves open an object that is one side of an intersection
+# (allOf branches, properties beside anyOf/oneOf/$ref) or requires an undeclared name, where
+# additionalProperties: false would also forbid the other side's keys. Checking an
+# llguidance-masked output against xgrammar's reading failed valid answers: root
+# "properties": {} beside a oneOf of {"status": ...} branches (Github_trivial---o42156)
+# closed the root, so no document could pass. The schema as written is checked either way.
+STRICT_READINGS: dict[str, Callable[[Any], Any]] = {"xgrammar": strict_schema, "llguidance": llguidance_strict}
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
@@ -133,29 +147,34 @@ class OutputChecker:
         self._lock = threading.Lock()
         self._builders: dict[GrammarKind, Callable[[GrammarSpec], Callable[[str], Verdict]]] = {
             GrammarKind.JSON_SCHEMA: _json_schema_checker,
-            GrammarKind.ANY_JSON: lambda _spec: _any_json_check,
+            GrammarKind.ANY_JSON: lambda _spec, _engine: _any_json_check,
             GrammarKind.REGEX: _xgrammar_checker,
             GrammarKind.EBNF: _xgrammar_checker,
             GrammarKind.LARK: _xgrammar_checker,
         }
 
-    def check(self, spec: GrammarSpec, text: str) -> Verdict:
-        """Whether ``text`` is a complete document of ``spec``; raises OutputCheckError if it cannot tell."""
+    def check(self, spec: GrammarSpec, text: str, engine: str = "") -> Verdict:
+        """Whether ``text`` is a complete document of ``spec``; raises OutputCheckError if it cannot tell.
+
+        ``engine``: the engine that masked the output (the mask service's GrammarReport). It
+        picks what ``strict`` means for a JSON schema (see ``_json_schema_checker``); "" or
+        an unknown name takes xgrammar's reading, the stricter one."""
+        engine = engine if spec.kind is GrammarKind.JSON_SCHEMA and engine in STRICT_READINGS else ""
         try:
-            return self._checker(spec)(text)
+            return self._checker(spec, engine)(text)
         except OutputCheckError:
             raise
         except Exception as exc:  # an engine or library failure must not pass as valid
             raise OutputCheckError(f"{type(exc).__name__}: {exc}") from exc
 
-    def _checker(self, spec: GrammarSpec) -> Callable[[str], Verdict]:
-        key = spec.cache_key()
+    def _checker(self, spec: GrammarSpec, engine: str = "") -> Callable[[str], Verdict]:
+        key = f"{spec.cache_key()}|{engine}"
         with self._lock:
             found = self._cache.get(key)
             if found is not None:
                 self._cache.move_to_end(key)
                 return found
-        built = self._builders[spec.kind](spec)  # compile outside the lock
+        built = self._builders[spec.kind](spec, engine)  # compile outside the lock
         with self._lock:
             self._cache[key] = built
             while len(self._cache) > self._max_cached:
@@ -171,25 +190,26 @@ def _any_json_check(text: str) -> Verdict:
     return Verdict(True)
 
 
-def _json_schema_checker(spec: GrammarSpec) -> Callable[[str], Verdict]:
+def _json_schema_checker(spec: GrammarSpec, engine: str) -> Callable[[str], Verdict]:
     import jsonschema
 
     try:
         schema = json.loads(spec.text)
     except ValueError as exc:
         raise OutputCheckError(f"schema is not JSON: {exc}") from exc
-    cls = _exact_multiples(jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator))
+    cls = exact_multiples(jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator))
     # The schema as written, always: strict defaults pushed into a condition or a negation
     # (``if``, ``not``, a ``oneOf`` branch) would make the check LOOSER (a document the
     # strict ``if`` no longer matches skips its ``then``), so strict mode only adds a
     # second validator; a document must pass both.
     validators = [cls(schema, format_checker=cls.FORMAT_CHECKER)]
     if spec.strict:
-        validators.append(cls(strict_schema(schema), format_checker=cls.FORMAT_CHECKER))
+        strict = STRICT_READINGS.get(engine, strict_schema)(schema)
+        validators.append(cls(strict, format_checker=cls.FORMAT_CHECKER))
     if isinstance(schema, dict) and "$schema" not in schema and _uses_keyword(schema, "dependencies"):
         # No declared draft, and a keyword only drafts 4-7 define (2020-12 ignores it): the mask
         # service took the schema under any draft, so the output must satisfy draft 7's reading too.
-        draft7 = _exact_multiples(jsonschema.Draft7Validator)
+        draft7 = exact_multiples(jsonschema.Draft7Validator)
         validators.append(draft7(schema, format_checker=draft7.FORMAT_CHECKER))
 
     def check(text: str) -> Verdict:
@@ -227,7 +247,7 @@ def _exact_multiple_of(validator: Any, divisor: Any, instance: Any, schema: Any)
         yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {divisor!r}")
 
 
-def _exact_multiples(cls: Any) -> Any:
+def exact_multiples(cls: Any) -> Any:
     """``cls`` with ``multipleOf`` checked by ``_exact_multiple_of``."""
     import jsonschema
 
@@ -250,7 +270,7 @@ def _uses_keyword(node: Any, keyword: str) -> bool:
     )
 
 
-def _xgrammar_checker(spec: GrammarSpec) -> Callable[[str], Verdict]:
+def _xgrammar_checker(spec: GrammarSpec, _engine: str = "") -> Callable[[str], Verdict]:
     import xgrammar as xgr
 
     parse = {GrammarKind.REGEX: xgr.Grammar.from_regex, GrammarKind.EBNF: xgr.Grammar.from_ebnf}

@@ -140,3 +140,28 @@ def test_draft7_dependencies_without_a_declared_draft_are_checked() -> None:
 )
 def test_multiple_of_is_decided_in_decimal(checker: OutputChecker, schema: object, text: str, ok: bool) -> None:
     assert checker.check(spec(GrammarKind.JSON_SCHEMA, schema), text).ok is ok
+
+
+def test_strict_means_what_the_masking_engine_enforced() -> None:
+    """llguidance's strict rewrite leaves an intersection open (its additionalProperties: false would
+    also forbid the other side's keys); checking its output against xgrammar's reading failed every
+    answer of this maskbench schema (Github_trivial---o42156) as a grammar violation."""
+    schema = {
+        "type": "object",
+        "properties": {},
+        "oneOf": [
+            {"properties": {"status": {"enum": ["ok"]}}, "required": ["status"]},
+            {"properties": {"status": {"enum": ["notFound"]}}, "required": ["status"]},
+        ],
+    }
+    grammar = spec(GrammarKind.JSON_SCHEMA, schema)  # strict (the default)
+    checker = OutputChecker()
+    answer = '{"status":"notFound","properties":{}}'  # what SmolLM2 wrote, through llguidance's masks
+    assert checker.check(grammar, answer, "llguidance").ok
+    assert not checker.check(grammar, answer, "xgrammar").ok  # xgrammar's reading closes the root
+    assert not checker.check(grammar, answer).ok  # no engine named: the stricter reading
+    assert not checker.check(grammar, '{"status":"bogus"}', "llguidance").ok  # the schema as written holds
+    # Where llguidance does close an object, so does the check.
+    closed = spec(GrammarKind.JSON_SCHEMA, {"type": "object", "properties": {"a": {"type": "integer"}}})
+    assert not checker.check(closed, '{"a":1,"b":2}', "llguidance").ok
+    assert checker.check(spec(GrammarKind.JSON_SCHEMA, schema, strict=False), answer, "xgrammar").ok
