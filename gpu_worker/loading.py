@@ -22,8 +22,8 @@ def resolve_device(name: str) -> torch.device:
 
 # Below this many target parameters a CPU worker keeps one torch thread. Per-op work is then
 # too small to split, and OpenMP's second thread spin-waits between regions: with the tiny
-# test pair at 2 threads, bench.soak's worker used 1.36 cores at a 16 ms step and the steady
-# p50 went ~70 -> 112 ms (the spin takes the cores the mask service and orchestrator share).
+# test pair at 2 threads, bench.soak's worker used 1.36 cores at a 16 ms step (0.73 at one
+# thread; steady p50 112 vs 106 ms): the spin takes the cores the mask service and orchestrator share.
 # SmolLM2-135M at 2 threads on the same box: bench.e2e 1.38x faster with speculation.
 MIN_PARAMS_FOR_THREADS = 20_000_000
 

@@ -27,7 +27,7 @@ import jsonschema
 
 from orchestrator.client import FINISH_REASON_NAMES, StreamedResult, build_request, stream_retrying_overload
 from orchestrator.dev.local_stack import StackConfig, running_stack
-from orchestrator.output_check import exact_multiples
+from orchestrator.output_check import validate_decimal
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc
 
@@ -174,8 +174,7 @@ class Outcome:
 def _check(schema: dict, text: str) -> tuple[bool, str]:
     try:
         # multipleOf in decimal: jsonschema's float division calls 10000.89 no multiple of 0.01.
-        cls = exact_multiples(jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator))
-        cls(schema, format_checker=jsonschema.FormatChecker()).validate(json.loads(text))
+        validate_decimal(json.loads(text), schema, format_checker=jsonschema.FormatChecker())
     except json.JSONDecodeError as exc:
         return False, f"not JSON ({exc.msg})"
     except jsonschema.ValidationError as exc:

@@ -165,3 +165,16 @@ def test_strict_means_what_the_masking_engine_enforced() -> None:
     closed = spec(GrammarKind.JSON_SCHEMA, {"type": "object", "properties": {"a": {"type": "integer"}}})
     assert not checker.check(closed, '{"a":1,"b":2}', "llguidance").ok
     assert checker.check(spec(GrammarKind.JSON_SCHEMA, schema, strict=False), answer, "xgrammar").ok
+
+
+def test_validate_decimal_is_jsonschema_validate_with_decimal_multiples() -> None:
+    """The bench and demo judges: the schema is checked first, then the instance."""
+    import jsonschema
+
+    from orchestrator.output_check import validate_decimal
+
+    validate_decimal(10000.89, {"type": "number", "multipleOf": 0.01})
+    with pytest.raises(jsonschema.ValidationError):
+        validate_decimal(10000.891, {"type": "number", "multipleOf": 0.01})
+    with pytest.raises(jsonschema.SchemaError):
+        validate_decimal(1, {"type": "number", "multipleOf": -1})
