@@ -20,7 +20,7 @@ What "the caller's grammar" means, per kind (a registry, not an if-chain):
   other keys, and ``prefixItems`` without ``items`` allows no further items; for
   llguidance, the service's strict rewrite, which leaves intersections open. Those
   defaults are written into the schema before validating; nothing else changes.
-  Validators are cached by the spec's cache key (schema text + options).
+  Validators are cached by the spec's cache key (schema text + options) and the engine.
 * ``ANY_JSON``: strict JSON, as above.
 * ``REGEX`` / ``EBNF`` / ``LARK``: the grammar is written in xgrammar's dialect, so
   a *fresh* xgrammar matcher (no tokenizer: it parses bytes) must accept the whole
