@@ -3,7 +3,9 @@
 The orchestrator asks the same engine the workers will use, so a grammar that
 passes here compiles for the worker's session too (the compiled grammar is
 then already in the replica's cache). The router fails over between replicas;
-each call has a deadline and bounded retries.
+each call has a deadline and bounded retries. Concurrent checks of one grammar
+for one client share one call (single_flight.py), so a burst with a schema the
+replica has not compiled yet waits on its compile once, not once per request.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from mask_service.client import MaskServiceError
 from mask_service.grammar import GrammarSpec
 from mask_service.router import MaskRouter
 from orchestrator.errors import GrammarTimeout, InvalidRequest, Overloaded, Unavailable
+from orchestrator.single_flight import SingleFlight
 from orchestrator.types import GrammarReport
 
 
@@ -32,9 +35,15 @@ class MaskServiceGrammarChecker:
         self._router = MaskRouter(list(addresses), deadline_s=deadline_s, max_retries=max_retries)
         self._tokenizer_id = tokenizer_id
         self._vocab_size = vocab_size
+        # Keyed by (grammar, client): a client's burst shares its own call, and the
+        # replica's per-owner compile fairness still sees every client that asks.
+        self._flights: SingleFlight[GrammarReport] = SingleFlight()
 
     def check(self, spec: GrammarSpec, client: str = "") -> GrammarReport:
         """``client``: the end client (orchestrator.client_identity), the replica's compile-queue owner."""
+        return self._flights.run((spec.cache_key(), client), lambda: self._check(spec, client))
+
+    def _check(self, spec: GrammarSpec, client: str) -> GrammarReport:
         try:
             resp = self._router.validate_grammar(self._tokenizer_id, spec, self._vocab_size, client=client)
         except MaskServiceError as exc:
