@@ -56,6 +56,13 @@ drafts differ from position-by-position drafting only where the grammar forces a
 multi-token text at a state the chain passes through with an allowed token (the
 chain's spelling is kept); exactness never depends on the drafts.
 
+Where the chain meets a refused n-gram token, the service's walk stops at that state
+and (``forced_up_to``, issue 15.3) sends the forced continuation there in the same
+reply: the slot takes that run at once instead of asking that state again (the
+re-ask was ~1 exposed round trip per step on SmolLM2); with nothing forced there,
+the proposers see that state's row, as they would have after a re-ask. A reply from
+a service older than ``forced_up_to`` (``forced_at_stop`` false) still gets the re-ask.
+
 Sequences without a grammar, or whose proposers need no masks, never wait on a
 position's mask request: their whole position (cheap proposers, forward,
 sampling) completes before the wait. (Position 1 waits for the prefetched rows
@@ -66,6 +73,7 @@ off never reach this phase (k_r = 0) and are never prefetched for.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -86,6 +94,15 @@ NGRAM_PROPOSER = "ngram"
 # Sequences drafting with these proposers only (no model) send their n-gram lookahead
 # with each draft-side request (see "Lookahead" in the module note).
 LOOKAHEAD_PROPOSERS = frozenset({FORCED_PROPOSER, NGRAM_PROPOSER})
+
+
+class ChainWalk(enum.Enum):
+    """Where ``Drafter._walk`` left a slot on its lookahead."""
+
+    WHOLE = enum.auto()  # took every chain token; slot.mask_row = the row after them
+    LEFT = enum.auto()  # left the chain with a token of its own; the next row is not known
+    REFUSED = enum.auto()  # stopped where the service's walk did (its n-gram token refused)
+    CLOSED = enum.auto()  # drafting ended for this step (a stop token, or a row never filled)
 
 
 class Drafter:
@@ -216,11 +233,13 @@ class Drafter:
         """The draft-side request for the row after ``drafts`` (and, with a lookahead
         ``chain``, every row along it), asking for the forced continuation after them (up
         to the drafts ``k`` still allows) when ``seq`` takes them."""
+        forcing = FORCED_PROPOSER in seq.proposers
         room = k - len(drafts) - len(chain)
-        forced = room if FORCED_PROPOSER in seq.proposers and room > 0 else 0
+        forced = room if forcing and room > 0 else 0  # what a service older than forced_up_to reads
+        up_to = k if forcing else 0  # where the service's walk stops, drafts up to k in all
         if chain:
-            return mask_item(seq, [*drafts, *chain], last_row_only=False, max_forced_tokens=forced)
-        return mask_item(seq, drafts, last_row_only=True, max_forced_tokens=forced)
+            return mask_item(seq, [*drafts, *chain], last_row_only=False, max_forced_tokens=forced, forced_up_to=up_to)
+        return mask_item(seq, drafts, last_row_only=True, max_forced_tokens=forced, forced_up_to=up_to)
 
     def _apply(
         self,
@@ -230,7 +249,8 @@ class Drafter:
         chains: dict[int, tuple[int, list[int]]] | None = None,
     ) -> float:
         """Give each slot its row from ``reply`` (or its error), walk its lookahead if it sent
-        one, then take the forced run if the reply has one (the row is then stale: cleared);
+        one, then take the forced run if the reply has one for where the slot stands (the
+        row is then stale: cleared);
         returns the wait. ``chains``: id(slot) -> (drafts it held when the request went out,
         the lookahead sent after them)."""
         for s in slots:
@@ -249,8 +269,16 @@ class Drafter:
             s.mask_row = rows[0]  # a slot of the client's row table: state after d_1..d_{i-1}
             if len(s.grammar_rows) == len(s.drafts):  # M_0..M_{i-1} with no gap (none after a forced run)
                 s.grammar_rows.append(s.mask_row)
-            if chain and not self._walk(s, chain, rows, res.num_grammar_accepted - base):
-                continue  # left the lookahead (or stopped): the reply's forced run is not for here
+            if chain:
+                walked = self._walk(s, chain, rows, res.num_grammar_accepted - base, res.forced_at_stop)
+                if walked is ChainWalk.REFUSED and not res.forced_at_stop:
+                    # An older service sent no forced run for this state: ask it again, without
+                    # a lookahead (if nothing is forced there, drafting stops then).
+                    s.mask_row = None
+                    self._plain.add(id(s))
+                    continue
+                if walked is ChainWalk.LEFT or walked is ChainWalk.CLOSED:
+                    continue  # left the lookahead (or stopped): the reply's forced run is not for here
             forced = res.forced_tokens[: s.k - len(s.drafts)] if FORCED_PROPOSER in s.seq.proposers else ()
             for token in forced:
                 s.add(Proposal(token), FORCED_CONTINUATION)  # q = 1; every forced token is grammar-accepted
@@ -258,14 +286,17 @@ class Drafter:
                 s.mask_row = None
         return reply.wait_s
 
-    def _walk(self, slot: DraftSlot, chain: Sequence[int], rows: Sequence[MaskRow], accepted: int) -> bool:
+    def _walk(
+        self, slot: DraftSlot, chain: Sequence[int], rows: Sequence[MaskRow], accepted: int, forced_at_stop: bool
+    ) -> ChainWalk:
         """Draft along ``chain`` with its rows (rows[j] = the mask before chain[j]), as the
         proposers would position by position: the grammar-forced token where a row allows
         one token, else the n-gram token if its row allows it. ``accepted``: how many chain
         tokens the service's walk accepted; rows past that state were not filled (all-ones)
-        and are never read. Returns True when the whole chain was taken (slot.mask_row = the
-        row after it), False when drafting left it (slot.mask_row = None: the next row is
-        not known) or stopped (slot closed)."""
+        and are never read. ``forced_at_stop``: the reply's forced run is for the state
+        after those ``accepted`` tokens, so the walk stops there and leaves that state to it
+        (its first token is the row's single allowed token, if any). Returns how the slot
+        left the chain (ChainWalk); at REFUSED slot.mask_row is the row of that state."""
         forcing = FORCED_PROPOSER in slot.seq.proposers and FORCED_PROPOSER in self.proposers
         vocab_size = getattr(self.proposers.get(FORCED_PROPOSER), "vocab_size", None)
         for j, candidate in enumerate(chain):
@@ -273,35 +304,35 @@ class Drafter:
                 # Not reached by the service's walk; cannot happen (at j == accepted the
                 # walk below leaves the chain or stops), but never read an unfilled row.
                 slot.open = False
-                return False
+                return ChainWalk.CLOSED
             row = rows[j]
             if len(slot.drafts) >= slot.k:
                 slot.mask_row = None
-                return False
+                return ChainWalk.LEFT
+            if j == accepted and forced_at_stop:
+                slot.mask_row = row  # the service refused chain[j] here and sent what is forced here
+                return ChainWalk.REFUSED
             forced = forced_token(row, vocab_size) if forcing and vocab_size is not None else None
             if forced is not None:
                 token, source = forced, FORCED_PROPOSER
             elif j < accepted and is_allowed(row, candidate):
                 token, source = candidate, NGRAM_PROPOSER
             else:
-                # The n-gram token is refused here. Position by position, this state's own
-                # request would have brought its forced continuation (the reply's is for the
-                # chain's end), so ask for this state again without a lookahead; if nothing
-                # is forced there, the proposers find nothing and drafting stops then.
-                slot.mask_row = None
-                self._plain.add(id(slot))
-                return False
+                # The n-gram token is refused here, and the reply's forced run is for the
+                # chain's end (an older service): the caller asks for this state again.
+                slot.mask_row = row
+                return ChainWalk.REFUSED
             slot.add(Proposal(token), source)
             if token in slot.seq.stop_token_ids:
                 slot.open = False  # nothing valid follows a stop token
-                return False
+                return ChainWalk.CLOSED
             if token != candidate or j + 1 >= len(rows):
                 slot.mask_row = None  # off the lookahead: the row after this token was not asked for
-                return False
+                return ChainWalk.LEFT
             slot.mask_row = rows[j + 1]
             if len(slot.grammar_rows) == len(slot.drafts):
                 slot.grammar_rows.append(slot.mask_row)
-        return True
+        return ChainWalk.WHOLE
 
     @staticmethod
     def _fill(slots: Sequence[DraftSlot], position: int, proposers: Sequence[Proposer]) -> list[DraftSlot]:

@@ -78,6 +78,9 @@ class DraftMaskItem:
     commit_seq: int = 0  # >= 1 when commit_tokens is non-empty; a seen seq is a no-op
     last_row_only: bool = False  # return only M_k (the row after d_1..d_k): draft-side masking
     max_forced_tokens: int = 0  # ask for up to this many grammar-forced tokens after d_k (0 = none)
+    # Ask for the forced continuation where the walk stops (after d_k, or before the first
+    # refused draft), filling drafts up to this many in all; supersedes max_forced_tokens.
+    forced_up_to: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,9 +91,12 @@ class DraftMaskResult:
     num_grammar_accepted: int  # how many of d_1..d_k the grammar accepts (prefix length)
     terminated: bool  # matcher terminated after commit_tokens (committed state)
     accepts_stop_after: list[bool] | None = None  # not computed by the service (read stop bits from rows)
-    # The grammar's forced continuation after d_k (when asked, all drafts accepted, not terminated):
+    # The grammar's forced continuation after d_k (max_forced_tokens: when all drafts are accepted)
+    # or where the walk stopped (forced_up_to); never after a terminated state:
     # canonical tokens, each grammar-accepted, stopped short of an ambiguous boundary; never committed.
     forced_tokens: tuple[int, ...] = ()
+    # The server honoured forced_up_to: forced_tokens (maybe empty) follow the accepted drafts.
+    forced_at_stop: bool = False
 
     @property
     def bitmask(self) -> torch.Tensor:  # [k+1, W] int32: a dense copy of ``rows`` (tests, tools)
@@ -275,6 +281,7 @@ class MaskServiceClient:
                 commit_seq=it.commit_seq,
                 last_row_only=it.last_row_only,
                 max_forced_tokens=it.max_forced_tokens,
+                forced_up_to=it.forced_up_to,
             )
             for it in items
         ]
@@ -317,7 +324,13 @@ class MaskServiceClient:
             rows = MaskRows(view, slots[offset : offset + r.num_rows])
             offset += r.num_rows
             out.append(
-                DraftMaskResult(rows, r.num_grammar_accepted, r.terminated, forced_tokens=tuple(r.forced_tokens))
+                DraftMaskResult(
+                    rows,
+                    r.num_grammar_accepted,
+                    r.terminated,
+                    forced_tokens=tuple(r.forced_tokens),
+                    forced_at_stop=r.forced_at_stop,
+                )
             )
         return out
 

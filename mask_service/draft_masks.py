@@ -5,7 +5,10 @@ fill M_0, try d_1, fill M_1, ... stopping at the first draft the grammar
 rejects or when the matcher terminates; rows past the stop stay all-ones (an
 all-zero row would turn softmax into NaN). A request that asks for it
 (``max_forced_tokens``) also gets the grammar's forced continuation after its
-last row's state (forced.py), computed before the rollback and undone with it.
+last row's state (forced.py), computed before the rollback and undone with it;
+one that asks with ``forced_up_to`` gets it where the walk stops, also at a
+refused draft (a worker's n-gram lookahead then needs no second round trip to
+learn what is forced where its chain left the grammar).
 Finally roll the matcher back, so computing masks never changes committed state.
 
 Parallelism: requests are independent, so a batch is cut into contiguous
@@ -50,6 +53,9 @@ class DraftRequest:
     commit_seq: int = 0
     last_row_only: bool = False
     max_forced_tokens: int = 0  # forced continuation after the last row's state (forced.py); 0 = none
+    # Forced continuation where the walk stops, also at a refused draft, filling drafts up to
+    # this many in all (forced_up_to - num_grammar_accepted tokens at most); 0 = as above.
+    forced_up_to: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -63,6 +69,7 @@ class DraftOutcome:
     terminated: bool = False
     rows: list[InternedRow | None] = field(default_factory=list)  # None = all-ones
     forced_tokens: list[int] = field(default_factory=list)  # grammar-accepted, committed state unchanged
+    forced_at_stop: bool = False  # forced_tokens are for the state after num_grammar_accepted drafts
     error: MaskError | None = None
 
 
@@ -73,7 +80,7 @@ def walk_drafts(
     last_row_only: bool,
     *,
     terminated: bool | None = None,
-    at_last_state: Callable[[Any, np.ndarray], None] | None = None,
+    at_stop: Callable[[Any, np.ndarray | None, int, bool], None] | None = None,
 ) -> tuple[int, list[bool]]:
     """Fill mask rows for one request; leave ``matcher`` as it was.
 
@@ -81,15 +88,19 @@ def walk_drafts(
     untouched; they mean all-ones, so a caller that reads them pre-fills -1.
     ``terminated``: whether the matcher's committed state is terminated, when the
     caller already asked (saves a second engine call per request on the hot path).
-    ``at_last_state(matcher, last_row)``: called at the state after every draft, when
-    the grammar accepted all of them and is not terminated (last_row: its filled [W]
-    row), before the rollback; it must leave the matcher as it found it.
+    ``at_stop(matcher, row, accepted, refused)``: called, before the rollback, at the
+    state where the walk stops unless that state is terminated: after every draft
+    (refused False), or after the ``accepted`` drafts before the first the grammar
+    refuses (refused True). ``row``: that state's filled [W] row (None when not
+    filled: last_row_only with a refused draft). It must leave the matcher as it
+    found it.
     Returns (number of drafts the grammar accepts, which rows were filled).
     """
     m = matcher
     k = len(drafts)
     filled = [False] * out.shape[0]
     accepted = 0
+    refused = False
     stopped = m.is_terminated() if terminated is None else terminated  # type: ignore[attr-defined]
     if not stopped and not last_row_only:
         m.fill_next_token_bitmask(out, 0)  # type: ignore[attr-defined]
@@ -98,7 +109,7 @@ def walk_drafts(
         if stopped:
             break
         if not m.accept_token(int(drafts[i])):  # type: ignore[attr-defined]
-            stopped = True
+            stopped = refused = True
             break
         accepted += 1
         if m.is_terminated():  # type: ignore[attr-defined]
@@ -110,8 +121,9 @@ def walk_drafts(
     if last_row_only and not stopped:
         m.fill_next_token_bitmask(out, 0)  # type: ignore[attr-defined]
         filled[0] = True
-    if at_last_state is not None and not stopped:
-        at_last_state(m, out[-1])
+    if at_stop is not None and (refused or not stopped):
+        row = out[-1] if not stopped else (out[accepted] if not last_row_only and filled[accepted] else None)
+        at_stop(m, row, accepted, refused)
     if accepted:
         m.rollback(accepted)  # type: ignore[attr-defined]
     return accepted, filled
@@ -183,7 +195,7 @@ class DraftMaskEngine:
                     out,
                     req.last_row_only,
                     terminated=res.terminated,
-                    at_last_state=self._forcing(req, session, res),
+                    at_stop=self._forcing(req, session, res),
                 )
         except MaskError as exc:
             res.error = exc
@@ -194,19 +206,24 @@ class DraftMaskEngine:
 
     def _forcing(
         self, req: DraftRequest, session: Session, res: DraftOutcome
-    ) -> Callable[[Any, np.ndarray], None] | None:
+    ) -> Callable[[Any, np.ndarray | None, int, bool], None] | None:
         """The walk's hook that puts the forced continuation in ``res`` (None when not asked)."""
-        if req.max_forced_tokens <= 0 or self._views is None:
+        at_stop = req.forced_up_to > 0
+        if (not at_stop and req.max_forced_tokens <= 0) or self._views is None:
             return None
         entry = session.entry
         view = self._views.get(entry.key[0], entry.compiled.tokenizer_info)
         forced_text = ENGINES[engine_name(entry.compiled, entry.backend)].forced_text  # type: ignore[attr-defined]
-        cap = min(req.max_forced_tokens, self.max_k)
+        res.forced_at_stop = at_stop
 
-        def hook(matcher: Any, last_row: np.ndarray) -> None:
-            res.forced_tokens = forced_continuation(
-                matcher, forced_text, view, cap, last_row=last_row, vocab_size=session.vocab_size
-            )
+        def hook(matcher: Any, row: np.ndarray | None, accepted: int, refused: bool) -> None:
+            if refused and not at_stop:
+                return  # the older contract: only after every draft
+            cap = min(req.forced_up_to - accepted if at_stop else req.max_forced_tokens, self.max_k)
+            if cap > 0:
+                res.forced_tokens = forced_continuation(
+                    matcher, forced_text, view, cap, last_row=row, vocab_size=session.vocab_size
+                )
 
         return hook
 

@@ -156,6 +156,7 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
                     commit_seq=it.commit_seq,
                     last_row_only=it.last_row_only,
                     max_forced_tokens=it.max_forced_tokens,
+                    forced_up_to=it.forced_up_to,
                 )
                 for it in request.items
             ]
@@ -168,6 +169,7 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
                     num_grammar_accepted=out.num_grammar_accepted,
                     terminated=out.terminated,
                     forced_tokens=out.forced_tokens,
+                    forced_at_stop=out.forced_at_stop,
                 )
                 if out.error is not None:
                     r.error_code = getattr(grpc.StatusCode, out.error.code.value).value[0]

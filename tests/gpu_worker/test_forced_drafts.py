@@ -135,3 +135,43 @@ def test_ngram_lookahead_cuts_round_trips_and_keeps_output(tiny_pair, make_worke
     monkeypatch.setitem(GRAMMARS, "ab", grammars["ab"])  # _check_in_grammar looks grammars up by name
     _check_in_grammar(tiny_pair, {f"{k}-0": r for k, r in with_lookahead.items()})
     assert calls_on < calls_off, (calls_on, calls_off)
+
+
+def test_forced_run_where_the_lookahead_is_refused_saves_the_re_ask(tiny_pair, make_worker, monkeypatch) -> None:
+    """Where the n-gram lookahead meets a token the grammar refuses, the reply carries the
+    forced continuation of that state (``forced_up_to``): no second round trip for it. Against
+    the re-ask an older service needs (requests without ``forced_up_to``): fewer round trips,
+    the same greedy output, every token inside the grammar."""
+    import gpu_worker.drafting as drafting
+
+    grammars = {"keys": GRAMMARS["keys"], "regex": GRAMMARS["regex"], "ab": (GrammarKind.REGEX, r"([ab]{3}-){6}")}
+    spec = SpeculationParams(k=4, proposers=("grammar_forced", "ngram"), draft_masking=False)
+    plain_item = drafting.mask_item
+
+    def run(at_stop: bool):  # type: ignore[no-untyped-def]
+        def item(*args, forced_up_to: int = 0, **kwargs):  # type: ignore[no-untyped-def]
+            return plain_item(*args, forced_up_to=forced_up_to if at_stop else 0, **kwargs)
+
+        monkeypatch.setattr(drafting, "mask_item", item)
+        worker = make_worker()
+        calls = [0]
+        inner = worker.masks.draft_masks_async
+
+        def counted(items):  # type: ignore[no-untyped-def]
+            calls[0] += 1
+            return inner(items)
+
+        worker.masks.draft_masks_async = counted
+        seqs = [
+            NewSequence(name, (5, 6, 7), GrammarSpec(kind, text), SamplingParams(max_tokens=40), spec)
+            for name, (kind, text) in grammars.items()
+        ]
+        assert worker.add(seqs) == [None] * len(seqs)
+        return run_to_completion(worker), calls[0]
+
+    at_stop, calls_at_stop = run(True)
+    re_ask, calls_re_ask = run(False)
+    assert {k: r.tokens for k, r in at_stop.items()} == {k: r.tokens for k, r in re_ask.items()}
+    monkeypatch.setitem(GRAMMARS, "ab", grammars["ab"])
+    _check_in_grammar(tiny_pair, {f"{k}-0": r for k, r in at_stop.items()})
+    assert calls_at_stop < calls_re_ask, (calls_at_stop, calls_re_ask)

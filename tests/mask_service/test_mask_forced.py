@@ -78,6 +78,33 @@ def test_forced_cap_and_start_state(client: MaskServiceClient, bpe_id: str, hf_t
     client.close_session(sid)
 
 
+@pytest.mark.parametrize("backend", ENGINES)
+def test_forced_at_a_refused_draft(client: MaskServiceClient, bpe_id: str, hf_tok: Any, backend: str) -> None:
+    """``forced_up_to``: the forced continuation where the walk stops, also before a refused
+    draft, capped so drafts + forced tokens stay within it; the same as asking that state
+    directly; committed state unchanged. Without it (the older contract) a refused draft
+    gets none."""
+    sid = client.open_session(bpe_id, _spec(backend))
+    accepted = _ids(hf_tok, '{"name":"Bob","')
+    refused = _ids(hf_tok, "[")
+    item = DraftMaskItem(sid, [*accepted, *refused], forced_up_to=len(accepted) + 8)
+    res = client.draft_masks([item])[0]
+    assert res.num_grammar_accepted == len(accepted) and res.forced_at_stop
+    direct = client.draft_masks([DraftMaskItem(sid, accepted, last_row_only=True, max_forced_tokens=8)])[0]
+    assert res.forced_tokens and res.forced_tokens == direct.forced_tokens
+    assert 'age":'.startswith(_text(hf_tok, res.forced_tokens))
+    assert client.draft_masks([item])[0].forced_tokens == res.forced_tokens  # state unchanged
+    capped = client.draft_masks([DraftMaskItem(sid, [*accepted, *refused], forced_up_to=len(accepted) + 1)])[0]
+    assert capped.forced_tokens == res.forced_tokens[:1]
+    full = client.draft_masks([DraftMaskItem(sid, [*accepted, *refused], forced_up_to=len(accepted))])[0]
+    assert full.forced_at_stop and full.forced_tokens == ()  # no room left
+    older = client.draft_masks([DraftMaskItem(sid, [*accepted, *refused], max_forced_tokens=8)])[0]
+    assert older.forced_tokens == () and not older.forced_at_stop
+    # Every forced token follows the accepted drafts in the grammar.
+    assert not client.commit(sid, 1, [*accepted, *res.forced_tokens])
+    client.close_session(sid)
+
+
 @pytest.mark.parametrize("backend", ("xgrammar", "llguidance"))
 def test_forced_ambiguous_boundary(client: MaskServiceClient, bpe_id: str, hf_tok: Any, backend: str) -> None:
     """The test tokenizer has 'ag' and 'age'. Under 'ag(e|a)' the forced text is 'ag', but the

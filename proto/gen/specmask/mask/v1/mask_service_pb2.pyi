@@ -383,6 +383,7 @@ class DraftMaskItem(_message.Message):
     COMMIT_SEQ_FIELD_NUMBER: _builtins.int
     LAST_ROW_ONLY_FIELD_NUMBER: _builtins.int
     MAX_FORCED_TOKENS_FIELD_NUMBER: _builtins.int
+    FORCED_UP_TO_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     commit_seq: _builtins.int
     last_row_only: _builtins.bool
@@ -391,6 +392,14 @@ class DraftMaskItem(_message.Message):
     """Forced continuation (issue 15): up to this many tokens the grammar forces
     after commit_tokens + draft_tokens (all of them grammar-accepted), tokenised
     canonically and stopped short of an ambiguous token boundary. 0 = none asked.
+    """
+    forced_up_to: _builtins.int
+    """Forced continuation where the walk stops (issue 15): when > 0, the forced
+    continuation is computed at the state after the drafts the grammar accepts:
+    all of them, or those before the first refused one (a worker's n-gram
+    lookahead that meets a refused token then learns what is forced there in the
+    same reply, instead of asking again). At most forced_up_to -
+    num_grammar_accepted tokens; max_forced_tokens is then unused.
     """
     @_builtins.property
     def draft_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -409,10 +418,11 @@ class DraftMaskItem(_message.Message):
         commit_seq: _builtins.int = ...,
         last_row_only: _builtins.bool = ...,
         max_forced_tokens: _builtins.int = ...,
+        forced_up_to: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_seq", b"commit_seq", "commit_tokens", b"commit_tokens", "draft_tokens", b"draft_tokens", "last_row_only", b"last_row_only", "max_forced_tokens", b"max_forced_tokens", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_seq", b"commit_seq", "commit_tokens", b"commit_tokens", "draft_tokens", b"draft_tokens", "forced_up_to", b"forced_up_to", "last_row_only", b"last_row_only", "max_forced_tokens", b"max_forced_tokens", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -487,6 +497,7 @@ class DraftMaskResult(_message.Message):
     ERROR_CODE_FIELD_NUMBER: _builtins.int
     ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
     FORCED_TOKENS_FIELD_NUMBER: _builtins.int
+    FORCED_AT_STOP_FIELD_NUMBER: _builtins.int
     num_rows: _builtins.int
     """k+1, or 1 with last_row_only"""
     num_grammar_accepted: _builtins.int
@@ -495,6 +506,11 @@ class DraftMaskResult(_message.Message):
     error_code: _builtins.int
     """grpc status code value; 0 = OK"""
     error_message: _builtins.str
+    forced_at_stop: _builtins.bool
+    """The server honoured forced_up_to: forced_tokens (possibly empty: nothing is
+    forced there, or the grammar has ended) is for the state after the
+    num_grammar_accepted drafts. Always false from servers older than it.
+    """
     @_builtins.property
     def forced_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The grammar's forced continuation after the last row's state (see
@@ -510,10 +526,11 @@ class DraftMaskResult(_message.Message):
         error_code: _builtins.int = ...,
         error_message: _builtins.str = ...,
         forced_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        forced_at_stop: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_message", b"error_message", "forced_tokens", b"forced_tokens", "num_grammar_accepted", b"num_grammar_accepted", "num_rows", b"num_rows", "terminated", b"terminated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_message", b"error_message", "forced_at_stop", b"forced_at_stop", "forced_tokens", b"forced_tokens", "num_grammar_accepted", b"num_grammar_accepted", "num_rows", b"num_rows", "terminated", b"terminated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
