@@ -60,8 +60,10 @@ Where the chain meets a refused n-gram token, the service's walk stops at that s
 and (``forced_up_to``, issue 15.3) sends the forced continuation there in the same
 reply: the slot takes that run at once instead of asking that state again (the
 re-ask was ~1 exposed round trip per step on SmolLM2); with nothing forced there,
-the proposers see that state's row, as they would have after a re-ask. A reply from
-a service older than ``forced_up_to`` (``forced_at_stop`` false) still gets the re-ask.
+the proposers see that state's row, as they would have after a re-ask. The drafts are
+those the re-ask gave (a row there that allows one token is still taken on its own by
+the walk, and the next lookahead starts after it). A reply from a service older than
+``forced_up_to`` (``forced_at_stop`` false) still gets the re-ask.
 
 Sequences without a grammar, or whose proposers need no masks, never wait on a
 position's mask request: their whole position (cheap proposers, forward,
@@ -270,7 +272,7 @@ class Drafter:
             if len(s.grammar_rows) == len(s.drafts):  # M_0..M_{i-1} with no gap (none after a forced run)
                 s.grammar_rows.append(s.mask_row)
             if chain:
-                walked = self._walk(s, chain, rows, res.num_grammar_accepted - base, res.forced_at_stop)
+                walked = self._walk(s, chain, rows, res.num_grammar_accepted - base)
                 if walked is ChainWalk.REFUSED and not res.forced_at_stop:
                     # An older service sent no forced run for this state: ask it again, without
                     # a lookahead (if nothing is forced there, drafting stops then).
@@ -286,17 +288,15 @@ class Drafter:
                 s.mask_row = None
         return reply.wait_s
 
-    def _walk(
-        self, slot: DraftSlot, chain: Sequence[int], rows: Sequence[MaskRow], accepted: int, forced_at_stop: bool
-    ) -> ChainWalk:
+    def _walk(self, slot: DraftSlot, chain: Sequence[int], rows: Sequence[MaskRow], accepted: int) -> ChainWalk:
         """Draft along ``chain`` with its rows (rows[j] = the mask before chain[j]), as the
         proposers would position by position: the grammar-forced token where a row allows
         one token, else the n-gram token if its row allows it. ``accepted``: how many chain
         tokens the service's walk accepted; rows past that state were not filled (all-ones)
-        and are never read. ``forced_at_stop``: the reply's forced run is for the state
-        after those ``accepted`` tokens, so the walk stops there and leaves that state to it
-        (its first token is the row's single allowed token, if any). Returns how the slot
-        left the chain (ChainWalk); at REFUSED slot.mask_row is the row of that state."""
+        and are never read. A row that forces one token is followed as position by position
+        drafting would, also where the service's walk stopped (the chain's token was refused
+        there): the next request's lookahead then starts after it. Returns how the slot left
+        the chain (ChainWalk); at REFUSED slot.mask_row is the row of that state."""
         forcing = FORCED_PROPOSER in slot.seq.proposers and FORCED_PROPOSER in self.proposers
         vocab_size = getattr(self.proposers.get(FORCED_PROPOSER), "vocab_size", None)
         for j, candidate in enumerate(chain):
@@ -309,17 +309,14 @@ class Drafter:
             if len(slot.drafts) >= slot.k:
                 slot.mask_row = None
                 return ChainWalk.LEFT
-            if j == accepted and forced_at_stop:
-                slot.mask_row = row  # the service refused chain[j] here and sent what is forced here
-                return ChainWalk.REFUSED
             forced = forced_token(row, vocab_size) if forcing and vocab_size is not None else None
             if forced is not None:
                 token, source = forced, FORCED_PROPOSER
             elif j < accepted and is_allowed(row, candidate):
                 token, source = candidate, NGRAM_PROPOSER
             else:
-                # The n-gram token is refused here, and the reply's forced run is for the
-                # chain's end (an older service): the caller asks for this state again.
+                # The n-gram token is refused here (j == accepted): the service's walk stopped
+                # at this state, and the caller takes the forced run the reply has for it.
                 slot.mask_row = row
                 return ChainWalk.REFUSED
             slot.add(Proposal(token), source)
