@@ -18,6 +18,7 @@ import math
 import os
 import random
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -180,27 +181,40 @@ class GpuWorker:
             seen.add(req.seq_id)
             accepted.append((i, state))
 
-        opened: list[tuple[int, SequenceState]] = []
+        # Sessions open on the mask I/O thread while the prompts prefill here: a session is
+        # first needed by the next step's masks, and opening them one round trip after
+        # another in front of the prefill stalled every active sequence for as long (add
+        # and step share the actor's thread). A sequence whose session fails was prefilled
+        # for nothing; the orchestrator has validated its grammar, so that is rare.
+        opening: list[tuple[int, SequenceState, Future[str] | None]] = []
         for i, state in accepted:
-            if state.request.grammar is not None:
+            grammar = state.request.grammar
+            fut = None
+            if grammar is not None:
+                fut = self.masks.open_session_async(grammar, request_id=state.request_id)  # type: ignore[union-attr]
+            opening.append((i, state, fut))
+        prefill_error: Exception | None = None
+        try:
+            self._prefill([s for _, s, _ in opening])
+        except Exception as exc:
+            logger.exception("prefill of %d sequences failed", len(opening))
+            prefill_error = exc
+        opened: list[tuple[int, SequenceState]] = []
+        for i, state, fut in opening:
+            if fut is not None:
                 try:
-                    state.session_id = self.masks.open_session(  # type: ignore[union-attr]
-                        state.request.grammar, request_id=state.request_id
-                    )
+                    state.session_id = fut.result()
                 except Exception as exc:
                     errors[i] = f"grammar refused by the mask service: {exc}"
                     logger.warning(
                         "[request_id=%s] seq %s: opening mask session failed: %s", state.request_id, state.seq_id, exc
                     )
+                    self._free(state)
                     continue
             opened.append((i, state))
-
-        try:
-            self._prefill([s for _, s in opened])
-        except Exception as exc:
-            logger.exception("prefill of %d sequences failed", len(opened))
+        if prefill_error is not None:
             for i, state in opened:
-                errors[i] = f"prefill failed: {exc}"
+                errors[i] = f"prefill failed: {prefill_error}"
                 self._free(state)
             return errors
         for _, state in opened:

@@ -3,8 +3,9 @@
 Every mask-service call goes through one single-threaded executor, so (a) the
 router, which keeps per-session replay logs, is only ever used from one thread,
 (b) a mask request can be in flight while the main thread runs a forward (the
-target forward on the verify path, the draft forward during proposal; torch and
-gRPC both release the GIL while they wait), and (c) closes of finished sessions
+target forward on the verify path, the draft forward during proposal, the prompts'
+prefill while new sequences open their sessions; torch and gRPC both release the
+GIL while they wait), and (c) closes of finished sessions
 never block a step and stay ordered after that session's last request.
 
 A batched request is a ``PendingMasks``: submitted at once, waited for only when
@@ -74,9 +75,13 @@ class MaskChannel:
     def open_session(self, spec: GrammarSpec, *, request_id: str = "") -> str:
         """Open a session for the target tokenizer and logits width (raises MaskServiceError);
         ``request_id`` travels to the service, which names it in its log lines about the session."""
+        return self.open_session_async(spec, request_id=request_id).result()
+
+    def open_session_async(self, spec: GrammarSpec, *, request_id: str = "") -> Future[str]:
+        """``open_session`` on the I/O thread; the future gives the session id or raises."""
         return self._submit(
             lambda: self._router.open_session(self.tokenizer_id, spec, self.vocab_size, request_id=request_id)
-        ).result()
+        )
 
     def draft_masks_async(self, items: Sequence[Any]) -> Future[tuple[list[Any], float]]:
         """Submit a batched DraftMasks call; the future gives (results, seconds on the I/O thread)."""

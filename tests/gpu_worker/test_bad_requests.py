@@ -104,3 +104,40 @@ def test_mask_service_dying_mid_generation_fails_grammar_sequences_only(make_wor
     results = run_to_completion(worker)
     assert results["g"].finish is FinishReason.ERROR and "mask service" in results["g"].error
     assert results["plain"].finish is FinishReason.LENGTH and results["plain"].error is None
+
+
+def test_sessions_open_during_the_prefill_and_a_refused_one_frees_its_kv(make_worker):
+    """add() opens the mask sessions on the I/O thread while the prompts prefill (before, one
+    round trip after another in front of the prefill); a sequence whose session is refused was
+    prefilled meanwhile, and its KV slot is given back."""
+    import threading
+    import time
+
+    worker = make_worker()
+    events: list[str] = []
+    lock = threading.Lock()
+    router = worker.masks._router
+    real_open, real_prefill = router.open_session, worker._prefill
+
+    def slow_open(*args, **kwargs):
+        with lock:
+            events.append("open")
+        time.sleep(0.1)  # a replica's round trip, slowed so the order is unambiguous
+        return real_open(*args, **kwargs)
+
+    def prefill(states):
+        with lock:
+            events.append("prefill")
+        real_prefill(states)
+
+    router.open_session = slow_open
+    worker._prefill = prefill
+    seqs = [_seq(f"g{i}", max_tokens=4) for i in range(3)] + [BAD["bad grammar"][0]()]
+    errors = worker.add(seqs)
+    assert errors[:3] == [None] * 3 and errors[3] is not None and "grammar" in errors[3]
+    assert events.index("prefill") < len(events) - 1, events  # the prefill did not wait for every open
+    assert worker.num_active() == 3
+    assert worker.target.pool is not None and worker.target.pool.num_used == 3  # the refused one's slot is free
+    results = run_to_completion(worker)
+    assert all(r.error is None for r in results.values())
+    assert worker.target.pool.num_used == 0
