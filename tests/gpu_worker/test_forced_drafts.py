@@ -101,6 +101,29 @@ def test_sampled_forced_drafts_stay_in_grammar(tiny_pair, make_worker, monkeypat
     _check_in_grammar(tiny_pair, results)
 
 
+LOOKAHEAD_SPEC = SpeculationParams(k=4, proposers=("grammar_forced", "ngram"), draft_masking=False)
+
+
+def _run_counting_calls(make_worker, grammars):  # type: ignore[no-untyped-def]
+    """Run ``grammars`` (name -> (kind, text)) greedily with grammar-forced + n-gram drafts on a
+    fresh worker; returns (results, DraftMasks calls the worker made)."""
+    worker = make_worker()
+    calls = [0]
+    inner = worker.masks.draft_masks_async
+
+    def counted(items):  # type: ignore[no-untyped-def]
+        calls[0] += 1
+        return inner(items)
+
+    worker.masks.draft_masks_async = counted
+    seqs = [
+        NewSequence(name, (5, 6, 7), GrammarSpec(kind, text), SamplingParams(max_tokens=40), LOOKAHEAD_SPEC)
+        for name, (kind, text) in grammars.items()
+    ]
+    assert worker.add(seqs) == [None] * len(seqs)
+    return run_to_completion(worker), calls[0]
+
+
 def test_ngram_lookahead_cuts_round_trips_and_keeps_output(tiny_pair, make_worker, monkeypatch) -> None:
     """Grammar-forced + n-gram drafting sends its n-gram lookahead with each draft-side request
     (drafting.py "Lookahead"): fewer mask round trips per step than asking position by
@@ -108,29 +131,9 @@ def test_ngram_lookahead_cuts_round_trips_and_keeps_output(tiny_pair, make_worke
     import gpu_worker.drafting as drafting
 
     grammars = {"keys": GRAMMARS["keys"], "ab": (GrammarKind.REGEX, r"[ab]{24}")}
-    spec = SpeculationParams(k=4, proposers=("grammar_forced", "ngram"), draft_masking=False)
-
-    def run(lookahead: bool):  # type: ignore[no-untyped-def]
-        monkeypatch.setattr(drafting, "LOOKAHEAD_PROPOSERS", drafting.LOOKAHEAD_PROPOSERS if lookahead else frozenset())
-        worker = make_worker()
-        calls = [0]
-        inner = worker.masks.draft_masks_async
-
-        def counted(items):  # type: ignore[no-untyped-def]
-            calls[0] += 1
-            return inner(items)
-
-        worker.masks.draft_masks_async = counted
-        seqs = [
-            NewSequence(name, (5, 6, 7), GrammarSpec(kind, text), SamplingParams(max_tokens=40), spec)
-            for name, (kind, text) in grammars.items()
-        ]
-        assert worker.add(seqs) == [None] * len(seqs)
-        results = run_to_completion(worker)
-        return results, calls[0]
-
-    with_lookahead, calls_on = run(True)
-    position_by_position, calls_off = run(False)
+    with_lookahead, calls_on = _run_counting_calls(make_worker, grammars)
+    monkeypatch.setattr(drafting, "LOOKAHEAD_PROPOSERS", frozenset())  # position by position
+    position_by_position, calls_off = _run_counting_calls(make_worker, grammars)
     assert {k: r.tokens for k, r in with_lookahead.items()} == {k: r.tokens for k, r in position_by_position.items()}
     monkeypatch.setitem(GRAMMARS, "ab", grammars["ab"])  # _check_in_grammar looks grammars up by name
     _check_in_grammar(tiny_pair, {f"{k}-0": r for k, r in with_lookahead.items()})
@@ -145,32 +148,14 @@ def test_forced_run_where_the_lookahead_is_refused_saves_the_re_ask(tiny_pair, m
     import gpu_worker.drafting as drafting
 
     grammars = {"keys": GRAMMARS["keys"], "regex": GRAMMARS["regex"], "ab": (GrammarKind.REGEX, r"([ab]{3}-){6}")}
-    spec = SpeculationParams(k=4, proposers=("grammar_forced", "ngram"), draft_masking=False)
+    at_stop, calls_at_stop = _run_counting_calls(make_worker, grammars)
     plain_item = drafting.mask_item
 
-    def run(at_stop: bool):  # type: ignore[no-untyped-def]
-        def item(*args, forced_up_to: int = 0, **kwargs):  # type: ignore[no-untyped-def]
-            return plain_item(*args, forced_up_to=forced_up_to if at_stop else 0, **kwargs)
+    def older_request(*args, forced_up_to: int = 0, **kwargs):  # type: ignore[no-untyped-def]
+        return plain_item(*args, forced_up_to=0, **kwargs)  # as sent to a service without forced_up_to
 
-        monkeypatch.setattr(drafting, "mask_item", item)
-        worker = make_worker()
-        calls = [0]
-        inner = worker.masks.draft_masks_async
-
-        def counted(items):  # type: ignore[no-untyped-def]
-            calls[0] += 1
-            return inner(items)
-
-        worker.masks.draft_masks_async = counted
-        seqs = [
-            NewSequence(name, (5, 6, 7), GrammarSpec(kind, text), SamplingParams(max_tokens=40), spec)
-            for name, (kind, text) in grammars.items()
-        ]
-        assert worker.add(seqs) == [None] * len(seqs)
-        return run_to_completion(worker), calls[0]
-
-    at_stop, calls_at_stop = run(True)
-    re_ask, calls_re_ask = run(False)
+    monkeypatch.setattr(drafting, "mask_item", older_request)
+    re_ask, calls_re_ask = _run_counting_calls(make_worker, grammars)
     assert {k: r.tokens for k, r in at_stop.items()} == {k: r.tokens for k, r in re_ask.items()}
     monkeypatch.setitem(GRAMMARS, "ab", grammars["ab"])
     _check_in_grammar(tiny_pair, {f"{k}-0": r for k, r in at_stop.items()})
