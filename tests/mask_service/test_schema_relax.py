@@ -161,6 +161,16 @@ def test_checked_is_part_of_the_cache_key() -> None:
     assert _spec({"type": "integer"}, backend="x").cache_key() != b.cache_key()
 
 
+def test_cache_key_is_computed_once_and_follows_replace() -> None:
+    import dataclasses
+
+    a = _spec({"type": "integer"})
+    first = a.cache_key()
+    assert a.cache_key() is first and a._digest() == first  # memoised, and equal to a fresh digest
+    assert dataclasses.replace(a, strict=True).cache_key() != first  # a changed field: a new digest
+    assert dataclasses.replace(a).cache_key() == first and dataclasses.replace(a) == a
+
+
 def test_service_reports_enforcement(client: Any, bpe_id: str) -> None:
     """Through the real gRPC service: the response says checked (and which rules), the session too."""
     from prometheus_client import REGISTRY
