@@ -49,7 +49,7 @@ def test_followers_share_the_leaders_result_and_exception() -> None:
     deadline = time.monotonic() + 5
     while flights.in_flight() != 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    time.sleep(0.2)  # let the followers reach their wait
+    time.sleep(0.5)  # let the followers reach their wait (one arriving after the release would run slow() again)
     release.set()
     for th in [leader, *followers]:
         th.join(10)
