@@ -181,11 +181,12 @@ class GpuWorker:
             seen.add(req.seq_id)
             accepted.append((i, state))
 
-        # Sessions open on the mask I/O thread while the prompts prefill here: a session is
-        # first needed by the next step's masks, and opening them one round trip after
-        # another in front of the prefill stalled every active sequence for as long (add
-        # and step share the actor's thread). A sequence whose session fails was prefilled
-        # for nothing; the orchestrator has validated its grammar, so that is rare.
+        # Sessions open on the mask I/O thread while long prompts prefill here (a short one
+        # is fed by its first step: WorkerConfig.step_prefill_tokens): a session is first
+        # needed by the next step's masks, and opening them one round trip after another
+        # in front of the prefill stalled every active sequence for as long (add and step
+        # share the actor's thread). A sequence whose session fails was prefilled for
+        # nothing; the orchestrator has validated its grammar, so that is rare.
         opening: list[tuple[int, SequenceState, Future[str] | None]] = []
         for i, state in accepted:
             grammar = state.request.grammar
@@ -351,12 +352,14 @@ class GpuWorker:
                 raise ValueError(f"{what} token id {t!r} outside [0, {self.vocab_size})")
 
     def _prefill(self, states: Sequence[SequenceState]) -> None:
-        """Cache every prompt token but the last; the first step feeds it (with the drafts).
+        """Cache each prompt but its last ``step_prefill_tokens`` tokens, which the first step
+        feeds with its drafts (WorkerConfig.step_prefill_tokens says why); a short prompt is
+        not forwarded here at all.
 
         Sequence by sequence, PREFILL_CHUNK_TOKENS at a time (see there for why).
         """
         for s in states:
-            prompt = s.token_ids[:-1]
+            prompt = s.token_ids[: max(0, len(s.token_ids) - self.config.step_prefill_tokens)]
             for lo in range(0, len(prompt), PREFILL_CHUNK_TOKENS):
                 chunk = prompt[lo : lo + PREFILL_CHUNK_TOKENS]
                 self.target.forward([ForwardItem(s.target_kv, chunk, 0)])

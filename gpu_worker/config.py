@@ -17,6 +17,16 @@ DEFAULT_MAX_BATCH = 64
 # vLLM's ngram proposer uses the same 1..4 window by default).
 DEFAULT_NGRAM_MIN = 1
 DEFAULT_NGRAM_MAX = 4
+# Trailing prompt tokens a new sequence's first step feeds, inside that step's batched
+# forwards, instead of a prefill forward of their own in add() (mixed prefill and
+# decode, as chunked prefill does). A separate prefill costs one target and one draft
+# forward per sequence on the worker's one thread, and every running sequence waits
+# for it: under a flood of short requests that was 20% of the worker's time (issue 14).
+# Inside the step those tokens only widen the packed forwards the step runs anyway.
+# Longer prompts are prefilled in add() up to their last this-many tokens; the value
+# matches actor.PREFILL_CHUNK_TOKENS, so no forward takes more of one prompt than a
+# prefill chunk would. 1 = the whole prompt but its last token is prefilled in add().
+DEFAULT_STEP_PREFILL_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -39,6 +49,7 @@ class WorkerConfig:
     mask_deadline_s: float = 5.0  # per mask-service call, handed to the router
     ngram_min: int = DEFAULT_NGRAM_MIN
     ngram_max: int = DEFAULT_NGRAM_MAX
+    step_prefill_tokens: int = DEFAULT_STEP_PREFILL_TOKENS
     # torch intra-op threads (process-wide). None keeps the process's default: in a Ray
     # actor without num_cpus that is 1, since Ray sets OMP_NUM_THREADS=1 there. 0 = every
     # CPU this process may run on, when the device is the CPU and the target is not tiny
@@ -62,5 +73,10 @@ class WorkerConfig:
             raise ValueError(f"torch_threads must be >= 0 (0 = every CPU), got {self.torch_threads}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.step_prefill_tokens < 1:
+            raise ValueError(
+                "step_prefill_tokens must be >= 1 (the first step feeds at least the last prompt token), "
+                f"got {self.step_prefill_tokens}"
+            )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

@@ -109,11 +109,12 @@ def test_mask_service_dying_mid_generation_fails_grammar_sequences_only(make_wor
 def test_sessions_open_during_the_prefill_and_a_refused_one_frees_its_kv(make_worker):
     """add() opens the mask sessions on the I/O thread while the prompts prefill (before, one
     round trip after another in front of the prefill); a sequence whose session is refused was
-    prefilled meanwhile, and its KV slot is given back."""
+    prefilled meanwhile, and its KV slot is given back. (``step_prefill_tokens=1``: these short
+    prompts would otherwise be fed by the first step, with no prefill in add() at all.)"""
     import threading
     import time
 
-    worker = make_worker()
+    worker = make_worker(step_prefill_tokens=1)
     events: list[str] = []
     lock = threading.Lock()
     router = worker.masks._router

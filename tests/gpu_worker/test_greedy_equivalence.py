@@ -141,4 +141,13 @@ def test_greedy_matches_with_prompts_prefilled_in_chunks(make_worker, references
 
     assert max(len(p) for p, _ in references.values()) > 2 * 2
     monkeypatch.setattr(gpu_worker.actor, "PREFILL_CHUNK_TOKENS", 2)
-    _check(_run(make_worker, references, SpeculationParams(k=4)), references)
+    _check(_run(make_worker, references, SpeculationParams(k=4), step_prefill_tokens=1), references)
+
+
+@pytest.mark.parametrize("step_prefill_tokens", [1, 2])
+def test_greedy_matches_with_prompts_prefilled_in_add(make_worker, references, step_prefill_tokens):
+    """By default these short prompts are fed whole by each sequence's first step (mixed with the
+    others' drafts); with ``step_prefill_tokens`` 1 or 2, add() caches all but the last 1 or 2
+    prompt tokens first. Either way the tokens are the reference's."""
+    assert min(len(p) for p, _ in references.values()) > 2
+    _check(_run(make_worker, references, SpeculationParams(k=4), step_prefill_tokens=step_prefill_tokens), references)
