@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpu_worker.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_K, WorkerConfig
+from gpu_worker.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_K, DEFAULT_STEP_PREFILL_TOKENS, WorkerConfig
 from mask_service.replicas import parse_targets
 from orchestrator import validation
 
@@ -77,6 +77,8 @@ class OrchestratorConfig:
     worker_start_timeout_s: float = DEFAULT_WORKER_START_TIMEOUT_S
     worker_max_restarts: int = DEFAULT_WORKER_MAX_RESTARTS
     worker_torch_threads: int = DEFAULT_WORKER_TORCH_THREADS
+    # Trailing prompt tokens a new sequence's first step feeds (gpu_worker.config says why).
+    step_prefill_tokens: int = DEFAULT_STEP_PREFILL_TOKENS
     mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S
     mask_max_retries: int = DEFAULT_MASK_MAX_RETRIES
     validation_threads: int = DEFAULT_VALIDATION_THREADS
@@ -98,6 +100,7 @@ class OrchestratorConfig:
             "default_max_tokens",
             "validation_threads",
             "checked_max_attempts",
+            "step_prefill_tokens",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -121,6 +124,7 @@ class OrchestratorConfig:
             max_model_len=self.max_model_len,
             mask_deadline_s=self.mask_deadline_s,
             torch_threads=self.worker_torch_threads,
+            step_prefill_tokens=self.step_prefill_tokens,
             log_level=self.worker_log_level,
             log_format=self.log_format,
         )

@@ -96,6 +96,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch threads per CPU worker (0 = every CPU the worker process may run on; GPU workers keep "
         "their default)",
     )
+    parser.add_argument(
+        "--step-prefill-tokens",
+        type=int,
+        default=cfg.DEFAULT_STEP_PREFILL_TOKENS,
+        help="a new sequence's last N prompt tokens are fed by its first step, mixed into the batch's "
+        "forwards; only a longer prompt's head is prefilled on its own, in front of the step (1 = all "
+        "but the last token)",
+    )
     parser.add_argument("--mask-deadline-s", type=float, default=cfg.DEFAULT_MASK_DEADLINE_S)
     parser.add_argument(
         "--shutdown-grace-s",
@@ -142,6 +150,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         worker_start_timeout_s=args.worker_start_timeout_s,
         worker_max_restarts=args.worker_max_restarts,
         worker_torch_threads=args.worker_torch_threads,
+        step_prefill_tokens=args.step_prefill_tokens,
         mask_deadline_s=args.mask_deadline_s,
         shutdown_grace_s=args.shutdown_grace_s,
         checked_max_attempts=args.checked_max_attempts,

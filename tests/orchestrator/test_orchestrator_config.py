@@ -40,3 +40,12 @@ def test_worker_torch_threads() -> None:
     )
     with pytest.raises(ValueError, match="worker_torch_threads"):
         OrchestratorConfig(target_dir="/m", mask_service_addresses=("m:1",), worker_torch_threads=-1)
+
+
+def test_step_prefill_tokens_reach_the_workers() -> None:
+    cfg = OrchestratorConfig(target_dir="/m", mask_service_addresses=("m:1",))
+    assert cfg.worker_config().step_prefill_tokens == 512
+    cfg = OrchestratorConfig(target_dir="/m", mask_service_addresses=("m:1",), step_prefill_tokens=1)
+    assert cfg.worker_config().step_prefill_tokens == 1
+    with pytest.raises(ValueError, match="step_prefill_tokens"):
+        OrchestratorConfig(target_dir="/m", mask_service_addresses=("m:1",), step_prefill_tokens=0)
