@@ -316,8 +316,9 @@ class ScriptedLogits:
     installed with ``agreement < 1`` (the draft) is scripted off by one token at a fixed,
     pseudo-random ``1 - agreement`` fraction of positions, so its drafts there are rejected.
 
-    A cache is matched to its script at its first forward (the prefill of ``prompt[:-1]``),
-    so prompts must be unique."""
+    A cache is matched to its script at its first forward, by the prompt that forward starts
+    (all of it and the first drafts when the first step feeds the prompt, its head when a long
+    prompt is prefilled first: WorkerConfig.step_prefill_tokens), so prompts must be unique."""
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
@@ -328,7 +329,15 @@ class ScriptedLogits:
 
     def register(self, seqs: Sequence[ScriptedSequence]) -> None:
         for s in seqs:
-            self._by_prompt[s.prompt[:-1]] = s.script
+            self._by_prompt[s.prompt] = s.script
+
+    def _script_starting(self, token_ids: Sequence[int]) -> tuple[int, ...]:
+        """The script of the one registered prompt that ``token_ids`` (a cache's first forward) starts."""
+        fed = tuple(token_ids)
+        found = [s for p, s in self._by_prompt.items() if fed[: len(p)] == p[: len(fed)]]
+        if len(found) != 1:
+            raise KeyError(f"{len(found)} registered prompts start a first forward of {len(fed)} tokens")
+        return found[0]
 
     def install(self, runner: Any, *, agreement: float = 1.0) -> None:
         import torch
@@ -349,7 +358,7 @@ class ScriptedLogits:
             for it in items:
                 start, num_new = it.kv.length, len(it.token_ids)
                 if start == 0:
-                    self._by_kv[id(it.kv)] = self._by_prompt[tuple(it.token_ids)]
+                    self._by_kv[id(it.kv)] = self._script_starting(it.token_ids)
                 script = self._by_kv[id(it.kv)]
                 first = start + num_new - it.num_logits  # position of the first row's input token
                 for j in range(it.num_logits):
@@ -649,7 +658,7 @@ def _add_all(worker: Any, new: Sequence[Any], attempts: int = 30) -> None:
     compiling (the service answers RESOURCE_EXHAUSTED rather than block past its budget)."""
     pending = list(new)
     for _ in range(attempts):
-        errors = worker.add(pending)
+        errors = worker.add(pending, wait_for_sessions=True)
         failed = [(seq, err) for seq, err in zip(pending, errors) if err]
         if not failed:
             return
@@ -692,6 +701,8 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
                     max_k=args.k,
                     max_model_len=args.prompt_len + (args.warmup + args.steps + 2) * (args.k + 1) + 64,
                     torch_threads=args.torch_threads,
+                    # Prompts prefilled in add(), untimed: the timed steps are decode steps.
+                    step_prefill_tokens=1,
                 ),
                 target_model=target,
                 draft_model=draft,

@@ -344,7 +344,7 @@ class Run:
     def __init__(self, worker: Any, stepper: StepRunner, seqs: Sequence[Any], counter: _CallCounter) -> None:
         """Adds ``seqs`` (prefill: untimed) to ``worker``, which then steps with ``stepper``."""
         worker.stepper = stepper
-        errors = worker.add(list(seqs))
+        errors = worker.add(list(seqs), wait_for_sessions=True)
         if any(errors):
             raise RuntimeError(f"add failed: {[e for e in errors if e][:3]}")
         self.worker, self.stepper, self.counter = worker, stepper, counter
@@ -505,6 +505,7 @@ def _run(args: argparse.Namespace) -> int:
             mask_service_addresses=(service.address,),
             max_k=max(args.k, 1),
             torch_threads=args.torch_threads,
+            step_prefill_tokens=1,  # prompts prefilled in add(), untimed: the timed steps are decode steps
         )
         # Two workers over one set of weights: the constrained run and its replay step side by
         # side, each with its own KV pool, mask channel and sequences.

@@ -124,7 +124,7 @@ def run_mode(worker: Any, schemas: dict[str, Any], mode: str, args: argparse.Nam
         for name, schema in schemas.items()
     ]
     started = time.perf_counter()
-    errors = worker.add(seqs)
+    errors = worker.add(seqs, wait_for_sessions=True)
     if any(errors):
         raise RuntimeError(f"add failed: {errors}")
     result = ModeResult(0, 0, 0, 0, 0, 0.0, {s.seq_id: [] for s in seqs})

@@ -12,13 +12,16 @@ unknown id raises ``UnknownSequenceError`` after removing the known ones.
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import math
 import os
 import random
+import time
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
@@ -165,8 +168,12 @@ class GpuWorker:
     def active_ids(self) -> list[str]:
         return list(self._seqs)
 
-    def add(self, seqs: Sequence[NewSequence]) -> list[str | None]:
-        """Validate, open mask sessions, prefill. Returns per sequence None or an error message."""
+    def add(self, seqs: Sequence[NewSequence], *, wait_for_sessions: bool = False) -> list[str | None]:
+        """Validate, start opening mask sessions, prefill long prompts. Returns per sequence None
+        or an error message. A session the mask service refuses is reported by add() if it had
+        answered by then, else by the sequence's next step (an ERROR output);
+        ``wait_for_sessions`` waits for every answer, so add() reports them all (benchmarks,
+        whose timed steps must not include the opens)."""
         errors: list[str | None] = [None] * len(seqs)
         accepted: list[tuple[int, SequenceState]] = []
         seen: set[str] = set()
@@ -181,44 +188,37 @@ class GpuWorker:
             seen.add(req.seq_id)
             accepted.append((i, state))
 
-        # Sessions open on the mask I/O thread while long prompts prefill here (a short one
-        # is fed by its first step: WorkerConfig.step_prefill_tokens): a session is first
-        # needed by the next step's masks, and opening them one round trip after another
-        # in front of the prefill stalled every active sequence for as long (add and step
-        # share the actor's thread). A sequence whose session fails was prefilled for
-        # nothing; the orchestrator has validated its grammar, so that is rare.
-        opening: list[tuple[int, SequenceState, Future[str] | None]] = []
-        for i, state in accepted:
+        # Sessions open on the mask I/O thread, and add() does not wait for them: a session
+        # is first needed by the sequence's first step, and add and step share the actor's
+        # thread, so waiting here stalled every running sequence for a round trip (~5 ms
+        # per add while a flood of new grammars kept the mask service busy, issue 14). The
+        # orchestrator sends add() as soon as it places a request, so the open runs while
+        # the orchestrator handles the current step's outputs. A sequence whose session is
+        # still opening when a step starts sits it out (``_settle_sessions``).
+        for _, state in accepted:
             grammar = state.request.grammar
-            fut = None
             if grammar is not None:
-                fut = self.masks.open_session_async(grammar, request_id=state.request_id)  # type: ignore[union-attr]
-            opening.append((i, state, fut))
-        prefill_error: Exception | None = None
+                state.session_opening = self.masks.open_session_async(grammar, request_id=state.request_id)  # type: ignore[union-attr]
+                state.opening_since = time.monotonic()
         try:
-            self._prefill([s for _, s, _ in opening])
+            self._prefill([s for _, s in accepted])  # long prompts only (WorkerConfig.step_prefill_tokens)
         except Exception as exc:
-            logger.exception("prefill of %d sequences failed", len(opening))
-            prefill_error = exc
-        opened: list[tuple[int, SequenceState]] = []
-        for i, state, fut in opening:
-            if fut is not None:
-                try:
-                    state.session_id = fut.result()
-                except Exception as exc:
-                    errors[i] = f"grammar refused by the mask service: {exc}"
-                    logger.warning(
-                        "[request_id=%s] seq %s: opening mask session failed: %s", state.request_id, state.seq_id, exc
-                    )
-                    self._free(state)
-                    continue
-            opened.append((i, state))
-        if prefill_error is not None:
-            for i, state in opened:
-                errors[i] = f"prefill failed: {prefill_error}"
+            logger.exception("prefill of %d sequences failed", len(accepted))
+            for i, state in accepted:
+                errors[i] = f"prefill failed: {exc}"
                 self._free(state)
             return errors
-        for _, state in opened:
+        if wait_for_sessions:
+            opening = [s.session_opening for _, s in accepted if s.session_opening is not None]
+            futures_wait(opening, timeout=self.stepper.mask_timeout_s)
+        for i, state in accepted:
+            # Settled now if the open already answered (e.g. during a long prefill): a refusal
+            # is then add()'s answer; later, it is the sequence's step output.
+            failure = self._settle_session(state)
+            if failure is not None:
+                errors[i] = failure
+                self._free(state)
+                continue
             self._seqs[state.seq_id] = state
             logger.info(
                 "[request_id=%s] seq %s added: prompt=%d grammar=%s mask_session=%s k=%d proposers=%s",
@@ -226,17 +226,23 @@ class GpuWorker:
                 state.seq_id,
                 state.prompt_len,
                 state.has_grammar,
-                state.session_id,
+                "opening" if state.session_opening is not None else state.session_id,
                 state.k,
                 state.proposers,
             )
         return errors
 
     def step(self) -> list[StepOutput]:
-        """One decoding step for every active sequence; finished sequences are freed."""
-        batch = list(self._seqs.values())
+        """One decoding step for every active sequence whose mask session is open; finished
+        sequences are freed. A sequence whose session is still opening sits this step out
+        (no output for it), unless nobody else could step: then the step waits for it."""
+        refused = self._settle_sessions(wait=False)
+        batch = [s for s in self._seqs.values() if s.session_opening is None]
+        if not batch and self._seqs:
+            refused += self._settle_sessions(wait=True)
+            batch = [s for s in self._seqs.values() if s.session_opening is None]
         if not batch:
-            return []
+            return refused
         try:
             outputs = self.stepper.run(batch)
         except Exception as exc:
@@ -255,7 +261,7 @@ class GpuWorker:
                     state.num_output,
                     f" ({out.error})" if out.error else "",
                 )
-        return outputs
+        return refused + outputs
 
     def remove(self, seq_ids: Sequence[str]) -> None:
         """Cancel sequences: free KV caches, close mask sessions."""
@@ -367,13 +373,67 @@ class GpuWorker:
                     assert self.draft is not None
                     self.draft.forward([ForwardItem(s.draft_kv, chunk, 0)])
 
+    def _settle_session(self, state: SequenceState) -> str | None:
+        """If ``state``'s session open has answered, take its session id, or return why it
+        failed. Still opening past the mask timeout is a failure too (the router's own
+        deadlines end a call well before). None: open, or still opening."""
+        opening = state.session_opening
+        if opening is None:
+            return None
+        if not opening.done():
+            waited = time.monotonic() - state.opening_since
+            if waited <= self.stepper.mask_timeout_s:
+                return None
+            return f"grammar refused by the mask service: opening the session took over {waited:.0f} s"
+        state.session_opening = None
+        try:
+            state.session_id = opening.result()
+        except Exception as exc:
+            logger.warning(
+                "[request_id=%s] seq %s: opening mask session failed: %s", state.request_id, state.seq_id, exc
+            )
+            return f"grammar refused by the mask service: {exc}"
+        return None
+
+    def _settle_sessions(self, *, wait: bool) -> list[StepOutput]:
+        """Settle every opening session (``wait``: first block until one answers, up to the mask
+        timeout); a sequence whose open failed is freed and reported as an ERROR output."""
+        opening = [s for s in self._seqs.values() if s.session_opening is not None]
+        if wait and opening:
+            futures_wait(
+                [s.session_opening for s in opening if s.session_opening is not None],
+                timeout=self.stepper.mask_timeout_s,
+                return_when=FIRST_COMPLETED,
+            )
+        failed = []
+        for state in opening:
+            failure = self._settle_session(state)
+            if failure is not None:
+                del self._seqs[state.seq_id]
+                state.finished = FinishReason.ERROR
+                self._free(state)
+                failed.append(StepOutput(state.seq_id, [], FinishReason.ERROR, error=failure))
+        return failed
+
     def _free(self, state: SequenceState) -> None:
         state.target_kv.free()
         if state.draft_kv is not None:
             state.draft_kv.free()
+        if state.session_opening is not None:
+            # Freed before its session opened: close it once it does, so none is left open.
+            opening, state.session_opening = state.session_opening, None
+            opening.add_done_callback(functools.partial(self._close_late, state.seq_id, state.request_id))
         if state.session_id is not None and self.masks is not None:
             self.masks.close_session_later(state.session_id, state.seq_id, request_id=state.request_id)
             state.session_id = None
+
+    def _close_late(self, seq_id: str, request_id: str, opening: Future[str]) -> None:
+        if self.masks is None or opening.cancelled() or opening.exception() is not None:
+            return
+        try:
+            self.masks.close_session_later(opening.result(), seq_id, request_id=request_id)
+        except RuntimeError as exc:  # the channel is closed (shutdown): the service's TTL reclaims it
+            logger.warning("[request_id=%s] seq %s: mask session left to expire: %s", request_id, seq_id, exc)
 
 
 def _session_owner() -> str:

@@ -10,6 +10,7 @@ emitted tokens.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from gpu_worker.kv_cache import SequenceKV
@@ -28,7 +29,11 @@ class SequenceState:
     token_ids: list[int]  # committed tokens x: prompt + output
     target_kv: SequenceKV = field(default_factory=SequenceKV)
     draft_kv: SequenceKV | None = None  # None when the draft model is not used by this sequence
-    session_id: str | None = None  # mask session; None = no grammar
+    session_id: str | None = None  # mask session, once open; None = no grammar, or still opening
+    # The session being opened (add() does not wait for it): the sequence sits out steps
+    # until it resolves, so it never takes a step without its masks.
+    session_opening: Future[str] | None = None
+    opening_since: float = 0.0  # time.monotonic() when the open was sent
     # Emitted tokens the mask service has not seen yet: they ride, as commit_tokens,
     # on the next draft-mask request (DESIGN.md "commit can ride on the next request").
     pending_commit: list[int] = field(default_factory=list)
@@ -55,7 +60,8 @@ class SequenceState:
 
     @property
     def has_grammar(self) -> bool:
-        return self.session_id is not None
+        # The request's, not "has a session": a grammar sequence is never treated as free.
+        return self.request.grammar is not None
 
     def next_commit(self) -> tuple[list[int], int]:
         """(commit_tokens, commit_seq) to attach to this step's mask requests.

@@ -6,15 +6,18 @@ Life of a request:
    validates on a thread pool (tokenize, sampling checks, ValidateGrammar on
    the mask service) and queues the request as *waiting*.
 2. ``_place`` moves waiting requests onto the least-loaded healthy worker with
-   a free batch slot (*to_add*).
+   a free batch slot and sends their ``add`` at once (with any pending
+   ``remove`` first): the worker takes it right after the step in flight,
+   while this process handles that step's outputs, and starts opening the
+   mask sessions then (``_send_ahead``).
 3. Each worker has its own step loop (an asyncio task), so a slow worker never
-   stalls the others. One iteration sends, in this order, ``remove`` (cancelled
-   or stop-string-finished sequences), ``add`` (newly placed ones, prefilled by
-   the worker) and ``step`` (one decoding step for every active sequence:
-   propose, masks in flight with the target forward, verify, commit — see
-   docs/INTERFACES.md). Ray runs one caller's calls on an actor in submission
-   order, so the three can be sent back to back and awaited together; every
-   await has a timeout.
+   stalls the others. One iteration sends ``remove`` (cancelled or
+   stop-string-finished sequences) and ``step`` (one decoding step for every
+   active sequence: propose, masks in flight with the target forward, verify,
+   commit — see docs/INTERFACES.md), then awaits, in order, what went ahead at
+   placement and those two. Ray runs one caller's calls on an actor in
+   submission order, so they can be sent back to back; every await has a
+   timeout.
 4. Step outputs go to each ``Request`` (detokenize, stop strings, stream);
    requests the worker finished are freed by the worker, requests finished here
    (stop string, cancel) are ``remove``d in the next iteration. Freed slots are
@@ -103,6 +106,9 @@ class WorkerSlot:
     capacity: int  # max active sequences (WorkerConfig.max_batch)
     running: dict[str, Request] = field(default_factory=dict)  # sent to the worker (add in flight or done)
     to_add: list[Request] = field(default_factory=list)  # placed here, add() not sent yet
+    # remove()/add() calls sent ahead of the iteration (at placement), in order, not awaited yet:
+    # ("remove", ids, ref) or ("add", requests, ref).
+    sent: list[tuple[str, Any, Any]] = field(default_factory=list)
     to_remove: list[str] = field(default_factory=list)  # finished here; the worker still holds them
     healthy: bool = True
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -113,7 +119,7 @@ class WorkerSlot:
         return len(self.running) + len(self.to_add)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.to_add or self.to_remove)
+        return bool(self.running or self.to_add or self.to_remove or self.sent)
 
 
 class Engine:
@@ -328,7 +334,9 @@ class Engine:
         return sum(max(0, s.capacity - s.load) for s in self._slots if s.healthy)
 
     def _place(self) -> None:
-        """Move waiting requests to the least-loaded healthy workers with free slots."""
+        """Move waiting requests to the least-loaded healthy workers with free slots, and send
+        their add() at once (``_send_ahead``)."""
+        placed: list[WorkerSlot] = []
         while self._waiting and not self._stopping:
             candidates = [s for s in self._slots if s.healthy and s.load < s.capacity]
             if not candidates:
@@ -337,8 +345,29 @@ class Engine:
             request = self._waiting.popleft()
             slot.to_add.append(request)
             self._slot_of[request.request_id] = slot
-            slot.wake.set()
+            placed.append(slot)
+        for slot in dict.fromkeys(placed):
+            self._send_ahead(slot)
         self._metrics.queue_depth.set(self.queue_depth)
+
+    @staticmethod
+    def _send_ahead(slot: WorkerSlot) -> None:
+        """Send ``slot.to_add`` to the worker now, not with the next iteration: Ray runs it right
+        after the step in flight, while this process handles that step's outputs, and the
+        worker starts the sequences' mask-session opens then, so they are usually open by
+        the next step (the worker does not wait for them in add(); issue 14). Pending removes
+        go first, as in an iteration: the slots they free may be the ones these adds take.
+        The next iteration awaits the replies, in order."""
+        if not slot.to_add:
+            return
+        if slot.to_remove:
+            removes, slot.to_remove = slot.to_remove, []
+            slot.sent.append(("remove", removes, slot.actor.remove.remote(removes)))
+        adds, slot.to_add = slot.to_add, []
+        slot.sent.append(("add", adds, slot.actor.add.remote([r.seq for r in adds])))
+        for request in adds:
+            slot.running[request.request_id] = request
+        slot.wake.set()
 
     # ---- step loop -------------------------------------------------------
 
@@ -358,27 +387,27 @@ class Engine:
 
     async def _iterate(self, slot: WorkerSlot) -> None:
         """One remove/add/step round on one worker."""
+        self._send_ahead(slot)
+        sent, slot.sent = slot.sent, []
         removes, slot.to_remove = slot.to_remove, []
-        adds, slot.to_add = slot.to_add, []
-        remove_ref = slot.actor.remove.remote(removes) if removes else None
-        add_ref = slot.actor.add.remote([r.seq for r in adds]) if adds else None
-        for request in adds:
-            slot.running[request.request_id] = request
+        if removes:
+            sent.append(("remove", removes, slot.actor.remove.remote(removes)))
         step_ref = slot.actor.step.remote() if slot.running else None
         timeout = self._config.step_timeout_s
         step_started = time.monotonic()
         try:
-            if remove_ref is not None:
-                await self._await_remove(slot, remove_ref, timeout)
-                step_started = time.monotonic()
-            if add_ref is not None:
-                add_errors = await _ray_get(add_ref, timeout)
-                # The actor runs remove, add, step in order: the step starts about now.
-                step_started = time.monotonic()
-                for request, add_error in zip(adds, add_errors, strict=True):
-                    # A refused sequence never became active on the worker: nothing to remove.
-                    if add_error is not None and slot.running.pop(request.request_id, None) is not None:
-                        self._finish(request, FinishReason.ERROR, f"worker refused the request: {add_error}")
+            # The actor runs calls in the order they were sent: what went ahead at placement
+            # (remove, add), this iteration's remove, the step.
+            for kind, payload, ref in sent:
+                if kind == "remove":
+                    await self._await_remove(slot, ref, timeout)
+                else:
+                    add_errors = await _ray_get(ref, timeout)
+                    for request, add_error in zip(payload, add_errors, strict=True):
+                        # A refused sequence never became active on the worker: nothing to remove.
+                        if add_error is not None and slot.running.pop(request.request_id, None) is not None:
+                            self._finish(request, FinishReason.ERROR, f"worker refused the request: {add_error}")
+                step_started = time.monotonic()  # the step starts about when the last call before it ends
             if step_ref is None:
                 return
             outputs: list[StepOutput] = await _ray_get(step_ref, timeout)
@@ -515,6 +544,7 @@ class Engine:
         lost = list(slot.running.values()) + slot.to_add
         slot.running.clear()
         slot.to_add.clear()
+        slot.sent.clear()
         slot.to_remove.clear()
         for request in lost:
             self._finish(request, FinishReason.ERROR, f"GPU worker {slot.index} {what}")

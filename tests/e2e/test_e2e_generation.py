@@ -202,3 +202,25 @@ def test_nothing_leaks_over_many_requests(stack: ThreadStack, client: Orchestrat
 
 async def _engine_counts(engine) -> tuple[int, int]:  # type: ignore[no-untyped-def]
     return engine.num_live(), engine.queue_depth
+
+
+def test_add_is_sent_when_a_request_is_placed(stack: ThreadStack) -> None:
+    """A request's add() goes to its worker as soon as the request is placed, whatever that
+    worker's loop is doing (Ray runs it right after the step in flight, while the orchestrator
+    handles that step's outputs), not with the loop's next iteration; and the request completes."""
+    from gpu_worker.types import FinishReason
+    from orchestrator.convert import request_from_proto
+
+    engine = stack.running.server.engine
+    msg = build_request(PROMPT, schema=BOUNDED_SCHEMA, temperature=0.0, max_tokens=64)
+    states, result = stack.run(_placed_state(engine, request_from_proto(msg, "placed-add")))
+    assert states == (True, False)  # sent: running, not waiting in to_add
+    assert result.finish_reason is FinishReason.GRAMMAR_COMPLETE and result.error is None, result
+    assert set(json.loads(result.text)) == {"ok", "level", "flags"}
+
+
+async def _placed_state(engine, req):  # type: ignore[no-untyped-def]
+    request = await engine.submit(req)
+    slot = engine._slot_of[request.request_id]
+    states = (request.request_id in slot.running, request in slot.to_add)
+    return states, await request.result()

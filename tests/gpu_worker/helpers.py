@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,14 @@ class Finished:
     drafts_proposed: int = 0
     drafts_accepted: int = 0
     outputs: list[StepOutput] = field(default_factory=list)
+
+
+def wait_sessions_open(worker: Any, timeout_s: float = 20.0) -> None:
+    """Block until every mask session add() started opening has answered (add() does not wait
+    for them, and a sequence sits out steps until its session is open); the next step settles them."""
+    for state in list(worker._seqs.values()):
+        if state.session_opening is not None:
+            futures.wait([state.session_opening], timeout=timeout_s)
 
 
 def run_to_completion(worker: Any, *, max_steps: int = 1000) -> dict[str, Finished]:

@@ -7,7 +7,7 @@ import pytest
 from gpu_worker.actor import UnknownSequenceError
 from gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
 from mask_service.grammar import GrammarKind, GrammarSpec
-from tests.gpu_worker.helpers import run_to_completion
+from tests.gpu_worker.helpers import run_to_completion, wait_sessions_open
 
 GOOD_GRAMMAR = GrammarSpec(GrammarKind.REGEX, "(yes|no)")
 
@@ -32,6 +32,7 @@ BAD = {
     "prompt too long": (lambda: _seq("t12", prompt=tuple([5] * 256)), "max_model_len"),
     "not a NewSequence": (lambda: {"seq_id": "t13"}, "expected NewSequence"),
 }
+SESSION_REFUSALS = ("bad grammar", "bad regex")  # refused by the mask service, not by add()'s checks
 
 
 def test_bad_requests_get_per_sequence_errors_and_worker_keeps_serving(make_worker):
@@ -39,16 +40,26 @@ def test_bad_requests_get_per_sequence_errors_and_worker_keeps_serving(make_work
     assert worker.add([_seq("good", max_tokens=10)]) == [None]
     names = list(BAD)
     errors = worker.add([BAD[n][0]() for n in names] + [_seq("good2", max_tokens=10)])
-    for name, err in zip(names, errors):
-        assert err is not None and BAD[name][1] in err, (name, err)
     assert errors[-1] is None
     # Duplicate ids: against an active sequence, and within one call.
     dup = worker.add([_seq("good"), _seq("new"), _seq("new")])
     assert "duplicate" in dup[0] and dup[1] is None and "duplicate" in dup[2]
-    assert worker.num_active() == 3
+    # A grammar the mask service refuses is answered once its session open returns: by add()
+    # if that was before add() ended, else by the sequence's first step (an ERROR output).
+    late = {BAD[n][0]().seq_id for n, err in zip(names, errors) if n in SESSION_REFUSALS and err is None}
+    assert set(worker.active_ids()) == {"good", "good2", "new"} | late
     with pytest.raises(UnknownSequenceError, match="nope"):
         worker.remove(["new", "nope"])
-    assert worker.num_active() == 2  # "new" was removed despite the unknown id
+    assert set(worker.active_ids()) == {"good", "good2"} | late  # "new" was removed despite the unknown id
+    wait_sessions_open(worker)
+    stepped = {out.seq_id: out for out in worker.step()}
+    for name, err in zip(names, errors):
+        if name in SESSION_REFUSALS and err is None:
+            out = stepped[BAD[name][0]().seq_id]
+            assert out.finish_reason is FinishReason.ERROR and not out.new_token_ids, (name, out)
+            err = out.error
+        assert err is not None and BAD[name][1] in err, (name, err)
+    assert all(out.error is None for seq_id, out in stepped.items() if seq_id not in late)
     results = run_to_completion(worker)
     assert {r.finish for r in results.values()} <= {FinishReason.GRAMMAR_COMPLETE, FinishReason.LENGTH}
     assert all(r.error is None for r in results.values())
@@ -64,8 +75,13 @@ def test_grammar_without_mask_service_is_refused(make_worker):
 def test_unreachable_mask_service_fails_only_grammar_sequences(make_worker):
     worker = make_worker(mask_service_addresses=("127.0.0.1:1",), mask_deadline_s=0.5)
     errors = worker.add([_seq("g"), _seq("plain", grammar=None, max_tokens=3)])
-    assert errors[0] is not None and "mask service" in errors[0] and errors[1] is None
-    assert run_to_completion(worker)["plain"].tokens
+    assert errors[1] is None
+    results = run_to_completion(worker)
+    assert results["plain"].tokens and results["plain"].error is None
+    # Refused by add() if its open failed before add() returned, else by its first step.
+    error = errors[0] if errors[0] is not None else results["g"].error
+    assert error is not None and "mask service" in error
+    assert errors[0] is not None or (results["g"].finish is FinishReason.ERROR and results["g"].tokens == [])
 
 
 def test_full_worker_refuses_more_sequences(make_worker):
@@ -108,9 +124,10 @@ def test_mask_service_dying_mid_generation_fails_grammar_sequences_only(make_wor
 
 def test_sessions_open_during_the_prefill_and_a_refused_one_frees_its_kv(make_worker):
     """add() opens the mask sessions on the I/O thread while the prompts prefill (before, one
-    round trip after another in front of the prefill); a sequence whose session is refused was
-    prefilled meanwhile, and its KV slot is given back. (``step_prefill_tokens=1``: these short
-    prompts would otherwise be fed by the first step, with no prefill in add() at all.)"""
+    round trip after another in front of the prefill), and does not wait for them; a sequence
+    whose session is refused was prefilled meanwhile, and its KV slot is given back.
+    (``step_prefill_tokens=1``: these short prompts would otherwise be fed by the first step,
+    with no prefill in add() at all.)"""
     import threading
     import time
 
@@ -134,11 +151,57 @@ def test_sessions_open_during_the_prefill_and_a_refused_one_frees_its_kv(make_wo
     router.open_session = slow_open
     worker._prefill = prefill
     seqs = [_seq(f"g{i}", max_tokens=4) for i in range(3)] + [BAD["bad grammar"][0]()]
+    t0 = time.monotonic()
     errors = worker.add(seqs)
-    assert errors[:3] == [None] * 3 and errors[3] is not None and "grammar" in errors[3]
-    assert events.index("prefill") < len(events) - 1, events  # the prefill did not wait for every open
-    assert worker.num_active() == 3
-    assert worker.target.pool is not None and worker.target.pool.num_used == 3  # the refused one's slot is free
+    assert time.monotonic() - t0 < 0.3  # four 0.1 s opens: add() waited for none of them
+    assert errors == [None] * 4  # the refusal comes with a step
+    assert worker.target.pool is not None and worker.target.pool.num_used == 4
     results = run_to_completion(worker)
-    assert all(r.error is None for r in results.values())
-    assert worker.target.pool.num_used == 0
+    assert results["t4"].finish is FinishReason.ERROR and "grammar refused" in results["t4"].error
+    assert results["t4"].tokens == []
+    assert all(results[f"g{i}"].error is None for i in range(3))
+    assert worker.target.pool.num_used == 0  # the refused one's slot was given back too
+    assert events.count("open") == 4 and events.index("prefill") < 3, events  # the prefill did not wait for the opens
+
+
+def test_a_sequence_sits_out_steps_until_its_session_opens(make_worker, mask_service):
+    """A new grammar sequence whose session is slow to open does not hold up the running ones:
+    they step without it, and it joins once its session is open. Removed while its session is
+    still opening, it leaves no session behind."""
+    import threading
+    import time
+
+    worker = make_worker()
+    assert worker.add([_seq("running", max_tokens=40, grammar=None, speculation=SpeculationParams(k=0))]) == [None]
+    worker.step()
+    router = worker.masks._router
+    real_open = router.open_session
+    gate = threading.Event()
+
+    def gated_open(*args, **kwargs):
+        gate.wait(10)
+        return real_open(*args, **kwargs)
+
+    router.open_session = gated_open
+    before = len(mask_service.sessions)
+    assert worker.add([_seq("late", max_tokens=4), _seq("gone", max_tokens=4)]) == [None, None]
+    for _ in range(3):
+        assert [out.seq_id for out in worker.step()] == ["running"]  # the others sit out
+    worker.remove(["gone"])
+    gate.set()
+    results = run_to_completion(worker)
+    assert results["late"].error is None and results["late"].tokens
+    assert "gone" not in results
+    deadline = time.monotonic() + 10
+    while len(mask_service.sessions) != before and time.monotonic() < deadline:
+        time.sleep(0.05)  # closes are fire-and-forget on the worker's mask I/O thread
+    assert len(mask_service.sessions) == before  # "gone"'s session was closed once it opened
+
+
+def test_add_can_wait_for_the_sessions(make_worker):
+    """``wait_for_sessions``: add() reports every session refusal itself (what benchmarks use)."""
+    worker = make_worker()
+    errors = worker.add([_seq("ok", max_tokens=4), BAD["bad grammar"][0]()], wait_for_sessions=True)
+    assert errors[0] is None and errors[1] is not None and "grammar refused" in errors[1]
+    assert worker.active_ids() == ["ok"] and worker._seqs["ok"].session_id is not None
+    assert run_to_completion(worker)["ok"].error is None

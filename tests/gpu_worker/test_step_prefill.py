@@ -14,6 +14,7 @@ import pytest
 from gpu_worker.config import WorkerConfig
 from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
 from mask_service.grammar import GrammarKind, GrammarSpec
+from tests.gpu_worker.helpers import wait_sessions_open
 
 GRAMMAR = GrammarSpec(GrammarKind.REGEX, "(yes|no|maybe) [a-z]{1,12}")
 SPEC = SpeculationParams(k=3, proposers=("draft_model",), draft_masking=False)
@@ -37,6 +38,7 @@ def test_short_prompts_are_fed_by_the_first_step(make_worker):
     assert worker.add(new) == [None, None]
     assert (target.num_forwards, target.num_positions) == (forwards_before, positions_before)  # no prefill
     assert all(worker._seqs[s.seq_id].target_kv.length == 0 for s in new)
+    wait_sessions_open(worker)  # else "a" would sit its first step out
 
     outputs = {out.seq_id: out for out in worker.step()}
     # One batched target forward for all three: the running sequence's fed tokens, and

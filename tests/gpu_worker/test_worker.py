@@ -9,7 +9,7 @@ import pytest
 
 from gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
 from mask_service.grammar import GrammarKind, GrammarSpec
-from tests.gpu_worker.helpers import run_to_completion, torch_threads
+from tests.gpu_worker.helpers import run_to_completion, torch_threads, wait_sessions_open
 from tests.gpu_worker.reference import compile_grammar, greedy_constrained
 
 EOS = (0,)
@@ -94,6 +94,7 @@ def test_sequences_join_and_finish_at_different_steps(make_worker, tiny_pair):
             NewSequence("c", tuple(prompts["c"]), GRAMMAR, SamplingParams(max_tokens=50), SpeculationParams(k=0)),
         ]
     ) == [None, None]
+    wait_sessions_open(worker)
     step()
     worker.remove(["c"])  # cancelled mid-flight
     assert worker.num_active() == 2
@@ -165,8 +166,8 @@ def test_mask_sessions_are_closed_on_finish_and_cancel(make_worker, mask_service
         for i in range(3)
     ]
     assert worker.add(seqs) == [None] * 3
+    worker.step()  # waits for the sessions to open: nobody else could step
     assert len(mask_service.sessions) == before + 3
-    worker.step()
     worker.remove(["m2"])
     run_to_completion(worker)
     deadline = time.monotonic() + 10
@@ -210,7 +211,8 @@ def test_mask_traffic_per_step(make_worker):
         NewSequence("n", (5, 6), None, SamplingParams(max_tokens=40), spec),
     ]
     assert worker.add(seqs) == [None, None]
-    session = worker._seqs["g"].session_id
+    state = worker._seqs["g"]
+    session = state.session_id or state.session_opening.result(timeout=20)  # add() does not wait for it
     prefetched = False  # whether the previous step ended by sending this step's M_0
     steps = 0
     while "g" in worker._seqs:
