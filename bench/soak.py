@@ -19,7 +19,8 @@ role; the flood honours RESOURCE_EXHAUSTED retry hints (capped at 1 s).
 ``--flood-mode known`` floods with the steady schemas: the flood's generation
 load alone, to tell it from what its schemas cost. Per phase the RESULT line
 has ``phase_baseline`` / ``phase_flood``: CPU cores per process (and the whole
-box's), the worker's mean step time, batch size and mask wait.
+box's), the worker's mean step time, batch size and mask wait, and the orchestrator's
+event-loop lag (p50/p99 of how late a 2 ms timer fires).
 
 Sampled every ``--sample-s``: RSS per process (orchestrator, each mask
 replica and its compile workers, each GPU worker), open mask sessions and the
@@ -466,12 +467,38 @@ def ray_processes() -> dict[str, int]:
         return {}
 
 
-class PhaseMeter:
-    """CPU per process (cores used on average), box-wide CPU and the worker's step figures over one phase."""
+class LoopLag:
+    """How late the orchestrator's event loop runs a callback due now: a task sleeps
+    ``period_s`` again and again and records by how much each wake-up overshot. The loop
+    drives every worker's step loop and every stream, so its lag is a floor on their delays."""
 
-    def __init__(self, sampler: Sampler, metrics: Any) -> None:
+    def __init__(self, period_s: float = 0.002) -> None:
+        self._period = period_s
+        self.lags_s: list[float] = []
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="soak-loop-lag")
+
+    async def _run(self) -> None:
+        while True:
+            t0 = time.perf_counter()
+            await asyncio.sleep(self._period)
+            self.lags_s.append(max(0.0, time.perf_counter() - t0 - self._period))
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+class PhaseMeter:
+    """CPU per process (cores used on average), box-wide CPU, the worker's step figures and
+    the orchestrator's event-loop lag over one phase."""
+
+    def __init__(self, sampler: Sampler, metrics: Any, lag: LoopLag) -> None:
         self._sampler = sampler
         self._metrics = metrics
+        self._lag = lag
 
     def _read(self) -> dict[str, Any]:
         reg = self._metrics.registry
@@ -491,6 +518,7 @@ class PhaseMeter:
     def start(self) -> None:
         self._start = self._read()
         self._loadavg = os.getloadavg()
+        self._lag_from = len(self._lag.lags_s)
 
     def stop(self) -> dict[str, Any]:
         a, b = self._start, self._read()
@@ -500,6 +528,7 @@ class PhaseMeter:
         ours = {k: round((v - a["cpu"].get(k, 0.0)) / dt, 2) for k, v in b["cpu"].items()}
         ours["clients"] = round((b["clients"] - a["clients"]) / dt, 2)
         waits = max(1.0, b["mask_wait"][1] - a["mask_wait"][1])
+        lags = self._lag.lags_s[self._lag_from :]
         return {
             "cpu_cores": ours,
             "box_cpu_cores": round((b["box"] - a["box"]) / dt, 2),
@@ -508,6 +537,8 @@ class PhaseMeter:
             "step_ms_mean": round(1000 * (sec1 - sec0) / steps, 1),
             "batch_mean": round((seq1 - seq0) / steps, 2),
             "mask_wait_ms_mean": round(1000 * (b["mask_wait"][0] - a["mask_wait"][0]) / waits, 1),
+            "loop_lag_ms_p50": round(1000 * percentile(lags, 0.5), 2),
+            "loop_lag_ms_p99": round(1000 * percentile(lags, 0.99), 2),
         }
 
 
@@ -545,7 +576,9 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         sampler.sample()
         sampler.start()
         await asyncio.to_thread(warm_up, running.address, args.max_tokens)
-        meter = PhaseMeter(sampler, running.server.metrics)
+        lag = LoopLag()
+        lag.start()
+        meter = PhaseMeter(sampler, running.server.metrics, lag)
         # --rounds > 1 alternates shorter baseline and flood phases, so a change in the box's
         # other load during the run weighs on both sides of the ratio alike.
         baseline, under, flood, cancels = Tally(), Tally(), Tally(), Tally()
@@ -583,6 +616,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         flood.errors.update({f"cancel:{k}": v for k, v in cancels.errors.items()})
         await asyncio.sleep(args.settle_s)  # cancelled streams free their sessions on the next step
         sampler.stop()
+        lag.stop()
         last = sampler.sample()
         steady_all = baseline.requests + under.requests
         steady_errors = baseline.num_errors + under.num_errors
