@@ -9,7 +9,8 @@ scale out; the router instead resolves it here and hashes sessions over the
 answers. The answer is refreshed every ``refresh_s`` and, rate-limited, when a
 replica fails; a failed lookup keeps the last good answer (DNS hiccups must not
 empty the set). Lookups after the first run on a background thread: a slow DNS
-server must never stall a decoding step that asks for the current set.
+server must never stall a decoding step that asks for the current set. The one
+exception is ``resolve_now``, for a call that every known replica has failed.
 """
 
 from __future__ import annotations
@@ -112,6 +113,15 @@ class ReplicaSet:
                 return
             self._last_forced = now
         self._wake.set()
+
+    def resolve_now(self) -> list[str]:
+        """Look the DNS targets up now, on the caller's thread, and return the new set. For a
+        caller whose every known replica just failed: the name may answer a replica the periodic
+        lookup has not seen yet (a pod that became ready after it), and giving up first would fail
+        a call the tier could serve. Never on a healthy path: a slow DNS server blocks here."""
+        if self._dns:
+            self._resolve_now()
+        return self.addresses()
 
     def close(self) -> None:
         self._closed = True

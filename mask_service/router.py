@@ -117,6 +117,16 @@ class MaskRouter:
     def _ranked(self, session_id: str) -> list[str]:
         return sorted(self._live(), key=lambda a: _weight(session_id, a), reverse=True)
 
+    def _untried(self, key: str, tried: set[str]) -> list[str]:
+        """After every replica in ``tried`` failed: the replicas a DNS lookup made now adds, ranked
+        for ``key``. The periodic lookup runs every 10 s, so a router that last looked while only
+        one pod was ready would otherwise fail every call once that pod dies, though the name
+        already answers another (seen as "no mask-service replica reachable" naming the dead pod)."""
+        if not self._replicas.has_dns:
+            return []
+        fresh = [a for a in self._replicas.resolve_now() if a not in tried]
+        return sorted(fresh, key=lambda a: _weight(key, a), reverse=True)
+
     def _record(self, session_id: str) -> _SessionRecord:
         rec = self._sessions.get(session_id)
         if rec is None:
@@ -127,45 +137,54 @@ class MaskRouter:
         """(Re)open the session on the best live replica and replay its committed tokens."""
         last_exc: MaskServiceError | None = None
         ranked = self._ranked(session_id)
-        for address in ranked:
-            if address == avoid and len(ranked) > 1:
-                continue
-            client = self._client(address)
-            try:
-                remote = client.open_session(
-                    rec.tokenizer_id, rec.spec, rec.vocab_size, owner=self.owner, request_id=rec.request_id
-                )
-                if rec.committed:
-                    client.commit(remote, rec.last_seq, rec.committed)
-            except MaskServiceError as exc:
-                if exc.code in _FAILOVER_CODES:
-                    self._mark_dead(address)
-                    last_exc = exc
+        tried = {avoid} if avoid is not None and len(ranked) > 1 else set()
+        while ranked:
+            for address in ranked:
+                if address in tried:
                     continue
-                raise
-            if rec.remote_id:
-                logger.info(
-                    "session %s moved %s -> %s (%d tokens replayed)",
-                    session_id,
-                    rec.address,
-                    address,
-                    len(rec.committed),
-                )
-            rec.address, rec.remote_id = address, remote
-            return
+                tried.add(address)
+                client = self._client(address)
+                try:
+                    remote = client.open_session(
+                        rec.tokenizer_id, rec.spec, rec.vocab_size, owner=self.owner, request_id=rec.request_id
+                    )
+                    if rec.committed:
+                        client.commit(remote, rec.last_seq, rec.committed)
+                except MaskServiceError as exc:
+                    if exc.code in _FAILOVER_CODES:
+                        self._mark_dead(address)
+                        last_exc = exc
+                        continue
+                    raise
+                if rec.remote_id:
+                    logger.info(
+                        "session %s moved %s -> %s (%d tokens replayed)",
+                        session_id,
+                        rec.address,
+                        address,
+                        len(rec.committed),
+                    )
+                rec.address, rec.remote_id = address, remote
+                return
+            ranked = self._untried(session_id, tried)
         raise last_exc or MaskServiceError(grpc.StatusCode.UNAVAILABLE, "no mask-service replica reachable")
 
     # -- API ----------------------------------------------------------------
     def validate_grammar(
         self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None, *, client: str = ""
     ) -> pb.ValidateGrammarResponse:
-        for address in self._ranked(spec.cache_key()):
-            try:
-                return self._client(address).validate_grammar(tokenizer_id, spec, vocab_size, client=client)
-            except MaskServiceError as exc:
-                if exc.code not in _FAILOVER_CODES:
-                    raise
-                self._mark_dead(address)
+        key = spec.cache_key()
+        ranked, tried = self._ranked(key), set()
+        while ranked:
+            for address in ranked:
+                tried.add(address)
+                try:
+                    return self._client(address).validate_grammar(tokenizer_id, spec, vocab_size, client=client)
+                except MaskServiceError as exc:
+                    if exc.code not in _FAILOVER_CODES:
+                        raise
+                    self._mark_dead(address)
+            ranked = self._untried(key, tried)
         raise MaskServiceError(grpc.StatusCode.UNAVAILABLE, "no mask-service replica reachable")
 
     def open_session(

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 
+import grpc
 import pytest
 
-from mask_service.client import DraftMaskItem
+from mask_service.client import DraftMaskItem, MaskServiceError
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.replicas import ReplicaSet, join_host_port, resolve_all, split_host_port
 from mask_service.router import MaskRouter
@@ -91,3 +92,41 @@ def test_router_over_a_dns_target(bpe_dir, registry, bpe_id) -> None:  # type: i
         router.close()
         for h in handles:
             h.stop(grace_s=0)
+
+
+def test_a_replica_dns_answers_after_the_last_lookup_is_tried_before_giving_up(  # type: ignore[no-untyped-def]
+    monkeypatch, bpe_dir, registry, bpe_id
+) -> None:
+    """The router last looked the name up while it named only one pod, and that pod died; the name
+    now answers another pod, which the 10 s periodic lookup has not seen yet. Both the grammar
+    check and a session open look the name up again at once, instead of failing the call with
+    "no mask-service replica reachable". (The lookup is replaced: no DNS server to change here.)"""
+    import socket
+
+    import mask_service.replicas as replicas
+
+    with socket.socket() as s:  # a port nothing listens on: the dead pod
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    live = build_service(make_config(bpe_dir), registry)
+    live.server.start()
+    answers = [[dead]]
+    monkeypatch.setattr(replicas, "resolve_all", lambda host, port: list(answers[-1]))
+    routers = [MaskRouter(["dns:///mask-headless:50061"], owner=f"w{i}", deadline_s=5.0) for i in range(2)]
+    try:
+        assert all(r._replicas.addresses() == [dead] for r in routers)
+        answers.append([f"127.0.0.1:{live.port}"])  # the endpoints changed; no router has looked since
+        assert routers[0].validate_grammar(bpe_id, SCHEMA).enforcement == "exact"
+        sid = routers[1].open_session(bpe_id, SCHEMA)
+        assert len(live.sessions) == 1
+        assert routers[1].draft_masks([DraftMaskItem(sid, [])])[0].bitmask.numpy().any()
+        # The name answers only the dead pod: the lookup adds nothing, and the call fails, typed.
+        answers.append([dead])
+        routers.append(MaskRouter(["dns:///mask-headless:50061"], deadline_s=2.0))
+        with pytest.raises(MaskServiceError, match="no mask-service replica reachable") as err:
+            routers[-1].validate_grammar(bpe_id, SCHEMA)
+        assert err.value.code is grpc.StatusCode.UNAVAILABLE
+    finally:
+        for r in routers:
+            r.close()
+        live.stop(grace_s=0)
