@@ -3,9 +3,9 @@
 Every mask-service call goes through one single-threaded executor, so (a) the
 router, which keeps per-session replay logs, is only ever used from one thread,
 (b) a mask request can be in flight while the main thread runs a forward (the
-target forward on the verify path, the draft forward during proposal, the prompts'
-prefill while new sequences open their sessions; torch and gRPC both release the
-GIL while they wait), and (c) closes of finished sessions
+target forward on the verify path, the draft forward during proposal, the steps
+that run while new sequences' sessions open; torch and gRPC both release the GIL
+while they wait), and (c) closes of finished sessions
 never block a step and stay ordered after that session's last request.
 
 A batched request is a ``PendingMasks``: submitted at once, waited for only when
@@ -72,13 +72,10 @@ class MaskChannel:
     def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         return self._pool.submit(fn, *args)
 
-    def open_session(self, spec: GrammarSpec, *, request_id: str = "") -> str:
-        """Open a session for the target tokenizer and logits width (raises MaskServiceError);
-        ``request_id`` travels to the service, which names it in its log lines about the session."""
-        return self.open_session_async(spec, request_id=request_id).result()
-
     def open_session_async(self, spec: GrammarSpec, *, request_id: str = "") -> Future[str]:
-        """``open_session`` on the I/O thread; the future gives the session id or raises."""
+        """Open a session for the target tokenizer and logits width, on the I/O thread; the future
+        gives the session id or raises MaskServiceError. ``request_id`` travels to the service,
+        which names it in its log lines about the session."""
         return self._submit(
             lambda: self._router.open_session(self.tokenizer_id, spec, self.vocab_size, request_id=request_id)
         )

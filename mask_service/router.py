@@ -114,8 +114,9 @@ class MaskRouter:
         self._dead_until[address] = time.monotonic() + DEAD_REPLICA_COOLDOWN_S
         self._replicas.refresh()  # a pod that left is dropped from a DNS set sooner
 
-    def _ranked(self, session_id: str) -> list[str]:
-        return sorted(self._live(), key=lambda a: _weight(session_id, a), reverse=True)
+    def _ranked(self, key: str, addresses: Sequence[str] | None = None) -> list[str]:
+        """``addresses`` (default: the live replicas) in ``key``'s placement order."""
+        return sorted(self._live() if addresses is None else addresses, key=lambda a: _weight(key, a), reverse=True)
 
     def _untried(self, key: str, tried: set[str]) -> list[str]:
         """After every replica in ``tried`` failed: the replicas a DNS lookup made now adds, ranked
@@ -124,8 +125,7 @@ class MaskRouter:
         already answers another (seen as "no mask-service replica reachable" naming the dead pod)."""
         if not self._replicas.has_dns:
             return []
-        fresh = [a for a in self._replicas.resolve_now() if a not in tried]
-        return sorted(fresh, key=lambda a: _weight(key, a), reverse=True)
+        return self._ranked(key, [a for a in self._replicas.resolve_now() if a not in tried])
 
     def _record(self, session_id: str) -> _SessionRecord:
         rec = self._sessions.get(session_id)

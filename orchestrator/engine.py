@@ -105,7 +105,8 @@ class WorkerSlot:
     info: WorkerInfo
     capacity: int  # max active sequences (WorkerConfig.max_batch)
     running: dict[str, Request] = field(default_factory=dict)  # sent to the worker (add in flight or done)
-    to_add: list[Request] = field(default_factory=list)  # placed here, add() not sent yet
+    # Placed here by the current _place() call; it sends them (one add() per slot) before it returns.
+    to_add: list[Request] = field(default_factory=list)
     # remove()/add() calls sent ahead of the iteration (at placement), in order, not awaited yet:
     # ("remove", ids, ref) or ("add", requests, ref).
     sent: list[tuple[str, Any, Any]] = field(default_factory=list)
@@ -119,7 +120,7 @@ class WorkerSlot:
         return len(self.running) + len(self.to_add)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.to_add or self.to_remove or self.sent)
+        return bool(self.running or self.to_remove or self.sent)
 
 
 class Engine:
@@ -300,8 +301,6 @@ class Engine:
         slot = self._slot_of.get(request_id)
         if slot is None:
             self._waiting.remove(request)
-        elif request in slot.to_add:
-            slot.to_add.remove(request)
         else:
             slot.running.pop(request_id, None)
             slot.to_remove.append(request_id)
@@ -386,8 +385,7 @@ class Engine:
             self._metrics.running.labels(worker=str(slot.index)).set(len(slot.running))
 
     async def _iterate(self, slot: WorkerSlot) -> None:
-        """One remove/add/step round on one worker."""
-        self._send_ahead(slot)
+        """One remove/add/step round on one worker (its adds went out at placement)."""
         sent, slot.sent = slot.sent, []
         removes, slot.to_remove = slot.to_remove, []
         if removes:
@@ -541,9 +539,8 @@ class Engine:
         )
         slot.healthy = False
         self._metrics.worker_failures.labels(worker=str(slot.index)).inc()
-        lost = list(slot.running.values()) + slot.to_add
+        lost = list(slot.running.values())
         slot.running.clear()
-        slot.to_add.clear()
         slot.sent.clear()
         slot.to_remove.clear()
         for request in lost:
