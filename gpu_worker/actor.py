@@ -172,8 +172,9 @@ class GpuWorker:
         """Validate, start opening mask sessions, prefill long prompts. Returns per sequence None
         or an error message. A session the mask service refuses is reported by add() if it had
         answered by then, else by the sequence's next step (an ERROR output);
-        ``wait_for_sessions`` waits for every answer, so add() reports them all (benchmarks,
-        whose timed steps must not include the opens)."""
+        ``wait_for_sessions`` waits for every answer, so add() reports them all, and the first
+        steps' batches do not depend on how fast the opens answer (benchmarks, whose timed
+        steps must not include the opens; seeded replays)."""
         errors: list[str | None] = [None] * len(seqs)
         accepted: list[tuple[int, SequenceState]] = []
         seen: set[str] = set()
@@ -188,13 +189,13 @@ class GpuWorker:
             seen.add(req.seq_id)
             accepted.append((i, state))
 
-        # Sessions open on the mask I/O thread, and add() does not wait for them: a session
-        # is first needed by the sequence's first step, and add and step share the actor's
-        # thread, so waiting here stalled every running sequence for a round trip (~5 ms
-        # per add while a flood of new grammars kept the mask service busy, issue 14). The
-        # orchestrator sends add() as soon as it places a request, so the open runs while
-        # the orchestrator handles the current step's outputs. A sequence whose session is
-        # still opening when a step starts sits it out (``_settle_sessions``).
+        # Sessions open on the mask control threads (gpu_worker.masks), and add() does not
+        # wait for them: a session is first needed by the sequence's first step, and add and
+        # step share the actor's thread, so waiting here stalled every running sequence for a
+        # round trip (~5 ms per add while a flood of new grammars kept the mask service busy,
+        # issue 14). The orchestrator sends add() as soon as it places a request, so the open
+        # runs while the orchestrator handles the current step's outputs. A sequence whose
+        # session is still opening when a step starts sits it out (``_settle_sessions``).
         for _, state in accepted:
             grammar = state.request.grammar
             if grammar is not None:

@@ -35,6 +35,8 @@ def test_bench_soak_short_flood() -> None:
     assert result["steady_requests"] > 0
     assert result["steady_success_rate"] >= 0.99, result["steady_error_codes"]
     assert result["flood_requests"] > 0
+    ((active_s,),) = [result["flood_active_s_per_round"]]
+    assert 0 < active_s <= 8
     # every pathological schema is refused with a typed error, never accepted, never UNAVAILABLE
     assert result["flood_rejected"] > 0
     assert "UNAVAILABLE" not in result["flood_error_codes"], result["flood_error_codes"]
