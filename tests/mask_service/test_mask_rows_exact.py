@@ -12,6 +12,7 @@ from mask_reference import reference_rows, reference_walk
 
 from mask_service.backends import XGrammarBackend, any_json_ebnf
 from mask_service.client import DraftMaskItem, MaskServiceClient
+from mask_service.draft_masks import MIN_ROWS_PER_CHUNK
 from mask_service.grammar import GrammarKind, GrammarSpec
 
 SCHEMAS = [
@@ -147,6 +148,8 @@ def test_batch_mixed_sessions_match_singles(client: MaskServiceClient, registry,
             drafts[-1] = rng.randrange(vocab)
         items.append(DraftMaskItem(sid, drafts, commit_tokens=toks[:p], commit_seq=1))
         refs.append(reference_rows(compiled, toks[:p], drafts, vocab))
+    # Enough rows that the call is split over the service's two mask threads (draft_masks.run).
+    assert sum(len(it.draft_tokens) + 1 for it in items) >= 2 * MIN_ROWS_PER_CHUNK
     results = client.draft_masks(items)
     for res, (ref, acc) in zip(results, refs):
         np.testing.assert_array_equal(res.bitmask.numpy(), ref)
