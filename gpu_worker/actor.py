@@ -402,7 +402,7 @@ class GpuWorker:
         opening = [s for s in self._seqs.values() if s.session_opening is not None]
         if wait and opening:
             futures_wait(
-                [s.session_opening for s in opening if s.session_opening is not None],
+                [s.session_opening for s in opening],
                 timeout=self.stepper.mask_timeout_s,
                 return_when=FIRST_COMPLETED,
             )

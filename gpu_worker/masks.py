@@ -7,7 +7,7 @@
 * **Control** (``mask-control`` threads): session opens and closes. They used to
   share the data thread, and under a flood of new requests (issue 14: ~25 opens and
   ~25 closes a second, ~3 ms each against a busy service) a step's DraftMasks call
-  queued behind them: 1.2 ms mean, 15 ms p99 per call, 30% of the thread's time.
+  queued behind them: 2.3 ms mean, 20 ms p99 per call, 30% of the thread's time.
   A sequence's first DraftMasks is sent only once its open has answered (the step
   waits for ``session_opening``), so an open never races a data call.
 * A close is handed to the control threads *through* the data thread: it runs after
@@ -51,7 +51,8 @@ CONTROL_THREADS = 2
 
 
 class MaskChannel:
-    """Thread-confined access to the mask service for one worker."""
+    """One worker's access to the mask service: DraftMasks on the data thread, opens and closes
+    on the control threads (see the module docstring)."""
 
     def __init__(self, router: Any, *, tokenizer_id: str, vocab_size: int) -> None:
         self._router = router  # mask_service.router.MaskRouter (or anything with its methods)

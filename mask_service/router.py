@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 
@@ -118,14 +118,22 @@ class MaskRouter:
         """``addresses`` (default: the live replicas) in ``key``'s placement order."""
         return sorted(self._live() if addresses is None else addresses, key=lambda a: _weight(key, a), reverse=True)
 
-    def _untried(self, key: str, tried: set[str]) -> list[str]:
-        """After every replica in ``tried`` failed: the replicas a DNS lookup made now adds, ranked
-        for ``key``. The periodic lookup runs every 10 s, so a router that last looked while only
+    def _candidates(self, key: str, avoid: str | None = None) -> Iterator[str]:
+        """Replicas to try for ``key``, each once, best first: the live ones (but ``avoid``,
+        unless it is the only one), then, once every one has failed, those a DNS lookup made
+        now adds. The periodic lookup runs every 10 s, so a router that last looked while only
         one pod was ready would otherwise fail every call once that pod dies, though the name
         already answers another (seen as "no mask-service replica reachable" naming the dead pod)."""
-        if not self._replicas.has_dns:
-            return []
-        return self._ranked(key, [a for a in self._replicas.resolve_now() if a not in tried])
+        ranked = self._ranked(key)
+        tried = {avoid} if avoid is not None and len(ranked) > 1 else set()
+        while ranked:
+            for address in ranked:
+                if address not in tried:
+                    tried.add(address)
+                    yield address
+            if not self._replicas.has_dns:
+                return
+            ranked = self._ranked(key, [a for a in self._replicas.resolve_now() if a not in tried])
 
     def _record(self, session_id: str) -> _SessionRecord:
         rec = self._sessions.get(session_id)
@@ -136,55 +144,43 @@ class MaskRouter:
     def _place(self, session_id: str, rec: _SessionRecord, avoid: str | None = None) -> None:
         """(Re)open the session on the best live replica and replay its committed tokens."""
         last_exc: MaskServiceError | None = None
-        ranked = self._ranked(session_id)
-        tried = {avoid} if avoid is not None and len(ranked) > 1 else set()
-        while ranked:
-            for address in ranked:
-                if address in tried:
+        for address in self._candidates(session_id, avoid):
+            client = self._client(address)
+            try:
+                remote = client.open_session(
+                    rec.tokenizer_id, rec.spec, rec.vocab_size, owner=self.owner, request_id=rec.request_id
+                )
+                if rec.committed:
+                    client.commit(remote, rec.last_seq, rec.committed)
+            except MaskServiceError as exc:
+                if exc.code in _FAILOVER_CODES:
+                    self._mark_dead(address)
+                    last_exc = exc
                     continue
-                tried.add(address)
-                client = self._client(address)
-                try:
-                    remote = client.open_session(
-                        rec.tokenizer_id, rec.spec, rec.vocab_size, owner=self.owner, request_id=rec.request_id
-                    )
-                    if rec.committed:
-                        client.commit(remote, rec.last_seq, rec.committed)
-                except MaskServiceError as exc:
-                    if exc.code in _FAILOVER_CODES:
-                        self._mark_dead(address)
-                        last_exc = exc
-                        continue
-                    raise
-                if rec.remote_id:
-                    logger.info(
-                        "session %s moved %s -> %s (%d tokens replayed)",
-                        session_id,
-                        rec.address,
-                        address,
-                        len(rec.committed),
-                    )
-                rec.address, rec.remote_id = address, remote
-                return
-            ranked = self._untried(session_id, tried)
+                raise
+            if rec.remote_id:
+                logger.info(
+                    "session %s moved %s -> %s (%d tokens replayed)",
+                    session_id,
+                    rec.address,
+                    address,
+                    len(rec.committed),
+                )
+            rec.address, rec.remote_id = address, remote
+            return
         raise last_exc or MaskServiceError(grpc.StatusCode.UNAVAILABLE, "no mask-service replica reachable")
 
     # -- API ----------------------------------------------------------------
     def validate_grammar(
         self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None, *, client: str = ""
     ) -> pb.ValidateGrammarResponse:
-        key = spec.cache_key()
-        ranked, tried = self._ranked(key), set()
-        while ranked:
-            for address in ranked:
-                tried.add(address)
-                try:
-                    return self._client(address).validate_grammar(tokenizer_id, spec, vocab_size, client=client)
-                except MaskServiceError as exc:
-                    if exc.code not in _FAILOVER_CODES:
-                        raise
-                    self._mark_dead(address)
-            ranked = self._untried(key, tried)
+        for address in self._candidates(spec.cache_key()):
+            try:
+                return self._client(address).validate_grammar(tokenizer_id, spec, vocab_size, client=client)
+            except MaskServiceError as exc:
+                if exc.code not in _FAILOVER_CODES:
+                    raise
+                self._mark_dead(address)
         raise MaskServiceError(grpc.StatusCode.UNAVAILABLE, "no mask-service replica reachable")
 
     def open_session(
