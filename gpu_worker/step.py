@@ -25,7 +25,7 @@ and by the verifier.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from gpu_worker.drafting import Drafter
@@ -90,13 +90,23 @@ class StepRunner:
         return max(0, min(seq.k, remaining - 1))
 
     # -- the step ---------------------------------------------------------------
-    def run(self, seqs: Sequence[SequenceState]) -> list[StepOutput]:
-        """One step for every sequence in ``seqs`` (each must be unfinished)."""
+    def run(
+        self,
+        seqs: Sequence[SequenceState],
+        joiners: Callable[[], Sequence[SequenceState]] | None = None,
+    ) -> list[StepOutput]:
+        """One step for every sequence in ``seqs`` (each must be unfinished), and for those
+        ``joiners`` returns once the drafts are proposed: sequences that became ready to step
+        meanwhile (the actor's newly added ones whose mask session has just opened). They join
+        the verify forward without drafts (k_r = 0): the forward feeds their prompt and they
+        emit one token, instead of sitting the whole step out."""
         errors: dict[str, str] = {}
         slots = [DraftSlot(seq, k=self.plan_k(seq)) for seq in seqs]
         mask_wait = self.drafter.propose(slots, errors)
         if self.width is not None:
             self.width.trim([s for s in slots if s.seq.seq_id not in errors])
+        if joiners is not None:
+            slots.extend(DraftSlot(seq, k=0) for seq in joiners())
 
         # Verify-path masks M_0..M_k: in flight while the target forward runs. Rows the
         # proposal phase already received are not computed again: a sequence drafted

@@ -198,6 +198,50 @@ def test_a_sequence_sits_out_steps_until_its_session_opens(make_worker, mask_ser
     assert len(mask_service.sessions) == before  # "gone"'s session was closed once it opened
 
 
+def test_a_sequence_whose_session_opens_while_the_step_proposes_joins_that_step(make_worker):
+    """A session that answers after the step began, while the drafts are proposed, lets its
+    sequence join that step's verify forward with no drafts (one token, its prompt fed), not
+    sit the step out; the greedy output is the same as with the session open from the start."""
+    import threading
+
+    worker = make_worker()
+    assert worker.add([_seq("running", max_tokens=40, grammar=None, speculation=SpeculationParams(k=0))]) == [None]
+    worker.step()
+    router = worker.masks._router
+    real_open = router.open_session
+    gate = threading.Event()
+
+    def gated_open(*args, **kwargs):
+        gate.wait(10)
+        return real_open(*args, **kwargs)
+
+    router.open_session = gated_open
+    assert worker.add([_seq("late", max_tokens=6)]) == [None]
+    drafter = worker.stepper.drafter
+    real_propose = drafter.propose
+    began_with: list[list[str]] = []
+
+    def propose(slots, errors):
+        began_with.append([s.seq.seq_id for s in slots])
+        gate.set()  # the open answers while this step proposes
+        worker._seqs["late"].session_opening.result(timeout=10)
+        return real_propose(slots, errors)
+
+    drafter.propose = propose
+    first = {out.seq_id: out for out in worker.step()}
+    drafter.propose = real_propose
+    assert began_with == [["running"]]  # "late" was still opening when the step began
+    assert set(first) == {"running", "late"}
+    late = first["late"]
+    assert late.error is None and late.drafts_proposed == 0 and late.target_forwards == 1
+    assert len(late.new_token_ids) == 1
+    tokens = late.new_token_ids + run_to_completion(worker)["late"].tokens
+
+    reference = make_worker()
+    assert reference.add([_seq("late", max_tokens=6)], wait_for_sessions=True) == [None]
+    assert tokens == run_to_completion(reference)["late"].tokens
+
+
 def test_add_can_wait_for_the_sessions(make_worker):
     """``wait_for_sessions``: add() reports every session refusal itself (what benchmarks use)."""
     worker = make_worker()
