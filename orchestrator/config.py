@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from gpu_worker.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_K, DEFAULT_STEP_PREFILL_TOKENS, WorkerConfig
 from mask_service.replicas import parse_targets
-from orchestrator import validation
+from orchestrator import validation, verdict_cache
 
 # Local runs listen on loopback only (a dev box should not expose an
 # unauthenticated API); the images and the Helm chart pass --host 0.0.0.0,
@@ -50,6 +50,8 @@ DEFAULT_WORKER_MAX_RESTARTS = -1
 DEFAULT_WORKER_TORCH_THREADS = 0
 # Checked mode (issue 13): the most generations (1 + resamples) a request may ask for.
 DEFAULT_CHECKED_MAX_ATTEMPTS = validation.DEFAULT_CHECKED_MAX_ATTEMPTS
+DEFAULT_GRAMMAR_VERDICT_CACHE_ENTRIES = verdict_cache.DEFAULT_MAX_ENTRIES
+DEFAULT_GRAMMAR_VERDICT_TTL_S = verdict_cache.DEFAULT_TTL_S
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,10 @@ class OrchestratorConfig:
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     checked_max_attempts: int = DEFAULT_CHECKED_MAX_ATTEMPTS  # checked mode: cap on a request's max_attempts
     max_inflight_per_client: int = 0  # per end client (orchestrator.client_identity); 0 = no cap
+    # The mask tier's verdicts on grammars, kept this long and this many (orchestrator.verdict_cache):
+    # a grammar judged recently costs a request no ValidateGrammar round trip. 0 entries = off.
+    grammar_verdict_cache_entries: int = DEFAULT_GRAMMAR_VERDICT_CACHE_ENTRIES
+    grammar_verdict_ttl_s: float = DEFAULT_GRAMMAR_VERDICT_TTL_S
     # Logging of the GPU-worker processes (Ray actors): INFO keeps their [request_id=...] lines.
     worker_log_level: str | None = "INFO"
     log_format: str = "text"
@@ -104,6 +110,12 @@ class OrchestratorConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.grammar_verdict_cache_entries < 0:
+            raise ValueError(
+                f"grammar_verdict_cache_entries must be >= 0 (0 = off), got {self.grammar_verdict_cache_entries}"
+            )
+        if self.grammar_verdict_ttl_s <= 0:
+            raise ValueError(f"grammar_verdict_ttl_s must be > 0, got {self.grammar_verdict_ttl_s}")
         if self.worker_torch_threads < 0:
             raise ValueError(f"worker_torch_threads must be >= 0 (0 = every CPU), got {self.worker_torch_threads}")
         if self.worker_max_restarts < -1:

@@ -6,9 +6,13 @@ then already in the replica's cache). The router fails over between replicas;
 each call has a deadline and bounded retries. Concurrent checks of one grammar
 for one client share one call (single_flight.py), so a burst with a schema the
 replica has not compiled yet waits on its compile once, not once per request.
+The tier's answers are kept for a while (verdict_cache.py), so a grammar it has
+judged recently costs no round trip at all.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import grpc
 
@@ -18,6 +22,7 @@ from mask_service.router import MaskRouter
 from orchestrator.errors import GrammarTimeout, InvalidRequest, Overloaded, Unavailable
 from orchestrator.single_flight import SingleFlight
 from orchestrator.types import GrammarReport
+from orchestrator.verdict_cache import VerdictCache
 
 
 class MaskServiceGrammarChecker:
@@ -31,8 +36,13 @@ class MaskServiceGrammarChecker:
         vocab_size: int,
         deadline_s: float,
         max_retries: int,
+        verdicts: VerdictCache | None = None,
     ) -> None:
         self._router = MaskRouter(list(addresses), deadline_s=deadline_s, max_retries=max_retries)
+        self.verdicts = verdicts if verdicts is not None else VerdictCache()
+        # Whether a mask replica answers health now (the readiness probe's view, set by the
+        # server): a cached acceptance is used only then (verdict_cache.py).
+        self.tier_reachable: Callable[[], bool] = lambda: True
         self._tokenizer_id = tokenizer_id
         self._vocab_size = vocab_size
         # Keyed by (grammar, client): a client's burst shares its own call, and the
@@ -41,7 +51,11 @@ class MaskServiceGrammarChecker:
 
     def check(self, spec: GrammarSpec, client: str = "") -> GrammarReport:
         """``client``: the end client (orchestrator.client_identity), the replica's compile-queue owner."""
-        return self._flights.run((spec.cache_key(), client), lambda: self._check(spec, client))
+        key = spec.cache_key()
+        cached = self.verdicts.get(key, tier_reachable=self.tier_reachable())  # raises a cached refusal
+        if cached is not None:
+            return cached
+        return self._flights.run((key, client), lambda: self._check(spec, client))
 
     def _check(self, spec: GrammarSpec, client: str) -> GrammarReport:
         try:
@@ -50,7 +64,9 @@ class MaskServiceGrammarChecker:
             if exc.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
                 # The mask service's reason (e.g. GRAMMAR_TOO_COMPLEX) reaches the client as is.
                 reason = exc.reason or "GRAMMAR_INVALID"
-                raise InvalidRequest(f"grammar refused: {exc.message}", reason=reason, field="grammar") from None
+                refusal = InvalidRequest(f"grammar refused: {exc.message}", reason=reason, field="grammar")
+                self.verdicts.refused(spec.cache_key(), refusal)
+                raise refusal from None
             if exc.code is grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise GrammarTimeout(f"grammar validation timed out: {exc.message}") from None
             if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -58,7 +74,11 @@ class MaskServiceGrammarChecker:
                 # retry (a grammar over a limit or over budget is INVALID_ARGUMENT above).
                 raise Overloaded(f"mask service busy compiling grammars: {exc.message}") from None
             raise Unavailable(f"mask service could not validate the grammar ({exc.code.name}): {exc.message}") from None
-        return GrammarReport(enforcement=resp.enforcement or "exact", backend=resp.backend, relaxed=tuple(resp.relaxed))
+        report = GrammarReport(
+            enforcement=resp.enforcement or "exact", backend=resp.backend, relaxed=tuple(resp.relaxed)
+        )
+        self.verdicts.accepted(spec.cache_key(), report)
+        return report
 
     def release_sessions(self, owner: str) -> int:
         """Close every mask session a lost GPU worker (``owner``) left open, on every

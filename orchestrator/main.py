@@ -117,6 +117,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=cfg.DEFAULT_CHECKED_MAX_ATTEMPTS,
         help="checked mode (issue 13): most generations one request may ask for (Grammar.max_attempts)",
     )
+    parser.add_argument(
+        "--grammar-verdict-cache",
+        type=int,
+        default=cfg.DEFAULT_GRAMMAR_VERDICT_CACHE_ENTRIES,
+        metavar="N",
+        help="keep the mask tier's last N verdicts on grammars, so a request whose grammar was judged "
+        "recently skips the ValidateGrammar round trip (0 = ask every time)",
+    )
+    parser.add_argument(
+        "--grammar-verdict-ttl-s",
+        type=float,
+        default=cfg.DEFAULT_GRAMMAR_VERDICT_TTL_S,
+        help="how long a kept verdict holds: the longest a change of the mask tier's limits takes to reach "
+        "this orchestrator's admission",
+    )
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument(
         "--log-format", default="text", choices=LOG_FORMATS, help="text (for people) or json (one object a line)"
@@ -154,6 +169,8 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         mask_deadline_s=args.mask_deadline_s,
         shutdown_grace_s=args.shutdown_grace_s,
         checked_max_attempts=args.checked_max_attempts,
+        grammar_verdict_cache_entries=args.grammar_verdict_cache,
+        grammar_verdict_ttl_s=args.grammar_verdict_ttl_s,
         worker_log_level=args.log_level,
         log_format=args.log_format,
     )

@@ -27,6 +27,7 @@ from orchestrator.grammar_check import MaskServiceGrammarChecker
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.readiness import MaskTierProbe, Readiness
 from orchestrator.validation import RequestValidator, ServingDefaults
+from orchestrator.verdict_cache import VerdictCache
 from orchestrator.worker_pool import connect_ray, start_workers, stop_workers
 from proto import health as health_names
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
@@ -163,6 +164,7 @@ async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer,
             vocab_size=info.vocab_size,
             deadline_s=config.mask_deadline_s,
             max_retries=config.mask_max_retries,
+            verdicts=VerdictCache(max_entries=config.grammar_verdict_cache_entries, ttl_s=config.grammar_verdict_ttl_s),
         )
         defaults = ServingDefaults(
             max_tokens=config.default_max_tokens,
@@ -189,6 +191,9 @@ async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer,
         grpc_server = grpc.aio.server(options=server_options())
         server = OrchestratorServer(config, grpc_server, engine, health_servicer, metrics, checker, slots)
         engine.set_health_listener(server.readiness.poke)
+        # A kept acceptance is used only while a mask replica answers health: with the tier
+        # down, requests still fail fast at validation (UNAVAILABLE), not at the worker.
+        checker.tier_reachable = lambda: server.readiness.mask_replicas_serving > 0
         add_to_server(OrchestratorServicer(engine, metrics), grpc_server, SERVICE_NAME)
         if config.http_port is not None:
             from orchestrator.api.http.app import front_door_for  # aiohttp only when the HTTP API is on

@@ -136,6 +136,11 @@ def test_mask_service_down_fails_only_constrained_requests(stack: ThreadStack) -
             else:
                 assert r.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH), (i, r.error)
         _wait_health(stack.address, NOT_SERVING)
+        # LONG_SCHEMA's acceptance is kept (orchestrator/verdict_cache.py) but not trusted while
+        # no replica answers: a new request for it still fails fast at admission.
+        with OrchestratorClient(stack.address) as client, pytest.raises(grpc.RpcError) as down:
+            client.generate(build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0, max_tokens=4))
+        assert down.value.code() == grpc.StatusCode.UNAVAILABLE, down.value  # type: ignore[attr-defined]
     finally:
         for r in replicas:
             r.start(wait=False)
