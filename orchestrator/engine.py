@@ -349,23 +349,31 @@ class Engine:
             self._send_ahead(slot)
         self._metrics.queue_depth.set(self.queue_depth)
 
-    @staticmethod
-    def _send_ahead(slot: WorkerSlot) -> None:
+    def _send_ahead(self, slot: WorkerSlot) -> None:
         """Send ``slot.to_add`` to the worker now, not with the next iteration: Ray runs it right
         after the step in flight, while this process handles that step's outputs, and the
         worker starts the sequences' mask-session opens then, so they are usually open by
         the next step (the worker does not wait for them in add(); issue 14). Pending removes
         go first, as in an iteration: the slots they free may be the ones these adds take.
-        The next iteration awaits the replies, in order."""
+        The next iteration awaits the replies, in order.
+
+        If Ray refuses the call itself (a broken actor handle, Ray shutting down), the worker
+        is handled as lost: these requests finish with an error, like the rest of its batch.
+        Before, the exception escaped to whatever placed them (a submit, or another request's
+        finish in a step loop) and these requests were neither sent nor finished."""
         if not slot.to_add:
             return
-        if slot.to_remove:
-            removes, slot.to_remove = slot.to_remove, []
-            slot.sent.append(("remove", removes, slot.actor.remove.remote(removes)))
         adds, slot.to_add = slot.to_add, []
-        slot.sent.append(("add", adds, slot.actor.add.remote([r.seq for r in adds])))
         for request in adds:
             slot.running[request.request_id] = request
+        try:
+            if slot.to_remove:
+                removes, slot.to_remove = slot.to_remove, []
+                slot.sent.append(("remove", removes, slot.actor.remove.remote(removes)))
+            slot.sent.append(("add", adds, slot.actor.add.remote([r.seq for r in adds])))
+        except Exception as exc:
+            self._on_worker_failure(slot, exc)
+            return
         slot.wake.set()
 
     # ---- step loop -------------------------------------------------------
@@ -525,7 +533,12 @@ class Engine:
             self._finish(request, FinishReason.ERROR, message)
 
     def _on_worker_failure(self, slot: WorkerSlot, exc: BaseException) -> None:
-        """The worker died or stopped answering: take it out, fail what it held."""
+        """The worker died or stopped answering: take it out, fail what it held. Once per
+        loss: a slot already out (e.g. its loop's call fails after placement found it
+        broken) is being recovered already."""
+        if not slot.healthy:
+            logger.info("worker %d: already out of placement: %s", slot.index, _describe(exc))
+            return
         timed_out = isinstance(exc, (asyncio.TimeoutError, TimeoutError))
         logger.error(
             "worker %d %s; taking it out of placement", slot.index, "timed out" if timed_out else f"failed: {exc!r}"

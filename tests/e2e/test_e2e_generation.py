@@ -224,3 +224,64 @@ async def _placed_state(engine, req):  # type: ignore[no-untyped-def]
     slot = engine._slot_of[request.request_id]
     states = (request.request_id in slot.running, request in slot.to_add)
     return states, await request.result()
+
+
+class _AddRefusedOnce:
+    """A worker's Ray actor handle whose next ``add.remote()`` raises, as Ray's does when it
+    cannot take a call (a broken handle, Ray shutting down); everything else is the real actor."""
+
+    def __init__(self, actor) -> None:  # type: ignore[no-untyped-def]
+        self._actor = actor
+        self.refused = 0
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        method = getattr(self._actor, name)
+        if name != "add" or self.refused:
+            return method
+        handle = self
+
+        class _Refusing:
+            def remote(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+                handle.refused += 1
+                raise RuntimeError("injected: Ray could not submit the call")
+
+        return _Refusing()
+
+
+def test_a_request_whose_add_ray_refuses_finishes_with_an_error(stack: ThreadStack) -> None:
+    """If Ray refuses the add() call at placement, the request finishes with a SpecMask error at
+    once (before, it was neither sent nor finished: its client waited out its deadline), the
+    worker is taken out and recovered, and the next request completes."""
+    from gpu_worker.types import FinishReason
+    from orchestrator.convert import request_from_proto
+
+    engine = stack.running.server.engine
+    stack.wait_idle()
+    slots = engine._slots
+    real = [slot.actor for slot in slots]
+    wrapped = [_AddRefusedOnce(actor) for actor in real]
+    for slot, proxy in zip(slots, wrapped, strict=True):
+        slot.actor = proxy
+    try:
+        msg = build_request(PROMPT, schema=BOUNDED_SCHEMA, temperature=0.0, max_tokens=16)
+        result = stack.run(_submit_and_wait(engine, request_from_proto(msg, "add-refused")), timeout_s=30)
+    finally:
+        for slot, actor in zip(slots, real, strict=True):
+            slot.actor = actor
+    assert sum(p.refused for p in wrapped) == 1
+    assert result.finish_reason is FinishReason.ERROR, result
+    assert "GPU worker" in result.error and "injected" not in result.error, result.error
+    deadline = time.monotonic() + 60
+    while not all(slot.healthy for slot in slots):  # probed back into placement (~1 s)
+        assert time.monotonic() < deadline, "the worker was not put back"
+        time.sleep(0.2)
+    with OrchestratorClient(stack.address) as client:
+        after = client.generate(build_request(PROMPT, schema=BOUNDED_SCHEMA, temperature=0.0, max_tokens=64))
+    assert after.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE, after.error
+    active, sessions = stack.wait_idle()
+    assert active == [0, 0] and sessions == 0
+
+
+async def _submit_and_wait(engine, req):  # type: ignore[no-untyped-def]
+    request = await engine.submit(req)
+    return await request.result()
