@@ -164,12 +164,10 @@ def test_sessions_open_during_the_prefill_and_a_refused_one_frees_its_kv(make_wo
     assert events.count("open") == 4 and events.index("prefill") < 3, events  # the prefill did not wait for the opens
 
 
-def test_a_sequence_sits_out_steps_until_its_session_opens(make_worker, mask_service):
-    """A new grammar sequence whose session is slow to open does not hold up the running ones:
-    they step without it, and it joins once its session is open. Removed while its session is
-    still opening, it leaves no session behind."""
+def _running_worker_with_gated_opens(make_worker):
+    """A worker with one unconstrained sequence running (one step taken), whose mask session
+    opens from now on wait for the returned gate (the real open, released by ``gate.set()``)."""
     import threading
-    import time
 
     worker = make_worker()
     assert worker.add([_seq("running", max_tokens=40, grammar=None, speculation=SpeculationParams(k=0))]) == [None]
@@ -183,6 +181,16 @@ def test_a_sequence_sits_out_steps_until_its_session_opens(make_worker, mask_ser
         return real_open(*args, **kwargs)
 
     router.open_session = gated_open
+    return worker, gate
+
+
+def test_a_sequence_sits_out_steps_until_its_session_opens(make_worker, mask_service):
+    """A new grammar sequence whose session is slow to open does not hold up the running ones:
+    they step without it, and it joins once its session is open. Removed while its session is
+    still opening, it leaves no session behind."""
+    import time
+
+    worker, gate = _running_worker_with_gated_opens(make_worker)
     before = len(mask_service.sessions)
     assert worker.add([_seq("late", max_tokens=4), _seq("gone", max_tokens=4)]) == [None, None]
     for _ in range(3):
@@ -202,20 +210,7 @@ def test_a_sequence_whose_session_opens_while_the_step_proposes_joins_that_step(
     """A session that answers after the step began, while the drafts are proposed, lets its
     sequence join that step's verify forward with no drafts (one token, its prompt fed), not
     sit the step out; the greedy output is the same as with the session open from the start."""
-    import threading
-
-    worker = make_worker()
-    assert worker.add([_seq("running", max_tokens=40, grammar=None, speculation=SpeculationParams(k=0))]) == [None]
-    worker.step()
-    router = worker.masks._router
-    real_open = router.open_session
-    gate = threading.Event()
-
-    def gated_open(*args, **kwargs):
-        gate.wait(10)
-        return real_open(*args, **kwargs)
-
-    router.open_session = gated_open
+    worker, gate = _running_worker_with_gated_opens(make_worker)
     assert worker.add([_seq("late", max_tokens=6)]) == [None]
     drafter = worker.stepper.drafter
     real_propose = drafter.propose
