@@ -61,7 +61,7 @@ class GrammarSpec:
 
         Computed once per spec: the orchestrator asks for it several times per request
         (grammar check and its single flight, router placement, end check), and a 56 KB
-        schema costs ~150 us a time (~3 ms at the 1 MiB limit). ``dataclasses.replace``
+        schema costs ~35 us a time (~0.65 ms at the 1 MiB limit). ``dataclasses.replace``
         builds a new spec, so a changed field never keeps an old digest."""
         key = self.__dict__.get("_cache_key")
         if key is None:
@@ -70,17 +70,25 @@ class GrammarSpec:
         return key  # type: ignore[no-any-return]
 
     def _digest(self) -> str:
+        """sha256 over the other fields as compact JSON, a newline, then the text as is. JSON
+        never holds a raw newline, so the first one ends the header. The text is not passed
+        through json.dumps: with it, a 300 KB schema's digest took 1.19 ms, now 0.19 ms, paid in
+        the orchestrator and again in the replica for every request that sends the schema."""
         is_json = self.kind in (GrammarKind.JSON_SCHEMA, GrammarKind.ANY_JSON)
-        payload = json.dumps(
+        header = json.dumps(
             [
                 self.kind.value,
-                self.text,
                 self.any_whitespace if is_json else None,
                 list(self.effective_separators()) if is_json else None,
                 self.strict if self.kind is GrammarKind.JSON_SCHEMA else None,
-                *([self.backend] if self.backend else []),  # absent when unset: keys of older specs unchanged
+                *([self.backend] if self.backend else []),
                 *([{"checked": True}] if self.checked else []),  # an object: never equal to a backend name
             ],
             separators=(",", ":"),
         )
-        return hashlib.sha256(payload.encode()).hexdigest()
+        digest = hashlib.sha256(header.encode())
+        digest.update(b"\n")
+        # surrogatepass: a lone surrogate (possible in text from an HTTP JSON body) gets bytes of
+        # its own instead of an encoding error; no valid character encodes to those bytes.
+        digest.update(self.text.encode("utf-8", "surrogatepass"))
+        return digest.hexdigest()

@@ -171,6 +171,21 @@ def test_cache_key_is_computed_once_and_follows_replace() -> None:
     assert dataclasses.replace(a).cache_key() == first and dataclasses.replace(a) == a
 
 
+def test_cache_key_separates_every_field_and_takes_any_text() -> None:
+    """The digest hashes the text as is after a JSON header of the other fields: every field
+    still changes it, a text cannot pose as a header, and a lone surrogate (possible in text
+    from an HTTP JSON body) is digested, not an encoding error."""
+    texts = ["a", "a\n", '\n["regex"]', "a\ud800", "a\ud801", ""]
+    specs = [GrammarSpec(kind, text) for kind in (GrammarKind.REGEX, GrammarKind.EBNF) for text in texts]
+    specs += [
+        GrammarSpec(GrammarKind.JSON_SCHEMA, "{}", any_whitespace=True),
+        GrammarSpec(GrammarKind.JSON_SCHEMA, "{}"),
+    ]
+    specs += [GrammarSpec(GrammarKind.JSON_SCHEMA, "{}", separators=(", ", ": "))]
+    keys = [spec.cache_key() for spec in specs]
+    assert len(set(keys)) == len(keys)
+
+
 def test_service_reports_enforcement(client: Any, bpe_id: str) -> None:
     """Through the real gRPC service: the response says checked (and which rules), the session too."""
     from prometheus_client import REGISTRY
