@@ -129,6 +129,9 @@ class IndirectDraftMasks:
     allowed_count: torch.Tensor
     table_single_token: torch.Tensor  # [num_table_rows] int32 the token where a row allows one, else -1
     forced_tokens: tuple[tuple[int, ...], ...] = ()  # [B] per request (DraftMaskResult.forced_tokens)
+    # [B] per request: forced_tokens are for the state where the draft walk stopped
+    # (DraftMaskResult.forced_at_stop; DraftMaskItem.forced_up_to asked for it)
+    forced_at_stop: tuple[bool, ...] = ()
 
 
 class MaskServiceClient:
@@ -351,10 +354,21 @@ class MaskServiceClient:
             cu.append(total)
             acc.append(r.num_grammar_accepted)
             term.append(r.terminated)
+        forced = tuple(tuple(r.forced_tokens) for r in resp.results)
+        at_stop = tuple(r.forced_at_stop for r in resp.results)
         if view is None:
             empty = torch.empty(0, dtype=torch.int32)
             return IndirectDraftMasks(
-                torch.empty(0, 0, dtype=torch.int32), empty, cu, acc, term, self._generation, empty, empty
+                torch.empty(0, 0, dtype=torch.int32),
+                empty,
+                cu,
+                acc,
+                term,
+                self._generation,
+                empty,
+                empty,
+                forced,
+                at_stop,
             )
         return IndirectDraftMasks(
             torch.from_numpy(view.words),
@@ -365,7 +379,8 @@ class MaskServiceClient:
             self._generation,
             torch.from_numpy(view.allowed[slots]),
             torch.from_numpy(view.single),
-            tuple(tuple(r.forced_tokens) for r in resp.results),
+            forced,
+            at_stop,
         )
 
 
