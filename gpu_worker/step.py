@@ -62,8 +62,9 @@ class StepRunner:
         width: WidthChooser | None = None,
     ) -> None:
         self.target = target
-        # Picks each slot's verify width (drafts kept) after proposal (None: verify every draft proposed).
-        self.width = width if width is not None else WidthChooser()
+        # Picks each slot's verify width (drafts kept) after proposal; each runner learns its own
+        # acceptance rates unless given a chooser (benchmarks replaying recorded widths).
+        self.width: WidthChooser = width if width is not None else WidthChooser()
         # The device mirror of the mask rows, shared with the draft-side masking.
         self.mask_table = mask_table if mask_table is not None else DeviceMaskTable(target.device)
         self.masks = masks
@@ -103,8 +104,7 @@ class StepRunner:
         errors: dict[str, str] = {}
         slots = [DraftSlot(seq, k=self.plan_k(seq)) for seq in seqs]
         mask_wait = self.drafter.propose(slots, errors)
-        if self.width is not None:
-            self.width.trim([s for s in slots if s.seq.seq_id not in errors])
+        self.width.trim([s for s in slots if s.seq.seq_id not in errors])
         if joiners is not None:
             slots.extend(DraftSlot(seq, k=0) for seq in joiners())
 
@@ -201,8 +201,7 @@ class StepRunner:
                     target_forwards=1,
                 )
                 continue
-            if self.width is not None:
-                self.width.record(s, result.num_accepted)
+            self.width.record(s, result.num_accepted)
             outputs[s.seq.seq_id] = self._commit(s, result.emitted, result.num_accepted)
         for seq_id, message in errors.items():
             outputs[seq_id] = StepOutput(seq_id, [], FinishReason.ERROR, error=message)
