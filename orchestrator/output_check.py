@@ -160,7 +160,11 @@ class OutputChecker:
         ``engine``: the engine that masked the output (the mask service's GrammarReport). It
         picks what ``strict`` means for a JSON schema (see ``_json_schema_checker``); "" or
         an unknown name takes xgrammar's reading, the stricter one."""
-        engine = engine if spec.kind is GrammarKind.JSON_SCHEMA and engine in STRICT_READINGS else ""
+        # One name per reading, so "" and "xgrammar" share a cached validator.
+        if spec.kind is not GrammarKind.JSON_SCHEMA:
+            engine = ""
+        elif engine not in STRICT_READINGS:
+            engine = "xgrammar"
         try:
             return self._checker(spec, engine)(text)
         except OutputCheckError:

@@ -93,6 +93,13 @@ def test_compiled_checkers_are_cached(checker: OutputChecker) -> None:
     small.check(grammar, "yes")
     small.check(spec(GrammarKind.REGEX, "x"), "x")
     assert len(small._cache) == 1
+    # One validator per reading: no engine named, an unknown one and "xgrammar" share one.
+    shared = OutputChecker()
+    schema = spec(GrammarKind.JSON_SCHEMA, SCHEMA)
+    for engine in ("", "xgrammar", "some-engine"):
+        assert shared.check(schema, '{"a":"x","b":1}', engine=engine).ok is False  # xgrammar's strict reading
+    assert shared.check(schema, '{"a":"x"}', engine="llguidance").ok
+    assert len(shared._cache) == 2
 
 
 def test_strict_defaults_never_loosen_conditions() -> None:
