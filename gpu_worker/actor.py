@@ -236,7 +236,7 @@ class GpuWorker:
     def step(self) -> list[StepOutput]:
         """One decoding step for every active sequence whose mask session is open; finished
         sequences are freed. A sequence whose session is still opening when the step starts
-        joins it late if the open answers while the drafts are proposed (``_join_late``);
+        joins it late if the open answers while the drafts are proposed (``join_late``);
         otherwise it sits this step out (no output for it). If nobody else could step, the
         step waits for it."""
         refused = self._settle_sessions(wait=False)
