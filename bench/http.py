@@ -238,13 +238,17 @@ def summarise(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
             }
             print(f"{concurrency:>7} {api:>5} {_ms(ttft):>12.2f} {_ms(tok):>17.3f} {cpu:>20.1f} {client:>20.1f}")
         ratios = [
-            statistics.median(p for _, p in rnd["http"]["streams"])
-            / statistics.median(p for _, p in rnd["grpc"]["streams"])
+            _ratio(
+                statistics.median(p for _, p in rnd["http"]["streams"]),
+                statistics.median(p for _, p in rnd["grpc"]["streams"]),
+            )
             for rnd in per_round
         ]
         ttft_ratios = [
-            statistics.median(t for t, _ in rnd["http"]["streams"])
-            / statistics.median(t for t, _ in rnd["grpc"]["streams"])
+            _ratio(
+                statistics.median(t for t, _ in rnd["http"]["streams"]),
+                statistics.median(t for t, _ in rnd["grpc"]["streams"]),
+            )
             for rnd in per_round
         ]
         row["http_vs_grpc_per_token"] = statistics.median(ratios)
@@ -261,16 +265,25 @@ def summarise(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return result
 
 
+def _ratio(a: float, b: float) -> float:
+    """a / b, NaN when b is 0: with a small --max-tokens a stream can arrive in one chunk, so its
+    per-token time is 0 (the run then says nan rather than dying after the measurement)."""
+    return a / b if b > 0 else float("nan")
+
+
 async def drive(args: argparse.Namespace) -> dict[str, Any]:
+    if args.target is not None:
+        return await _drive(args, args.target, args.draft)
+    from tests.fixtures.tiny_models import build_tiny_model_pair
+
+    with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:  # removed with the run
+        target, draft = build_tiny_model_pair(tmp)
+        return await _drive(args, str(target), str(draft))
+
+
+async def _drive(args: argparse.Namespace, target: str, draft: str | None) -> dict[str, Any]:
     from orchestrator.dev.local_stack import StackConfig, running_stack
 
-    if args.target is None:
-        from tests.fixtures.tiny_models import build_tiny_model_pair
-
-        target, draft = build_tiny_model_pair(tempfile.mkdtemp(prefix="bench-http-"))
-        target, draft = str(target), str(draft)
-    else:
-        target, draft = args.target, args.draft
     stack = StackConfig(target_dir=target, draft_dir=draft, mask_replicas=1, num_workers=1)
     overrides = {"http_port": 0, "max_batch": max(args.concurrency), "default_max_tokens": args.max_tokens}
     async with running_stack(stack, **overrides) as running:
@@ -319,8 +332,19 @@ def main(argv: list[str] | None = None) -> int:
         print("ROUNDS " + json.dumps(asyncio.run(client_main(args))), flush=True)
         return 0
     result = asyncio.run(drive(args))
-    print("RESULT " + json.dumps(result, sort_keys=True))
+    print("RESULT " + json.dumps(_nan_to_null(result), sort_keys=True))
     return 0
+
+
+def _nan_to_null(value: Any) -> Any:
+    """The RESULT line stays strict JSON: a ratio that could not be taken (``_ratio``) is null."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _nan_to_null(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nan_to_null(v) for v in value]
+    return value
 
 
 if __name__ == "__main__":

@@ -559,17 +559,21 @@ class PhaseMeter:
 
 
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
+    if args.target is not None:
+        return await _soak(args, args.target, args.draft)
+    # The serving path is what is soaked, not the model: the tiny random-init pair
+    # builds in a second (the trained toy pair takes an hour on a 2-core box), in a
+    # directory removed with the run.
+    from tests.fixtures.tiny_models import build_tiny_model_pair
+
+    with tempfile.TemporaryDirectory(prefix="bench-soak-") as tmp:
+        t, d = build_tiny_model_pair(tmp)
+        return await _soak(args, str(t), str(d))
+
+
+async def _soak(args: argparse.Namespace, target: str, draft: str | None) -> dict[str, Any]:
     import ray
 
-    if args.target is None:
-        # The serving path is what is soaked, not the model: the tiny random-init pair
-        # builds in a second (the trained toy pair takes an hour on a 2-core box).
-        from tests.fixtures.tiny_models import build_tiny_model_pair
-
-        t, d = build_tiny_model_pair(tempfile.mkdtemp(prefix="bench-soak-"))
-        target, draft = str(t), str(d)
-    else:
-        target, draft = args.target, args.draft
     mask_args = ("--compile-timeout-s", str(args.compile_timeout_s), "--compile-queue", str(args.compile_queue))
     stack = StackConfig(
         target_dir=target,

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,12 @@ def test_bench_soak_short_flood() -> None:
     cmd = [sys.executable, "-m", "bench.soak", "--baseline-s", "4", "--flood-s", "8", "--sample-s", "1",
            "--flood-concurrency", "3", "--max-flood-requests", "60", "--compile-timeout-s", "2",
            "--compile-queue", "2"]  # fmt: skip
+    # It builds the tiny model pair in a temporary directory (not TMPDIR=tmp_path: Ray puts its
+    # sockets there too, past the 107-byte AF_UNIX limit).
+    before = set(Path(tempfile.gettempdir()).glob("bench-soak-*"))
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert set(Path(tempfile.gettempdir()).glob("bench-soak-*")) == before  # it went with the run
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("RESULT "), proc.stdout[-2000:]
     result = json.loads(last.removeprefix("RESULT "))
