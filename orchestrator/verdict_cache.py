@@ -76,8 +76,6 @@ class VerdictCache:
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, tuple[float, GrammarReport | _Refusal]] = OrderedDict()
-        self.hits = 0
-        self.misses = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -92,10 +90,8 @@ class VerdictCache:
                 del self._entries[key]
                 entry = None
             if entry is None or (isinstance(entry[1], GrammarReport) and not tier_reachable):
-                self.misses += 1
                 return None
             self._entries.move_to_end(key)
-            self.hits += 1
             verdict = entry[1]
         if isinstance(verdict, _Refusal):
             raise verdict.error()
