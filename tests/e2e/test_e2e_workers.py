@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import time
-import urllib.request
 
 import jsonschema
 import pytest
@@ -41,13 +40,10 @@ def _worker_pids(stack: ThreadStack) -> list[int]:
 
 
 def _worker_0_count(stack: ThreadStack, name: str) -> float:
-    """specmask_worker_{name}_total for worker 0 from the orchestrator's /metrics (0 before the first)."""
-    url = f"http://127.0.0.1:{stack.running.server.metrics_port}/metrics"
-    prefix = f'specmask_worker_{name}_total{{worker="0"}} '
-    for line in urllib.request.urlopen(url, timeout=10).read().decode().splitlines():
-        if line.startswith(prefix):
-            return float(line[len(prefix) :])
-    return 0.0
+    """specmask_worker_{name}_total for worker 0 (0 before the first), as the other e2e tests read counters."""
+    assert stack.running is not None
+    registry = stack.running.server.metrics.registry
+    return registry.get_sample_value(f"specmask_worker_{name}_total", {"worker": "0"}) or 0.0
 
 
 def _run_all(stack: ThreadStack, n: int, seed: int, schema: dict, max_tokens: int, on_started=None):  # type: ignore[no-untyped-def]
