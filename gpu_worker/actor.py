@@ -44,7 +44,7 @@ from gpu_worker.proposers.base import ProposerResources
 from gpu_worker.proposers.registry import build_proposers, order_names
 from gpu_worker.sequence import SequenceState
 from gpu_worker.step import StepRunner
-from gpu_worker.types import FinishReason, NewSequence, StepOutput, UnknownSequenceError, WorkerInfo
+from gpu_worker.types import FinishReason, NewSequence, SessionWait, StepOutput, UnknownSequenceError, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
@@ -266,6 +266,7 @@ class GpuWorker:
             outputs = [
                 StepOutput(s.seq_id, [], FinishReason.ERROR, error=f"step failed: {exc}") for s in batch + joined
             ]
+        self._note_session_waits(in_batch, joined, outputs)
         for out in outputs:
             if out.finish_reason is not None:
                 state = self._seqs.pop(out.seq_id)
@@ -280,6 +281,26 @@ class GpuWorker:
                     f" ({out.error})" if out.error else "",
                 )
         return refused + outputs
+
+    def _note_session_waits(self, in_batch: set[str], joined: list[SequenceState], outputs: list[StepOutput]) -> None:
+        """Count this step against the sequences still waiting for their sessions, and put
+        how each grammar sequence's wait ended on its first output (``SessionWait``)."""
+        joined_ids = {s.seq_id for s in joined}
+        for state in self._seqs.values():
+            if state.seq_id in joined_ids:
+                state.joined_late = True
+            elif state.seq_id not in in_batch:
+                state.steps_sat_out += 1  # still opening (or opened after the join point)
+        for out in outputs:
+            state = self._seqs.get(out.seq_id)
+            if state is None or not state.has_grammar or state.session_wait_reported:
+                continue
+            state.session_wait_reported = True
+            out.steps_sat_out = state.steps_sat_out
+            if state.joined_late:
+                out.session_wait = SessionWait.JOINED_LATE
+            else:
+                out.session_wait = SessionWait.SAT_OUT if state.steps_sat_out else SessionWait.READY
 
     def remove(self, seq_ids: Sequence[str]) -> None:
         """Cancel sequences: free KV caches, close mask sessions."""

@@ -34,6 +34,11 @@ class SequenceState:
     # until it resolves, so it never takes a step without its masks.
     session_opening: Future[str] | None = None
     opening_since: float = 0.0  # time.monotonic() when the open was sent
+    # How the open met the first steps (GpuWorker.step): steps sat out, a late join, and
+    # whether the first output has reported them (StepOutput.session_wait).
+    steps_sat_out: int = 0
+    joined_late: bool = False
+    session_wait_reported: bool = False
     # Emitted tokens the mask service has not seen yet: they ride, as commit_tokens,
     # on the next draft-mask request (DESIGN.md "commit can ride on the next request").
     pending_commit: list[int] = field(default_factory=list)

@@ -44,6 +44,23 @@ class FinishReason(enum.Enum):
     GRAMMAR_VIOLATION = "grammar_violation"
 
 
+class SessionWait(enum.Enum):
+    """How a grammar sequence's first step met its mask session, which ``add()`` opens
+    without waiting for (gpu_worker/actor.py): the cost of the mask tier's open latency,
+    reported once per sequence (``StepOutput.session_wait``).
+
+    * ``READY``: open when the first step it could take began;
+    * ``JOINED_LATE``: it opened while a step proposed its drafts, and the sequence
+      joined that step's verify forward without drafts (after ``steps_sat_out`` whole
+      steps, usually none);
+    * ``SAT_OUT``: the sequence sat out ``StepOutput.steps_sat_out`` >= 1 whole steps first.
+    """
+
+    READY = "ready"
+    JOINED_LATE = "joined_late"
+    SAT_OUT = "sat_out"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How target tokens are drawn. ``temperature == 0`` is greedy (argmax)."""
@@ -107,6 +124,10 @@ class StepOutput:
     drafts_accepted: int = 0  # accepted drafts this step (before truncation)
     target_forwards: int = 0  # 1 when the sequence took part in this step's target forward
     mask_time_s: float = 0.0  # wall time this step waited on the mask service for this batch
+    # On a grammar sequence's first output only (None otherwise): how its session open met
+    # its first step, and how many steps it sat out waiting for it.
+    session_wait: SessionWait | None = None
+    steps_sat_out: int = 0
 
 
 @dataclass(frozen=True)

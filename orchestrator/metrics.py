@@ -68,6 +68,19 @@ class OrchestratorMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        # The worker's add() does not wait for a grammar sequence's mask session: these say
+        # what the open's latency cost (gpu_worker.types.SessionWait). Many sat_out, or a
+        # growing steps_sat_out rate, means the mask tier answers opens slower than a step.
+        self.session_waits = Counter(
+            "specmask_session_waits",
+            "Grammar sequences by how their mask-session open met their first step: ready, joined_late "
+            "(joined a step in flight without drafts), sat_out (sat out whole steps first)",
+            ["outcome"],
+            registry=r,
+        )
+        self.steps_sat_out = Counter(
+            "specmask_steps_sat_out", "Steps grammar sequences sat out waiting for their mask session", registry=r
+        )
         self.batch_size = Histogram(
             "specmask_worker_batch_size",
             "Sequences per worker step",
@@ -128,6 +141,9 @@ class OrchestratorMetrics:
             self.target_forwards.inc(o.target_forwards)
             self.drafts_proposed.inc(o.drafts_proposed)
             self.drafts_accepted.inc(o.drafts_accepted)
+            if o.session_wait is not None:
+                self.session_waits.labels(outcome=o.session_wait.value).inc()
+                self.steps_sat_out.inc(o.steps_sat_out)
 
     def step_totals(self) -> tuple[int, float, int]:
         """(steps, seconds in steps, sequence-steps) summed over workers, for benchmarks."""

@@ -186,8 +186,18 @@ def test_metrics_endpoint(stack: ThreadStack) -> None:
     import urllib.request
 
     assert stack.running is not None
+    registry = stack.running.server.metrics.registry
+
+    def session_waits() -> float:
+        return sum(
+            registry.get_sample_value("specmask_session_waits_total", {"outcome": o}) or 0.0
+            for o in ("ready", "joined_late", "sat_out")
+        )
+
+    waits_before = session_waits()
     with OrchestratorClient(stack.address) as client:
         client.generate(build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0, max_tokens=LONG_MAX_TOKENS))
+    assert session_waits() == waits_before + 1  # one grammar sequence: its first step reported once
     port = stack.running.server.metrics_port
     assert port
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -201,6 +211,8 @@ def test_metrics_endpoint(stack: ThreadStack) -> None:
         "specmask_drafts_proposed_total",
         "specmask_drafts_accepted_total",
         "specmask_mask_wait_seconds_count",
+        "specmask_session_waits_total",
+        "specmask_steps_sat_out_total",
         "specmask_worker_step_seconds_count",
         "specmask_queue_depth",
         "specmask_healthy_workers 2.0",

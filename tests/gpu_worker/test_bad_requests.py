@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpu_worker.actor import UnknownSequenceError
-from gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
+from gpu_worker.types import FinishReason, NewSequence, SamplingParams, SessionWait, SpeculationParams
 from mask_service.grammar import GrammarKind, GrammarSpec
 from tests.gpu_worker.helpers import run_to_completion, wait_sessions_open
 
@@ -200,6 +200,13 @@ def test_a_sequence_sits_out_steps_until_its_session_opens(make_worker, mask_ser
     results = run_to_completion(worker)
     assert results["late"].error is None and results["late"].tokens
     assert "gone" not in results
+    # Its first output says what the wait cost: the three steps above, and those "running"
+    # took while the released open (a compile, on another thread) finished.
+    first, *rest = results["late"].outputs
+    assert first.session_wait in (SessionWait.SAT_OUT, SessionWait.JOINED_LATE)
+    assert first.steps_sat_out >= 3
+    assert all(out.session_wait is None for out in rest)
+    assert all(out.session_wait is None for out in results["running"].outputs)  # no grammar: nothing to report
     deadline = time.monotonic() + 10
     while len(mask_service.sessions) != before and time.monotonic() < deadline:
         time.sleep(0.05)  # closes are fire-and-forget on the worker's mask I/O thread
@@ -230,11 +237,14 @@ def test_a_sequence_whose_session_opens_while_the_step_proposes_joins_that_step(
     late = first["late"]
     assert late.error is None and late.drafts_proposed == 0 and late.target_forwards == 1
     assert len(late.new_token_ids) == 1
+    assert late.session_wait is SessionWait.JOINED_LATE and late.steps_sat_out == 0
     tokens = late.new_token_ids + run_to_completion(worker)["late"].tokens
 
     reference = make_worker()
     assert reference.add([_seq("late", max_tokens=6)], wait_for_sessions=True) == [None]
-    assert tokens == run_to_completion(reference)["late"].tokens
+    done = run_to_completion(reference)["late"]
+    assert tokens == done.tokens
+    assert done.outputs[0].session_wait is SessionWait.READY and done.outputs[0].steps_sat_out == 0
 
 
 def test_add_can_wait_for_the_sessions(make_worker):
