@@ -422,7 +422,7 @@ class Engine:
             # state is suspect. Fail the batch, free it, keep the worker.
             self._fail_batch(slot, f"worker call failed: {_describe(exc)}")
             return
-        self._metrics.observe_step(slot.index, time.monotonic() - step_started, outputs)
+        self._metrics.observe_step(slot.index, time.monotonic() - step_started, outputs, slot.running)
         self._apply(slot, outputs)
 
     @staticmethod

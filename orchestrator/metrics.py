@@ -7,6 +7,8 @@ this server's series.
 
 from __future__ import annotations
 
+from collections.abc import Container
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from gpu_worker.types import FinishReason, StepOutput
@@ -130,13 +132,19 @@ class OrchestratorMetrics:
             self._http_server.server_close()
             self._http_server = None
 
-    def observe_step(self, worker: int, step_s: float, outputs: list[StepOutput]) -> None:
+    def observe_step(
+        self, worker: int, step_s: float, outputs: list[StepOutput], running: Container[str] | None = None
+    ) -> None:
+        """One worker step. ``running``: the sequences whose outputs are delivered; the token and
+        draft counters skip the rest (finished or cancelled here while the step was queued)."""
         self.step_latency.labels(worker=str(worker)).observe(step_s)
         self.batch_size.observe(len(outputs))
         # The worker reports the batch's mask wait on every sequence's output.
         if outputs:
             self.mask_wait.observe(max(o.mask_time_s for o in outputs))
         for o in outputs:
+            if running is not None and o.seq_id not in running:
+                continue
             self.generated_tokens.inc(len(o.new_token_ids))
             self.target_forwards.inc(o.target_forwards)
             self.drafts_proposed.inc(o.drafts_proposed)

@@ -1,4 +1,4 @@
-"""The tokens_per_second histogram rates only requests long enough to span a step (issue 14)."""
+"""Orchestrator metrics: what the histograms rate and what the counters count (issue 14)."""
 
 from __future__ import annotations
 
@@ -22,3 +22,24 @@ def test_short_requests_are_not_rated() -> None:
     n = MIN_TOKENS_FOR_RATE + 2
     m.observe_finish(FinishReason.LENGTH, Usage(prompt_tokens=3, completion_tokens=n), 0.0, 0.1, 1.1)
     assert _rated(m) == (1.0, float(n - 1))  # (n - 1) tokens over the 1 s after the first
+
+
+def test_outputs_of_requests_no_longer_running_are_not_counted_as_emitted() -> None:
+    """A step in flight when its request was cancelled (or finished by a stop string) still
+    returns that sequence's output; the engine drops it, and the token counters skip it. The
+    step itself (latency, batch size, mask wait) counts whole."""
+    from gpu_worker.types import SessionWait, StepOutput
+
+    m = OrchestratorMetrics()
+    kept = StepOutput("kept", [1, 2, 3], drafts_proposed=3, drafts_accepted=2, target_forwards=1, mask_time_s=0.002)
+    dropped = StepOutput("gone", [4, 5], None, drafts_proposed=2, drafts_accepted=1, target_forwards=1)
+    dropped.session_wait = SessionWait.READY
+    m.observe_step(0, 0.01, [kept, dropped], running={"kept"})
+    value = m.registry.get_sample_value
+    assert value("specmask_generated_tokens_total") == 3.0
+    assert value("specmask_target_forwards_total") == 1.0
+    assert value("specmask_drafts_proposed_total") == 3.0 and value("specmask_drafts_accepted_total") == 2.0
+    assert (value("specmask_session_waits_total", {"outcome": "ready"}) or 0.0) == 0.0
+    assert value("specmask_worker_batch_size_sum") == 2.0 and value("specmask_mask_wait_seconds_count") == 1.0
+    m.observe_step(0, 0.01, [dropped])  # no running set given: everything counts
+    assert value("specmask_generated_tokens_total") == 5.0
