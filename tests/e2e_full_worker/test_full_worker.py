@@ -1,0 +1,54 @@
+"""A full worker's freed slot goes to the waiting request: the remove goes before the add.
+
+When a request finishes in the orchestrator (a stop string) rather than on the worker, the
+worker still holds its sequence until a remove() reaches it; the request waiting for that
+slot is placed at once and its add() sent at once (``Engine._send_ahead``). Sent in the other
+order, a worker at ``max_batch`` refuses the add ("worker is full") and that request fails.
+Its own stack: one replica, one worker, one slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from orchestrator.client import OrchestratorClient, build_request
+from orchestrator.dev.local_stack import StackConfig
+from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from tests.e2e.stack import LONG_MAX_TOKENS, LONG_SCHEMA, PROMPT, ThreadStack
+
+pytestmark = pytest.mark.slow
+STOP = '"level"'  # in LONG_SCHEMA's first item: the orchestrator ends the request there
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadStack]:
+    from tests.fixtures.tiny_models import build_tiny_model_pair
+
+    target, draft = build_tiny_model_pair(tmp_path_factory.mktemp("full-worker-tiny"))
+    config = StackConfig(target_dir=str(target), draft_dir=str(draft), mask_replicas=1, num_workers=1)
+    s = ThreadStack(config, max_batch=1, max_queue=8).start()
+    yield s
+    s.stop()
+
+
+def test_the_slot_a_stop_string_frees_goes_to_the_waiting_request(stack: ThreadStack) -> None:
+    with OrchestratorClient(stack.address) as client:
+        whole = client.generate(build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0, max_tokens=LONG_MAX_TOKENS))
+    assert STOP in whole.text
+    request = build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0, max_tokens=LONG_MAX_TOKENS, stop=[STOP])
+    # Three at once on one slot: each waits in the queue until the one before's stop string frees it.
+
+    def generate(_: int) -> pb.GenerateResponse:
+        with OrchestratorClient(stack.address) as client:
+            return client.generate(request, timeout_s=120)
+
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(generate, range(3)))
+    for r in results:
+        assert r.finish_reason == pb.FINISH_REASON_STOP, (r.finish_reason, r.error)
+        assert r.text == whole.text[: whole.text.index(STOP)]
+    active, sessions = stack.wait_idle()
+    assert active == [0] and sessions == 0
