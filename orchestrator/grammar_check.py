@@ -55,9 +55,10 @@ class MaskServiceGrammarChecker:
         cached = self.verdicts.get(key, tier_reachable=self.tier_reachable())  # raises a cached refusal
         if cached is not None:
             return cached
-        return self._flights.run((key, client), lambda: self._check(spec, client))
+        return self._flights.run((key, client), lambda: self._check(spec, client, key))
 
-    def _check(self, spec: GrammarSpec, client: str) -> GrammarReport:
+    def _check(self, spec: GrammarSpec, client: str, key: str) -> GrammarReport:
+        """Ask the tier; keep its verdict under ``key`` (``spec.cache_key()``, as ``check`` looked it up)."""
         try:
             resp = self._router.validate_grammar(self._tokenizer_id, spec, self._vocab_size, client=client)
         except MaskServiceError as exc:
@@ -65,7 +66,7 @@ class MaskServiceGrammarChecker:
                 # The mask service's reason (e.g. GRAMMAR_TOO_COMPLEX) reaches the client as is.
                 reason = exc.reason or "GRAMMAR_INVALID"
                 refusal = InvalidRequest(f"grammar refused: {exc.message}", reason=reason, field="grammar")
-                self.verdicts.refused(spec.cache_key(), refusal)
+                self.verdicts.refused(key, refusal)
                 raise refusal from None
             if exc.code is grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise GrammarTimeout(f"grammar validation timed out: {exc.message}") from None
@@ -77,7 +78,7 @@ class MaskServiceGrammarChecker:
         report = GrammarReport(
             enforcement=resp.enforcement or "exact", backend=resp.backend, relaxed=tuple(resp.relaxed)
         )
-        self.verdicts.accepted(spec.cache_key(), report)
+        self.verdicts.accepted(key, report)
         return report
 
     def release_sessions(self, owner: str) -> int:
