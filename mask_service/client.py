@@ -144,8 +144,17 @@ class MaskServiceClient:
         table_capacity: int = DEFAULT_TABLE_CAPACITY,
         track_bytes: bool = False,
         auth_token: str | None = None,
+        own_connection: bool = False,
     ) -> None:
-        """``auth_token``: the replicas' shared token (None = $SPECMASK_MASK_TOKEN, "" = none)."""
+        """``auth_token``: the replicas' shared token (None = $SPECMASK_MASK_TOKEN, "" = none).
+
+        ``own_connection``: a connection of this client's own, not the one gRPC shares between
+        channels to the same address in a process. A shared connection that failed is in
+        reconnect backoff (up to RECONNECT_OPTIONS' 2 s), and every call on it fails at once
+        with its last error, longer than this client's retries wait: a replica that has just
+        come back would look down. Probes and tools that must see the replica as it is now
+        (a test's session count after a restart) want their own.
+        """
         self.address = address
         self._metadata = client_metadata(token_from_env() if auth_token is None else auth_token)
         # Serialized size of the last DraftMasks response (benchmarks); off by default, it costs a pass.
@@ -160,6 +169,7 @@ class MaskServiceClient:
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 *RECONNECT_OPTIONS,
+                *([("grpc.use_local_subchannel_pool", 1)] if own_connection else []),
             ],
         )
         self._stub = pb_grpc.MaskServiceStub(self._channel)

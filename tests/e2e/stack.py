@@ -161,7 +161,9 @@ class ThreadStack:
         for proc in self.running.mask_services:
             if not proc.running:
                 continue
-            client = MaskServiceClient(proc.address, deadline_s=10.0)
+            # Its own connection: the in-process orchestrator's router may hold this address's
+            # shared one in reconnect backoff after a restart (see MaskServiceClient).
+            client = MaskServiceClient(proc.address, deadline_s=10.0, own_connection=True)
             try:
                 total += client.session_count()
             finally:

@@ -201,3 +201,29 @@ def test_router_release_owner_reaches_every_replica(bpe_dir, registry, bpe_id) -
             r.close()
         for h in handles:
             h.stop(grace_s=0)
+
+
+def test_own_connection_sees_a_restarted_replica_at_once(bpe_dir, registry) -> None:  # type: ignore[no-untyped-def]
+    """A new client shares, by default, the connection of every other channel to that address in
+    the process; while that connection is in reconnect backoff each call fails at once with its
+    last error, past the new client's retries (0.35 s). A probe (the e2e stack's session count
+    after restarting replicas: a CI flake) must see the replica as it is now: ``own_connection``."""
+    from orchestrator.dev.local_stack import free_port
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    failing = MaskServiceClient(address, deadline_s=1.0, max_retries=0)  # what the router holds
+    handle = None
+    try:
+        for _ in range(20):  # ~1 s of failed calls: the shared connection is in backoff
+            with pytest.raises(MaskServiceError):
+                failing.session_count()
+            time.sleep(0.05)
+        handle = build_service(make_config(bpe_dir, port=port), registry)
+        handle.server.start()
+        with MaskServiceClient(address, deadline_s=5.0, max_retries=0, own_connection=True) as probe:
+            assert probe.session_count() == 0  # first call, no retry
+    finally:
+        failing.close()
+        if handle is not None:
+            handle.stop(grace_s=0)
