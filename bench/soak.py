@@ -19,8 +19,10 @@ role; the flood honours RESOURCE_EXHAUSTED retry hints (capped at 1 s).
 ``--flood-mode known`` floods with the steady schemas: the flood's generation
 load alone, to tell it from what its schemas cost. Per phase the RESULT line
 has ``phase_baseline`` / ``phase_flood``: CPU cores per process (and the whole
-box's), the worker's mean step time, batch size and mask wait, and the orchestrator's
-event-loop lag (p50/p99 of how late a 2 ms timer fires).
+box's), the worker's mean step time, batch size and mask wait, the orchestrator's
+event-loop lag (p50/p99 of how late a 2 ms timer fires), and where the phase's requests'
+time to first token went: mean admission (validation, grammar check), queue (waiting
+for a batch slot) and time to first token (the rest is the first step).
 
 Sampled every ``--sample-s``: RSS per process (orchestrator, each mask
 replica and its compile workers, each GPU worker), open mask sessions and the
@@ -507,6 +509,10 @@ class LoopLag:
             self._task.cancel()
 
 
+# Orchestrator histograms PhaseMeter reports a per-phase mean of (specmask_<name>_seconds).
+_PHASE_HISTOGRAMS = ("mask_wait", "request_admission", "request_queue", "time_to_first_token")
+
+
 class PhaseMeter:
     """CPU per process (cores used on average), box-wide CPU, the worker's step figures and
     the orchestrator's event-loop lag over one phase."""
@@ -525,10 +531,14 @@ class PhaseMeter:
             # The client processes of a phase, once joined (RUSAGE_CHILDREN counts waited-for children).
             "clients": sum(getattr(resource.getrusage(resource.RUSAGE_CHILDREN), f) for f in ("ru_utime", "ru_stime")),
             "steps": self._metrics.step_totals(),
-            "mask_wait": (
-                reg.get_sample_value("specmask_mask_wait_seconds_sum") or 0.0,
-                reg.get_sample_value("specmask_mask_wait_seconds_count") or 0.0,
-            ),
+            # Histograms read as (sum, count): a phase's mean is the delta of one over the other.
+            **{
+                name: (
+                    reg.get_sample_value(f"specmask_{name}_seconds_sum") or 0.0,
+                    reg.get_sample_value(f"specmask_{name}_seconds_count") or 0.0,
+                )
+                for name in _PHASE_HISTOGRAMS
+            },
         }
 
     def start(self) -> None:
@@ -543,7 +553,10 @@ class PhaseMeter:
         steps = max(1, s1 - s0)
         ours = {k: round((v - a["cpu"].get(k, 0.0)) / dt, 2) for k, v in b["cpu"].items()}
         ours["clients"] = round((b["clients"] - a["clients"]) / dt, 2)
-        waits = max(1.0, b["mask_wait"][1] - a["mask_wait"][1])
+
+        def mean_ms(name: str) -> float:
+            return round(1000 * (b[name][0] - a[name][0]) / max(1.0, b[name][1] - a[name][1]), 1)
+
         lags = self._lag.lags_s[self._lag_from :]
         return {
             "cpu_cores": ours,
@@ -552,7 +565,12 @@ class PhaseMeter:
             "steps": s1 - s0,
             "step_ms_mean": round(1000 * (sec1 - sec0) / steps, 1),
             "batch_mean": round((seq1 - seq0) / steps, 2),
-            "mask_wait_ms_mean": round(1000 * (b["mask_wait"][0] - a["mask_wait"][0]) / waits, 1),
+            "mask_wait_ms_mean": mean_ms("mask_wait"),
+            # Every request finished or admitted in the phase (steady and flood alike): where its
+            # time to first token went (admission, queue; the rest is its first step).
+            "admission_ms_mean": mean_ms("request_admission"),
+            "queue_ms_mean": mean_ms("request_queue"),
+            "ttft_ms_mean": mean_ms("time_to_first_token"),
             "loop_lag_ms_p50": round(1000 * percentile(lags, 0.5), 2),
             "loop_lag_ms_p99": round(1000 * percentile(lags, 0.99), 2),
         }

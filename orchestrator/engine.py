@@ -279,6 +279,8 @@ class Engine:
             max_attempts=validated.max_attempts,
         )
         self._live[request.request_id] = request
+        request.admitted_time = time.monotonic()
+        self._metrics.admission.observe(request.admitted_time - arrival)
         self._waiting.append(request)
         request.log.info(
             "admitted: %d prompt tokens, max_tokens=%d, grammar=%s, speculation k=%d",
@@ -364,8 +366,12 @@ class Engine:
         if not slot.to_add:
             return
         adds, slot.to_add = slot.to_add, []
+        now = time.monotonic()
         for request in adds:
             slot.running[request.request_id] = request
+            if request.scheduled_time is None:  # a checked-mode retry is not queued again
+                request.scheduled_time = now
+                self._metrics.queue_time.observe(now - (request.admitted_time or now))
         try:
             if slot.to_remove:
                 removes, slot.to_remove = slot.to_remove, []

@@ -40,6 +40,20 @@ class OrchestratorMetrics:
         self.time_to_first_token = Histogram(
             "specmask_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
         )
+        # Where time to first token goes, by phase (the rest of it is the first step: the
+        # prompt's forward, and any wait for the grammar's mask session, session_waits below).
+        self.admission = Histogram(
+            "specmask_request_admission_seconds",
+            "Arrival to admission: request validation and the grammar check (a new grammar's compile included)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "specmask_request_queue_seconds",
+            "Admission to the worker add() that starts generation: time waiting for a batch slot",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.request_tokens_per_second = Histogram(
             "specmask_request_tokens_per_second",
             "Completion tokens / (finish - first token)",

@@ -194,10 +194,26 @@ def test_metrics_endpoint(stack: ThreadStack) -> None:
             for o in ("ready", "joined_late", "sat_out")
         )
 
-    waits_before = session_waits()
+    def phase_sums() -> dict[str, tuple[float, float]]:
+        return {
+            name: (
+                registry.get_sample_value(f"specmask_{name}_seconds_sum") or 0.0,
+                registry.get_sample_value(f"specmask_{name}_seconds_count") or 0.0,
+            )
+            for name in ("request_admission", "request_queue", "time_to_first_token")
+        }
+
+    waits_before, phases_before = session_waits(), phase_sums()
     with OrchestratorClient(stack.address) as client:
         client.generate(build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0, max_tokens=LONG_MAX_TOKENS))
     assert session_waits() == waits_before + 1  # one grammar sequence: its first step reported once
+    # One request: one observation per phase, and admission + queue are parts of its time to first token.
+    took = {
+        name: (after[0] - phases_before[name][0], after[1] - phases_before[name][1])
+        for name, after in phase_sums().items()
+    }
+    assert all(count == 1.0 for _, count in took.values()), took
+    assert took["request_admission"][0] + took["request_queue"][0] <= took["time_to_first_token"][0], took
     port = stack.running.server.metrics_port
     assert port
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -205,6 +221,8 @@ def test_metrics_endpoint(stack: ThreadStack) -> None:
         'specmask_requests_total{finish_reason="grammar_complete"}',
         "specmask_request_latency_seconds_count",
         "specmask_time_to_first_token_seconds_count",
+        "specmask_request_admission_seconds_count",
+        "specmask_request_queue_seconds_count",
         "specmask_request_tokens_per_second_count",
         "specmask_generated_tokens_total",
         "specmask_target_forwards_total",

@@ -45,8 +45,24 @@ def test_the_slot_a_stop_string_frees_goes_to_the_waiting_request(stack: ThreadS
         with OrchestratorClient(stack.address) as client:
             return client.generate(request, timeout_s=120)
 
+    assert stack.running is not None
+    value = stack.running.server.metrics.registry.get_sample_value
+
+    def queued() -> tuple[float, float]:
+        """specmask_request_queue_seconds: (observations, observations of 10 ms or less)."""
+        return (
+            value("specmask_request_queue_seconds_count") or 0.0,
+            value("specmask_request_queue_seconds_bucket", {"le": "0.01"}) or 0.0,
+        )
+
+    before = queued()
     with ThreadPoolExecutor(3) as pool:
         results = list(pool.map(generate, range(3)))
+    after = queued()
+    # Each request's wait for the slot is measured once, and the ones that waited for a whole
+    # generation before them show it (a generation here takes tens of steps).
+    assert after[0] - before[0] == 3.0
+    assert after[1] - before[1] <= 1.0, (before, after)
     for r in results:
         assert r.finish_reason == pb.FINISH_REASON_STOP, (r.finish_reason, r.error)
         assert r.text == whole.text[: whole.text.index(STOP)]
