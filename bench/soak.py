@@ -19,7 +19,8 @@ role; the flood honours RESOURCE_EXHAUSTED retry hints (capped at 1 s).
 ``--flood-mode known`` floods with the steady schemas: the flood's generation
 load alone, to tell it from what its schemas cost. Per phase the RESULT line
 has ``phase_baseline`` / ``phase_flood``: CPU cores per process (and the whole
-box's), the worker's mean step time, batch size and mask wait, the orchestrator's
+box's), the worker's mean step time and step-loop period (the step plus the gap before
+the next), batch size and mask wait, the orchestrator's
 event-loop lag (p50/p99 of how late a 2 ms timer fires), and where the phase's requests'
 time to first token went: mean admission (validation, grammar check), queue (waiting
 for a batch slot) and time to first token (the rest is the first step).
@@ -564,6 +565,9 @@ class PhaseMeter:
             "loadavg_at_start": [round(x, 2) for x in self._loadavg],
             "steps": s1 - s0,
             "step_ms_mean": round(1000 * (sec1 - sec0) / steps, 1),
+            # The step loop's period: a step plus the gap before the next (add/remove calls, the
+            # orchestrator applying outputs). One worker, so the phase's wall time over its steps.
+            "cycle_ms_mean": round(1000 * dt / steps, 1),
             "batch_mean": round((seq1 - seq0) / steps, 2),
             "mask_wait_ms_mean": mean_ms("mask_wait"),
             # Every request finished or admitted in the phase (steady and flood alike): where its
