@@ -105,12 +105,14 @@ class WorkerSlot:
     info: WorkerInfo
     capacity: int  # max active sequences (WorkerConfig.max_batch)
     running: dict[str, Request] = field(default_factory=dict)  # sent to the worker (add in flight or done)
-    # Placed here by the current _place() call; it sends them (one add() per slot) before it returns.
+    # Placed here, add() not sent yet: _place() sends them at once (one add() per slot), unless
+    # a step() is in flight, in which case they wait for its reply and go as one add() then.
     to_add: list[Request] = field(default_factory=list)
     # remove()/add() calls sent ahead of the iteration (at placement), in order, not awaited yet:
     # ("remove", ids, ref) or ("add", requests, ref).
     sent: list[tuple[str, Any, Any]] = field(default_factory=list)
     to_remove: list[str] = field(default_factory=list)  # finished here; the worker still holds them
+    stepping: bool = False  # a step() call is in flight (Engine._send_ahead defers adds meanwhile)
     healthy: bool = True
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     release: asyncio.Task | None = None  # closing a lost worker's mask sessions
@@ -120,7 +122,7 @@ class WorkerSlot:
         return len(self.running) + len(self.to_add)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.to_remove or self.sent)
+        return bool(self.running or self.to_remove or self.sent or self.to_add)
 
 
 class Engine:
@@ -303,6 +305,8 @@ class Engine:
         slot = self._slot_of.get(request_id)
         if slot is None:
             self._waiting.remove(request)
+        elif request in slot.to_add:
+            slot.to_add.remove(request)  # placed, but its add() was never sent: nothing to remove
         else:
             slot.running.pop(request_id, None)
             slot.to_remove.append(request_id)
@@ -352,18 +356,24 @@ class Engine:
         self._metrics.queue_depth.set(self.queue_depth)
 
     def _send_ahead(self, slot: WorkerSlot) -> None:
-        """Send ``slot.to_add`` to the worker now, not with the next iteration: Ray runs it right
-        after the step in flight, while this process handles that step's outputs, and the
-        worker starts the sequences' mask-session opens then, so they are usually open by
-        the next step (the worker does not wait for them in add(); issue 14). Pending removes
-        go first, as in an iteration: the slots they free may be the ones these adds take.
-        The next iteration awaits the replies, in order.
+        """Send ``slot.to_add`` to the worker ahead of the next step() call: the worker runs it
+        while this process handles the current step's outputs, and starts the sequences'
+        mask-session opens then, so they are usually open by the next step (the worker does
+        not wait for them in add(); issue 14). Pending removes go first, as in an iteration:
+        the slots they free may be the ones these adds take. The next iteration awaits the
+        replies, in order.
+
+        While a step() is in flight the adds wait in ``to_add`` and go as one call when its
+        reply is in (``_iterate``): the worker could not run them sooner (an actor runs one
+        call at a time), and each Ray call costs both processes CPU. Sent one per placement,
+        a flood of short requests (issue 14's soak: ~2 arrivals per step) made every step
+        loop iteration three calls.
 
         If Ray refuses the call itself (a broken actor handle, Ray shutting down), the worker
         is handled as lost: these requests finish with an error, like the rest of its batch.
         Before, the exception escaped to whatever placed them (a submit, or another request's
         finish in a step loop) and these requests were neither sent nor finished."""
-        if not slot.to_add:
+        if not slot.to_add or slot.stepping:
             return
         adds, slot.to_add = slot.to_add, []
         now = time.monotonic()
@@ -399,12 +409,14 @@ class Engine:
             self._metrics.running.labels(worker=str(slot.index)).set(len(slot.running))
 
     async def _iterate(self, slot: WorkerSlot) -> None:
-        """One remove/add/step round on one worker (its adds went out at placement)."""
+        """One remove/add/step round on one worker (its adds went out at placement, or go now)."""
+        self._send_ahead(slot)  # adds left waiting by the last step's failure
         sent, slot.sent = slot.sent, []
         removes, slot.to_remove = slot.to_remove, []
         if removes:
             sent.append(("remove", removes, slot.actor.remove.remote(removes)))
         step_ref = slot.actor.step.remote() if slot.running else None
+        slot.stepping = step_ref is not None
         timeout = self._config.step_timeout_s
         step_started = time.monotonic()
         try:
@@ -426,8 +438,15 @@ class Engine:
         except RayTaskError as exc:
             # A worker method raised: the actor is alive, but this batch's
             # state is suspect. Fail the batch, free it, keep the worker.
+            slot.stepping = False
             self._fail_batch(slot, f"worker call failed: {_describe(exc)}")
+            self._send_ahead(slot)
             return
+        finally:
+            slot.stepping = False  # any other failure: _on_worker_failure places to_add elsewhere
+        # What was placed while the step ran goes now, as one add(): the worker runs it while
+        # this process applies the step's outputs.
+        self._send_ahead(slot)
         self._metrics.observe_step(slot.index, time.monotonic() - step_started, outputs, slot.running)
         self._apply(slot, outputs)
 
@@ -562,6 +581,12 @@ class Engine:
         slot.running.clear()
         slot.sent.clear()
         slot.to_remove.clear()
+        # Placed here while its last step ran, never sent: back to the head of the line, in
+        # order, for another worker (or failed below with the rest if none is left).
+        for request in reversed(slot.to_add):
+            self._slot_of.pop(request.request_id, None)
+            self._waiting.appendleft(request)
+        slot.to_add.clear()
         for request in lost:
             self._finish(request, FinishReason.ERROR, f"GPU worker {slot.index} {what}")
         if self._release_sessions is not None and slot.info.session_owner and not self._stopping:

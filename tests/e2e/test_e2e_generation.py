@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -205,9 +207,9 @@ async def _engine_counts(engine) -> tuple[int, int]:  # type: ignore[no-untyped-
 
 
 def test_add_is_sent_when_a_request_is_placed(stack: ThreadStack) -> None:
-    """A request's add() goes to its worker as soon as the request is placed, whatever that
-    worker's loop is doing (Ray runs it right after the step in flight, while the orchestrator
-    handles that step's outputs), not with the loop's next iteration; and the request completes."""
+    """On an idle worker a request's add() goes as soon as the request is placed, not with the
+    loop's next iteration; and the request completes. (On a worker with a step in flight it
+    waits for that step's reply: test_adds_placed_during_a_step_wait_for_its_reply.)"""
     from gpu_worker.types import FinishReason
     from orchestrator.convert import request_from_proto
 
@@ -217,6 +219,115 @@ def test_add_is_sent_when_a_request_is_placed(stack: ThreadStack) -> None:
     assert states == (True, False)  # sent: running, not waiting in to_add
     assert result.finish_reason is FinishReason.GRAMMAR_COMPLETE and result.error is None, result
     assert set(json.loads(result.text)) == {"ok", "level", "flags"}
+
+
+@contextlib.contextmanager
+def _every_worker_stepping(stack: ThreadStack, *, seed: int) -> Iterator[None]:
+    """Both workers busy stepping while the block runs: one endless stream each (placement
+    takes the least-loaded worker), cancelled on the way out."""
+    stack.wait_idle()
+    busy = [
+        build_request(PROMPT, schema=ENDLESS_SCHEMA, temperature=1.0, seed=seed + i, max_tokens=ENDLESS_MAX_TOKENS)
+        for i in range(2)
+    ]
+    with OrchestratorClient(stack.address) as client:
+        calls = [client.stub.GenerateStream(req, timeout=120) for req in busy]
+        try:
+            for call in calls:
+                next(iter(call))  # generating
+            yield
+        finally:
+            for call in calls:
+                call.cancel()
+
+
+def test_adds_placed_during_a_step_wait_for_its_reply(stack: ThreadStack) -> None:
+    """Requests placed while their worker's step() is in flight wait in ``to_add`` and go as
+    one add() when the step's reply is in (the worker could not run them sooner; one call per
+    placement cost a flood three Ray calls per step). Such a request completes; one cancelled
+    while it waits never reaches the worker (its add() would otherwise still go, and the
+    sequence run orphaned to its end)."""
+    import ray
+
+    from gpu_worker.types import FinishReason
+
+    assert stack.running is not None
+    engine = stack.running.server.engine
+    msg = build_request(PROMPT, schema=BOUNDED_SCHEMA, temperature=0.0, max_tokens=64)
+    with _every_worker_stepping(stack, seed=70):
+        completed, tries_a = stack.run(_deferred(engine, msg, "deferred-kept", cancel=False), timeout_s=60)
+        cancelled_id, tries_b = stack.run(_deferred(engine, msg, "deferred-cancelled", cancel=True), timeout_s=60)
+        # Sampled for a second: a cancelled add() that still went out would show here for the
+        # ~30 steps its sequence takes to complete.
+        seen: set[str] = set()
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:
+            for ids in ray.get([a.active_ids.remote() for a in stack.running.server.worker_actors], timeout=30):
+                seen.update(ids)
+            time.sleep(0.01)
+    assert completed.finish_reason is FinishReason.GRAMMAR_COMPLETE and completed.error is None, completed
+    assert set(json.loads(completed.text)) == {"ok", "level", "flags"}
+    assert cancelled_id not in seen and not any(i.startswith("deferred-cancelled") for i in seen), seen
+    assert tries_a < 50 and tries_b < 50
+    active, sessions = stack.wait_idle()
+    assert active == [0, 0] and sessions == 0
+
+
+def test_a_request_waiting_for_a_lost_workers_step_goes_to_another_worker(stack: ThreadStack) -> None:
+    """A request placed on a worker whose step() is in flight has no add() out yet; if that
+    worker is then lost, the request is not failed with the worker's batch but placed again
+    (another worker here) and completes. The loss is the engine's own handling of it
+    (``_on_worker_failure``, what a dead or hung actor gets), called while the request waits;
+    the worker is then probed back into placement."""
+    from gpu_worker.types import FinishReason
+
+    assert stack.running is not None
+    engine = stack.running.server.engine
+    msg = build_request(PROMPT, schema=BOUNDED_SCHEMA, temperature=0.0, max_tokens=64)
+    with _every_worker_stepping(stack, seed=80):
+        lost, moved_to, result = stack.run(_deferred_then_worker_lost(engine, msg), timeout_s=60)
+    assert moved_to != lost
+    assert result.finish_reason is FinishReason.GRAMMAR_COMPLETE and result.error is None, result
+    deadline = time.monotonic() + 60
+    while not all(engine.worker_health()):  # probed back into placement (~1 s)
+        assert time.monotonic() < deadline, "the worker was not put back"
+        time.sleep(0.2)
+    active, sessions = stack.wait_idle()
+    assert active == [0, 0] and sessions == 0
+
+
+async def _deferred_then_worker_lost(engine, msg):  # type: ignore[no-untyped-def]
+    from orchestrator.convert import request_from_proto
+
+    for attempt in range(50):
+        request = await engine.submit(request_from_proto(msg, f"lost-worker-{attempt}"))
+        slot = engine._slot_of[request.request_id]
+        if request in slot.to_add:
+            engine._on_worker_failure(slot, RuntimeError("injected: worker lost"))
+            moved = engine._slot_of[request.request_id]
+            return slot.index, moved.index, await request.result()
+        engine.cancel(request.request_id)
+        await request.result()
+    raise AssertionError("no request was placed while a step was in flight in 50 tries")
+
+
+async def _deferred(engine, msg, prefix: str, *, cancel: bool):  # type: ignore[no-untyped-def]
+    """Submit copies of ``msg`` until one is placed while its worker's step is in flight (in
+    ``to_add``); cancel or await it. Copies sent at once are cancelled and waited out."""
+    from orchestrator.convert import request_from_proto
+
+    for attempt in range(50):
+        request = await engine.submit(request_from_proto(msg, f"{prefix}-{attempt}"))
+        slot = engine._slot_of[request.request_id]
+        if request in slot.to_add:
+            assert slot.stepping and request.request_id not in slot.running
+            if cancel:
+                engine.cancel(request.request_id)
+                return request.request_id, attempt
+            return await request.result(), attempt
+        engine.cancel(request.request_id)
+        await request.result()
+    raise AssertionError("no request was placed while a step was in flight in 50 tries")
 
 
 async def _placed_state(engine, req):  # type: ignore[no-untyped-def]
