@@ -12,7 +12,7 @@ Terms used across the package, defined once:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mask_service.grammar import GrammarSpec
 
@@ -128,6 +128,17 @@ class StepOutput:
     # its first step, and how many steps it sat out waiting for it.
     session_wait: SessionWait | None = None
     steps_sat_out: int = 0
+
+
+@dataclass
+class Iteration:
+    """What ``GpuWorker.iterate`` did: a step loop's remove, add and step in one call."""
+
+    add_errors: list[str | None]  # per added sequence, as add() returns
+    outputs: list[StepOutput]  # as step() returns ([] when nothing was active)
+    # Removed ids the worker did not hold (finished on the worker, or refused by add(),
+    # while the orchestrator's cancel was queued): expected, not errors.
+    unknown_removed: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -6,18 +6,15 @@ Life of a request:
    validates on a thread pool (tokenize, sampling checks, ValidateGrammar on
    the mask service) and queues the request as *waiting*.
 2. ``_place`` moves waiting requests onto the least-loaded healthy worker with
-   a free batch slot and sends their ``add`` at once (with any pending
-   ``remove`` first): the worker takes it right after the step in flight,
-   while this process handles that step's outputs, and starts opening the
-   mask sessions then (``_send_ahead``).
+   a free batch slot; they go with that worker's next iteration (an idle
+   worker's loop is woken at once).
 3. Each worker has its own step loop (an asyncio task), so a slow worker never
-   stalls the others. One iteration sends ``remove`` (cancelled or
-   stop-string-finished sequences) and ``step`` (one decoding step for every
-   active sequence: propose, masks in flight with the target forward, verify,
-   commit — see docs/INTERFACES.md), then awaits, in order, what went ahead at
-   placement and those two. Ray runs one caller's calls on an actor in
-   submission order, so they can be sent back to back; every await has a
-   timeout.
+   stalls the others. One iteration is one Ray call, ``iterate``: ``remove``
+   (cancelled or stop-string-finished sequences), ``add`` (what was placed
+   since the last call; the worker starts opening their mask sessions), then
+   ``step`` (one decoding step for every active sequence: propose, masks in
+   flight with the target forward, verify, commit — see docs/INTERFACES.md).
+   Every await has a timeout.
 4. Step outputs go to each ``Request`` (detokenize, stop strings, stream);
    requests the worker finished are freed by the worker, requests finished here
    (stop string, cancel) are ``remove``d in the next iteration. Freed slots are
@@ -56,7 +53,7 @@ from typing import Any
 
 from ray.exceptions import RayTaskError
 
-from gpu_worker.types import FinishReason, SamplingParams, StepOutput, UnknownSequenceError, WorkerInfo
+from gpu_worker.types import FinishReason, Iteration, SamplingParams, StepOutput, UnknownSequenceError, WorkerInfo
 from orchestrator.detokenizer import Decoder
 from orchestrator.errors import DuplicateRequestId, Overloaded, ShuttingDown, Unavailable
 from orchestrator.metrics import OrchestratorMetrics
@@ -105,14 +102,9 @@ class WorkerSlot:
     info: WorkerInfo
     capacity: int  # max active sequences (WorkerConfig.max_batch)
     running: dict[str, Request] = field(default_factory=dict)  # sent to the worker (add in flight or done)
-    # Placed here, add() not sent yet: _place() sends them at once (one add() per slot), unless
-    # a step() is in flight, in which case they wait for its reply and go as one add() then.
+    # Placed here, not sent yet: they go with the loop's next iterate() call (Engine._iterate).
     to_add: list[Request] = field(default_factory=list)
-    # remove()/add() calls sent ahead of the iteration (at placement), in order, not awaited yet:
-    # ("remove", ids, ref) or ("add", requests, ref).
-    sent: list[tuple[str, Any, Any]] = field(default_factory=list)
     to_remove: list[str] = field(default_factory=list)  # finished here; the worker still holds them
-    stepping: bool = False  # a step() call is in flight (Engine._send_ahead defers adds meanwhile)
     healthy: bool = True
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     release: asyncio.Task | None = None  # closing a lost worker's mask sessions
@@ -122,7 +114,7 @@ class WorkerSlot:
         return len(self.running) + len(self.to_add)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.to_remove or self.sent or self.to_add)
+        return bool(self.running or self.to_remove or self.to_add)
 
 
 class Engine:
@@ -339,9 +331,8 @@ class Engine:
         return sum(max(0, s.capacity - s.load) for s in self._slots if s.healthy)
 
     def _place(self) -> None:
-        """Move waiting requests to the least-loaded healthy workers with free slots, and send
-        their add() at once (``_send_ahead``)."""
-        placed: list[WorkerSlot] = []
+        """Move waiting requests to the least-loaded healthy workers with free slots; each goes
+        with its worker's next iterate() call (an idle worker's loop is woken for it)."""
         while self._waiting and not self._stopping:
             candidates = [s for s in self._slots if s.healthy and s.load < s.capacity]
             if not candidates:
@@ -350,47 +341,8 @@ class Engine:
             request = self._waiting.popleft()
             slot.to_add.append(request)
             self._slot_of[request.request_id] = slot
-            placed.append(slot)
-        for slot in dict.fromkeys(placed):
-            self._send_ahead(slot)
+            slot.wake.set()
         self._metrics.queue_depth.set(self.queue_depth)
-
-    def _send_ahead(self, slot: WorkerSlot) -> None:
-        """Send ``slot.to_add`` to the worker ahead of the next step() call: the worker runs it
-        while this process handles the current step's outputs, and starts the sequences'
-        mask-session opens then, so they are usually open by the next step (the worker does
-        not wait for them in add(); issue 14). Pending removes go first, as in an iteration:
-        the slots they free may be the ones these adds take. The next iteration awaits the
-        replies, in order.
-
-        While a step() is in flight the adds wait in ``to_add`` and go as one call when its
-        reply is in (``_iterate``): the worker could not run them sooner (an actor runs one
-        call at a time), and each Ray call costs both processes CPU. Sent one per placement,
-        a flood of short requests (issue 14's soak: ~2 arrivals per step) made every step
-        loop iteration three calls.
-
-        If Ray refuses the call itself (a broken actor handle, Ray shutting down), the worker
-        is handled as lost: these requests finish with an error, like the rest of its batch.
-        Before, the exception escaped to whatever placed them (a submit, or another request's
-        finish in a step loop) and these requests were neither sent nor finished."""
-        if not slot.to_add or slot.stepping:
-            return
-        adds, slot.to_add = slot.to_add, []
-        now = time.monotonic()
-        for request in adds:
-            slot.running[request.request_id] = request
-            if request.scheduled_time is None:  # a checked-mode retry is not queued again
-                request.scheduled_time = now
-                self._metrics.queue_time.observe(now - (request.admitted_time or now))
-        try:
-            if slot.to_remove:
-                removes, slot.to_remove = slot.to_remove, []
-                slot.sent.append(("remove", removes, slot.actor.remove.remote(removes)))
-            slot.sent.append(("add", adds, slot.actor.add.remote([r.seq for r in adds])))
-        except Exception as exc:
-            self._on_worker_failure(slot, exc)
-            return
-        slot.wake.set()
 
     # ---- step loop -------------------------------------------------------
 
@@ -409,46 +361,45 @@ class Engine:
             self._metrics.running.labels(worker=str(slot.index)).set(len(slot.running))
 
     async def _iterate(self, slot: WorkerSlot) -> None:
-        """One remove/add/step round on one worker (its adds went out at placement, or go now)."""
-        self._send_ahead(slot)  # adds left waiting by the last step's failure
-        sent, slot.sent = slot.sent, []
+        """One round on one worker, one Ray call: ``iterate()`` removes what finished here,
+        adds what was placed since the last call, and steps (a bare ``remove()`` when nothing
+        is left to step).
+
+        Adds placed while a step runs wait for the next call: the worker could not take them
+        sooner (an actor runs one call at a time), and each Ray call costs both processes
+        ~0.4 ms of CPU; sent one per placement, a flood of short requests (issue 14's soak,
+        ~2 arrivals a step) made each iteration three calls. The worker starts their
+        mask-session opens in the call and steps at once: a sequence whose open answers while
+        the drafts are proposed joins that step, else it sits the step out."""
         removes, slot.to_remove = slot.to_remove, []
-        if removes:
-            sent.append(("remove", removes, slot.actor.remove.remote(removes)))
-        step_ref = slot.actor.step.remote() if slot.running else None
-        slot.stepping = step_ref is not None
+        adds, slot.to_add = slot.to_add, []
+        now = time.monotonic()
+        for request in adds:
+            slot.running[request.request_id] = request
+            if request.scheduled_time is None:  # a checked-mode retry is not queued again
+                request.scheduled_time = now
+                self._metrics.queue_time.observe(now - (request.admitted_time or now))
         timeout = self._config.step_timeout_s
-        step_started = time.monotonic()
+        if not slot.running:
+            if removes:
+                await self._await_remove(slot, slot.actor.remove.remote(removes), timeout)
+            return
+        started = time.monotonic()
         try:
-            # The actor runs calls in the order they were sent: what went ahead at placement
-            # (remove, add), this iteration's remove, the step.
-            for kind, payload, ref in sent:
-                if kind == "remove":
-                    await self._await_remove(slot, ref, timeout)
-                else:
-                    add_errors = await _ray_get(ref, timeout)
-                    for request, add_error in zip(payload, add_errors, strict=True):
-                        # A refused sequence never became active on the worker: nothing to remove.
-                        if add_error is not None and slot.running.pop(request.request_id, None) is not None:
-                            self._finish(request, FinishReason.ERROR, f"worker refused the request: {add_error}")
-                step_started = time.monotonic()  # the step starts about when the last call before it ends
-            if step_ref is None:
-                return
-            outputs: list[StepOutput] = await _ray_get(step_ref, timeout)
+            result: Iteration = await _ray_get(slot.actor.iterate.remote(removes, [r.seq for r in adds]), timeout)
         except RayTaskError as exc:
             # A worker method raised: the actor is alive, but this batch's
             # state is suspect. Fail the batch, free it, keep the worker.
-            slot.stepping = False
             self._fail_batch(slot, f"worker call failed: {_describe(exc)}")
-            self._send_ahead(slot)
             return
-        finally:
-            slot.stepping = False  # any other failure: _on_worker_failure places to_add elsewhere
-        # What was placed while the step ran goes now, as one add(): the worker runs it while
-        # this process applies the step's outputs.
-        self._send_ahead(slot)
-        self._metrics.observe_step(slot.index, time.monotonic() - step_started, outputs, slot.running)
-        self._apply(slot, outputs)
+        if result.unknown_removed:
+            logger.debug("worker %d no longer held %s", slot.index, result.unknown_removed)
+        for request, add_error in zip(adds, result.add_errors, strict=True):
+            # A refused sequence never became active on the worker: nothing to remove.
+            if add_error is not None and slot.running.pop(request.request_id, None) is not None:
+                self._finish(request, FinishReason.ERROR, f"worker refused the request: {add_error}")
+        self._metrics.observe_step(slot.index, time.monotonic() - started, result.outputs, slot.running)
+        self._apply(slot, result.outputs)
 
     @staticmethod
     async def _await_remove(slot: WorkerSlot, ref: Any, timeout: float) -> None:
@@ -579,9 +530,8 @@ class Engine:
         self._metrics.worker_failures.labels(worker=str(slot.index)).inc()
         lost = list(slot.running.values())
         slot.running.clear()
-        slot.sent.clear()
         slot.to_remove.clear()
-        # Placed here while its last step ran, never sent: back to the head of the line, in
+        # Placed here while its last call ran, never sent: back to the head of the line, in
         # order, for another worker (or failed below with the rest if none is left).
         for request in reversed(slot.to_add):
             self._slot_of.pop(request.request_id, None)

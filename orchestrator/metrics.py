@@ -79,7 +79,7 @@ class OrchestratorMetrics:
         )
         self.step_latency = Histogram(
             "specmask_worker_step_seconds",
-            "One worker step as seen by the orchestrator (Ray round trip included)",
+            "One worker iteration as seen by the orchestrator: its removes and adds, the step, the Ray round trip",
             ["worker"],
             buckets=_LATENCY_BUCKETS,
             registry=r,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import random
@@ -206,15 +207,16 @@ async def _engine_counts(engine) -> tuple[int, int]:  # type: ignore[no-untyped-
     return engine.num_live(), engine.queue_depth
 
 
-def test_add_is_sent_when_a_request_is_placed(stack: ThreadStack) -> None:
-    """On an idle worker a request's add() goes as soon as the request is placed, not with the
-    loop's next iteration; and the request completes. (On a worker with a step in flight it
-    waits for that step's reply: test_adds_placed_during_a_step_wait_for_its_reply.)"""
+def test_a_request_placed_on_an_idle_worker_goes_at_once(stack: ThreadStack) -> None:
+    """A request placed on an idle worker wakes its loop: it is sent (running) as soon as the
+    loop runs, with nothing else to wait for; and it completes. (On a worker with a call in
+    flight it waits for the next: test_adds_placed_during_a_step_wait_for_the_next_call.)"""
     from gpu_worker.types import FinishReason
     from orchestrator.convert import request_from_proto
 
     engine = stack.running.server.engine
     msg = build_request(PROMPT, schema=BOUNDED_SCHEMA, temperature=0.0, max_tokens=64)
+    stack.wait_idle()
     states, result = stack.run(_placed_state(engine, request_from_proto(msg, "placed-add")))
     assert states == (True, False)  # sent: running, not waiting in to_add
     assert result.finish_reason is FinishReason.GRAMMAR_COMPLETE and result.error is None, result
@@ -241,12 +243,12 @@ def _every_worker_stepping(stack: ThreadStack, *, seed: int) -> Iterator[None]:
                 call.cancel()
 
 
-def test_adds_placed_during_a_step_wait_for_its_reply(stack: ThreadStack) -> None:
-    """Requests placed while their worker's step() is in flight wait in ``to_add`` and go as
-    one add() when the step's reply is in (the worker could not run them sooner; one call per
-    placement cost a flood three Ray calls per step). Such a request completes; one cancelled
-    while it waits never reaches the worker (its add() would otherwise still go, and the
-    sequence run orphaned to its end)."""
+def test_adds_placed_during_a_step_wait_for_the_next_call(stack: ThreadStack) -> None:
+    """Requests placed while their worker's iterate() call is in flight wait in ``to_add`` and
+    go with the next call (the worker could not take them sooner; one add() call per placement
+    cost a flood three Ray calls per step). Such a request completes; one cancelled while it
+    waits never reaches the worker (it would otherwise still be added, and run orphaned to
+    its end)."""
     import ray
 
     from gpu_worker.types import FinishReason
@@ -308,37 +310,38 @@ async def _deferred_then_worker_lost(engine, msg):  # type: ignore[no-untyped-de
             return slot.index, moved.index, await request.result()
         engine.cancel(request.request_id)
         await request.result()
-    raise AssertionError("no request was placed while a step was in flight in 50 tries")
+    raise AssertionError("no request waited for its worker's next call in 50 tries")
 
 
 async def _deferred(engine, msg, prefix: str, *, cancel: bool):  # type: ignore[no-untyped-def]
-    """Submit copies of ``msg`` until one is placed while its worker's step is in flight (in
-    ``to_add``); cancel or await it. Copies sent at once are cancelled and waited out."""
+    """Submit copies of ``msg`` (its workers busy stepping) until one waits in ``to_add`` for
+    the next call; cancel or await it. Copies sent at once are cancelled and waited out."""
     from orchestrator.convert import request_from_proto
 
     for attempt in range(50):
         request = await engine.submit(request_from_proto(msg, f"{prefix}-{attempt}"))
         slot = engine._slot_of[request.request_id]
         if request in slot.to_add:
-            assert slot.stepping and request.request_id not in slot.running
+            assert request.request_id not in slot.running
             if cancel:
                 engine.cancel(request.request_id)
                 return request.request_id, attempt
             return await request.result(), attempt
         engine.cancel(request.request_id)
         await request.result()
-    raise AssertionError("no request was placed while a step was in flight in 50 tries")
+    raise AssertionError("no request waited for its worker's next call in 50 tries")
 
 
 async def _placed_state(engine, req):  # type: ignore[no-untyped-def]
     request = await engine.submit(req)
     slot = engine._slot_of[request.request_id]
+    await asyncio.sleep(0)  # the woken loop runs: the request goes with its iterate() call
     states = (request.request_id in slot.running, request in slot.to_add)
     return states, await request.result()
 
 
-class _AddRefusedOnce:
-    """A worker's Ray actor handle whose next ``add.remote()`` raises, as Ray's does when it
+class _IterateRefusedOnce:
+    """A worker's Ray actor handle whose next ``iterate.remote()`` raises, as Ray's does when it
     cannot take a call (a broken handle, Ray shutting down); everything else is the real actor."""
 
     def __init__(self, actor) -> None:  # type: ignore[no-untyped-def]
@@ -347,7 +350,7 @@ class _AddRefusedOnce:
 
     def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
         method = getattr(self._actor, name)
-        if name != "add" or self.refused:
+        if name != "iterate" or self.refused:
             return method
         handle = self
 
@@ -359,10 +362,10 @@ class _AddRefusedOnce:
         return _Refusing()
 
 
-def test_a_request_whose_add_ray_refuses_finishes_with_an_error(stack: ThreadStack) -> None:
-    """If Ray refuses the add() call at placement, the request finishes with a SpecMask error at
-    once (before, it was neither sent nor finished: its client waited out its deadline), the
-    worker is taken out and recovered, and the next request completes."""
+def test_a_request_whose_iterate_call_ray_refuses_finishes_with_an_error(stack: ThreadStack) -> None:
+    """If Ray refuses the iterate() call that carries a request's add, the request finishes with
+    a SpecMask error at once (before, it was neither sent nor finished: its client waited out its
+    deadline), the worker is taken out and recovered, and the next request completes."""
     from gpu_worker.types import FinishReason
     from orchestrator.convert import request_from_proto
 
@@ -370,7 +373,7 @@ def test_a_request_whose_add_ray_refuses_finishes_with_an_error(stack: ThreadSta
     stack.wait_idle()
     slots = engine._slots
     real = [slot.actor for slot in slots]
-    wrapped = [_AddRefusedOnce(actor) for actor in real]
+    wrapped = [_IterateRefusedOnce(actor) for actor in real]
     for slot, proxy in zip(slots, wrapped, strict=True):
         slot.actor = proxy
     try:

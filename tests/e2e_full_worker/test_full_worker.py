@@ -2,8 +2,9 @@
 
 When a request finishes in the orchestrator (a stop string) rather than on the worker, the
 worker still holds its sequence until a remove() reaches it; the request waiting for that
-slot is placed at once and its add() sent at once (``Engine._send_ahead``). Sent in the other
-order, a worker at ``max_batch`` refuses the add ("worker is full") and that request fails.
+slot is placed at once and goes with the next iterate() call, which removes before it adds
+(``GpuWorker.iterate``). In the other order, a worker at ``max_batch`` refuses the add
+("worker is full") and that request fails.
 Its own stack: one replica, one worker, one slot.
 """
 

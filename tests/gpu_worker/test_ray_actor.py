@@ -63,5 +63,34 @@ def test_worker_serves_as_a_ray_actor(ray_local, tiny_pair, mask_address):
             if not ray.get(actor.num_active.remote(), timeout=GET_TIMEOUT_S):
                 break
         assert finished == {"a": FinishReason.GRAMMAR_COMPLETE}
+        # iterate(): the orchestrator's one call per iteration. Removes first (an id the worker
+        # does not hold is reported, not raised), then adds (per-sequence errors), then a step
+        # that already includes what was just added.
+        first = ray.get(
+            actor.iterate.remote(
+                ["a", "gone"],
+                [
+                    # no stop token, a budget one step cannot use up: still running after it
+                    NewSequence("b", (5, 6), None, SamplingParams(max_tokens=64), stop_token_ids=()),
+                    NewSequence("b", (5,), None),
+                ],
+            ),
+            timeout=GET_TIMEOUT_S,
+        )
+        assert first.unknown_removed == ["a", "gone"]  # "a" finished on the worker already
+        assert first.add_errors[0] is None and "duplicate seq_id" in (first.add_errors[1] or "")
+        assert [o.seq_id for o in first.outputs] == ["b"] and first.outputs[0].new_token_ids
+        # A sequence removed in the same call as others are added: gone before the step.
+        second = ray.get(
+            actor.iterate.remote(
+                ["b"], [NewSequence("c", (7,), None, SamplingParams(max_tokens=64), stop_token_ids=())]
+            ),
+            timeout=GET_TIMEOUT_S,
+        )
+        assert second.unknown_removed == [] and second.add_errors == [None]
+        assert [o.seq_id for o in second.outputs] == ["c"]
+        third = ray.get(actor.iterate.remote(["c"], []), timeout=GET_TIMEOUT_S)
+        assert (third.unknown_removed, third.add_errors, third.outputs) == ([], [], [])  # nothing left to step
+        assert ray.get(actor.num_active.remote(), timeout=GET_TIMEOUT_S) == 0
     finally:
         ray.kill(actor)
