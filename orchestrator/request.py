@@ -63,7 +63,7 @@ class Request:
         self.log = RequestLog(logger, {"request_id": seq.seq_id})
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.admitted_time: float | None = None  # validated and queued (Engine.submit)
-        self.scheduled_time: float | None = None  # its add() sent to a worker (Engine._send_ahead)
+        self.scheduled_time: float | None = None  # sent to a worker with an iterate() call (Engine._iterate)
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.usage = Usage(prompt_tokens=len(seq.prompt_token_ids))
