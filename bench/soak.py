@@ -23,7 +23,7 @@ box's), the worker's mean step time and step-loop period (the step plus the gap 
 the next), batch size and mask wait, the orchestrator's
 event-loop lag (p50/p99 of how late a 2 ms timer fires), and where the phase's requests'
 time to first token went: mean admission (validation, grammar check), queue (waiting
-for a batch slot) and time to first token (the rest is the first step).
+for a batch slot and the worker's next iteration) and time to first token (the rest is the first step).
 
 Sampled every ``--sample-s``: RSS per process (orchestrator, each mask
 replica and its compile workers, each GPU worker), open mask sessions and the

@@ -50,7 +50,7 @@ class OrchestratorMetrics:
         )
         self.queue_time = Histogram(
             "specmask_request_queue_seconds",
-            "Admission to the worker add() that starts generation: time waiting for a batch slot",
+            "Admission to being sent to a worker: waiting for a batch slot, then for the worker's next iteration",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
