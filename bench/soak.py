@@ -565,7 +565,7 @@ class PhaseMeter:
             "loadavg_at_start": [round(x, 2) for x in self._loadavg],
             "steps": s1 - s0,
             "step_ms_mean": round(1000 * (sec1 - sec0) / steps, 1),
-            # The step loop's period: a step plus the gap before the next (add/remove calls, the
+            # The step loop's period: a step plus the gap before the next (Ray's round trip, the
             # orchestrator applying outputs). One worker, so the phase's wall time over its steps.
             "cycle_ms_mean": round(1000 * dt / steps, 1),
             "batch_mean": round((seq1 - seq0) / steps, 2),

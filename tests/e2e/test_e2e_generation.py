@@ -276,7 +276,7 @@ def test_adds_placed_during_a_step_wait_for_the_next_call(stack: ThreadStack) ->
 
 
 def test_a_request_waiting_for_a_lost_workers_step_goes_to_another_worker(stack: ThreadStack) -> None:
-    """A request placed on a worker whose step() is in flight has no add() out yet; if that
+    """A request placed on a worker whose iterate() call is in flight is not sent yet; if that
     worker is then lost, the request is not failed with the worker's batch but placed again
     (another worker here) and completes. The loss is the engine's own handling of it
     (``_on_worker_failure``, what a dead or hung actor gets), called while the request waits;
@@ -299,34 +299,33 @@ def test_a_request_waiting_for_a_lost_workers_step_goes_to_another_worker(stack:
 
 
 async def _deferred_then_worker_lost(engine, msg):  # type: ignore[no-untyped-def]
-    from orchestrator.convert import request_from_proto
-
-    for attempt in range(50):
-        request = await engine.submit(request_from_proto(msg, f"lost-worker-{attempt}"))
-        slot = engine._slot_of[request.request_id]
-        if request in slot.to_add:
-            engine._on_worker_failure(slot, RuntimeError("injected: worker lost"))
-            moved = engine._slot_of[request.request_id]
-            return slot.index, moved.index, await request.result()
-        engine.cancel(request.request_id)
-        await request.result()
-    raise AssertionError("no request waited for its worker's next call in 50 tries")
+    request, slot, _ = await _submit_until_waiting(engine, msg, "lost-worker")
+    engine._on_worker_failure(slot, RuntimeError("injected: worker lost"))
+    moved = engine._slot_of[request.request_id]
+    return slot.index, moved.index, await request.result()
 
 
 async def _deferred(engine, msg, prefix: str, *, cancel: bool):  # type: ignore[no-untyped-def]
+    """One copy of ``msg`` that waits in ``to_add`` for its worker's next call; cancel or await it."""
+    request, slot, attempt = await _submit_until_waiting(engine, msg, prefix)
+    assert request.request_id not in slot.running
+    if cancel:
+        engine.cancel(request.request_id)
+        return request.request_id, attempt
+    return await request.result(), attempt
+
+
+async def _submit_until_waiting(engine, msg, prefix: str):  # type: ignore[no-untyped-def]
     """Submit copies of ``msg`` (its workers busy stepping) until one waits in ``to_add`` for
-    the next call; cancel or await it. Copies sent at once are cancelled and waited out."""
+    the next call; return it, its slot and the attempt. Copies sent at once are cancelled and
+    waited out."""
     from orchestrator.convert import request_from_proto
 
     for attempt in range(50):
         request = await engine.submit(request_from_proto(msg, f"{prefix}-{attempt}"))
         slot = engine._slot_of[request.request_id]
         if request in slot.to_add:
-            assert request.request_id not in slot.running
-            if cancel:
-                engine.cancel(request.request_id)
-                return request.request_id, attempt
-            return await request.result(), attempt
+            return request, slot, attempt
         engine.cancel(request.request_id)
         await request.result()
     raise AssertionError("no request waited for its worker's next call in 50 tries")
