@@ -338,11 +338,34 @@ class Engine:
             if not candidates:
                 break
             slot = min(candidates, key=lambda s: s.load)
-            request = self._waiting.popleft()
+            request = self._next_waiting()
             slot.to_add.append(request)
             self._slot_of[request.request_id] = slot
             slot.wake.set()
         self._metrics.queue_depth.set(self.queue_depth)
+
+    def _next_waiting(self) -> Request:
+        """Take the next request to place: the oldest waiting one of the client that holds the
+        fewest batch slots now. So batch slots are shared round-robin between the clients that
+        wait, and one client's flood cannot keep another's request out of the batch; a lone
+        client still gets every slot, in arrival order."""
+        head = self._waiting[0]
+        if len(self._waiting) == 1:
+            return self._waiting.popleft()
+        placed = collections.Counter(self._client_of.get(rid, "") for rid in self._slot_of)
+        best, best_load = head, placed[self._client_of.get(head.request_id, "")]
+        seen: set[str] = set()
+        for request in self._waiting:
+            client = self._client_of.get(request.request_id, "")
+            if client in seen:
+                continue
+            seen.add(client)
+            if placed[client] < best_load:
+                best, best_load = request, placed[client]
+                if best_load == 0:
+                    break
+        self._waiting.remove(best)
+        return best
 
     # ---- step loop -------------------------------------------------------
 
