@@ -79,9 +79,10 @@ _REMOVE_ON_SHUTDOWN_TIMEOUT_S = 10.0
 # (plus model loading); a hung one answers once its stuck call returns.
 _RECOVERY_PROBE_S = 1.0
 _RECOVERY_PROBE_MAX_S = 10.0
-# Batch slots (all healthy workers together) kept from the client holding the most, so
-# another client's request is placed at once: the price is this fraction of a lone
-# client's batch, the gain that a second client never waits for a flood's request to end.
+# Batch slots (all healthy workers together, rounded down: none below 8) kept from the
+# client holding the most, so another client's request is placed at once: the price is
+# this fraction of a lone client's batch, the gain that a second client does not wait for
+# one of a flood's requests to end.
 _RESERVED_SLOT_FRACTION = 1 / 8
 # Checked mode: attempt n of a seeded request uses seed + n * this (odd, so attempts never share a seed).
 _SEED_STRIDE = 0x9E3779B97F4A7C15
@@ -357,13 +358,13 @@ class Engine:
         """Take the next request to place: the oldest waiting one of the client that holds the
         fewest batch slots now. So batch slots are shared round-robin between the clients that
         wait, and one client's flood cannot keep another's request out of the batch. One client
-        may hold all but a reserve of the slots (``_RESERVED_SLOT_FRACTION``, at least one), so
+        may hold all but a reserve of the slots (``_RESERVED_SLOT_FRACTION``; none below 8), so
         another client's request finds a free slot at once instead of waiting for one of the
         flood's to finish; None when every waiting client is at that share."""
         if not self._config.fair_placement:
             return self._waiting.popleft()
         total = sum(s.capacity for s in self._slots if s.healthy)
-        share = total - (max(1, int(total * _RESERVED_SLOT_FRACTION)) if total > 1 else 0)
+        share = total - int(total * _RESERVED_SLOT_FRACTION)
         placed = collections.Counter(self._client_of.get(rid, "") for rid in self._slot_of)
         best: Request | None = None
         best_load = share
