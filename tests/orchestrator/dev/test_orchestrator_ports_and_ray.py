@@ -96,3 +96,19 @@ def test_local_ray_listens_on_loopback_only() -> None:
     addresses = json.loads(line[len("LISTEN ") :])
     assert addresses, "no Ray listener found"
     assert all(a in ("127.0.0.1", "::ffff:127.0.0.1", "::1") for a in addresses), addresses
+
+
+def test_up_refuses_an_unreadable_key_file_in_one_line(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-keys"
+    cmd = [sys.executable, "-m", "orchestrator.cli", "up", "--port", "0", "--metrics-port", "-1", "--http-port", "-1",
+           "--api-key-file", str(missing)]  # fmt: skip
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines == [f"specmask up: error: --api-key-file {missing}: No such file or directory"], proc.stderr[-2000:]
