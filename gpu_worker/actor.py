@@ -53,6 +53,7 @@ from gpu_worker.types import (
     UnknownSequenceError,
     WorkerInfo,
 )
+from mask_service.auth import owner_tag
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,12 @@ class GpuWorker:
                 vocab_size=self.vocab_size,
                 deadline_s=config.mask_deadline_s,
                 owner=self.session_owner,
+                compile_wait_s=config.compile_wait_s,
             )
+        # A session open waits for its grammar's compile (the replica answers when it is
+        # ready): a sequence still opening is failed only past this, not past a mask call's
+        # deadline, so a slow compile on a busy box is waited for, not refused.
+        self._open_timeout_s = max(config.compile_wait_s, config.mask_deadline_s * 4)
         # Mask rows resident on the device: one mirror for the draft-side masking and the verifier.
         self.mask_table = DeviceMaskTable(self.device)
         self.proposers = build_proposers(
@@ -219,7 +225,7 @@ class GpuWorker:
             return errors
         if wait_for_sessions:
             opening = [s.session_opening for _, s in accepted if s.session_opening is not None]
-            futures_wait(opening, timeout=self.stepper.mask_timeout_s)
+            futures_wait(opening, timeout=self._open_timeout_s)
         for i, state in accepted:
             # Settled now if the open already answered (e.g. during a long prefill): a refusal
             # is then add()'s answer; later, it is the sequence's step output.
@@ -444,7 +450,7 @@ class GpuWorker:
             return None
         if not opening.done():
             waited = time.monotonic() - state.opening_since
-            if waited <= self.stepper.mask_timeout_s:
+            if waited <= self._open_timeout_s:
                 return None
             return f"grammar refused by the mask service: opening the session took over {waited:.0f} s"
         state.session_opening = None
@@ -500,14 +506,16 @@ class GpuWorker:
 
 def _session_owner() -> str:
     """The Ray actor id, which a restarted actor keeps: its sessions name it, so a restart
-    releases what the crashed process left open. Outside an actor: no owner."""
+    releases what the crashed process left open. Outside an actor: no owner. Tagged with a
+    secret (mask_service.auth.owner_tag): the actor id alone, which Ray's logs show, does
+    not release this worker's sessions."""
     try:
         import ray
 
         if ray.is_initialized():
             actor_id = ray.get_runtime_context().get_actor_id()
             if actor_id:
-                return f"gpu-worker-{actor_id}"
+                return owner_tag(f"gpu-worker-{actor_id}")
     except Exception as exc:  # an owner is an optimisation; never fail start-up over it
         logger.warning("no session owner (ray runtime context unavailable: %s)", exc)
     return ""

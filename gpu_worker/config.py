@@ -47,6 +47,8 @@ class WorkerConfig:
     # False: one forward per sequence (the exact reference the batched path is tested against).
     batched_forward: bool = True
     mask_deadline_s: float = 5.0  # per mask-service call, handed to the router
+    # How long opening a session waits for its grammar's compile (mask_service.client).
+    compile_wait_s: float = 120.0
     ngram_min: int = DEFAULT_NGRAM_MIN
     ngram_max: int = DEFAULT_NGRAM_MAX
     step_prefill_tokens: int = DEFAULT_STEP_PREFILL_TOKENS

@@ -35,6 +35,7 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from mask_service.auth import public_owner
 from mask_service.grammar import GrammarSpec
 
 if TYPE_CHECKING:
@@ -71,20 +72,24 @@ class MaskChannel:
         vocab_size: int,
         deadline_s: float,
         owner: str = "",
+        compile_wait_s: float | None = None,
     ) -> MaskChannel:
         """``owner``: a stable id of this worker; sessions carry it, and the channel first
         releases whatever an earlier process under that owner left open (a crash)."""
         from mask_service.router import MaskRouter
 
-        router = MaskRouter(list(addresses), deadline_s=deadline_s, owner=owner)
+        extra = {} if compile_wait_s is None else {"compile_wait_s": compile_wait_s}
+        router = MaskRouter(list(addresses), deadline_s=deadline_s, owner=owner, **extra)
         if owner:
             try:
                 released = router.release_owner()
             except Exception as exc:  # best effort: the service's TTL reclaims them anyway
-                logger.warning("releasing mask sessions of %s failed: %s", owner, exc)
+                logger.warning("releasing mask sessions of %s failed: %s", public_owner(owner), exc)
             else:
                 if released:
-                    logger.warning("released %d mask sessions a previous process of %s left open", released, owner)
+                    logger.warning(
+                        "released %d mask sessions a previous process of %s left open", released, public_owner(owner)
+                    )
         return cls(router, tokenizer_id=tokenizer_id, vocab_size=vocab_size)
 
     def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:

@@ -32,8 +32,32 @@ CLIENT_METADATA_KEY = "specmask-client"
 _PROTECTED_PREFIX = "/specmask.mask.v1.MaskService/"
 
 
+# Keys the secret part of session owners (owner_tag); unset: the mask token does.
+OWNER_SECRET_ENV = "SPECMASK_SESSION_OWNER_SECRET"
+_OWNER_SEPARATOR = "#"
+
+
 def token_from_env() -> str:
     return os.environ.get(TOKEN_ENV, "")
+
+
+def owner_tag(public: str, secret: str | None = None) -> str:
+    """A session owner that only its holder can name: ``public`` (what logs show, e.g. the
+    worker's Ray actor id) plus an HMAC of it under ``secret`` (default: $SPECMASK_SESSION_OWNER_SECRET,
+    else the mask token). ReleaseOwner closes sessions by owner, so an owner read from a
+    log line no longer releases anything: the caller must hold the whole tag, which the
+    process that opened the sessions (and the orchestrator, over Ray) has, and which a
+    restarted process with the same ``public`` id computes again."""
+    key = secret if secret is not None else os.environ.get(OWNER_SECRET_ENV) or token_from_env()
+    if not public or not key:
+        return public
+    mac = hmac.new(key.encode(), public.encode(), "sha256").hexdigest()[:32]
+    return f"{public}{_OWNER_SEPARATOR}{mac}"
+
+
+def public_owner(owner: str) -> str:
+    """The part of an owner tag that may be logged."""
+    return owner.split(_OWNER_SEPARATOR, 1)[0]
 
 
 def client_metadata(token: str) -> tuple[tuple[str, str], ...]:

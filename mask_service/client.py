@@ -44,6 +44,12 @@ _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # schemas reuse few distinct rows (82% of rows repeat), so this rarely fills.
 DEFAULT_TABLE_CAPACITY = 2048
 _BACKOFF_S = 0.05
+# The deadline of the calls that may wait on a compile (ValidateGrammar, OpenSession).
+# The replica answers such a call when its grammar is ready, or just before the
+# caller's deadline; a short deadline would turn a compile that will finish (slowly,
+# on a busy box) into "still compiling, retry". A grammar over its CPU budget is
+# refused by the replica long before this.
+DEFAULT_COMPILE_WAIT_S = 120.0
 MAX_MESSAGE_BYTES = 64 * 1024**2
 # gRPC's default reconnect backoff grows to 120 s, and a channel in backoff
 # fails every call at once with UNAVAILABLE: a replica that restarts would stay
@@ -145,8 +151,12 @@ class MaskServiceClient:
         track_bytes: bool = False,
         auth_token: str | None = None,
         own_connection: bool = False,
+        compile_wait_s: float = DEFAULT_COMPILE_WAIT_S,
     ) -> None:
-        """``auth_token``: the replicas' shared token (None = $SPECMASK_MASK_TOKEN, "" = none).
+        """``compile_wait_s``: the deadline of ValidateGrammar and OpenSession, which wait for the
+        grammar's compile (at least ``deadline_s``).
+
+        ``auth_token``: the replicas' shared token (None = $SPECMASK_MASK_TOKEN, "" = none).
 
         ``own_connection``: a connection of this client's own, not the one gRPC shares between
         channels to the same address in a process. A shared connection that failed is in
@@ -161,6 +171,7 @@ class MaskServiceClient:
         self.track_bytes = track_bytes
         self.last_response_bytes = 0
         self._deadline = deadline_s
+        self._compile_wait = max(deadline_s, compile_wait_s)
         self._retries = max_retries
         self._capacity = table_capacity
         self._channel = grpc.insecure_channel(
@@ -186,11 +197,12 @@ class MaskServiceClient:
         *,
         retry_on: tuple[grpc.StatusCode, ...] = _RETRYABLE,
         metadata: tuple[tuple[str, str], ...] = (),
+        timeout_s: float | None = None,
     ) -> T:
         attempt = 0
         while True:
             try:
-                return fn(request, timeout=self._deadline, metadata=self._metadata + metadata)
+                return fn(request, timeout=timeout_s or self._deadline, metadata=self._metadata + metadata)
             except grpc.RpcError as exc:
                 code = exc.code()  # type: ignore[attr-defined]
                 if code in retry_on and attempt < self._retries:
@@ -218,6 +230,8 @@ class MaskServiceClient:
             self._stub.ValidateGrammar,
             pb.ValidateGrammarRequest(target=self._target(tokenizer_id, spec, vocab_size)),
             metadata=((CLIENT_METADATA_KEY, client),) if client else (),
+            retry_on=(grpc.StatusCode.UNAVAILABLE,),
+            timeout_s=self._compile_wait,
         )
 
     def open_session(
@@ -246,7 +260,9 @@ class MaskServiceClient:
         req = pb.OpenSessionRequest(
             target=self._target(tokenizer_id, spec, vocab_size), owner=owner, request_id=request_id
         )
-        return self._call(self._stub.OpenSession, req, retry_on=(grpc.StatusCode.UNAVAILABLE,))
+        return self._call(
+            self._stub.OpenSession, req, retry_on=(grpc.StatusCode.UNAVAILABLE,), timeout_s=self._compile_wait
+        )
 
     def release_owner(self, owner: str) -> int:
         """Close every session opened with ``owner`` on this replica; returns how many. Safe to retry."""

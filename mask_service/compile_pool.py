@@ -9,13 +9,17 @@ dispatcher thread. A job runs under three limits, all watched from here every
   it the grammar is *too complex* (``GrammarTooComplex``, cached by the caller):
   CPU time is what the grammar costs, whatever else the box is doing, so a
   loaded box does not turn valid schemas into refusals, and the workers can run
-  at the lowest priority (nice 19, SCHED_IDLE) without being judged for it;
+  at a lower priority than serving (nice 5) without being judged for it;
 * a **resident-memory cap** (``memory_cap_bytes``): also "too complex";
-* a **wall-clock backstop** (``wall_budget_s``, longer): a compile starved of
-  CPU (the box is busy serving) or a worker that stopped making progress
-  (SIGSTOP, a hang) is ended with ``CompileStarved``: RESOURCE_EXHAUSTED with
-  a retry hint, never cached (the grammar was not judged) and never a reason to
-  mark the replica dead.
+* a **stall backstop** (``wall_budget_s``): a worker whose CPU time has not
+  advanced for that long (SIGSTOP, a hang off the CPU) is ended with
+  ``CompileStarved``: RESOURCE_EXHAUSTED with a retry hint, never cached (the
+  grammar was not judged) and never a reason to mark the replica dead. A
+  compile that is making progress, however slowly, is never ended by the wall
+  clock: the workers run at a modest nice (not the idle class), so the kernel
+  guarantees them a share of a core beside any number of runnable processes,
+  and the CPU budget bounds how long they can need. Where /proc cannot say,
+  the backstop is a plain wall-clock limit.
 
 Why the parent polls the child's CPU time instead of RLIMIT_CPU/SIGXCPU in the
 child: a worker is long-lived and runs many jobs, and RLIMIT_CPU counts the
@@ -72,10 +76,10 @@ from mask_service.parent_watch import PARENT_PID_ENV
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # RSS / CPU / deadline checks while a job runs
-# The wall-clock backstop when none is configured: generous against the CPU
-# budget (a lowest-priority worker on a busy box gets a small share of a core),
-# and long enough that clients' retries (10 s deadlines) join the running
-# compile instead of starting over.
+# The stall backstop when none is configured: how long a worker's CPU time may
+# stand still before its compile is ended as starved. A niced worker beside
+# saturating processes still gets CPU every scheduler period, so a stall this
+# long means a stopped or blocked worker, not a busy box.
 _MIN_WALL_BUDGET_S = 30.0
 _WALL_BUDGET_FACTOR = 4.0
 
@@ -83,6 +87,13 @@ _WALL_BUDGET_FACTOR = 4.0
 def default_wall_budget_s(cpu_budget_s: float) -> float:
     return max(_MIN_WALL_BUDGET_S, _WALL_BUDGET_FACTOR * cpu_budget_s)
 
+
+# Compile workers' priority: below serving (draft masks, commits win the CPU), but a
+# plain nice, not SCHED_IDLE: the idle class gets no CPU while anything else is
+# runnable, so on a saturated box (a mask pod busy serving) no compile would finish.
+# Nice 5 against nice-0 work is a weight of 335 to 1024: a guaranteed share of about
+# a quarter of a core per competing process, and the CPU budget still bounds it.
+DEFAULT_WORKER_NICE = 5
 
 _START_TIMEOUT_S = 120.0  # importing xgrammar (and torch) in a fresh worker; not charged to a job
 
@@ -116,6 +127,30 @@ def cpu_seconds(pid: int) -> float | None:
         return (int(fields[11]) + int(fields[12])) / _CLK_TCK
     except (OSError, IndexError, ValueError):
         return None
+
+
+class _StallWatch:
+    """Ends a wait once a process's CPU time has stood still for ``window_s`` ("stalled").
+
+    ``deadline`` is far off where /proc answers (progress is what counts), else
+    ``window_s`` from now (a plain wall-clock backstop)."""
+
+    # An upper bound on any one wait, so a watch that never stalls still ends.
+    _FAR_S = 24 * 3600.0
+
+    def __init__(self, pid: int, window_s: float) -> None:
+        self._window_s = window_s
+        self._last = cpu_seconds(pid)
+        self._since = time.monotonic()
+        self.deadline = self._since + (self._FAR_S if self._last is not None else window_s)
+
+    def check(self, pid: int) -> str | None:
+        now_cpu = cpu_seconds(pid)
+        now = time.monotonic()
+        if now_cpu is None or self._last is None or now_cpu > self._last:
+            self._last, self._since = now_cpu, now
+            return None
+        return "stalled" if now - self._since >= self._window_s else None
 
 
 @dataclass(frozen=True)
@@ -217,8 +252,8 @@ class CompilePool:
         max_queue_per_owner: int,
         wall_budget_s: float = 0.0,
         threads_per_compile: int = 1,
-        nice: int = 19,
-        sched_idle: bool = True,
+        nice: int = DEFAULT_WORKER_NICE,
+        sched_idle: bool = False,
     ) -> None:
         if workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers}")
@@ -363,7 +398,8 @@ class CompilePool:
     def _starved(self, what: str, cpu_used: float | None) -> CompileStarved:
         used = "" if cpu_used is None else f", {cpu_used:.1f} s of its {self.budget_s:g} s CPU budget used"
         return CompileStarved(
-            f"compile {what} within the {self.wall_budget_s:g} s wall-clock backstop (the replica is busy{used}); "
+            f"compile {what} within the {self.wall_budget_s:g} s wall-clock backstop (the worker made no "
+            f"progress{used}); "
             f"retry in ~{self.budget_s:.0f} s",
             retry_after_s=max(1.0, self.budget_s),
         )
@@ -374,7 +410,9 @@ class CompilePool:
         deadline = time.monotonic() + self.wall_budget_s
         if job.tok_key not in worker.tokenizers:
             worker.send(("tokenizer", job.tok_key, self._tokenizer_json(job.tok_key)))
-            ack = worker._read(deadline, None)
+            assert worker.proc is not None
+            load = _StallWatch(worker.proc.pid, self.wall_budget_s)
+            ack = worker._read(load.deadline, load.check)
             if ack != ("tokenizer-ok",):  # the box or the worker, not the grammar: not a verdict
                 worker.kill()
                 raise self._starved("worker did not load the tokenizer", None)
@@ -382,6 +420,7 @@ class CompilePool:
         worker.send(("compile", job.backend, job.tok_key, job.spec, self._threads))
         assert worker.proc is not None
         cpu_start = cpu_seconds(worker.proc.pid)
+        stall = _StallWatch(worker.proc.pid, self.wall_budget_s)
         peak = 0
         cpu_used: float | None = None
 
@@ -396,9 +435,9 @@ class CompilePool:
                 cpu_used = now - cpu_start
                 if cpu_used > self.budget_s:
                     return "cpu"
-            return None
+            return stall.check(pid)
 
-        reply = worker._read(deadline, within_limits)
+        reply = worker._read(stall.deadline if cpu_start is not None else deadline, within_limits)
         too_complex = f"grammar too complex: compile exceeded {self.budget_s:g} s of CPU time"
         if isinstance(reply, tuple) and reply:
             if reply[0] == "ok":
@@ -417,7 +456,7 @@ class CompilePool:
             raise GrammarTooComplex(
                 f"grammar too complex: compile exceeded the {self.memory_cap_bytes / 2**20:.0f} MiB memory cap"
             )
-        if reply == "timeout":
+        if reply in ("timeout", "stalled"):
             raise self._starved("did not finish", cpu_used)
         raise GrammarTooComplex("grammar too complex: the compile worker died while compiling it")
 

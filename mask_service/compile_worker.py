@@ -28,11 +28,14 @@ outside the service writes to these pipes). Messages:
   client's) or ``("failed", message)`` (anything else, e.g. out of memory under the cap)
 
 Priority: the worker lowers itself before importing anything (so every thread
-the engine starts inherits it): nice ``SPECMASK_COMPILE_NICE`` (default 19) and,
-on Linux with ``SPECMASK_COMPILE_SCHED_IDLE=1``, the SCHED_IDLE policy, which
-runs it only on CPU time nothing else wants. That is safe because the verdict
-"too complex" is taken on the worker's own CPU time (compile_pool), not on the
-wall clock: a starved compile is not mistaken for an expensive one.
+the engine starts inherits it): nice ``SPECMASK_COMPILE_NICE`` (default 5) and,
+only on Linux with ``SPECMASK_COMPILE_SCHED_IDLE=1`` (an operator's opt-in), the
+SCHED_IDLE policy. A plain nice keeps the serving process ahead while the
+kernel still guarantees the worker a share of the CPU beside any number of
+runnable processes; the idle class would get none on a saturated box, and no
+schema would compile there. The verdict "too complex" is taken on the worker's
+own CPU time (compile_pool), not on the wall clock, so a slowed compile is not
+mistaken for an expensive one.
 """
 
 from __future__ import annotations
@@ -140,7 +143,7 @@ def main() -> int:
 
     die_with_parent_from_env()
     lower_priority(
-        int(os.environ.get("SPECMASK_COMPILE_NICE", "19")), os.environ.get("SPECMASK_COMPILE_SCHED_IDLE") == "1"
+        int(os.environ.get("SPECMASK_COMPILE_NICE", "5")), os.environ.get("SPECMASK_COMPILE_SCHED_IDLE") == "1"
     )
     extra = int(os.environ.get("SPECMASK_COMPILE_AS_EXTRA", "0"))
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)

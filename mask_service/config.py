@@ -18,13 +18,16 @@ DEFAULT_MAX_K = 16  # speculation beyond 16 drafts has vanishing acceptance
 # schemas. Real schemas compile in well under a second on 150k vocabs; an
 # accepted grammar is compiled a second time in the serving process.
 DEFAULT_COMPILE_TIMEOUT_S = 4.0
-# The wall-clock backstop of a compile starved of CPU (or a stopped worker):
-# RESOURCE_EXHAUSTED, retry later, not cached. 0 = max(30 s, 4x the CPU budget).
+# The stall backstop: a compile worker whose CPU time stands still this long
+# (stopped, blocked) ends its compile with RESOURCE_EXHAUSTED, retry later, not
+# cached. 0 = max(30 s, 4x the CPU budget).
 DEFAULT_COMPILE_WALL_TIMEOUT_S = 0.0
-# Compile workers run at the lowest priority, so the serving path wins the CPU
-# (safe: the CPU budget does not charge them for waiting).
-DEFAULT_COMPILE_NICE = 19
-DEFAULT_COMPILE_SCHED_IDLE = True  # Linux SCHED_IDLE: run only on CPU nothing else wants
+# Compile workers run below the serving path's priority, so it wins the CPU, but
+# at a plain nice that the kernel still gives a share beside any load (safe: the
+# CPU budget does not charge them for waiting). SCHED_IDLE is an opt-in: under
+# it a saturated box compiles nothing.
+DEFAULT_COMPILE_NICE = 5
+DEFAULT_COMPILE_SCHED_IDLE = False
 DEFAULT_COMPILE_WORKERS = 2  # processes (~330 MB each: xgrammar imports torch)
 # A worker above this RSS is killed with its compile (a 10k-property schema reached 4 GB).
 DEFAULT_COMPILE_MEMORY_BYTES = 1536 * 1024**2

@@ -45,14 +45,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compile-wall-timeout-s",
         type=float,
         default=cfg.DEFAULT_COMPILE_WALL_TIMEOUT_S,
-        help="wall-clock backstop of a starved compile: RESOURCE_EXHAUSTED, retry (0 = max(30, 4x the CPU budget))",
+        help="seconds a compile worker's CPU time may stand still (stopped, blocked) before its compile "
+        "ends with RESOURCE_EXHAUSTED, retry (0 = max(30, 4x the CPU budget))",
     )
     parser.add_argument("--compile-nice", type=int, default=cfg.DEFAULT_COMPILE_NICE)
     parser.add_argument(
         "--compile-sched-idle",
         action=argparse.BooleanOptionalAction,
         default=cfg.DEFAULT_COMPILE_SCHED_IDLE,
-        help="compile workers under Linux SCHED_IDLE (only CPU nothing else wants)",
+        help="compile workers under Linux SCHED_IDLE (only CPU nothing else wants: on a saturated "
+        "box no compile finishes; off by default)",
     )
     parser.add_argument("--grammar-cache-mb", type=int, default=cfg.DEFAULT_GRAMMAR_CACHE_BYTES // 2**20)
     parser.add_argument(

@@ -33,7 +33,14 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from mask_service.client import DraftMaskItem, DraftMaskResult, MaskServiceClient, MaskServiceError
+from mask_service.auth import public_owner
+from mask_service.client import (
+    DEFAULT_COMPILE_WAIT_S,
+    DraftMaskItem,
+    DraftMaskResult,
+    MaskServiceClient,
+    MaskServiceError,
+)
 from mask_service.grammar import GrammarSpec
 from mask_service.replicas import ReplicaSet
 from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
@@ -74,13 +81,16 @@ class MaskRouter:
         deadline_s: float = 5.0,
         max_retries: int = 1,
         owner: str = "",
+        compile_wait_s: float = DEFAULT_COMPILE_WAIT_S,
     ) -> None:
-        """``owner``: tags every session this router opens, on any replica (see release_owner)."""
+        """``owner``: tags every session this router opens, on any replica (see release_owner).
+        ``compile_wait_s``: how long ValidateGrammar / OpenSession wait for a grammar's compile."""
         if not addresses:
             raise ValueError("MaskRouter needs at least one address")
         self.owner = owner
         self._replicas = ReplicaSet(addresses)
         self._deadline_s = deadline_s
+        self._compile_wait_s = compile_wait_s
         self._max_retries = max_retries
         self._clients: dict[str, MaskServiceClient] = {}  # every address used so far
         self._dead_until: dict[str, float] = {}
@@ -92,7 +102,12 @@ class MaskRouter:
         with self._lock:
             client = self._clients.get(address)
             if client is None:
-                client = MaskServiceClient(address, deadline_s=self._deadline_s, max_retries=self._max_retries)
+                client = MaskServiceClient(
+                    address,
+                    deadline_s=self._deadline_s,
+                    max_retries=self._max_retries,
+                    compile_wait_s=self._compile_wait_s,
+                )
                 self._clients[address] = client
             return client
 
@@ -346,7 +361,7 @@ class MaskRouter:
             except MaskServiceError as exc:
                 if exc.code not in _FAILOVER_CODES:
                     raise
-                logger.warning("release of owner %s on %s skipped: %s", owner, address, exc.code.name)
+                logger.warning("release of owner %s on %s skipped: %s", public_owner(owner), address, exc.code.name)
         return closed
 
     def session_count(self) -> int:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from mask_service.auth import public_owner
 from mask_service.compiler_cache import CompiledEntry
 from mask_service.errors import InvalidArgument, LimitExceeded, SessionNotFound, TokenRejected
 
@@ -175,7 +176,7 @@ class SessionStore:
             for sid in mine:
                 self._drop_locked(sid)
         if mine:
-            logger.info("released %d sessions of owner %s", len(mine), owner)
+            logger.info("released %d sessions of owner %s", len(mine), public_owner(owner))
         return len(mine)
 
     def evict_idle(self) -> int:

@@ -9,11 +9,17 @@ as the ``specmask-client`` request metadata of ValidateGrammar
 
 In order of preference:
 
-1. ``specmask-client`` (gRPC metadata) / ``X-SpecMask-Client`` (HTTP header):
-   set by a trusted gateway in front of the orchestrator, or by the client;
-2. the API key (``authorization: Bearer ...`` / ``x-api-key``), hashed, so
-   the key itself never reaches the mask service or its logs;
+1. the API key (``authorization: Bearer ...`` / ``x-api-key``), hashed, so
+   the key itself never reaches the mask service or its logs: with keys
+   configured (orchestrator.auth_keys) each key is one client, whatever
+   header it sends;
+2. ``specmask-client`` (gRPC metadata) / ``X-SpecMask-Client`` (HTTP header),
+   where no key is sent: set by a trusted gateway in front of the
+   orchestrator, or by the client;
 3. the peer's host (its ephemeral port dropped).
+
+The same identity bounds a client's requests in flight and its share of batch
+slots in the orchestrator's engine (orchestrator.engine).
 
 Fairness is not authentication: a client that sends a fresh
 ``specmask-client`` value with every request becomes many owners (each still
@@ -52,10 +58,10 @@ def peer_host(peer: str) -> str:
 def client_identity(pairs: Iterable[tuple[str, str]], peer: str) -> str:
     """The identity for ``pairs`` (request metadata or HTTP headers, any case) from ``peer``."""
     pairs = [(str(k), str(v)) for k, v in pairs]
-    for key, value in pairs:
-        if key.lower() in (CLIENT_METADATA_KEY, CLIENT_HTTP_HEADER.lower()) and value.strip():
-            return "client:" + value.strip()[:_MAX_CHARS]
     key = _api_key(pairs)
     if key:
         return "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    for name, value in pairs:
+        if name.lower() in (CLIENT_METADATA_KEY, CLIENT_HTTP_HEADER.lower()) and value.strip():
+            return "client:" + value.strip()[:_MAX_CHARS]
     return "peer:" + (peer_host(peer) or "unknown")[:_MAX_CHARS]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpu_worker.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_K, DEFAULT_STEP_PREFILL_TOKENS, WorkerConfig
 from mask_service.replicas import parse_targets
@@ -17,6 +17,7 @@ DEFAULT_HOST = "127.0.0.1"
 # the client can back off from, never as an unbounded backlog whose latency
 # grows without limit.
 DEFAULT_MAX_QUEUE = 256
+AUTO_INFLIGHT_PER_CLIENT = -1  # max_inflight_per_client: derived (OrchestratorConfig.inflight_cap_per_client)
 # Output budget when a request names none (also capped by the model length).
 DEFAULT_MAX_TOKENS = 256
 # Drafts per step when a request names none. k=4 sits near the knee of
@@ -86,7 +87,12 @@ class OrchestratorConfig:
     validation_threads: int = DEFAULT_VALIDATION_THREADS
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     checked_max_attempts: int = DEFAULT_CHECKED_MAX_ATTEMPTS  # checked mode: cap on a request's max_attempts
-    max_inflight_per_client: int = 0  # per end client (orchestrator.client_identity); 0 = no cap
+    # Requests one end client (orchestrator.client_identity) may have in flight; 0 = no cap,
+    # AUTO_INFLIGHT_PER_CLIENT = every batch slot plus half the admission queue (inflight_cap_per_client).
+    max_inflight_per_client: int = AUTO_INFLIGHT_PER_CLIENT
+    # Keys the public APIs require (orchestrator.auth_keys); () = open. Not in repr: never logged.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    cors_origins: tuple[str, ...] = ()  # origins browsers may call the HTTP API from; () = no CORS
     # The mask tier's verdicts on grammars, kept this long and this many (orchestrator.verdict_cache):
     # a grammar judged recently costs a request no ValidateGrammar round trip. 0 entries = off.
     grammar_verdict_cache_entries: int = DEFAULT_GRAMMAR_VERDICT_CACHE_ENTRIES
@@ -120,8 +126,21 @@ class OrchestratorConfig:
             raise ValueError(f"worker_torch_threads must be >= 0 (0 = every CPU), got {self.worker_torch_threads}")
         if self.worker_max_restarts < -1:
             raise ValueError(f"worker_max_restarts must be >= -1, got {self.worker_max_restarts}")
+        if self.max_inflight_per_client < AUTO_INFLIGHT_PER_CLIENT:
+            raise ValueError(
+                f"max_inflight_per_client must be >= 0 (0 = no cap) or -1 (auto), got {self.max_inflight_per_client}"
+            )
         if not 0 <= self.default_k <= self.max_k:
             raise ValueError(f"need 0 <= default_k <= max_k, got {self.default_k}, {self.max_k}")
+
+    @property
+    def inflight_cap_per_client(self) -> int:
+        """The per-client in-flight cap in force (0 = none). By default a client may fill
+        every batch slot (fair placement shares them while others wait) and half the
+        admission queue, so one client's flood always leaves room for another's requests."""
+        if self.max_inflight_per_client != AUTO_INFLIGHT_PER_CLIENT:
+            return self.max_inflight_per_client
+        return self.max_batch * self.num_workers + max(1, self.max_queue // 2)
 
     def worker_config(self) -> WorkerConfig:
         """What every GPU worker gets: all mask-service replicas, so its router can fail over."""

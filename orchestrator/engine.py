@@ -79,6 +79,11 @@ _REMOVE_ON_SHUTDOWN_TIMEOUT_S = 10.0
 # (plus model loading); a hung one answers once its stuck call returns.
 _RECOVERY_PROBE_S = 1.0
 _RECOVERY_PROBE_MAX_S = 10.0
+# Batch slots (all healthy workers together, rounded down: none below 8) kept from the
+# client holding the most, so another client's request is placed at once: the price is
+# this fraction of a lone client's batch, the gain that a second client does not wait for
+# one of a flood's requests to end.
+_RESERVED_SLOT_FRACTION = 1 / 8
 # Checked mode: attempt n of a seeded request uses seed + n * this (odd, so attempts never share a seed).
 _SEED_STRIDE = 0x9E3779B97F4A7C15
 
@@ -91,6 +96,9 @@ class EngineConfig:
     # Requests one end client (GenerationRequest.client) may have in flight; 0 = no cap. Bounds
     # one client's share of the batches, so its flood is its own queueing (issue 14).
     max_inflight_per_client: int = 0
+    # Place the oldest request of the client holding the fewest batch slots (Engine._next_waiting);
+    # False: strict arrival order (bench.fairness's control).
+    fair_placement: bool = True
 
 
 @dataclass(eq=False)
@@ -337,12 +345,42 @@ class Engine:
             candidates = [s for s in self._slots if s.healthy and s.load < s.capacity]
             if not candidates:
                 break
+            request = self._next_waiting()
+            if request is None:
+                break
             slot = min(candidates, key=lambda s: s.load)
-            request = self._waiting.popleft()
             slot.to_add.append(request)
             self._slot_of[request.request_id] = slot
             slot.wake.set()
         self._metrics.queue_depth.set(self.queue_depth)
+
+    def _next_waiting(self) -> Request | None:
+        """Take the next request to place: the oldest waiting one of the client that holds the
+        fewest batch slots now. So batch slots are shared round-robin between the clients that
+        wait, and one client's flood cannot keep another's request out of the batch. One client
+        may hold all but a reserve of the slots (``_RESERVED_SLOT_FRACTION``; none below 8), so
+        another client's request finds a free slot at once instead of waiting for one of the
+        flood's to finish; None when every waiting client is at that share."""
+        if not self._config.fair_placement:
+            return self._waiting.popleft()
+        total = sum(s.capacity for s in self._slots if s.healthy)
+        share = total - int(total * _RESERVED_SLOT_FRACTION)
+        placed = collections.Counter(self._client_of.get(rid, "") for rid in self._slot_of)
+        best: Request | None = None
+        best_load = share
+        seen: set[str] = set()
+        for request in self._waiting:
+            client = self._client_of.get(request.request_id, "")
+            if client in seen:
+                continue
+            seen.add(client)
+            if placed[client] < best_load:
+                best, best_load = request, placed[client]
+                if best_load == 0:
+                    break
+        if best is not None:
+            self._waiting.remove(best)
+        return best
 
     # ---- step loop -------------------------------------------------------
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from mask_service.log_format import LOG_FORMATS, configure_logging
 from mask_service.startup import PORT_OFF, StartupError, check_model_dir, check_ports_free, port_flag
 from orchestrator import config as cfg
+from orchestrator.auth_keys import add_api_key_arguments, api_keys_from_args
 from orchestrator.config import OrchestratorConfig
 
 logger = logging.getLogger(__name__)
@@ -55,13 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name", default=None, help="model id of the HTTP API (default: the --target dir's name)"
     )
-    parser.add_argument(
-        "--max-inflight-per-client",
-        type=int,
-        default=0,
-        help="requests one end client (specmask-client metadata, API key, else address) may have in flight; "
-        "past it RESOURCE_EXHAUSTED (0 = no limit)",
-    )
+    add_fairness_and_auth_arguments(parser)
     parser.add_argument(
         "--max-queue",
         type=int,
@@ -138,6 +133,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_fairness_and_auth_arguments(parser: argparse.ArgumentParser) -> None:
+    """The per-client cap, API keys and CORS: on every command that serves the public APIs."""
+    parser.add_argument(
+        "--max-inflight-per-client",
+        type=int,
+        default=cfg.AUTO_INFLIGHT_PER_CLIENT,
+        help="requests one end client (API key, else specmask-client metadata / X-SpecMask-Client header, "
+        "else address) may have in flight; past it RESOURCE_EXHAUSTED (-1 = every batch slot plus half "
+        "the admission queue, 0 = no limit)",
+    )
+    add_api_key_arguments(parser)
+    parser.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="an origin browsers may call the HTTP API from (repeatable; '*' = any; default: no CORS)",
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
     """The one place flags become configuration."""
     return OrchestratorConfig(
@@ -153,6 +168,8 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         served_model_name=args.served_model_name,
         max_queue=args.max_queue,
         max_inflight_per_client=args.max_inflight_per_client,
+        api_keys=api_keys_from_args(args),
+        cors_origins=tuple(args.cors_origin),
         max_batch=args.max_batch,
         max_k=args.max_k,
         default_k=args.default_k,

@@ -31,6 +31,19 @@ _LOCAL_OBJECT_STORE_BYTES = 100 * 1024**2
 _SHUTDOWN_TIMEOUT_S = 10.0
 
 
+def _local_ray_on_loopback() -> None:
+    """A local Ray's servers (GCS, raylet, workers) listen on 127.0.0.1 only.
+
+    Ray binds loopback when it is told it runs no cluster (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0,
+    set above for the processes it starts), but this process's ray_constants read that
+    variable once, when ray was first imported (the engine imports ray.exceptions), so the
+    constant is set here too. Without it every Ray port listened on all interfaces."""
+    from ray._private import ray_constants
+
+    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
+        ray_constants.ENABLE_RAY_CLUSTER = False
+
+
 def connect_ray(address: str, *, log_to_driver: bool = True) -> bool:
     """Join Ray; ``"local"`` starts an in-process cluster. Returns True if this call started Ray.
 
@@ -44,6 +57,7 @@ def connect_ray(address: str, *, log_to_driver: bool = True) -> bool:
     if address == "local":
         for key, value in _LOCAL_RAY_ENV.items():
             os.environ.setdefault(key, value)
+        _local_ray_on_loopback()
         # address="local": always a new cluster, never one that happens to be
         # running on this machine (ray.init() without an address would join it).
         ray.init(

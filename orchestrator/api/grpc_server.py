@@ -19,7 +19,9 @@ from grpc_reflection.v1alpha import reflection
 from gpu_worker.types import WorkerInfo
 from mask_service.replicas import join_host_port
 from mask_service.tokenizer_id import tokenizer_id_for_path
+from orchestrator.api.grpc_auth import ApiKeyInterceptor
 from orchestrator.api.grpc_servicer import OrchestratorServicer, add_to_server
+from orchestrator.auth_keys import ApiKeys
 from orchestrator.chat import ChatRenderer
 from orchestrator.config import OrchestratorConfig
 from orchestrator.engine import Engine, EngineConfig, WorkerSlot
@@ -51,13 +53,24 @@ MAX_PENDING_RPCS = 20_000
 
 
 def server_options(max_pending_rpcs: int = MAX_PENDING_RPCS) -> list[tuple[str, int]]:
-    """The orchestrator's grpc.aio server options (message sizes, pending-call limits)."""
+    """The orchestrator's grpc.aio server options (message sizes, pending-call limits).
+
+    ``grpc.so_reuseport`` off: with it a second server on the same port starts without
+    complaint and the kernel splits connections between the two."""
     return [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.server.max_pending_requests", max_pending_rpcs),
         ("grpc.server.max_pending_requests_hard_limit", 2 * max_pending_rpcs),
+        ("grpc.so_reuseport", 0),
     ]
+
+
+def api_interceptors(config: OrchestratorConfig) -> list[grpc.aio.ServerInterceptor]:
+    """API-key authentication of OrchestratorService calls when keys are configured."""
+    if not config.api_keys:
+        return []
+    return [ApiKeyInterceptor(ApiKeys(config.api_keys), f"/{SERVICE_NAME}/")]
 
 
 def load_tokenizer(target_dir: str):
@@ -183,12 +196,12 @@ async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer,
                 max_queue=config.max_queue,
                 step_timeout_s=config.step_timeout_s,
                 validation_threads=config.validation_threads,
-                max_inflight_per_client=config.max_inflight_per_client,
+                max_inflight_per_client=config.inflight_cap_per_client,
             ),
             metrics,
             release_sessions=checker.release_sessions,
         )
-        grpc_server = grpc.aio.server(options=server_options())
+        grpc_server = grpc.aio.server(options=server_options(), interceptors=api_interceptors(config))
         server = OrchestratorServer(config, grpc_server, engine, health_servicer, metrics, checker, slots)
         engine.set_health_listener(server.readiness.poke)
         # A kept acceptance is used only while a mask replica answers health: with the tier

@@ -41,6 +41,10 @@ MASK_SERVICE_START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 10.0
 
 
+# The local stack's one interface: nothing it starts listens beyond this machine.
+LOOPBACK = "127.0.0.1"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free right now (the kernel's pick); used for child processes we must name a port for."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

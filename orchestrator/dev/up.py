@@ -9,6 +9,11 @@ SIGINT / SIGTERM: the orchestrator stops gracefully (health NOT_SERVING,
 in-flight RPCs get a grace period, sequences are freed), then the workers,
 Ray and the mask services. Children also get SIGTERM if this process dies
 abruptly (PR_SET_PDEATHSIG), so nothing is orphaned.
+
+Locked by default: every port is checked before anything starts, the mask
+services get a token generated for this start (the workers and the
+orchestrator send it), Ray listens on 127.0.0.1 only, and ``--api-key`` /
+``--api-key-file`` / ``SPECMASK_API_KEY(S)`` lock the public APIs.
 """
 
 from __future__ import annotations
@@ -17,10 +22,15 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
+import secrets
 
+from mask_service.auth import OWNER_SECRET_ENV, TOKEN_ENV
+from mask_service.startup import StartupError, check_ports_free, port_flag
 from orchestrator import config as cfg
-from orchestrator.dev.local_stack import StackConfig, running_stack
-from orchestrator.main import LOG_FORMAT, install_stop_signals
+from orchestrator.auth_keys import ApiKeyError, api_keys_from_args
+from orchestrator.dev.local_stack import LOOPBACK, StackConfig, running_stack
+from orchestrator.main import LOG_FORMAT, add_fairness_and_auth_arguments, install_stop_signals
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,12 +50,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mask-replicas", type=int, default=1, help="mask-service processes")
     parser.add_argument("--num-workers", type=int, default=1, help="GPU worker actors")
     parser.add_argument("--max-queue", type=int, default=cfg.DEFAULT_MAX_QUEUE)
+    add_fairness_and_auth_arguments(parser)
     parser.add_argument("--log-dir", default=".specmask/logs", help="where mask-service logs go")
     parser.add_argument("--log-level", default="INFO")
 
 
-async def _up(stack: StackConfig, max_queue: int, http_port: int | None = None) -> None:
-    async with running_stack(stack, max_queue=max_queue, http_port=http_port) as running:
+async def _up(stack: StackConfig, **overrides: object) -> None:
+    async with running_stack(stack, **overrides) as running:
         # The orchestrator serves from this process: keep what startup loaded (torch, Ray,
         # the tokenizer: ~230k objects, a ~110 ms full GC pass) out of full GC passes on
         # the serving path, as `specmask orchestrator` does (orchestrator/main.py).
@@ -74,6 +85,16 @@ async def _up(stack: StackConfig, max_queue: int, http_port: int | None = None) 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
+    http_port = None if args.http_port < 0 else args.http_port
+    metrics_port = None if args.metrics_port < 0 else args.metrics_port
+    # Before anything slow starts (Ray, the model): a taken port is one line and exit status 2.
+    check_ports_free(
+        LOOPBACK, [("--port", port_flag(args.port)), ("--metrics-port", metrics_port), ("--http-port", http_port)]
+    )
+    try:
+        api_keys = api_keys_from_args(args)
+    except ApiKeyError as exc:
+        raise StartupError(str(exc)) from None
     from gpu_worker.models.errors import ModelError
     from gpu_worker.models.resolve import resolve_cli_models
 
@@ -82,18 +103,32 @@ def run(args: argparse.Namespace) -> int:
     except ModelError as exc:
         logging.getLogger(__name__).error("bad model: %s", exc)
         return 2
+    # A fresh mask-service token for this stack: every tier (the mask services, the Ray
+    # workers, the orchestrator) reads it from the environment it inherits from here, and
+    # no other local process can call the mask service (mask_service.auth).
+    os.environ[TOKEN_ENV] = secrets.token_urlsafe(32)
+    os.environ[OWNER_SECRET_ENV] = secrets.token_urlsafe(32)
     stack = StackConfig(
         target_dir=target,
         draft_dir=draft,
         mask_replicas=args.mask_replicas,
         port=args.port,
-        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        metrics_port=metrics_port,
         num_workers=args.num_workers,
         log_dir=args.log_dir,
         restart_replicas=True,  # a crashed mask replica comes back, as under a Deployment
     )
     try:
-        asyncio.run(_up(stack, args.max_queue, None if args.http_port < 0 else args.http_port))
+        asyncio.run(
+            _up(
+                stack,
+                max_queue=args.max_queue,
+                http_port=http_port,
+                max_inflight_per_client=args.max_inflight_per_client,
+                api_keys=api_keys,
+                cors_origins=tuple(args.cors_origin),
+            )
+        )
     except KeyboardInterrupt:  # Ctrl-C while starting: running_stack has cleaned up
         return 130
     return 0

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from mask_service.client import DraftMaskItem, MaskServiceClient, MaskServiceError
-from mask_service.compile_pool import CompilePool, CompileQueueFull
+from mask_service.compile_pool import DEFAULT_WORKER_NICE, CompilePool, CompileQueueFull
 from mask_service.convert import grammar_to_proto
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.limits import GrammarLimits
@@ -204,6 +204,7 @@ def test_starved_compile_is_retryable_and_not_cached(starving, bpe_id) -> None: 
             assert info.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED, info.value
             assert info.value.reason == "COMPILE_STARVED"
             assert "wall-clock backstop" in info.value.message and "retry" in info.value.message
+            assert "no progress" in info.value.message
             assert 3.0 <= took < 20.0, took
             assert cache.num_refusals == 0  # not a verdict on the grammar
             # A fresh worker took over and the same grammar compiles.
@@ -230,10 +231,10 @@ def test_lone_owner_borrows_idle_queue_and_others_keep_their_share(registry, bpe
     try:
         assert pool.wait_ready(120.0)
         (pid,) = pool.worker_pids()
-        # Default priority: nice 19 and, on Linux, the idle scheduling class.
-        assert os.getpriority(os.PRIO_PROCESS, pid) == 19
+        # Default priority: a modest nice, not the idle class (which a saturated box starves).
+        assert os.getpriority(os.PRIO_PROCESS, pid) == DEFAULT_WORKER_NICE
         if hasattr(os, "SCHED_IDLE"):
-            assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+            assert os.sched_getscheduler(pid) != os.SCHED_IDLE
         os.kill(pid, signal.SIGSTOP)
 
         def submit(owner: str, i: int):  # type: ignore[no-untyped-def]

@@ -33,7 +33,10 @@ BUDGET_S = 2.0
 
 def test_client_identity_order() -> None:
     peer = "ipv4:10.1.2.3:54321"
-    assert client_identity([("specmask-client", "tenant-7"), ("authorization", "Bearer k")], peer) == "client:tenant-7"
+    # The API key wins over a header a client chooses itself: each key is one client.
+    with_key = client_identity([("specmask-client", "tenant-7"), ("authorization", "Bearer k")], peer)
+    assert with_key == client_identity([("authorization", "Bearer k")], peer) and with_key.startswith("key:")
+    assert client_identity([("specmask-client", "tenant-7")], peer) == "client:tenant-7"
     assert client_identity([("X-SpecMask-Client", "gw-1")], peer) == "client:gw-1"  # HTTP header, any case
     by_key = client_identity([("authorization", "Bearer secret-key")], peer)
     assert by_key.startswith("key:") and "secret" not in by_key  # hashed: the key never leaves

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
 
+from orchestrator.api.http.auth import api_key_middleware, enable_cors
 from orchestrator.api.http.errors import INTERNAL, ApiError, HttpError
 from orchestrator.api.http.prompting import ChatPrompter, load_prompter
 from orchestrator.api.http.routes import OpenAIRoutes
+from orchestrator.auth_keys import ApiKeys
 from orchestrator.config import OrchestratorConfig
 from orchestrator.engine import Engine
 from orchestrator.metrics import OrchestratorMetrics
@@ -35,6 +37,8 @@ class HttpConfig:
     model_name: str  # the one id /v1/models lists and requests must name
     max_model_len: int
     shutdown_grace_s: float = 5.0
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # () = open (orchestrator.auth_keys)
+    cors_origins: tuple[str, ...] = ()  # () = no CORS headers
 
 
 @web.middleware
@@ -63,7 +67,10 @@ class HttpFrontDoor:
         self, config: HttpConfig, engine: Engine, metrics: OrchestratorMetrics, prompter: ChatPrompter
     ) -> None:
         self.config = config
-        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[openai_errors])
+        self.app = web.Application(
+            client_max_size=MAX_BODY_BYTES, middlewares=[openai_errors, api_key_middleware(ApiKeys(config.api_keys))]
+        )
+        enable_cors(self.app, config.cors_origins)
         OpenAIRoutes(
             engine, metrics, prompter, model_name=config.model_name, max_model_len=config.max_model_len
         ).add_to(self.app)
@@ -96,5 +103,7 @@ def front_door_for(
         model_name=config.served_model_name or Path(config.target_dir).name,
         max_model_len=max_model_len,
         shutdown_grace_s=config.shutdown_grace_s,
+        api_keys=config.api_keys,
+        cors_origins=config.cors_origins,
     )
     return HttpFrontDoor(http_config, engine, metrics, load_prompter(config.target_dir))

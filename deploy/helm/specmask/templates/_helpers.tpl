@@ -201,3 +201,6 @@ seccompProfile:
       key: token
 {{- end }}
 {{- end }}
+{{- define "specmask.orchestrator.apiKeySecret" -}}
+{{- default (printf "%s-api-keys" (include "specmask.orchestrator.name" .)) .Values.orchestrator.apiKeys.existingSecret }}
+{{- end }}
