@@ -166,7 +166,7 @@ def measure(vocab: int, batch: int, k: int, steps: int, upload: bool, seed: int 
     rng = np.random.default_rng(seed)
     pool = _pool(256, vocab, rng)
     replies = _Replies(pool, capacity=2048)
-    paths = {"dense": _DenseStep(vocab), "ids": _IdsStep(vocab, upload=upload)}
+    paths: dict[str, _DenseStep | _IdsStep] = {"dense": _DenseStep(vocab), "ids": _IdsStep(vocab, upload=upload)}
     times: dict[str, list[float]] = {name: [] for name in paths}
     for step in range(steps + 3):
         picks = [rng.integers(0, len(pool), batch).tolist() for _ in range(k + 1)]

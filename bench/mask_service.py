@@ -126,7 +126,7 @@ def _trace(docs: list[Doc], args: argparse.Namespace, vocab: int) -> list[list[S
             drafts = list(toks[pos : pos + args.k])
             if drafts and rng.random() < args.corrupt:
                 drafts[rng.randrange(len(drafts))] = rng.randrange(vocab)
-            step.append(SlotStep(s, d, new, pending_commit[s], drafts))
+            step.append(SlotStep(s, d, bool(new), pending_commit[s], drafts))
             good = 0
             while good < len(drafts) and drafts[good] == toks[pos + good]:
                 good += 1

@@ -149,7 +149,7 @@ class Drafter:
             for seq in wanted:
                 chain = self._lookahead(seq, seq.token_ids, seq.k)
                 if chain:
-                    self._first_chains[seq.session_id] = chain  # type: ignore[index]
+                    self._first_chains[seq.mask_session] = chain
                 items.append(self._item(seq, (), seq.k, chain))
             self._first = self.masks.request(items, timeout_s=self.mask_timeout_s)
 
@@ -173,10 +173,11 @@ class Drafter:
             if not open_slots:
                 break
             masked = [s for s in open_slots if self.wants_masks(s.seq)]
+            chains: dict[int, tuple[int, list[int]]]
             if position == 1 and first is not None:
                 covered = [s for s in masked if s.seq.session_id in first.session_ids]
                 if covered:
-                    chains = {id(s): (0, first_chains.get(s.seq.session_id, [])) for s in covered}
+                    chains = {id(s): (0, first_chains.get(s.seq.mask_session, [])) for s in covered}
                     waited += self._apply(first.wait(), covered, errors, chains)
             fetch = [
                 s
@@ -184,7 +185,7 @@ class Drafter:
                 if s.open and s.mask_row is None and len(s.drafts) < s.k and s.seq.seq_id not in errors
             ]
             pending = None
-            chains: dict[int, tuple[int, list[int]]] = {}  # id(slot) -> (drafts before, lookahead)
+            chains = {}  # id(slot) -> (drafts before, lookahead)
             if fetch:
                 assert self.masks is not None
                 items = []
@@ -228,7 +229,7 @@ class Drafter:
             return []
         if not LOOKAHEAD_PROPOSERS.issuperset(seq.proposers):
             return []
-        return ngram.chain(context, limit)  # type: ignore[attr-defined, no-any-return]
+        return ngram.chain(context, limit)  # type: ignore[attr-defined]  # the n-gram proposer, found by name
 
     @staticmethod
     def _item(seq: SequenceState, drafts: Sequence[int], k: int, chain: Sequence[int] = ()) -> DraftMaskItem:
@@ -256,7 +257,7 @@ class Drafter:
         returns the wait. ``chains``: id(slot) -> (drafts it held when the request went out,
         the lookahead sent after them)."""
         for s in slots:
-            session_id = s.seq.session_id
+            session_id = s.seq.mask_session  # every slot here sent a request
             if session_id in reply.errors:
                 errors[s.seq.seq_id] = reply.errors[session_id]
                 continue

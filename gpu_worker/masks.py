@@ -39,7 +39,8 @@ from mask_service.grammar import GrammarSpec
 
 if TYPE_CHECKING:
     from gpu_worker.sequence import SequenceState
-    from mask_service.client import DraftMaskItem
+    from mask_service.client import DraftMaskItem, DraftMaskResult
+    from mask_service.protocols import MaskService
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,8 @@ class MaskChannel:
     """One worker's access to the mask service: DraftMasks on the data thread, opens and closes
     on the control threads (see the module docstring)."""
 
-    def __init__(self, router: Any, *, tokenizer_id: str, vocab_size: int) -> None:
-        self._router = router  # mask_service.router.MaskRouter (or anything with its methods)
+    def __init__(self, router: MaskService, *, tokenizer_id: str, vocab_size: int) -> None:
+        self._router = router  # a MaskRouter over replicas, or a MaskServiceClient of one
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mask-io")  # DraftMasks
         self._control = ThreadPoolExecutor(max_workers=CONTROL_THREADS, thread_name_prefix="mask-control")
         self.tokenizer_id = tokenizer_id
@@ -98,10 +99,10 @@ class MaskChannel:
             lambda: self._router.open_session(self.tokenizer_id, spec, self.vocab_size, request_id=request_id)
         )
 
-    def draft_masks_async(self, items: Sequence[Any]) -> Future[tuple[list[Any], float]]:
+    def draft_masks_async(self, items: Sequence[DraftMaskItem]) -> Future[tuple[list[DraftMaskResult], float]]:
         """Submit a batched DraftMasks call; the future gives (results, seconds on the I/O thread)."""
 
-        def call() -> tuple[list[Any], float]:
+        def call() -> tuple[list[DraftMaskResult], float]:
             t0 = time.perf_counter()
             results = self._router.draft_masks(list(items))
             return results, time.perf_counter() - t0
@@ -173,7 +174,7 @@ def mask_item(
 class MaskReply:
     """What one batched request gave, keyed by mask session id (unique per sequence)."""
 
-    results: dict[str, Any] = field(default_factory=dict)  # session_id -> mask_service.client.DraftMaskResult
+    results: dict[str, DraftMaskResult] = field(default_factory=dict)  # session_id -> its rows
     errors: dict[str, str] = field(default_factory=dict)  # session_id -> message; only that sequence fails
     wait_s: float = 0.0  # time the caller was blocked in wait()
 

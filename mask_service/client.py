@@ -192,13 +192,13 @@ class MaskServiceClient:
             try:
                 return fn(request, timeout=self._deadline, metadata=self._metadata + metadata)
             except grpc.RpcError as exc:
-                code = exc.code()  # type: ignore[attr-defined]
+                code = exc.code()
                 if code in retry_on and attempt < self._retries:
                     attempt += 1
                     time.sleep(_BACKOFF_S * 2 ** (attempt - 1))
                     continue
                 reason = details_of(exc).reason
-                raise MaskServiceError(code, exc.details() or "", reason=reason) from None  # type: ignore[attr-defined]
+                raise MaskServiceError(code, exc.details() or "", reason=reason) from None
 
     @staticmethod
     def _target(tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None) -> pb.GrammarTarget:
@@ -397,5 +397,5 @@ class MaskServiceClient:
 def _status_tuple(value: int) -> tuple[int, str]:
     for code in grpc.StatusCode:
         if code.value[0] == value:
-            return code.value  # type: ignore[no-any-return]
-    return grpc.StatusCode.UNKNOWN.value  # type: ignore[no-any-return]
+            return code.value
+    return grpc.StatusCode.UNKNOWN.value

@@ -17,7 +17,7 @@ holds it, however the table changes meanwhile on a mask-reply thread.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,7 +93,7 @@ class MaskRows:
     def __getitem__(self, i: int) -> MaskRow:
         return MaskRow(self.view, int(self.slots[i]))
 
-    def __iter__(self) -> Iterable[MaskRow]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[MaskRow]:
         view = self.view
         return (MaskRow(view, int(s)) for s in self.slots)
 
@@ -184,12 +184,12 @@ class RowTable:
             return 1, int(np.frombuffer(r.payload, dtype="<u4")[0])
         return 1, _single_set_bit(out)
 
-    def absorb(self, new_rows: Sequence[pb.NewRow] | object, row_ids: Sequence[int]) -> np.ndarray:
+    def absorb(self, new_rows: Sequence[pb.NewRow], row_ids: Sequence[int]) -> np.ndarray:
         """Intern ``new_rows`` and map ``row_ids`` to slots. Returns [num_rows] int32 slots.
 
         Raises MissingRow if an id is neither held nor sent.
         """
-        fresh = [r for r in new_rows if r.row_id not in self.slot_of]  # type: ignore[attr-defined]
+        fresh = [r for r in new_rows if r.row_id not in self.slot_of]
         if not self.has_room(len(fresh)):
             raise MissingRow("row table full")
         self._grow(self.num_rows + len(fresh))
