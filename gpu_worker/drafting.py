@@ -79,7 +79,6 @@ import enum
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from gpu_worker.bitmask_rows import forced_token, is_allowed
 from gpu_worker.masks import MaskChannel, MaskReply, PendingMasks, mask_item
 from gpu_worker.proposers.base import DraftSlot, Proposal, Proposer
 from gpu_worker.sequence import SequenceState
@@ -310,10 +309,10 @@ class Drafter:
             if len(slot.drafts) >= slot.k:
                 slot.mask_row = None
                 return ChainWalk.LEFT
-            forced = forced_token(row, vocab_size) if forcing and vocab_size is not None else None
+            forced = row.forced_token(vocab_size) if forcing and vocab_size is not None else None
             if forced is not None:
                 token, source = forced, FORCED_PROPOSER
-            elif j < accepted and is_allowed(row, candidate):
+            elif j < accepted and row.allows(candidate):
                 token, source = candidate, NGRAM_PROPOSER
             else:
                 # The n-gram token is refused here (j == accepted): the service's walk stopped
@@ -346,7 +345,7 @@ class Drafter:
                 if proposal is None:
                     continue
                 filled.add(id(slot))
-                if slot.mask_row is not None and not is_allowed(slot.mask_row, proposal.token_id):
+                if slot.mask_row is not None and not slot.mask_row.allows(proposal.token_id):
                     # The target would reject it for certain (its mask bit is 0): stop here.
                     slot.open = False
                     continue

@@ -68,6 +68,15 @@ class MaskRow:
         token = int(self.view.single[self.slot])
         return None if token < 0 else token
 
+    def forced_token(self, vocab_size: int) -> int | None:
+        """The token id if the row allows exactly one token and it is < vocab_size, else None.
+
+        A row whose only other set bits are padding (>= V) is not reported: it is never a
+        grammar's row (padding ids are never allowed), and missing a forced position costs
+        only a draft."""
+        token = self.single_token
+        return token if token is not None and token < vocab_size else None
+
     @property
     def words(self) -> np.ndarray:  # [W] int32 (a read-only view)
         return self.view.words[self.slot]
