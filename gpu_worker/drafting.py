@@ -26,7 +26,7 @@ first positions skip the draft forward outright.
 
 Forced continuations (issue 15.3): for a sequence with grammar-forced drafts,
 every draft-side request also asks the service for the grammar's forced
-continuation after its drafts (``max_forced_tokens``). A reply with f_1..f_m
+continuation after its drafts (``forced_up_to``). A reply with f_1..f_m
 makes them the next drafts at once, q = 1 (one-hot) like any grammar-forced
 draft: no draft forward and no round trip for those positions. The row the reply
 carried is then stale (it is for the state before the run), so the slot asks
@@ -62,8 +62,8 @@ reply: the slot takes that run at once instead of asking that state again (the
 re-ask was ~1 exposed round trip per step on SmolLM2); with nothing forced there,
 the proposers see that state's row, as they would have after a re-ask. The drafts are
 those the re-ask gave (a row there that allows one token is still taken on its own by
-the walk, and the next lookahead starts after it). A reply from a service older than
-``forced_up_to`` (``forced_at_stop`` false) still gets the re-ask.
+the walk, and the next lookahead starts after it). A sequence that takes no forced
+drafts asks for no run (``forced_at_stop`` false) and still gets the re-ask.
 
 Sequences without a grammar, or whose proposers need no masks, never wait on a
 position's mask request: their whole position (cheap proposers, forward,
@@ -236,12 +236,10 @@ class Drafter:
         ``chain``, every row along it), asking for the forced continuation after them (up
         to the drafts ``k`` still allows) when ``seq`` takes them."""
         forcing = FORCED_PROPOSER in seq.proposers
-        room = k - len(drafts) - len(chain)
-        forced = room if forcing and room > 0 else 0  # what a service older than forced_up_to reads
         up_to = k if forcing else 0  # where the service's walk stops, drafts up to k in all
         if chain:
-            return mask_item(seq, [*drafts, *chain], last_row_only=False, max_forced_tokens=forced, forced_up_to=up_to)
-        return mask_item(seq, drafts, last_row_only=True, max_forced_tokens=forced, forced_up_to=up_to)
+            return mask_item(seq, [*drafts, *chain], last_row_only=False, forced_up_to=up_to)
+        return mask_item(seq, drafts, last_row_only=True, forced_up_to=up_to)
 
     def _apply(
         self,
@@ -274,7 +272,7 @@ class Drafter:
             if chain:
                 walked = self._walk(s, chain, rows, res.num_grammar_accepted - base)
                 if walked is ChainWalk.REFUSED and not res.forced_at_stop:
-                    # An older service sent no forced run for this state: ask it again, without
+                    # No forced run was asked for (no forced drafts): ask this state again, without
                     # a lookahead (if nothing is forced there, drafting stops then).
                     s.mask_row = None
                     self._plain.add(id(s))

@@ -146,14 +146,12 @@ def mask_item(
     drafts: Sequence[int],
     *,
     last_row_only: bool,
-    max_forced_tokens: int = 0,
     forced_up_to: int = 0,
 ) -> DraftMaskItem:
     """``seq``'s request for the rows after ``drafts`` (M_0..M_k, or only M_k with
-    ``last_row_only``) and, with ``max_forced_tokens``, up to that many grammar-forced
-    tokens after them (with ``forced_up_to``, where the service's walk over them stops,
-    filling drafts up to that many), carrying its pending commit. Every request of a step carries
-    the same (commit_tokens, commit_seq): whichever reaches the service first
+    ``last_row_only``) and, with ``forced_up_to``, the grammar-forced tokens where the
+    service's walk over them stops (filling drafts up to that many), carrying its pending
+    commit. Every request of a step carries the same (commit_tokens, commit_seq): whichever reaches the service first
     applies it, the rest are no-ops, so there is never a separate commit call."""
     from mask_service.client import DraftMaskItem
 
@@ -165,7 +163,6 @@ def mask_item(
         commit_tokens=commit_tokens,
         commit_seq=commit_seq,
         last_row_only=last_row_only,
-        max_forced_tokens=max_forced_tokens,
         forced_up_to=forced_up_to,
     )
 

@@ -174,8 +174,8 @@ class RowTable:
     def _count(self, r: pb.NewRow, out: np.ndarray) -> tuple[int, int]:
         """(allowed count, single token or -1) of a decoded row ``out`` [W]. Sparse
         encodings carry the count as their length; dense ones (> SPARSE_MAX_TOKENS
-        either way, so never single) use the server's ``allowed_count``, or recount
-        when an older server sent 0."""
+        either way, so never single) use the server's ``allowed_count``, which the
+        server always sends (a dense row without one is a corrupt response)."""
         total = 32 * self.num_mask_words
         if r.encoding == pb.ROW_ENCODING_ALLOWED:
             count = len(r.payload) // 4
@@ -184,7 +184,7 @@ class RowTable:
         elif r.allowed_count:
             count = r.allowed_count
         else:
-            count = int(np.bitwise_count(out.view(np.uint32)).sum())
+            raise WireError(f"row {r.row_id:#x}: a dense row without its allowed_count")
         if r.allowed_count and r.allowed_count != count:
             raise WireError(f"row {r.row_id:#x}: allowed_count {r.allowed_count} but the row has {count} tokens")
         if count != 1:

@@ -212,17 +212,14 @@ def _new_row(row: np.ndarray, *, send_count: bool = True) -> pb.NewRow:
     )
 
 
-@pytest.mark.parametrize("send_count", [True, False])  # False: an older server (0 = recount)
-def test_table_counts_and_single_tokens_per_slot(send_count: bool) -> None:
+def test_table_counts_and_single_tokens_per_slot() -> None:
     w = 40
     one = np.zeros(w, np.int32)
     one[7] = 1 << 5  # token 229 only
     dense = np.random.default_rng(0).integers(-(2**31), 2**31, w, dtype=np.int64).astype(np.int32)
     rows = [one, ~one, dense]
     table = RowTable(w, capacity=8)
-    slots = table.absorb(
-        [_new_row(r, send_count=send_count) for r in rows], [row_content_id(r.tobytes(), w) for r in rows]
-    )
+    slots = table.absorb([_new_row(r) for r in rows], [row_content_id(r.tobytes(), w) for r in rows])
     view = table.view()
     popcounts = [int(np.bitwise_count(r.view(np.uint32)).sum()) for r in rows]
     assert view.allowed[slots].tolist() == popcounts and view.allowed[0] == 32 * w
@@ -232,6 +229,11 @@ def test_table_counts_and_single_tokens_per_slot(send_count: bool) -> None:
     bad.allowed_count = 2
     with pytest.raises(WireError, match="allowed_count"):
         RowTable(w, capacity=8).absorb([bad], [bad.row_id])
+    # The server always sends the count: a dense row without one is refused, not recounted.
+    uncounted = _new_row(dense, send_count=False)
+    assert uncounted.encoding not in (pb.ROW_ENCODING_ALLOWED, pb.ROW_ENCODING_FORBIDDEN)
+    with pytest.raises(WireError, match="without its allowed_count"):
+        RowTable(w, capacity=8).absorb([uncounted], [uncounted.row_id])
 
 
 def test_table_views_survive_clear_and_growth() -> None:
