@@ -81,7 +81,7 @@ def walk_drafts(
     last_row_only: bool,
     *,
     terminated: bool | None = None,
-    at_stop: Callable[[Any, np.ndarray | None, int, bool], None] | None = None,
+    at_stop: Callable[[GrammarMatcher, np.ndarray | None, int, bool], None] | None = None,
 ) -> tuple[int, list[bool]]:
     """Fill mask rows for one request; leave ``matcher`` as it was.
 
@@ -211,7 +211,7 @@ class DraftMaskEngine:
 
     def _forcing(
         self, req: DraftRequest, session: Session, res: DraftOutcome
-    ) -> Callable[[Any, np.ndarray | None, int, bool], None] | None:
+    ) -> Callable[[GrammarMatcher, np.ndarray | None, int, bool], None] | None:
         """The walk's hook that puts the forced continuation in ``res`` (None when not asked)."""
         at_stop = req.forced_up_to > 0
         if (not at_stop and req.max_forced_tokens <= 0) or self._views is None:
@@ -221,7 +221,7 @@ class DraftMaskEngine:
         forced_text = ENGINES[engine_name(entry.compiled, entry.backend)].forced_text
         res.forced_at_stop = at_stop
 
-        def hook(matcher: Any, row: np.ndarray | None, accepted: int, refused: bool) -> None:
+        def hook(matcher: GrammarMatcher, row: np.ndarray | None, accepted: int, refused: bool) -> None:
             if refused and not at_stop:
                 return  # the older contract: only after every draft
             cap = min(req.forced_up_to - accepted if at_stop else req.max_forced_tokens, self.max_k)
