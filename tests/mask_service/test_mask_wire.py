@@ -155,7 +155,7 @@ def _walk(client: MaskServiceClient, bpe_id: str, toks: list[int]) -> list[np.nd
     return out
 
 
-def test_client_resync_paths(service, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
+def test_client_resync_paths(service, bpe_id, hf_tok) -> None:
     toks = hf_tok.encode(DOC, add_special_tokens=False)
     address = f"127.0.0.1:{service.port}"
     with MaskServiceClient(address) as c1:
@@ -180,7 +180,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_server_restart_keeps_client_correct(bpe_dir, registry, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
+def test_server_restart_keeps_client_correct(bpe_dir, registry, bpe_id, hf_tok) -> None:
     toks = hf_tok.encode(DOC, add_special_tokens=False)
     port = _free_port()
     h1 = build_service(make_config(bpe_dir, port=port), registry)
@@ -252,7 +252,7 @@ def test_table_views_survive_clear_and_growth() -> None:
     assert table.view().epoch == before.epoch + 1 and table.view().source == before.source
 
 
-def test_client_allowed_counts_match_real_rows(service, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
+def test_client_allowed_counts_match_real_rows(service, bpe_id, hf_tok) -> None:
     """Counts that travel with the rows equal a popcount of the real xgrammar rows (and name forced tokens)."""
     toks = hf_tok.encode(DOC, add_special_tokens=False)
     with MaskServiceClient(f"127.0.0.1:{service.port}") as client:
