@@ -201,7 +201,7 @@ class Checker:
         self.hf = self.registry.get(tid).hf_tokenizer
         self.stop = self.registry.get(tid).stop_token_ids[0]
         self.backend = BACKENDS["auto"]
-        self.compilers = self.backend.make_compiler(self.registry.info(tid, None), 2)  # type: ignore[attr-defined]
+        self.compilers = self.backend.make_compiler(self.registry.info(tid, None), 2)
         self.explicit = "" if backend == "auto" else backend
         self.strict = strict
         self.checked = checked

@@ -752,9 +752,9 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
             if worker is not None:
                 worker.shutdown()
             service.stop()
-    ratios = _ratios(rows, args.batches)
+    ratios: dict[str, Any] = _ratios(rows, args.batches)  # plus the per-round lists below
     for key, by_batch in per_round.items():
-        ratios[f"{key}_rounds"] = by_batch  # type: ignore[assignment]
+        ratios[f"{key}_rounds"] = by_batch
         ratios[f"{key}_round_median"] = {b: statistics.median(v) for b, v in by_batch.items()}
     return {
         "target": pair.target,

@@ -287,6 +287,7 @@ async def _drive(args: argparse.Namespace, target: str, draft: str | None) -> di
     stack = StackConfig(target_dir=target, draft_dir=draft, mask_replicas=1, num_workers=1)
     overrides = {"http_port": 0, "max_batch": max(args.concurrency), "default_max_tokens": args.max_tokens}
     async with running_stack(stack, **overrides) as running:
+        assert running.server.http is not None  # http_port is set above
         cmd = [sys.executable, "-m", "bench.http", "--client", "--grpc", running.address]
         cmd += ["--server-pid", str(os.getpid())]
         cmd += [

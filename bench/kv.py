@@ -29,7 +29,10 @@ SMALL = dict(
     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
 )  # fmt: skip
 # ModelRunner keyword arguments of each layout.
-LAYOUTS = {"packed": dict(batched=True, packed=True), "padded": dict(batched=True, packed=False)}
+LAYOUTS: dict[str, dict[str, bool]] = {
+    "packed": dict(batched=True, packed=True),
+    "padded": dict(batched=True, packed=False),
+}
 
 
 def _model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
@@ -37,7 +40,9 @@ def _model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
         from gpu_worker.loading import load_causal_lm
         from gpu_worker.models.registry import resolve_model
 
-        return load_causal_lm(resolve_model(args.model, progress=False), dtype, device)
+        path = resolve_model(args.model, progress=False)
+        assert path is not None  # None only for no model
+        return load_causal_lm(path, dtype, device)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from bench.gpu import SHAPES
@@ -46,7 +51,7 @@ def _model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     kwargs = SMALL if args.shape == "small" else SHAPES[args.shape]
     config = LlamaConfig(**{**kwargs, "max_position_embeddings": max(4096, args.length + 64)})
     with torch.device(device):
-        return LlamaForCausalLM(config).to(dtype).eval()
+        return LlamaForCausalLM(config).to(dtype).eval()  # type: ignore[arg-type]  # transformers types .to() through a decorator that hides self
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model = _model(args, device, dtype)
-    runners = {name: ModelRunner(model, **LAYOUTS[name]) for name in layouts}
+    runners = {
+        name: ModelRunner(model, batched=LAYOUTS[name]["batched"], packed=LAYOUTS[name]["packed"]) for name in layouts
+    }
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.get_text_config(decoder=True).vocab_size
     kvs = {name: [SequenceKV() for _ in range(args.batch)] for name in layouts}

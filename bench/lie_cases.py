@@ -235,7 +235,7 @@ def strict_truth(schema: Any) -> Any:
         return [strict_truth(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {}
+    out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in ("properties", "patternProperties", "$defs") and isinstance(value, dict):
             out[key] = {k: strict_truth(v) for k, v in value.items()}
@@ -379,7 +379,7 @@ RECURSIVE = {
 
 def recursive_case(rng: random.Random) -> tuple[str, pb.Grammar, Callable[[str], str | None], str]:
     kind = rng.choice(tuple(RECURSIVE))
-    grammar = pb.Grammar(**{kind: RECURSIVE[kind]})
+    grammar = pb.Grammar(ebnf=RECURSIVE[kind]) if kind == "ebnf" else pb.Grammar(lark=RECURSIVE[kind])
     return f"{kind}_recursive", grammar, nested_digits_check, f"{kind} {RECURSIVE[kind]!r}"
 
 

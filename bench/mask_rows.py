@@ -11,7 +11,7 @@ sequences drafting k positions with draft-side masks and grammar-forced drafts
   (M_k), each absorbed into the client's interned ``RowTable`` (common to both
   paths, timed in both);
 * per position: forced-token detection, the draft-side bitmask table + row ids,
-  an ``is_allowed`` check of each proposal;
+  a ``MaskRow.allows`` check of each proposal;
 * verify: the k + 1 rows of every sequence as one table + row ids.
 
 ``dense`` is the form before issue 15.2 (commit a25f1fd): the client gathered
@@ -21,7 +21,7 @@ detection popcounted the stacked rows, the draft proposer stacked a table per
 position, the step stacked/concatenated each sequence's rows and the verifier
 concatenated them with an all-ones row into a fresh table. Those operations
 are reproduced below (``_DenseStep``) as the A side; the B side (``ids``) is
-the worker's code today: ``MaskRows`` slots, ``forced_token`` from the counts
+the worker's code today: ``MaskRows`` slots, ``MaskRow.forced_token`` from the counts
 that came with the rows, and ``gpu_worker.mask_table.DeviceMaskTable.resolve``
 (on CPU a zero-copy mirror; ``--upload`` runs the accelerator's copy path).
 Kernels are not timed: they get the same logits and rows either way.
@@ -144,7 +144,6 @@ class _IdsStep:
         self.mirror = DeviceMaskTable("cpu", zero_copy=not upload)
 
     def step(self, replies: list[tuple[Any, np.ndarray]], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        from gpu_worker.bitmask_rows import forced_token, is_allowed
         from mask_service.row_table import MaskRows
 
         *draft_replies, verify_reply = replies
@@ -152,10 +151,10 @@ class _IdsStep:
         for view, slots in draft_replies:
             rows = [MaskRows(view, slots[i : i + 1])[-1] for i in range(len(slots))]  # DraftSlot.mask_row
             for row in rows:
-                forced_token(row, self.vocab)
+                row.forced_token(self.vocab)
             self.mirror.resolve(rows)  # the draft proposer's table and ids
             for r, row in enumerate(rows):
-                is_allowed(row, tokens[r])
+                row.allows(tokens[r])
                 kept[r].append(row)
         view, slots = verify_reply
         rows = [row for r in range(len(tokens)) for row in (*kept[r], MaskRows(view, slots[r : r + 1])[0])]
@@ -166,7 +165,7 @@ def measure(vocab: int, batch: int, k: int, steps: int, upload: bool, seed: int 
     rng = np.random.default_rng(seed)
     pool = _pool(256, vocab, rng)
     replies = _Replies(pool, capacity=2048)
-    paths = {"dense": _DenseStep(vocab), "ids": _IdsStep(vocab, upload=upload)}
+    paths: dict[str, _DenseStep | _IdsStep] = {"dense": _DenseStep(vocab), "ids": _IdsStep(vocab, upload=upload)}
     times: dict[str, list[float]] = {name: [] for name in paths}
     for step in range(steps + 3):
         picks = [rng.integers(0, len(pool), batch).tolist() for _ in range(k + 1)]

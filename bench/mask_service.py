@@ -126,7 +126,7 @@ def _trace(docs: list[Doc], args: argparse.Namespace, vocab: int) -> list[list[S
             drafts = list(toks[pos : pos + args.k])
             if drafts and rng.random() < args.corrupt:
                 drafts[rng.randrange(len(drafts))] = rng.randrange(vocab)
-            step.append(SlotStep(s, d, new, pending_commit[s], drafts))
+            step.append(SlotStep(s, d, bool(new), pending_commit[s], drafts))
             good = 0
             while good < len(drafts) and drafts[good] == toks[pos + good]:
                 good += 1
@@ -304,8 +304,9 @@ def run_service(
                     DraftMaskItem(sessions[ss.slot], ss.drafts, commit_tokens=ss.commit, commit_seq=seqs[ss.slot])
                 )
             t0 = time.perf_counter()
-            dense, _ = client.draft_masks_numpy(items)  # [num_rows, W]
+            results = client.draft_masks(items)  # what a worker calls
             times.append(time.perf_counter() - t0)
+            dense = np.concatenate([r.rows.dense() for r in results])  # [num_rows, W]
             nbytes += client.last_response_bytes
             rows += dense.shape[0]
             mismatched += int(np.any(dense != serial_out[i], axis=1).sum())

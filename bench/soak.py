@@ -62,7 +62,7 @@ from proto.rpc_status import details_of
 logger = logging.getLogger(__name__)
 
 PROMPT = "Generate JSON for schema user:\n"
-STEADY_SCHEMAS = [
+STEADY_SCHEMAS: list[dict[str, Any]] = [
     {
         "type": "object",
         "properties": {"ok": {"type": "boolean"}, "level": {"enum": ["low", "mid", "high"]}},
@@ -197,7 +197,7 @@ def steady_loop(address: str, stop: threading.Event, tally: Tally, max_tokens: i
                 client.stub.Generate(req, timeout=60, metadata=_identity("steady"))
                 tally.ok((time.perf_counter() - t0) * 1000)
             except grpc.RpcError as exc:
-                tally.error(exc.code().name)  # type: ignore[attr-defined]
+                tally.error(exc.code().name)
 
 
 def warm_up(address: str, max_tokens: int) -> None:
@@ -241,8 +241,8 @@ def flood_loop(address: str, stop: threading.Event, tally: Tally, max_requests: 
                 client.stub.Generate(req, timeout=60, metadata=_identity("flood"))
                 tally.ok(0.0)
             except grpc.RpcError as exc:
-                tally.error(exc.code().name)  # type: ignore[attr-defined]
-                if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
+                tally.error(exc.code().name)
+                if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
                     # The flood honours the server's retry hint (capped at 1 s): it stays a flood,
                     # but not a spin on instant refusals.
                     stop.wait(min(1.0, details_of(exc).retry_after_s or 0.1))
@@ -259,10 +259,10 @@ def cancel_loop(address: str, stop: threading.Event, tally: Tally, seed: int) ->
                 for _ in call:
                     if time.monotonic() >= cancel_at:
                         break
-                call.cancel()  # type: ignore[attr-defined]
+                call.cancel()
                 tally.ok(0.0)
             except grpc.RpcError as exc:
-                code = exc.code().name  # type: ignore[attr-defined]
+                code = exc.code().name
                 if code == "CANCELLED":
                     tally.ok(0.0)
                 else:
@@ -478,7 +478,7 @@ def ray_processes() -> dict[str, int]:
         node = ray_worker._global_node
         found = {}
         for kind in ("gcs_server", "raylet"):
-            infos = node.all_processes.get(kind) or [] if node is not None else []
+            infos: list[Any] = node.all_processes.get(kind) or [] if node is not None else []
             if infos:
                 found[f"ray-{kind}"] = infos[0].process.pid
         return found

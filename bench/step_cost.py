@@ -138,7 +138,7 @@ class _RecordingProposer:
 
     def chain(self, context: Sequence[int], limit: int) -> list[int]:
         self._trace.of(self._drafter.lookahead_seq).lookaheads.append((len(context), limit))
-        return self._inner.chain(context, limit)  # type: ignore[attr-defined, no-any-return]
+        return self._inner.chain(context, limit)  # type: ignore[attr-defined]  # wraps the n-gram proposer
 
 
 class _RecordingDrafter(Drafter):
@@ -147,7 +147,7 @@ class _RecordingDrafter(Drafter):
     def __init__(self, proposers: dict[str, Proposer], masks: Any, *, mask_timeout_s: float, trace: Trace) -> None:
         self.trace = trace
         wrapped = {name: _RecordingProposer(p, trace, self) for name, p in proposers.items()}
-        super().__init__(wrapped, masks, mask_timeout_s=mask_timeout_s)  # type: ignore[arg-type]
+        super().__init__(wrapped, masks, mask_timeout_s=mask_timeout_s)  # type: ignore[arg-type]  # duck-typed wrappers
         self._position = 1
         self._slots: Sequence[DraftSlot] = ()
         self.lookahead_seq: Any = None  # the sequence whose lookahead is being computed
@@ -164,18 +164,18 @@ class _RecordingDrafter(Drafter):
         for s in self._slots:
             self.trace.at(s).counts[self._position] = len(s.drafts)
 
-    def _fill(self, slots, position, proposers):  # type: ignore[override]
+    def _fill(self, slots, position, proposers):  # type: ignore[override]  # over a staticmethod, to record
         self._position = position
         pending = super()._fill(slots, position, proposers)
         self._note()
         return pending
 
-    def _apply(self, reply, slots, errors, chains=None):  # type: ignore[override]
+    def _apply(self, reply, slots, errors, chains=None):
         waited = super()._apply(reply, slots, errors, chains)
         self._note()
         return waited
 
-    def _lookahead(self, seq, context, limit):  # type: ignore[override]
+    def _lookahead(self, seq, context, limit):
         self.lookahead_seq = seq
         return super()._lookahead(seq, context, limit)
 
@@ -233,7 +233,7 @@ class ReplayProposer(Proposer):
                 rec = self._rec(s)
                 for length, limit in rec.lookaheads:
                     context = s.seq.token_ids + rec.drafts[: length - len(s.seq.token_ids)]
-                    ngram.chain(context, limit)  # type: ignore[attr-defined]
+                    ngram.chain(context, limit)  # type: ignore[attr-defined]  # the n-gram proposer, found by name
         for s in slots:
             for name, count in self._rec(s).prepared.get(position, {}).items():
                 if name in self.real:

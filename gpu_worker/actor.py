@@ -213,7 +213,8 @@ class GpuWorker:
         for _, state in accepted:
             grammar = state.request.grammar
             if grammar is not None:
-                state.session_opening = self.masks.open_session_async(grammar, request_id=state.request_id)  # type: ignore[union-attr]
+                assert self.masks is not None  # _admit refuses a grammar without a mask service
+                state.session_opening = self.masks.open_session_async(grammar, request_id=state.request_id)
                 state.opening_since = time.monotonic()
         try:
             self._prefill([s for _, s in accepted])  # long prompts only (WorkerConfig.step_prefill_tokens)
@@ -300,11 +301,11 @@ class GpuWorker:
         """Count this step against the sequences still waiting for their sessions, and put
         how each grammar sequence's wait ended on its first output (``SessionWait``)."""
         joined_ids = {s.seq_id for s in joined}
-        for state in self._seqs.values():
-            if state.seq_id in joined_ids:
-                state.joined_late = True
-            elif state.seq_id not in in_batch:
-                state.steps_sat_out += 1  # still opening (or opened after the join point)
+        for waiting in self._seqs.values():
+            if waiting.seq_id in joined_ids:
+                waiting.joined_late = True
+            elif waiting.seq_id not in in_batch:
+                waiting.steps_sat_out += 1  # still opening (or opened after the join point)
         for out in outputs:
             state = self._seqs.get(out.seq_id)
             if state is None or not state.has_grammar or state.session_wait_reported:
@@ -469,7 +470,7 @@ class GpuWorker:
         opening = [s for s in self._seqs.values() if s.session_opening is not None]
         if wait and opening:
             futures_wait(
-                [s.session_opening for s in opening],
+                [s.session_opening for s in opening if s.session_opening is not None],
                 timeout=self.stepper.mask_timeout_s,
                 return_when=FIRST_COMPLETED,
             )

@@ -26,7 +26,7 @@ first positions skip the draft forward outright.
 
 Forced continuations (issue 15.3): for a sequence with grammar-forced drafts,
 every draft-side request also asks the service for the grammar's forced
-continuation after its drafts (``max_forced_tokens``). A reply with f_1..f_m
+continuation after its drafts (``forced_up_to``). A reply with f_1..f_m
 makes them the next drafts at once, q = 1 (one-hot) like any grammar-forced
 draft: no draft forward and no round trip for those positions. The row the reply
 carried is then stale (it is for the state before the run), so the slot asks
@@ -62,8 +62,8 @@ reply: the slot takes that run at once instead of asking that state again (the
 re-ask was ~1 exposed round trip per step on SmolLM2); with nothing forced there,
 the proposers see that state's row, as they would have after a re-ask. The drafts are
 those the re-ask gave (a row there that allows one token is still taken on its own by
-the walk, and the next lookahead starts after it). A reply from a service older than
-``forced_up_to`` (``forced_at_stop`` false) still gets the re-ask.
+the walk, and the next lookahead starts after it). A sequence that takes no forced
+drafts asks for no run (``forced_at_stop`` false) and still gets the re-ask.
 
 Sequences without a grammar, or whose proposers need no masks, never wait on a
 position's mask request: their whole position (cheap proposers, forward,
@@ -79,7 +79,6 @@ import enum
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from gpu_worker.bitmask_rows import forced_token, is_allowed
 from gpu_worker.masks import MaskChannel, MaskReply, PendingMasks, mask_item
 from gpu_worker.proposers.base import DraftSlot, Proposal, Proposer
 from gpu_worker.sequence import SequenceState
@@ -149,7 +148,7 @@ class Drafter:
             for seq in wanted:
                 chain = self._lookahead(seq, seq.token_ids, seq.k)
                 if chain:
-                    self._first_chains[seq.session_id] = chain  # type: ignore[index]
+                    self._first_chains[seq.mask_session] = chain
                 items.append(self._item(seq, (), seq.k, chain))
             self._first = self.masks.request(items, timeout_s=self.mask_timeout_s)
 
@@ -173,10 +172,11 @@ class Drafter:
             if not open_slots:
                 break
             masked = [s for s in open_slots if self.wants_masks(s.seq)]
+            chains: dict[int, tuple[int, list[int]]]
             if position == 1 and first is not None:
                 covered = [s for s in masked if s.seq.session_id in first.session_ids]
                 if covered:
-                    chains = {id(s): (0, first_chains.get(s.seq.session_id, [])) for s in covered}
+                    chains = {id(s): (0, first_chains.get(s.seq.mask_session, [])) for s in covered}
                     waited += self._apply(first.wait(), covered, errors, chains)
             fetch = [
                 s
@@ -184,7 +184,7 @@ class Drafter:
                 if s.open and s.mask_row is None and len(s.drafts) < s.k and s.seq.seq_id not in errors
             ]
             pending = None
-            chains: dict[int, tuple[int, list[int]]] = {}  # id(slot) -> (drafts before, lookahead)
+            chains = {}  # id(slot) -> (drafts before, lookahead)
             if fetch:
                 assert self.masks is not None
                 items = []
@@ -228,7 +228,7 @@ class Drafter:
             return []
         if not LOOKAHEAD_PROPOSERS.issuperset(seq.proposers):
             return []
-        return ngram.chain(context, limit)  # type: ignore[attr-defined, no-any-return]
+        return ngram.chain(context, limit)  # type: ignore[attr-defined]  # the n-gram proposer, found by name
 
     @staticmethod
     def _item(seq: SequenceState, drafts: Sequence[int], k: int, chain: Sequence[int] = ()) -> DraftMaskItem:
@@ -236,12 +236,10 @@ class Drafter:
         ``chain``, every row along it), asking for the forced continuation after them (up
         to the drafts ``k`` still allows) when ``seq`` takes them."""
         forcing = FORCED_PROPOSER in seq.proposers
-        room = k - len(drafts) - len(chain)
-        forced = room if forcing and room > 0 else 0  # what a service older than forced_up_to reads
         up_to = k if forcing else 0  # where the service's walk stops, drafts up to k in all
         if chain:
-            return mask_item(seq, [*drafts, *chain], last_row_only=False, max_forced_tokens=forced, forced_up_to=up_to)
-        return mask_item(seq, drafts, last_row_only=True, max_forced_tokens=forced, forced_up_to=up_to)
+            return mask_item(seq, [*drafts, *chain], last_row_only=False, forced_up_to=up_to)
+        return mask_item(seq, drafts, last_row_only=True, forced_up_to=up_to)
 
     def _apply(
         self,
@@ -256,7 +254,7 @@ class Drafter:
         returns the wait. ``chains``: id(slot) -> (drafts it held when the request went out,
         the lookahead sent after them)."""
         for s in slots:
-            session_id = s.seq.session_id
+            session_id = s.seq.mask_session  # every slot here sent a request
             if session_id in reply.errors:
                 errors[s.seq.seq_id] = reply.errors[session_id]
                 continue
@@ -274,7 +272,7 @@ class Drafter:
             if chain:
                 walked = self._walk(s, chain, rows, res.num_grammar_accepted - base)
                 if walked is ChainWalk.REFUSED and not res.forced_at_stop:
-                    # An older service sent no forced run for this state: ask it again, without
+                    # No forced run was asked for (no forced drafts): ask this state again, without
                     # a lookahead (if nothing is forced there, drafting stops then).
                     s.mask_row = None
                     self._plain.add(id(s))
@@ -309,10 +307,10 @@ class Drafter:
             if len(slot.drafts) >= slot.k:
                 slot.mask_row = None
                 return ChainWalk.LEFT
-            forced = forced_token(row, vocab_size) if forcing and vocab_size is not None else None
+            forced = row.forced_token(vocab_size) if forcing and vocab_size is not None else None
             if forced is not None:
                 token, source = forced, FORCED_PROPOSER
-            elif j < accepted and is_allowed(row, candidate):
+            elif j < accepted and row.allows(candidate):
                 token, source = candidate, NGRAM_PROPOSER
             else:
                 # The n-gram token is refused here (j == accepted): the service's walk stopped
@@ -345,7 +343,7 @@ class Drafter:
                 if proposal is None:
                     continue
                 filled.add(id(slot))
-                if slot.mask_row is not None and not is_allowed(slot.mask_row, proposal.token_id):
+                if slot.mask_row is not None and not slot.mask_row.allows(proposal.token_id):
                     # The target would reject it for certain (its mask bit is 0): stop here.
                     slot.open = False
                     continue

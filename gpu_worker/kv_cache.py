@@ -119,6 +119,12 @@ class SequenceKV:
         self.length = 0
 
     @property
+    def pool_slot(self) -> int:
+        """The slot in its pool; only asked of a handle the runner has placed."""
+        assert self.slot is not None, "the KV handle has no slot yet"
+        return self.slot
+
+    @property
     def keys(self) -> list[torch.Tensor]:  # per layer: [1, num_kv_heads, length, head_dim] views
         return [k[:, :, : self.length] for k in self.buffers()[0]]
 

@@ -60,7 +60,7 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device) -> Any:
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, local_files_only=True, attn_implementation=register()
     )
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  # transformers types .to() through a decorator that hides self
     model.eval()
     return model
 

@@ -18,7 +18,7 @@ Refresh rule, per client table (``TableView.source``):
 So a row id is never read from a table that was cleared or overwritten.
 
 The key is the epoch, not the client's row-dictionary generation
-(``IndirectDraftMasks.table_generation``): the generation bumps on every resync
+(``MaskServiceClient.dict_generation``): the generation bumps on every resync
 with the server (a lost or reordered reply, a server restart), and a resync clears
 the table only when it is out of room. Without a clear every slot keeps its row, so
 keying on the generation would re-upload the whole table for nothing; a clear

@@ -40,7 +40,8 @@ from mask_service.grammar import GrammarSpec
 
 if TYPE_CHECKING:
     from gpu_worker.sequence import SequenceState
-    from mask_service.client import DraftMaskItem
+    from mask_service.client import DraftMaskItem, DraftMaskResult
+    from mask_service.protocols import MaskService
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,8 @@ class MaskChannel:
     """One worker's access to the mask service: DraftMasks on the data thread, opens and closes
     on the control threads (see the module docstring)."""
 
-    def __init__(self, router: Any, *, tokenizer_id: str, vocab_size: int) -> None:
-        self._router = router  # mask_service.router.MaskRouter (or anything with its methods)
+    def __init__(self, router: MaskService, *, tokenizer_id: str, vocab_size: int) -> None:
+        self._router = router  # a MaskRouter over replicas, or a MaskServiceClient of one
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mask-io")  # DraftMasks
         self._control = ThreadPoolExecutor(max_workers=CONTROL_THREADS, thread_name_prefix="mask-control")
         self.tokenizer_id = tokenizer_id
@@ -103,10 +104,10 @@ class MaskChannel:
             lambda: self._router.open_session(self.tokenizer_id, spec, self.vocab_size, request_id=request_id)
         )
 
-    def draft_masks_async(self, items: Sequence[Any]) -> Future[tuple[list[Any], float]]:
+    def draft_masks_async(self, items: Sequence[DraftMaskItem]) -> Future[tuple[list[DraftMaskResult], float]]:
         """Submit a batched DraftMasks call; the future gives (results, seconds on the I/O thread)."""
 
-        def call() -> tuple[list[Any], float]:
+        def call() -> tuple[list[DraftMaskResult], float]:
             t0 = time.perf_counter()
             results = self._router.draft_masks(list(items))
             return results, time.perf_counter() - t0
@@ -150,14 +151,12 @@ def mask_item(
     drafts: Sequence[int],
     *,
     last_row_only: bool,
-    max_forced_tokens: int = 0,
     forced_up_to: int = 0,
 ) -> DraftMaskItem:
     """``seq``'s request for the rows after ``drafts`` (M_0..M_k, or only M_k with
-    ``last_row_only``) and, with ``max_forced_tokens``, up to that many grammar-forced
-    tokens after them (with ``forced_up_to``, where the service's walk over them stops,
-    filling drafts up to that many), carrying its pending commit. Every request of a step carries
-    the same (commit_tokens, commit_seq): whichever reaches the service first
+    ``last_row_only``) and, with ``forced_up_to``, the grammar-forced tokens where the
+    service's walk over them stops (filling drafts up to that many), carrying its pending
+    commit. Every request of a step carries the same (commit_tokens, commit_seq): whichever reaches the service first
     applies it, the rest are no-ops, so there is never a separate commit call."""
     from mask_service.client import DraftMaskItem
 
@@ -169,7 +168,6 @@ def mask_item(
         commit_tokens=commit_tokens,
         commit_seq=commit_seq,
         last_row_only=last_row_only,
-        max_forced_tokens=max_forced_tokens,
         forced_up_to=forced_up_to,
     )
 
@@ -178,7 +176,7 @@ def mask_item(
 class MaskReply:
     """What one batched request gave, keyed by mask session id (unique per sequence)."""
 
-    results: dict[str, Any] = field(default_factory=dict)  # session_id -> mask_service.client.DraftMaskResult
+    results: dict[str, DraftMaskResult] = field(default_factory=dict)  # session_id -> its rows
     errors: dict[str, str] = field(default_factory=dict)  # session_id -> message; only that sequence fails
     wait_s: float = 0.0  # time the caller was blocked in wait()
 

@@ -133,8 +133,8 @@ class ModelRunner:
         """The pool, the first pool row ``lo`` of the range [lo, hi) the items occupy, and every
         row's length (dummy rows: their owner's)."""
         pool = self._pool_for(items)
-        lo = min(it.kv.slot for it in items)  # type: ignore[type-var]
-        hi = max(it.kv.slot for it in items) + 1  # type: ignore[operator]
+        lo = min(it.kv.pool_slot for it in items)
+        hi = max(it.kv.pool_slot for it in items) + 1
         if len({it.kv.slot for it in items}) != len(items):
             raise ValueError(f"{self.name}: one KV cache appears twice in a forward")
         return pool, lo, [pool.owner(slot).length for slot in range(lo, hi)]
@@ -151,7 +151,7 @@ class ModelRunner:
         pos_of: list[int] = []  # [N] its position in its sequence
         spans = []
         for it in items:
-            n, r, past = len(it.token_ids), it.kv.slot - lo, it.kv.length  # type: ignore[operator]
+            n, r, past = len(it.token_ids), it.kv.pool_slot - lo, it.kv.length
             spans.append(RowSpan(row=r, start=len(ids), count=n, keys=past + n))
             ids.extend(it.token_ids)
             row_of.extend([r] * n)
@@ -205,7 +205,7 @@ class ModelRunner:
 
         input_ids = torch.full((rows, max_new), _PAD_TOKEN_ID, dtype=torch.long)  # [R, T_max]
         for it in items:
-            r = it.kv.slot - lo  # type: ignore[operator]
+            r = it.kv.pool_slot - lo
             input_ids[r, : len(it.token_ids)] = torch.as_tensor(list(it.token_ids), dtype=torch.long)
         input_ids = input_ids.to(dev, non_blocking=True)
         start_t = torch.tensor(starts, dtype=torch.long).to(dev, non_blocking=True)  # [R]
@@ -234,7 +234,7 @@ class ModelRunner:
         self.num_computed_positions += rows * max_new
         results = []
         for it in items:
-            r, n = it.kv.slot - lo, len(it.token_ids)  # type: ignore[operator]
+            r, n = it.kv.pool_slot - lo, len(it.token_ids)
             it.kv.advance(n)  # the layers wrote its new entries into its own slot
             results.append(hidden[r, n - it.num_logits : n])  # [num_logits, hidden]
         return results

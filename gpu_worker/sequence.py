@@ -68,6 +68,12 @@ class SequenceState:
         # The request's, not "has a session": a grammar sequence is never treated as free.
         return self.request.grammar is not None
 
+    @property
+    def mask_session(self) -> str:
+        """The open mask session's id; only asked of a sequence that sent a mask request."""
+        assert self.session_id is not None, f"seq {self.seq_id} has no mask session"
+        return self.session_id
+
     def next_commit(self) -> tuple[list[int], int]:
         """(commit_tokens, commit_seq) to attach to this step's mask requests.
 

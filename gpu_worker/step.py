@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from gpu_worker.drafting import Drafter
 from gpu_worker.mask_table import DeviceMaskTable
@@ -37,6 +37,10 @@ from gpu_worker.sequence import SequenceState
 from gpu_worker.types import FinishReason, StepOutput
 from gpu_worker.verifier import VerifyInput, verify
 from gpu_worker.verify_width import WidthChooser
+from kernels.backend import Backend
+
+if TYPE_CHECKING:
+    from mask_service.client import DraftMaskResult
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +61,7 @@ class StepRunner:
         max_model_len: int,
         draft_max_len: int | None,
         mask_timeout_s: float,
-        kernel_backend: Any = None,
+        kernel_backend: Backend | None = None,
         mask_table: DeviceMaskTable | None = None,
         width: WidthChooser | None = None,
     ) -> None:
@@ -129,7 +133,7 @@ class StepRunner:
             )
         logits = self.target.forward(forward_items)  # per slot [k_r + 1, V] float32
 
-        mask_results: dict[str, Any] = {}  # session_id -> DraftMaskResult
+        mask_results: dict[str, DraftMaskResult] = {}  # session_id -> its rows
         if pending is not None:
             reply = pending.wait()
             mask_wait += reply.wait_s
@@ -150,7 +154,7 @@ class StepRunner:
                 # committed state is not terminated: they were handed out).
                 mask = s.grammar_rows
             elif seq.has_grammar:
-                res = mask_results[seq.session_id]
+                res = mask_results[seq.mask_session]
                 if res.terminated:
                     # Committed state already complete (e.g. a grammar stop token outside
                     # our stop set ended it last step): nothing more may be emitted.

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -56,7 +55,7 @@ def verify(
     *,
     vocab_size: int,
     num_mask_words: int,
-    kernel_backend: Any = None,
+    kernel_backend: Backend | None = None,
     mask_table: DeviceMaskTable | None = None,
 ) -> list[VerifyResult]:
     """Mask and rejection-sample a batch; returns per sequence the emitted tokens.

@@ -48,7 +48,7 @@ def sample_recovered_tokens(
     if ran is Backend.TRITON:
         from kernels import recovered_triton as impl
     else:
-        from kernels import recovered_reference as impl
+        from kernels import recovered_reference as impl  # type: ignore[no-redef]  # same functions as the Triton module
     tokens = impl.sample_recovered_tokens(
         target_logits,
         target_probs,

@@ -62,7 +62,7 @@ def _recovered_kernel(
             if block_max > best:  # strict: earlier chunk wins ties, like torch.argmax
                 best = block_max
                 best_idx = off + block_idx
-        tl.store(out_ptr + row, best_idx.to(tl.int64))
+        tl.store(out_ptr + row, best_idx.to(tl.int64))  # type: ignore[attr-defined]  # a Triton scalar in the kernel
     else:
         draft_idx = (start + pos).to(tl.int64)
         # The bonus row has no draft: -1 matches no column, and q is not loaded.

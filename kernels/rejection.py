@@ -152,7 +152,7 @@ def rejection_sample(
     if ran is Backend.TRITON:
         from kernels import rejection_triton as impl
     else:
-        from kernels import rejection_reference as impl
+        from kernels import rejection_reference as impl  # type: ignore[no-redef]  # same functions as the Triton module
     output_token_ids, num_accepted, violation = impl.rejection_accept(
         draft_token_ids,
         cu_num_draft_tokens,

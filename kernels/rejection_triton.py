@@ -64,7 +64,7 @@ def _rejection_kernel(
     bad = 0  # 1 once an emitted token is outside its mask row
     for i in range(0, num_drafts):
         if rejected == 0:
-            draft_idx = (start + i).to(tl.int64)
+            draft_idx = (start + i).to(tl.int64)  # type: ignore[attr-defined]  # a Triton scalar in the kernel
             row = (first_row + i).to(tl.int64)
             token = tl.load(draft_ids_ptr + draft_idx)
             recovered = tl.load(recovered_ptr + row)
@@ -124,8 +124,8 @@ def rejection_accept(
     probs = target_probs.contiguous().float() if target_probs is not None else None
     q = draft_probs.contiguous().float() if draft_probs is not None else None
     has_mask = mask_table is not None and mask_row_ids is not None
-    table = mask_table.contiguous() if has_mask else num_accepted
-    row_ids = mask_row_ids.contiguous().long() if has_mask else out
+    table = mask_table.contiguous() if mask_table is not None and has_mask else num_accepted
+    row_ids = mask_row_ids.contiguous().long() if mask_row_ids is not None and has_mask else out
     _rejection_kernel[(batch,)](
         out,
         num_accepted,

@@ -80,7 +80,7 @@ def expand_sampling_params(
     if ran is Backend.TRITON:
         from kernels import sampling_params_triton as impl
     else:
-        from kernels import sampling_params_reference as impl
+        from kernels import sampling_params_reference as impl  # type: ignore[no-redef]  # same functions as the Triton module
     request_index, temperature, top_k, top_p = impl.expand_sampling_params(
         sampling.temperature, sampling.top_k, sampling.top_p, cu_num_draft_tokens, num_tokens
     )

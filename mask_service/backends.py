@@ -27,6 +27,7 @@ from mask_service.ebnf_classes import compile_scalar_only, exclude_surrogates, u
 from mask_service.errors import GrammarError
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.grammar_checks import check_language, engine_message, load_schema, precheck
+from mask_service.protocols import GrammarMatcher
 from mask_service.schema_check import check_schema
 from mask_service.schema_relax import relax_schema
 from mask_service.schema_rewrite import needs_ebnf_repair, repair_ebnf, rewrite_schema
@@ -56,13 +57,20 @@ def any_json_ebnf(item_separator: str, key_separator: str) -> str:
 class GrammarBackend(Protocol):
     name: str
 
+    def make_compiler(self, tokenizer_info: Any, max_threads: int) -> Any:
+        """The per-(tokenizer, vocab size) state ``compile`` takes (the engine's compiler)."""
+
     def compile(self, compiler: Any, spec: GrammarSpec) -> Any:
         """Return the engine's compiled grammar; raise GrammarError with the engine's message."""
 
-    def new_matcher(self, compiled: Any) -> Any:
+    def new_matcher(self, compiled: Any) -> GrammarMatcher:
         """A fresh matcher at the grammar's start state, with unbounded rollback."""
 
-    def forced_text(self, matcher: Any) -> str:
+
+class GrammarEngine(GrammarBackend, Protocol):
+    """A backend that is one engine (not a selection among engines): it also reads forced text."""
+
+    def forced_text(self, matcher: Any) -> str:  # Any: each engine takes only its own matcher type
         """The text the grammar forces from the matcher's state ("" = none); no state change."""
 
 
@@ -120,7 +128,10 @@ class XGrammarBackend:
         problem = unfaithful_print(spec.text)
         if problem:
             raise GrammarError(f"unsupported in {spec.kind.value} grammar: {problem}")
-        parse = {GrammarKind.REGEX: xgr.Grammar.from_regex, GrammarKind.LARK: xgr.Grammar.from_lark}
+        parse: dict[GrammarKind, Callable[[str], xgr.Grammar]] = {
+            GrammarKind.REGEX: xgr.Grammar.from_regex,
+            GrammarKind.LARK: xgr.Grammar.from_lark,
+        }
         return compile_scalar_only(compiler, parse.get(spec.kind, xgr.Grammar.from_ebnf)(spec.text))
 
     def compile(self, compiler: Any, spec: GrammarSpec) -> Any:
@@ -143,7 +154,7 @@ class XGrammarBackend:
         check_language(self.new_matcher(compiled), compiled.tokenizer_info, spec)  # not empty, not only "" (issue 9)
         return compiled
 
-    def new_matcher(self, compiled: Any) -> Any:
+    def new_matcher(self, compiled: Any) -> GrammarMatcher:
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
@@ -167,7 +178,7 @@ class EngineCompilers:
         with self.lock:
             comp = self.built.get(name)
             if comp is None:
-                comp = ENGINES[name].make_compiler(self.tokenizer_info, self.max_threads)  # type: ignore[attr-defined]
+                comp = ENGINES[name].make_compiler(self.tokenizer_info, self.max_threads)
                 self.built[name] = comp
             return comp
 
@@ -291,7 +302,7 @@ class SelectingBackend:
             check_language(ENGINES[name].new_matcher(compiled), compiled.tokenizer_info, spec)
         return compiled
 
-    def new_matcher(self, compiled: SelectedGrammar) -> Any:
+    def new_matcher(self, compiled: SelectedGrammar) -> GrammarMatcher:
         return ENGINES[compiled.backend].new_matcher(compiled.compiled)
 
 
@@ -307,6 +318,6 @@ def enforcement_of(compiled: Any) -> tuple[str, tuple[str, ...]]:
     return "exact", ()
 
 
-ENGINES: dict[str, GrammarBackend] = {"xgrammar": XGrammarBackend(), "llguidance": LLGuidanceBackend()}
+ENGINES: dict[str, GrammarEngine] = {"xgrammar": XGrammarBackend(), "llguidance": LLGuidanceBackend()}
 BACKENDS: dict[str, GrammarBackend] = {**ENGINES, "auto": SelectingBackend()}
 DEFAULT_BACKEND = "auto"

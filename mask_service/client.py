@@ -96,7 +96,6 @@ class DraftMaskResult:
     rows: MaskRows
     num_grammar_accepted: int  # how many of d_1..d_k the grammar accepts (prefix length)
     terminated: bool  # matcher terminated after commit_tokens (committed state)
-    accepts_stop_after: list[bool] | None = None  # not computed by the service (read stop bits from rows)
     # The grammar's forced continuation after d_k (max_forced_tokens: when all drafts are accepted)
     # or where the walk stopped (forced_up_to); never after a terminated state:
     # canonical tokens, each grammar-accepted, stopped short of an ambiguous boundary; never committed.
@@ -109,35 +108,6 @@ class DraftMaskResult:
         import torch
 
         return torch.from_numpy(self.rows.dense())
-
-
-@dataclass(frozen=True)
-class IndirectDraftMasks:
-    """Rows as indices into an interned table (for apply_token_bitmask_indirect_inplace).
-
-    ``mask_table`` is a view of the client's table. Its rows never change (the
-    table only appends, and a clear starts fresh arrays: mask_service.row_table),
-    so it stays valid however later calls change the table. ``table_generation`` is
-    the row-dictionary generation: it changes on every resync with the server, which
-    clears the table only when it is out of room. A device mirror must therefore key
-    on the table's epoch (``TableView.epoch``, bumped by a clear), not on this: a
-    resync without a clear leaves every slot exact (gpu_worker.mask_table).
-    """
-
-    mask_table: torch.Tensor  # [num_table_rows, W] int32
-    row_ids: torch.Tensor  # [num_rows] int32, rows of request r at cu_num_rows[r-1]..cu_num_rows[r]
-    cu_num_rows: list[int]  # [B] cumulative rows per request
-    num_grammar_accepted: list[int]  # [B]
-    terminated: list[bool]  # [B]
-    table_generation: int
-    # [num_rows] int32 set bits of each returned row (NewRow.allowed_count; all-ones rows: 32*W):
-    # a count of 1 is a grammar-forced position, with its token in table_single_token.
-    allowed_count: torch.Tensor
-    table_single_token: torch.Tensor  # [num_table_rows] int32 the token where a row allows one, else -1
-    forced_tokens: tuple[tuple[int, ...], ...] = ()  # [B] per request (DraftMaskResult.forced_tokens)
-    # [B] per request: forced_tokens are for the state where the draft walk stopped
-    # (DraftMaskResult.forced_at_stop; DraftMaskItem.forced_up_to asked for it)
-    forced_at_stop: tuple[bool, ...] = ()
 
 
 class MaskServiceClient:
@@ -204,13 +174,13 @@ class MaskServiceClient:
             try:
                 return fn(request, timeout=timeout_s or self._deadline, metadata=self._metadata + metadata)
             except grpc.RpcError as exc:
-                code = exc.code()  # type: ignore[attr-defined]
+                code = exc.code()
                 if code in retry_on and attempt < self._retries:
                     attempt += 1
                     time.sleep(_BACKOFF_S * 2 ** (attempt - 1))
                     continue
                 reason = details_of(exc).reason
-                raise MaskServiceError(code, exc.details() or "", reason=reason) from None  # type: ignore[attr-defined]
+                raise MaskServiceError(code, exc.details() or "", reason=reason) from None
 
     @staticmethod
     def _target(tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None) -> pb.GrammarTarget:
@@ -363,55 +333,9 @@ class MaskServiceClient:
             )
         return out
 
-    def draft_masks_numpy(self, items: Sequence[DraftMaskItem]) -> tuple[np.ndarray, list[pb.DraftMaskResult]]:
-        """Torch-free variant: ([num_rows, W] int32 rows of all requests in order, per-request results)."""
-        resp, view, slots = self._draft_masks_raw(items)
-        dense = view.words[slots] if view is not None else np.zeros((0, resp.num_mask_words), np.int32)
-        return dense, list(resp.results)
-
-    def draft_masks_indirect(self, items: Sequence[DraftMaskItem]) -> IndirectDraftMasks:
-        import torch
-
-        resp, view, slots = self._draft_masks_raw(items)
-        cu, acc, term = [], [], []
-        total = 0
-        for r in resp.results:
-            total += r.num_rows
-            cu.append(total)
-            acc.append(r.num_grammar_accepted)
-            term.append(r.terminated)
-        forced = tuple(tuple(r.forced_tokens) for r in resp.results)
-        at_stop = tuple(r.forced_at_stop for r in resp.results)
-        if view is None:
-            empty = torch.empty(0, dtype=torch.int32)
-            return IndirectDraftMasks(
-                torch.empty(0, 0, dtype=torch.int32),
-                empty,
-                cu,
-                acc,
-                term,
-                self._generation,
-                empty,
-                empty,
-                forced,
-                at_stop,
-            )
-        return IndirectDraftMasks(
-            torch.from_numpy(view.words),
-            torch.from_numpy(slots),
-            cu,
-            acc,
-            term,
-            self._generation,
-            torch.from_numpy(view.allowed[slots]),
-            torch.from_numpy(view.single),
-            forced,
-            at_stop,
-        )
-
 
 def _status_tuple(value: int) -> tuple[int, str]:
     for code in grpc.StatusCode:
         if code.value[0] == value:
-            return code.value  # type: ignore[no-any-return]
-    return grpc.StatusCode.UNKNOWN.value  # type: ignore[no-any-return]
+            return code.value
+    return grpc.StatusCode.UNKNOWN.value

@@ -210,7 +210,7 @@ class _Worker:
             proc.wait(timeout=10)
         for stream in (proc.stdin, proc.stdout):
             with contextlib.suppress(OSError):
-                stream.close()  # type: ignore[union-attr]
+                stream.close()  # type: ignore[union-attr]  # both pipes exist: started with stdin=stdout=PIPE
 
     def send(self, message: Any) -> None:
         assert self.proc is not None and self.proc.stdin is not None

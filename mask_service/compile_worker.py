@@ -113,7 +113,7 @@ def serve(stdin: IO[bytes], stdout: IO[bytes], *, address_space_extra: int) -> N
             backend = BACKENDS[backend_name]
             ckey = (backend_name, tok_key, max_threads)
             if ckey not in compilers:
-                compilers[ckey] = backend.make_compiler(infos[tok_key], max_threads)  # type: ignore[attr-defined]
+                compilers[ckey] = backend.make_compiler(infos[tok_key], max_threads)
             compiled = backend.compile(compilers[ckey], spec)
             size = int(getattr(compiled, "memory_size_bytes", 0))
             reply: tuple[Any, ...] = ("ok", time.perf_counter() - t0, size, time.process_time() - cpu0)

@@ -155,7 +155,7 @@ class CompilerCache:
             comp = self._compilers.get(key)
         if comp is None:
             info = self._registry.info(tokenizer_id, vocab_size)
-            comp = self._backend.make_compiler(info, self._compile_threads)  # type: ignore[attr-defined]
+            comp = self._backend.make_compiler(info, self._compile_threads)
             with self._lock:
                 comp = self._compilers.setdefault(key, comp)
         return comp

@@ -6,7 +6,7 @@ from mask_service.errors import InvalidArgument
 from mask_service.grammar import GrammarKind, GrammarSpec
 from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
 
-_TO_PB: dict[GrammarKind, int] = {
+_TO_PB: dict[GrammarKind, pb.GrammarKind.ValueType] = {
     GrammarKind.JSON_SCHEMA: pb.GRAMMAR_KIND_JSON_SCHEMA,
     GrammarKind.REGEX: pb.GRAMMAR_KIND_REGEX,
     GrammarKind.EBNF: pb.GRAMMAR_KIND_EBNF,
@@ -18,7 +18,7 @@ _FROM_PB = {v: k for k, v in _TO_PB.items()}
 
 def grammar_to_proto(spec: GrammarSpec) -> pb.Grammar:
     msg = pb.Grammar(
-        kind=_TO_PB[spec.kind],  # type: ignore[arg-type]
+        kind=_TO_PB[spec.kind],
         text=spec.text,
         any_whitespace=spec.any_whitespace,
         strict=spec.strict,

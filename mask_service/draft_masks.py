@@ -39,6 +39,7 @@ import numpy as np
 from mask_service.backends import ENGINES, engine_name
 from mask_service.errors import InvalidArgument, MaskError
 from mask_service.forced import TokenizerViews, forced_continuation
+from mask_service.protocols import GrammarMatcher
 from mask_service.sessions import Session, SessionStore
 from mask_service.wire import InternedRow, RowInterner
 
@@ -74,13 +75,13 @@ class DraftOutcome:
 
 
 def walk_drafts(
-    matcher: object,
+    matcher: GrammarMatcher,
     drafts: Sequence[int],
     out: np.ndarray,
     last_row_only: bool,
     *,
     terminated: bool | None = None,
-    at_stop: Callable[[Any, np.ndarray | None, int, bool], None] | None = None,
+    at_stop: Callable[[GrammarMatcher, np.ndarray | None, int, bool], None] | None = None,
 ) -> tuple[int, list[bool]]:
     """Fill mask rows for one request; leave ``matcher`` as it was.
 
@@ -101,31 +102,31 @@ def walk_drafts(
     filled = [False] * out.shape[0]
     accepted = 0
     refused = False
-    stopped = m.is_terminated() if terminated is None else terminated  # type: ignore[attr-defined]
+    stopped = m.is_terminated() if terminated is None else terminated
     if not stopped and not last_row_only:
-        m.fill_next_token_bitmask(out, 0)  # type: ignore[attr-defined]
+        m.fill_next_token_bitmask(out, 0)
         filled[0] = True
     for i in range(k):
         if stopped:
             break
-        if not m.accept_token(int(drafts[i])):  # type: ignore[attr-defined]
+        if not m.accept_token(int(drafts[i])):
             stopped = refused = True
             break
         accepted += 1
-        if m.is_terminated():  # type: ignore[attr-defined]
+        if m.is_terminated():
             stopped = True
             break
         if not last_row_only:
-            m.fill_next_token_bitmask(out, i + 1)  # type: ignore[attr-defined]
+            m.fill_next_token_bitmask(out, i + 1)
             filled[i + 1] = True
     if last_row_only and not stopped:
-        m.fill_next_token_bitmask(out, 0)  # type: ignore[attr-defined]
+        m.fill_next_token_bitmask(out, 0)
         filled[0] = True
     if at_stop is not None and (refused or not stopped):
         row = out[-1] if not stopped else (out[accepted] if not last_row_only and filled[accepted] else None)
         at_stop(m, row, accepted, refused)
     if accepted:
-        m.rollback(accepted)  # type: ignore[attr-defined]
+        m.rollback(accepted)
     return accepted, filled
 
 
@@ -210,17 +211,17 @@ class DraftMaskEngine:
 
     def _forcing(
         self, req: DraftRequest, session: Session, res: DraftOutcome
-    ) -> Callable[[Any, np.ndarray | None, int, bool], None] | None:
+    ) -> Callable[[GrammarMatcher, np.ndarray | None, int, bool], None] | None:
         """The walk's hook that puts the forced continuation in ``res`` (None when not asked)."""
         at_stop = req.forced_up_to > 0
         if (not at_stop and req.max_forced_tokens <= 0) or self._views is None:
             return None
         entry = session.entry
         view = self._views.get(entry.key[0], entry.compiled.tokenizer_info)
-        forced_text = ENGINES[engine_name(entry.compiled, entry.backend)].forced_text  # type: ignore[attr-defined]
+        forced_text = ENGINES[engine_name(entry.compiled, entry.backend)].forced_text
         res.forced_at_stop = at_stop
 
-        def hook(matcher: Any, row: np.ndarray | None, accepted: int, refused: bool) -> None:
+        def hook(matcher: GrammarMatcher, row: np.ndarray | None, accepted: int, refused: bool) -> None:
             if refused and not at_stop:
                 return  # the older contract: only after every draft
             cap = min(req.forced_up_to - accepted if at_stop else req.max_forced_tokens, self.max_k)
@@ -265,10 +266,10 @@ class DraftMaskEngine:
             sessions.append(s)
         total = sum(r.num_rows for r in requests)
         buf = self._scratch(total, max(width, 1))  # [num_rows_total, W]
-        jobs = []
+        jobs: list[tuple[int, DraftRequest, Session | MaskError, np.ndarray]] = []
         offset = 0
-        for i, (req, s) in enumerate(zip(requests, sessions)):
-            jobs.append((i, req, s, buf[offset : offset + req.num_rows]))
+        for i, (req, target) in enumerate(zip(requests, sessions)):
+            jobs.append((i, req, target, buf[offset : offset + req.num_rows]))
             offset += req.num_rows
         results: list[DraftOutcome] = [DraftOutcome()] * len(requests)
         # A chunk on another thread is worth its hop only with enough rows: on a 2-core host

@@ -67,7 +67,7 @@ class GrammarSpec:
         if key is None:
             key = self._digest()
             object.__setattr__(self, "_cache_key", key)  # frozen: fields only; this is a memo
-        return key  # type: ignore[no-any-return]
+        return key
 
     def _digest(self) -> str:
         """sha256 over the other fields as compact JSON, a newline, then the text as is. JSON

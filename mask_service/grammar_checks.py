@@ -33,6 +33,7 @@ from typing import Any
 from mask_service.code_points import bad_code_point
 from mask_service.errors import GrammarError, MaskError
 from mask_service.grammar import GrammarKind, GrammarSpec
+from mask_service.protocols import GrammarMatcher
 from mask_service.schema_check import NESTING_TOO_DEEP, check_document, check_metaschema
 
 _TEXT_KINDS = (GrammarKind.REGEX, GrammarKind.EBNF, GrammarKind.LARK)
@@ -98,7 +99,7 @@ def _precheck(spec: GrammarSpec) -> None:
     check_metaschema(schema)
 
 
-def check_language(matcher: Any, tokenizer_info: Any, spec: GrammarSpec) -> None:
+def check_language(matcher: GrammarMatcher, tokenizer_info: Any, spec: GrammarSpec) -> None:
     """Refuse a compiled grammar that matches nothing, or only the empty string.
 
     ``matcher``: a fresh matcher of the compiled grammar (either engine: both

@@ -37,9 +37,9 @@ from functools import cache
 from typing import Any
 
 try:  # Python 3.11+
-    import re._parser as _sre  # type: ignore[import-not-found]
+    import re._parser as _sre  # type: ignore[import-not-found]  # private module, absent from typeshed
 except ImportError:  # pragma: no cover - older Pythons
-    import sre_parse as _sre  # type: ignore[no-redef]
+    import sre_parse as _sre
 
 from mask_service.errors import GrammarError
 

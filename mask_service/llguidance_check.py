@@ -171,8 +171,8 @@ def _strict(node: Any, path: str, *, loose: bool, shared: set[str]) -> Any:
         # Not a JSON-Schema format: an annotation every validator ignores, which
         # llguidance would refuse as "Unknown format" ("textarea", "datetime", ...).
         del out["format"]
-    props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-    required = node.get("required") if isinstance(node.get("required"), list) else []
+    props = p if isinstance(p := node.get("properties"), dict) else {}
+    required = req if isinstance(req := node.get("required"), list) else []
     # A required name with no declared schema must stay allowed as an extra key.
     undeclared = any(isinstance(r, str) and r not in props for r in required)
     if not (loose or inter or undeclared) and _is_object_schema(node) and not any(k in node for k in _OPEN_KEYS):

@@ -17,7 +17,7 @@ holds it, however the table changes meanwhile on a mask-reply thread.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,6 +68,15 @@ class MaskRow:
         token = int(self.view.single[self.slot])
         return None if token < 0 else token
 
+    def forced_token(self, vocab_size: int) -> int | None:
+        """The token id if the row allows exactly one token and it is < vocab_size, else None.
+
+        A row whose only other set bits are padding (>= V) is not reported: it is never a
+        grammar's row (padding ids are never allowed), and missing a forced position costs
+        only a draft."""
+        token = self.single_token
+        return token if token is not None and token < vocab_size else None
+
     @property
     def words(self) -> np.ndarray:  # [W] int32 (a read-only view)
         return self.view.words[self.slot]
@@ -93,7 +102,7 @@ class MaskRows:
     def __getitem__(self, i: int) -> MaskRow:
         return MaskRow(self.view, int(self.slots[i]))
 
-    def __iter__(self) -> Iterable[MaskRow]:  # type: ignore[override]
+    def __iter__(self) -> Iterator[MaskRow]:
         view = self.view
         return (MaskRow(view, int(s)) for s in self.slots)
 
@@ -165,8 +174,8 @@ class RowTable:
     def _count(self, r: pb.NewRow, out: np.ndarray) -> tuple[int, int]:
         """(allowed count, single token or -1) of a decoded row ``out`` [W]. Sparse
         encodings carry the count as their length; dense ones (> SPARSE_MAX_TOKENS
-        either way, so never single) use the server's ``allowed_count``, or recount
-        when an older server sent 0."""
+        either way, so never single) use the server's ``allowed_count``, which the
+        server always sends (a dense row without one is a corrupt response)."""
         total = 32 * self.num_mask_words
         if r.encoding == pb.ROW_ENCODING_ALLOWED:
             count = len(r.payload) // 4
@@ -175,7 +184,7 @@ class RowTable:
         elif r.allowed_count:
             count = r.allowed_count
         else:
-            count = int(np.bitwise_count(out.view(np.uint32)).sum())
+            raise WireError(f"row {r.row_id:#x}: a dense row without its allowed_count")
         if r.allowed_count and r.allowed_count != count:
             raise WireError(f"row {r.row_id:#x}: allowed_count {r.allowed_count} but the row has {count} tokens")
         if count != 1:
@@ -184,12 +193,12 @@ class RowTable:
             return 1, int(np.frombuffer(r.payload, dtype="<u4")[0])
         return 1, _single_set_bit(out)
 
-    def absorb(self, new_rows: Sequence[pb.NewRow] | object, row_ids: Sequence[int]) -> np.ndarray:
+    def absorb(self, new_rows: Sequence[pb.NewRow], row_ids: Sequence[int]) -> np.ndarray:
         """Intern ``new_rows`` and map ``row_ids`` to slots. Returns [num_rows] int32 slots.
 
         Raises MissingRow if an id is neither held nor sent.
         """
-        fresh = [r for r in new_rows if r.row_id not in self.slot_of]  # type: ignore[attr-defined]
+        fresh = [r for r in new_rows if r.row_id not in self.slot_of]
         if not self.has_room(len(fresh)):
             raise MissingRow("row table full")
         self._grow(self.num_rows + len(fresh))

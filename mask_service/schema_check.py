@@ -265,7 +265,7 @@ def _matches(pattern: str, name: str, where: str) -> bool:
 
 def _check_object_keys(schema: dict[str, Any], path: str, root: Any) -> None:
     """The key-level refusals listed in the module docstring (patternProperties / propertyNames)."""
-    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    props = p if isinstance(p := schema.get("properties"), dict) else {}
     extra = schema.get("additionalProperties", False)  # absent: no extras (strict), or rewritten to false
     patterns = schema.get("patternProperties")
     if isinstance(patterns, dict) and patterns:

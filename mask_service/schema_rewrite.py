@@ -181,7 +181,7 @@ def only_types(schema: Any, root: Any, depth: int = 0) -> set[str] | None:
     branches = schema.get("anyOf", schema.get("oneOf"))
     if isinstance(branches, list):
         sets = [only_types(b, root, depth + 1) for b in branches]
-        return None if any(s is None for s in sets) else set().union(*sets)
+        return None if any(s is None for s in sets) else set().union(*(s for s in sets if s is not None))
     if "type" in schema and None not in types_of(schema["type"]):
         names = types_of(schema["type"])
         return names | ({"number"} if "integer" in names else set())

@@ -15,11 +15,11 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from mask_service.auth import public_owner
 from mask_service.compiler_cache import CompiledEntry
 from mask_service.errors import InvalidArgument, LimitExceeded, SessionNotFound, TokenRejected
+from mask_service.protocols import GrammarMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ MAX_REQUEST_ID_CHARS = 256
 class Session:
     session_id: str
     entry: CompiledEntry
-    matcher: Any  # xgrammar.GrammarMatcher, committed state between calls
+    matcher: GrammarMatcher  # the engine's matcher, committed state between calls
     vocab_size: int
     owner: str = ""  # who holds it ("" = unnamed); see SessionStore.release_owner
     request_id: str = ""  # the orchestrator request it serves ("" = not given); named in its log lines

@@ -56,7 +56,8 @@ def check_ports_free(host: str, ports: Iterable[tuple[str, int | None]]) -> None
             try:
                 sock.bind((host.strip("[]"), port))
             except OSError as exc:
-                raise StartupError(f"{name} {port} on {host}: {_BIND_ERRORS.get(exc.errno, exc.strerror)}") from None
+                reason = _BIND_ERRORS.get(exc.errno or 0, exc.strerror)
+                raise StartupError(f"{name} {port} on {host}: {reason}") from None
 
 
 _BIND_ERRORS = {

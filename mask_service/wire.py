@@ -72,7 +72,7 @@ def _set_bit_ids(words: np.ndarray) -> np.ndarray:
     return ids[bits.astype(bool)].astype("<u4")
 
 
-def encode_row(row: np.ndarray) -> tuple[int, bytes, int]:
+def encode_row(row: np.ndarray) -> tuple[pb.RowEncoding.ValueType, bytes, int]:
     """Pick the smallest encoding for one dense row. row: [W] int32.
 
     Returns (encoding, payload, allowed_count): the popcount is needed to pick

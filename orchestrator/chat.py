@@ -112,7 +112,8 @@ class ChatRenderer:
         from orchestrator.api.http.errors import ApiError
         from orchestrator.api.http.protocol import ChatMessage as ApiChatMessage
 
-        messages = [ApiChatMessage(role=m.role, content=m.content) for m in self.messages_for(chat, grammar)]
+        turns = self.messages_for(chat, grammar)
+        messages = [ApiChatMessage.model_validate({"role": m.role, "content": m.content}) for m in turns]
         try:
             return self._prompter.render(messages, None)
         except ApiError as exc:  # the template's raise_exception (e.g. roles must alternate)

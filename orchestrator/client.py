@@ -21,7 +21,9 @@ import grpc
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc
 
-FINISH_REASON_NAMES = {value: name.removeprefix("FINISH_REASON_").lower() for name, value in pb.FinishReason.items()}
+FINISH_REASON_NAMES: dict[int, str] = {
+    value: name.removeprefix("FINISH_REASON_").lower() for name, value in pb.FinishReason.items()
+}
 
 
 def build_request(
@@ -52,11 +54,11 @@ def build_request(
     if isinstance(prompt, str):
         req.text = prompt
     elif prompt and isinstance(prompt[0], Mapping):
-        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)  # type: ignore[index]
+        req.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)  # type: ignore[index]  # prompt[0] is a Mapping: chat turns
         if schema_instruction is not None:
             req.chat.schema_instruction = schema_instruction
     else:
-        req.token_ids.ids.extend(prompt)  # type: ignore[arg-type]
+        req.token_ids.ids.extend(prompt)  # type: ignore[arg-type]  # neither text nor turns: token ids
     if schema is not None:
         req.grammar.json_schema = schema if isinstance(schema, str) else json.dumps(schema)
     elif regex is not None:
@@ -161,7 +163,7 @@ class OrchestratorClient:
             try:
                 return self.generate(req, timeout_s=timeout_s)
             except grpc.RpcError as exc:
-                if attempt == OVERLOAD_RETRY_ATTEMPTS - 1 or exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
+                if attempt == OVERLOAD_RETRY_ATTEMPTS - 1 or exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
             time.sleep(delay)
             delay = min(2 * delay, OVERLOAD_RETRY_MAX_S)

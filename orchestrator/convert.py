@@ -23,12 +23,12 @@ from orchestrator.types import (
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 
 # Proto Proposer enum -> worker proposer registry name.
-PROPOSER_NAMES: dict[int, str] = {
+PROPOSER_NAMES: dict[pb.Proposer.ValueType, str] = {
     pb.PROPOSER_DRAFT_MODEL: "draft_model",
     pb.PROPOSER_GRAMMAR_FORCED: "grammar_forced",
     pb.PROPOSER_NGRAM: "ngram",
 }
-PROPOSER_ENUMS: dict[str, int] = {name: value for value, name in PROPOSER_NAMES.items()}
+PROPOSER_ENUMS: dict[str, pb.Proposer.ValueType] = {name: value for value, name in PROPOSER_NAMES.items()}
 
 _GRAMMAR_KINDS: dict[str, GrammarKind] = {
     "json_schema": GrammarKind.JSON_SCHEMA,
@@ -39,7 +39,7 @@ _GRAMMAR_KINDS: dict[str, GrammarKind] = {
 }
 _GRAMMAR_FIELDS: dict[GrammarKind, str] = {kind: name for name, kind in _GRAMMAR_KINDS.items()}
 
-FINISH_REASONS: dict[FinishReason, int] = {
+FINISH_REASONS: dict[FinishReason, pb.FinishReason.ValueType] = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.GRAMMAR_COMPLETE: pb.FINISH_REASON_GRAMMAR_COMPLETE,
@@ -50,7 +50,7 @@ FINISH_REASONS: dict[FinishReason, int] = {
 
 
 # Mask-service enforcement names -> the API's enum.
-ENFORCEMENTS: dict[str, int] = {"exact": pb.ENFORCEMENT_EXACT, "checked": pb.ENFORCEMENT_CHECKED}
+ENFORCEMENTS: dict[str, pb.Enforcement.ValueType] = {"exact": pb.ENFORCEMENT_EXACT, "checked": pb.ENFORCEMENT_CHECKED}
 
 
 # ---- requests -------------------------------------------------------------
@@ -193,7 +193,7 @@ def usage_to_proto(usage: Usage) -> pb.Usage:
 
 def grammar_report_to_proto(report: GrammarReport) -> pb.GrammarReport:
     return pb.GrammarReport(
-        enforcement=ENFORCEMENTS.get(report.enforcement, pb.ENFORCEMENT_UNSPECIFIED),  # type: ignore[arg-type]
+        enforcement=ENFORCEMENTS.get(report.enforcement, pb.ENFORCEMENT_UNSPECIFIED),
         backend=report.backend,
         attempts=report.attempts,
         relaxed=list(report.relaxed),
@@ -205,7 +205,7 @@ def result_to_proto(result: GenerationResult) -> pb.GenerateResponse:
         request_id=result.request_id,
         text=result.text,
         token_ids=list(result.token_ids),
-        finish_reason=FINISH_REASONS[result.finish_reason],  # type: ignore[arg-type]
+        finish_reason=FINISH_REASONS[result.finish_reason],
         error=result.error or "",
         usage=usage_to_proto(result.usage),
     )
@@ -217,7 +217,7 @@ def result_to_proto(result: GenerationResult) -> pb.GenerateResponse:
 def output_to_proto(out: RequestOutput) -> pb.GenerateStreamResponse:
     msg = pb.GenerateStreamResponse(request_id=out.request_id, token_ids=list(out.token_ids), text=out.text)
     if out.finish_reason is not None:
-        msg.finish_reason = FINISH_REASONS[out.finish_reason]  # type: ignore[assignment]
+        msg.finish_reason = FINISH_REASONS[out.finish_reason]
         msg.error = out.error or ""
     if out.usage is not None:
         msg.usage.CopyFrom(usage_to_proto(out.usage))

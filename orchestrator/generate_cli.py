@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
                 if not args.json:
                     sys.stdout.write(text)
         except grpc.RpcError as exc:
-            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     finish_name = FINISH_REASON_NAMES.get(finish, str(finish))
     if args.json:

@@ -200,8 +200,13 @@ def install_stop_signals(stop: asyncio.Event) -> None:
     which would otherwise replace this one and exit without a graceful stop.
     """
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        logger.info("signal %s: graceful shutdown", sig.name)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda s=sig: (logger.info("signal %s: graceful shutdown", s.name), stop.set()))
+        loop.add_signal_handler(sig, on_signal, sig)
 
 
 async def serve(config: OrchestratorConfig, *, on_ready: Callable[[int], None] | None = None) -> None:

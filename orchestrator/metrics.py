@@ -8,6 +8,7 @@ this server's series.
 from __future__ import annotations
 
 from collections.abc import Container
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -133,7 +134,7 @@ class OrchestratorMetrics:
         self.worker_recoveries = Counter(
             "specmask_worker_recoveries", "Lost workers that answered again and were put back", ["worker"], registry=r
         )
-        self._http_server = None
+        self._http_server: WSGIServer | None = None
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Expose /metrics over HTTP (a daemon thread); returns the bound port (``port=0`` picks one)."""

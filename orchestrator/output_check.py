@@ -146,7 +146,7 @@ class OutputChecker:
         self._max_cached = max_cached
         self._cache: collections.OrderedDict[str, Callable[[str], Verdict]] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._builders: dict[GrammarKind, Callable[[GrammarSpec], Callable[[str], Verdict]]] = {
+        self._builders: dict[GrammarKind, Callable[[GrammarSpec, str], Callable[[str], Verdict]]] = {
             GrammarKind.JSON_SCHEMA: _json_schema_checker,
             GrammarKind.ANY_JSON: lambda _spec, _engine: _any_json_check,
             GrammarKind.REGEX: _xgrammar_checker,
@@ -291,7 +291,10 @@ def _uses_keyword(node: Any, keyword: str) -> bool:
 def _xgrammar_checker(spec: GrammarSpec, _engine: str = "") -> Callable[[str], Verdict]:
     import xgrammar as xgr
 
-    parse = {GrammarKind.REGEX: xgr.Grammar.from_regex, GrammarKind.EBNF: xgr.Grammar.from_ebnf}
+    parse: dict[GrammarKind, Callable[[str], xgr.Grammar]] = {
+        GrammarKind.REGEX: xgr.Grammar.from_regex,
+        GrammarKind.EBNF: xgr.Grammar.from_ebnf,
+    }
     # No vocabulary: the matcher parses bytes, and compiling costs no mask precomputation.
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([]), max_threads=1, cache_enabled=False)
     try:

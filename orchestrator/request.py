@@ -35,6 +35,7 @@ class RequestLog(logging.LoggerAdapter):
     """Prefixes every line with the request id (STYLE.md: the id in every log line)."""
 
     def process(self, msg, kwargs):
+        assert self.extra is not None  # always built with {"request_id": ...}
         return f"[request_id={self.extra['request_id']}] {msg}", kwargs
 
 

@@ -74,10 +74,17 @@ class GrammarChecker(Protocol):
     def check(self, spec: GrammarSpec, client: str = "") -> GrammarReport | None: ...
 
 
+class Encoding(Protocol):
+    """The slice of ``tokenizers.Encoding`` validation reads."""
+
+    @property
+    def ids(self) -> list[int]: ...
+
+
 class Tokenizer(Protocol):
     """The slice of ``tokenizers.Tokenizer`` validation needs."""
 
-    def encode(self, text: str) -> object: ...
+    def encode(self, text: str, /) -> Encoding: ...
 
 
 @dataclass(frozen=True)
@@ -191,7 +198,7 @@ class RequestValidator:
             # cannot fit the context whatever it tokenizes to.
             if len(prompt) > MAX_CHARS_PER_TOKEN * self._info.max_model_len:
                 raise _fail(f"prompt of {len(prompt)} characters is longer than the model's context")
-            ids = tuple(self._tokenizer.encode(prompt).ids)  # type: ignore[attr-defined]
+            ids = tuple(self._tokenizer.encode(prompt).ids)
         else:
             ids = prompt
             bad = next((t for t in ids if not 0 <= t < self._info.vocab_size), None)

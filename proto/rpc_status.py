@@ -92,7 +92,7 @@ def status_for(
 def details_of(error: grpc.RpcError) -> ErrorDetails:
     """The details a SpecMask server attached to ``error`` (ErrorDetails() if none)."""
     try:
-        proto = rpc_status.from_call(error)  # type: ignore[arg-type]
+        proto = rpc_status.from_call(error)
     except ValueError:  # a trailer that contradicts the call's own code/message
         return ErrorDetails()
     if proto is None:

@@ -98,11 +98,9 @@ class EarlyExitSource(ModelSource):
         config.num_hidden_layers = self.num_layers
         if getattr(config, "layer_types", None) is not None:
             config.layer_types = config.layer_types[: self.num_layers]
-        draft = type(base)(config).to(base.dtype)
+        draft = type(base)(config).to(base.dtype)  # type: ignore[arg-type]  # transformers types .to() through a decorator that hides self
         kept = {
-            k: v
-            for k, v in base.state_dict().items()
-            if _layer_index(k) is None or _layer_index(k) < self.num_layers  # type: ignore[operator]
+            k: v for k, v in base.state_dict().items() if (layer := _layer_index(k)) is None or layer < self.num_layers
         }
         draft.load_state_dict(kept, strict=True)
         if config.tie_word_embeddings:

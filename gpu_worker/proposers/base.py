@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from gpu_worker.mask_table import DeviceMaskTable
     from gpu_worker.model_runner import ModelRunner
     from gpu_worker.sequence import SequenceState
+    from kernels.backend import Backend
     from mask_service.row_table import MaskRow
 
 
@@ -86,7 +87,7 @@ class ProposerResources:
     draft_runner: ModelRunner | None  # None = worker has no draft model
     ngram_min: int
     ngram_max: int
-    kernel_backend: Any = None  # kernels.Backend | None (None = resolve by device)
+    kernel_backend: Backend | None = None  # None = resolve by device
     mask_table: DeviceMaskTable | None = None  # device mirror of the mask rows (None: a private one)
 
 

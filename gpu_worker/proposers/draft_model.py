@@ -23,6 +23,7 @@ from gpu_worker.mask_table import DeviceMaskTable
 from gpu_worker.model_runner import ForwardItem, ModelRunner
 from gpu_worker.proposers.base import DraftSlot, Proposal, Proposer, ProposerResources
 from gpu_worker.proposers.registry import register
+from kernels.backend import Backend
 
 
 @register
@@ -32,7 +33,11 @@ class DraftModelProposer(Proposer):
     prepares = True  # the forward overlaps the position's mask request
 
     def __init__(
-        self, runner: ModelRunner, vocab_size: int, kernel_backend=None, mask_table: DeviceMaskTable | None = None
+        self,
+        runner: ModelRunner,
+        vocab_size: int,
+        kernel_backend: Backend | None = None,
+        mask_table: DeviceMaskTable | None = None,
     ) -> None:
         self.runner = runner
         self.vocab_size = vocab_size  # V: target width; q rows and masks are sized to it

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpu_worker.bitmask_rows import forced_token
 from gpu_worker.proposers.base import DraftSlot, Proposal, Proposer, ProposerResources
 from gpu_worker.proposers.registry import register
 
@@ -33,6 +32,6 @@ class GrammarForcedProposer(Proposer):
     def propose(self, slots: Sequence[DraftSlot], position: int) -> list[Proposal | None]:
         out: list[Proposal | None] = []
         for slot in slots:
-            token = None if slot.mask_row is None else forced_token(slot.mask_row, self.vocab_size)
+            token = None if slot.mask_row is None else slot.mask_row.forced_token(self.vocab_size)
             out.append(None if token is None else Proposal(token))
         return out

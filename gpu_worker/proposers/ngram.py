@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpu_worker.bitmask_rows import is_allowed
 from gpu_worker.proposers.base import DraftSlot, Proposal, Proposer, ProposerResources
 from gpu_worker.proposers.registry import register
 
@@ -60,7 +59,7 @@ class NgramProposer(Proposer):
         out: list[Proposal | None] = []
         for slot in slots:
             token = lookup_next(slot.context(), self.n_min, self.n_max)
-            if token is not None and slot.mask_row is not None and not is_allowed(slot.mask_row, token):
+            if token is not None and slot.mask_row is not None and not slot.mask_row.allows(token):
                 token = None
             out.append(None if token is None else Proposal(token))
         return out

@@ -90,7 +90,7 @@ def recipe_hash(config: ToyBuildConfig) -> str:
     h = hashlib.sha256()
     h.update(json.dumps({"format": BUILD_FORMAT_VERSION, "config": config.to_json()}, sort_keys=True).encode())
     for module in _RECIPE_MODULES:
-        h.update(Path(module.__file__).read_bytes())
+        h.update(Path(str(module.__file__)).read_bytes())  # every recipe module is a .py file
     return h.hexdigest()
 
 
@@ -187,6 +187,7 @@ def _train_into(staging: Path, config: ToyBuildConfig, *, progress: bool) -> tup
     # Held-out texts are deliberately not in the tokenizer corpus either.
     bpe = tokenizer.train_bpe((e.prompt + e.document for e in train_examples), config.vocab_size)
     eos_id = bpe.token_to_id(tokenizer.EOS_TOKEN)
+    assert eos_id is not None  # train_bpe adds it as a special token
     vocab_size = bpe.get_vocab_size()
     max_len = config.max_position_embeddings
     data = train.encode(bpe, train_examples, eos_id, max_len)
@@ -202,11 +203,18 @@ def _train_into(staging: Path, config: ToyBuildConfig, *, progress: bool) -> tup
 
         return on_step
 
-    common = dict(batch_size=config.batch_size, pad_id=eos_id)
+    batch_size = config.batch_size
     t0 = time.perf_counter()
     target = train.init_model(config.target, vocab_size, eos_id, max_len, seed)
     target_loss = train.train(
-        target, data, steps=config.target_steps, lr=config.target_lr, seed=seed, on_step=tick("target"), **common
+        target,
+        data,
+        steps=config.target_steps,
+        lr=config.target_lr,
+        seed=seed,
+        on_step=tick("target"),
+        batch_size=batch_size,
+        pad_id=eos_id,
     )
     t1 = time.perf_counter()
     draft = train.init_model(config.draft, vocab_size, eos_id, max_len, seed + 1)
@@ -218,7 +226,8 @@ def _train_into(staging: Path, config: ToyBuildConfig, *, progress: bool) -> tup
         seed=seed + 1,
         teacher=target,
         on_step=tick("draft"),
-        **common,
+        batch_size=batch_size,
+        pad_id=eos_id,
     )
     t2 = time.perf_counter()
     bar.close()

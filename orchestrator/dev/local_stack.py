@@ -138,7 +138,7 @@ class MaskServiceProcess:
                 process_group=0,
             )
         finally:
-            if out is not subprocess.DEVNULL:
+            if not isinstance(out, int):  # not subprocess.DEVNULL
                 out.close()
         logger.info("mask service starting on %s (pid %d)", self.address, self.process.pid)
 
@@ -231,7 +231,7 @@ class StackConfig:
             # per-request lines, a bench or a test at WARNING is not flooded by them.
             worker_log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
         )
-        return replace(base, **overrides)  # type: ignore[arg-type]
+        return replace(base, **overrides)  # type: ignore[arg-type]  # replace() checks the field names
 
 
 def start_mask_services(config: StackConfig) -> list[MaskServiceProcess]:

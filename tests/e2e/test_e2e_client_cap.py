@@ -17,7 +17,7 @@ CAP = 2
 
 
 @pytest.fixture
-def capped(stack: ThreadStack):  # type: ignore[no-untyped-def]
+def capped(stack: ThreadStack):
     """The shared stack with the cap set for this test (the engine reads its config per request)."""
     assert stack.running is not None
     engine = stack.running.server.engine
@@ -31,7 +31,7 @@ def capped(stack: ThreadStack):  # type: ignore[no-untyped-def]
     stack.run(set_cap(0))
 
 
-def _long(i: int):  # type: ignore[no-untyped-def]
+def _long(i: int):
     return build_request(PROMPT, schema=LONG_SCHEMA, temperature=1.0, seed=i, max_tokens=LONG_MAX_TOKENS)
 
 
@@ -44,8 +44,8 @@ def test_one_clients_requests_past_its_cap_are_refused_others_admitted(capped: T
                 next(iter(call))  # admitted and generating: in flight
             with pytest.raises(grpc.RpcError) as info:
                 client.stub.Generate(_long(99), timeout=60, metadata=flooder)
-            assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
-            assert "per-client limit" in info.value.details()  # type: ignore[attr-defined]
+            assert info.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "per-client limit" in info.value.details()
             # another client is admitted while the flooder is at its cap
             other = client.stub.Generate(
                 build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0, max_tokens=8),
@@ -55,5 +55,5 @@ def test_one_clients_requests_past_its_cap_are_refused_others_admitted(capped: T
             assert other.usage.completion_tokens > 0
         finally:
             for call in held:
-                call.cancel()  # type: ignore[attr-defined]
+                call.cancel()
     capped.wait_idle()

@@ -95,7 +95,7 @@ def test_overload_is_refused_with_resource_exhausted(stack: ThreadStack) -> None
                 assert resp.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE, resp.error
                 codes.append(grpc.StatusCode.OK)
             except grpc.RpcError as exc:
-                codes.append(exc.code())  # type: ignore[attr-defined]
+                codes.append(exc.code())
     exhausted = codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED)
     assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
     assert exhausted >= 1, "a burst past batch + queue capacity must be refused, not queued without bound"
@@ -140,7 +140,7 @@ def test_mask_service_down_fails_only_constrained_requests(stack: ThreadStack) -
         # no replica answers: a new request for it still fails fast at admission.
         with OrchestratorClient(stack.address) as client, pytest.raises(grpc.RpcError) as down:
             client.generate(build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0, max_tokens=4))
-        assert down.value.code() == grpc.StatusCode.UNAVAILABLE, down.value  # type: ignore[attr-defined]
+        assert down.value.code() == grpc.StatusCode.UNAVAILABLE, down.value
     finally:
         for r in replicas:
             r.start(wait=False)
@@ -160,7 +160,7 @@ def test_mask_service_down_fails_only_constrained_requests(stack: ThreadStack) -
                 )
             except grpc.RpcError as exc:
                 resp = None
-                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc  # type: ignore[attr-defined]
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
         if resp is not None and resp.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE:
             break
         assert time.monotonic() < deadline, "grammar requests did not recover after the replicas came back"

@@ -220,7 +220,7 @@ def _call(fn: Callable[[], object]) -> grpc.StatusCode:
         fn()
         return grpc.StatusCode.OK
     except grpc.RpcError as exc:
-        return exc.code()  # type: ignore[attr-defined]
+        return exc.code()
 
 
 def test_orchestrator_structured_fuzz(stack: ThreadStack) -> None:

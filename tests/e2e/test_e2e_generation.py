@@ -135,7 +135,7 @@ def test_deadline_frees_session_and_kv(stack: ThreadStack, client: OrchestratorC
     )
     with pytest.raises(grpc.RpcError) as exc:
         client.generate(req, timeout_s=0.5)
-    assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # type: ignore[attr-defined]
+    assert exc.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     active, sessions = stack.wait_idle()
     assert active == [0, 0] and sessions == 0
 
@@ -192,7 +192,7 @@ def test_nothing_leaks_over_many_requests(stack: ThreadStack, client: Orchestrat
         except grpc.FutureCancelledError:
             pass
         except grpc.RpcError as exc:
-            assert exc.code() in (  # type: ignore[attr-defined]
+            assert exc.code() in (
                 grpc.StatusCode.CANCELLED,
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -203,7 +203,7 @@ def test_nothing_leaks_over_many_requests(stack: ThreadStack, client: Orchestrat
     assert stack.run(_engine_counts(engine)) == (0, 0)
 
 
-async def _engine_counts(engine) -> tuple[int, int]:  # type: ignore[no-untyped-def]
+async def _engine_counts(engine) -> tuple[int, int]:
     return engine.num_live(), engine.queue_depth
 
 
@@ -298,14 +298,14 @@ def test_a_request_waiting_for_a_lost_workers_step_goes_to_another_worker(stack:
     assert active == [0, 0] and sessions == 0
 
 
-async def _deferred_then_worker_lost(engine, msg):  # type: ignore[no-untyped-def]
+async def _deferred_then_worker_lost(engine, msg):
     request, slot, _ = await _submit_until_waiting(engine, msg, "lost-worker")
     engine._on_worker_failure(slot, RuntimeError("injected: worker lost"))
     moved = engine._slot_of[request.request_id]
     return slot.index, moved.index, await request.result()
 
 
-async def _deferred(engine, msg, prefix: str, *, cancel: bool):  # type: ignore[no-untyped-def]
+async def _deferred(engine, msg, prefix: str, *, cancel: bool):
     """One copy of ``msg`` that waits in ``to_add`` for its worker's next call; cancel or await it."""
     request, slot, attempt = await _submit_until_waiting(engine, msg, prefix)
     assert request.request_id not in slot.running
@@ -315,7 +315,7 @@ async def _deferred(engine, msg, prefix: str, *, cancel: bool):  # type: ignore[
     return await request.result(), attempt
 
 
-async def _submit_until_waiting(engine, msg, prefix: str):  # type: ignore[no-untyped-def]
+async def _submit_until_waiting(engine, msg, prefix: str):
     """Submit copies of ``msg`` (its workers busy stepping) until one waits in ``to_add`` for
     the next call; return it, its slot and the attempt. Copies sent at once are cancelled and
     waited out."""
@@ -331,7 +331,7 @@ async def _submit_until_waiting(engine, msg, prefix: str):  # type: ignore[no-un
     raise AssertionError("no request waited for its worker's next call in 50 tries")
 
 
-async def _placed_state(engine, req):  # type: ignore[no-untyped-def]
+async def _placed_state(engine, req):
     request = await engine.submit(req)
     slot = engine._slot_of[request.request_id]
     await asyncio.sleep(0)  # the woken loop runs: the request goes with its iterate() call
@@ -343,18 +343,18 @@ class _IterateRefusedOnce:
     """A worker's Ray actor handle whose next ``iterate.remote()`` raises, as Ray's does when it
     cannot take a call (a broken handle, Ray shutting down); everything else is the real actor."""
 
-    def __init__(self, actor) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, actor) -> None:
         self._actor = actor
         self.refused = 0
 
-    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+    def __getattr__(self, name: str):
         method = getattr(self._actor, name)
         if name != "iterate" or self.refused:
             return method
         handle = self
 
         class _Refusing:
-            def remote(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            def remote(self, *args, **kwargs):
                 handle.refused += 1
                 raise RuntimeError("injected: Ray could not submit the call")
 
@@ -395,6 +395,6 @@ def test_a_request_whose_iterate_call_ray_refuses_finishes_with_an_error(stack: 
     assert active == [0, 0] and sessions == 0
 
 
-async def _submit_and_wait(engine, req):  # type: ignore[no-untyped-def]
+async def _submit_and_wait(engine, req):
     request = await engine.submit(req)
     return await request.result()

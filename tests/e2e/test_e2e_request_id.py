@@ -25,7 +25,7 @@ def _worker_log_text() -> str:
     return "".join(p.read_text(errors="replace") for p in logs.glob("worker-*") if p.suffix in (".err", ".out"))
 
 
-def _wait_for(predicate, timeout_s: float = 20.0) -> bool:  # type: ignore[no-untyped-def]
+def _wait_for(predicate, timeout_s: float = 20.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
@@ -53,7 +53,7 @@ def test_request_id_in_orchestrator_worker_and_mask_service_logs(
     assert stack.running is not None
 
     def service_lines() -> list[str]:
-        tails = (p.log_tail(2_000_000) for p in stack.running.mask_services)  # type: ignore[union-attr]
+        tails = (p.log_tail(2_000_000) for p in stack.running.mask_services)  # type: ignore[union-attr]  # the stack is running
         return [line for tail in tails for line in tail.splitlines() if TAG in line]
 
     assert _wait_for(lambda: any(" closed " in line for line in service_lines())), service_lines()

@@ -64,7 +64,7 @@ def _run(client: OrchestratorClient, index: int, name: str, schema: Any) -> Outc
     try:
         return Outcome(name, schema, grpc.StatusCode.OK, response=client.generate_retrying_overload(req, timeout_s=300))
     except grpc.RpcError as exc:
-        return Outcome(name, schema, exc.code(), exc.details())  # type: ignore[attr-defined]
+        return Outcome(name, schema, exc.code(), exc.details())
 
 
 def _run_all(stack: ThreadStack, records: list[tuple[str, dict]]) -> list[Outcome]:

@@ -46,7 +46,7 @@ def _worker_0_count(stack: ThreadStack, name: str) -> float:
     return registry.get_sample_value(f"specmask_worker_{name}_total", {"worker": "0"}) or 0.0
 
 
-def _run_all(stack: ThreadStack, n: int, seed: int, schema: dict, max_tokens: int, on_started=None):  # type: ignore[no-untyped-def]
+def _run_all(stack: ThreadStack, n: int, seed: int, schema: dict, max_tokens: int, on_started=None):
     requests = [
         build_request(PROMPT, schema=schema, temperature=1.0, seed=seed + i, max_tokens=max_tokens) for i in range(n)
     ]

@@ -40,14 +40,14 @@ GRAMMARS = {
 SPEC = SpeculationParams(k=4, proposers=("grammar_forced",), draft_masking=False)
 
 
-def _run(make_worker, monkeypatch, *, forced: bool, temperature: float = 0.0):  # type: ignore[no-untyped-def]
+def _run(make_worker, monkeypatch, *, forced: bool, temperature: float = 0.0):
     """Run every grammar (greedy, or sampled with seeds); returns (results, forced runs proposed)."""
     import mask_service.draft_masks as draft_masks
 
     runs: list[list[int]] = []
     compute = draft_masks.forced_continuation
 
-    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+    def recording(*args, **kwargs):
         out = compute(*args, **kwargs) if forced else []
         runs.extend([out] if out else [])
         return out
@@ -69,7 +69,7 @@ def _run(make_worker, monkeypatch, *, forced: bool, temperature: float = 0.0):  
     return run_to_completion(worker), runs
 
 
-def _check_in_grammar(tiny_pair, results) -> None:  # type: ignore[no-untyped-def]
+def _check_in_grammar(tiny_pair, results) -> None:
     import xgrammar as xgr
 
     for seq_id, r in results.items():
@@ -104,14 +104,14 @@ def test_sampled_forced_drafts_stay_in_grammar(tiny_pair, make_worker, monkeypat
 LOOKAHEAD_SPEC = SpeculationParams(k=4, proposers=("grammar_forced", "ngram"), draft_masking=False)
 
 
-def _run_counting_calls(make_worker, grammars):  # type: ignore[no-untyped-def]
+def _run_counting_calls(make_worker, grammars):
     """Run ``grammars`` (name -> (kind, text)) greedily with grammar-forced + n-gram drafts on a
     fresh worker; returns (results, DraftMasks calls the worker made)."""
     worker = make_worker()
     calls = [0]
     inner = worker.masks.draft_masks_async
 
-    def counted(items):  # type: ignore[no-untyped-def]
+    def counted(items):
         calls[0] += 1
         return inner(items)
 
@@ -151,7 +151,7 @@ def test_forced_run_where_the_lookahead_is_refused_saves_the_re_ask(tiny_pair, m
     at_stop, calls_at_stop = _run_counting_calls(make_worker, grammars)
     plain_item = drafting.mask_item
 
-    def older_request(*args, forced_up_to: int = 0, **kwargs):  # type: ignore[no-untyped-def]
+    def older_request(*args, forced_up_to: int = 0, **kwargs):
         return plain_item(*args, forced_up_to=0, **kwargs)  # as sent to a service without forced_up_to
 
     monkeypatch.setattr(drafting, "mask_item", older_request)

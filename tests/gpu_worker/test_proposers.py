@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.bitmask_rows import forced_token, is_allowed
 from gpu_worker.proposers.base import DraftSlot, ProposerResources
 from gpu_worker.proposers.grammar_forced import GrammarForcedProposer
 from gpu_worker.proposers.ngram import NgramProposer, lookup_next
@@ -54,16 +53,16 @@ def test_build_skips_draft_model_without_a_draft():
 def test_mask_row_helpers(bits):
     row = _row(*bits)
     assert row.allowed_count == len(bits)
-    assert forced_token(row, V) == (bits[0] if len(bits) == 1 else None)
-    assert all(is_allowed(row, t) for t in bits)
-    assert not any(is_allowed(row, t) for t in range(V) if t not in bits)
+    assert row.forced_token(V) == (bits[0] if len(bits) == 1 else None)
+    assert all(row.allows(t) for t in bits)
+    assert not any(row.allows(t) for t in range(V) if t not in bits)
 
 
 def test_forced_token_never_names_padding():
     ones = table_rows(torch.full((1, (V + 31) // 32), -1, dtype=torch.int32))[0]  # "past the stop" rows
-    assert ones.slot == 0 and forced_token(ones, V) is None
-    assert forced_token(_row(V + 1), V) is None  # a lone bit >= V stands for no token
-    assert forced_token(_row(V - 1), V) == V - 1
+    assert ones.slot == 0 and ones.forced_token(V) is None
+    assert _row(V + 1).forced_token(V) is None  # a lone bit >= V stands for no token
+    assert _row(V - 1).forced_token(V) == V - 1
 
 
 def test_grammar_forced_proposes_only_single_allowed_tokens():

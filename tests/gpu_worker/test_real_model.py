@@ -67,7 +67,7 @@ def mask_address(model_dir: Path) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def worker(model_dir: Path, mask_address: str):  # type: ignore[no-untyped-def]
+def worker(model_dir: Path, mask_address: str):
     from gpu_worker.actor import GpuWorker
     from gpu_worker.config import WorkerConfig
 
@@ -81,7 +81,7 @@ def worker(model_dir: Path, mask_address: str):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="module")
-def cases(model_dir: Path, worker) -> dict[str, tuple[list[int], GrammarSpec, object]]:  # type: ignore[no-untyped-def]
+def cases(model_dir: Path, worker) -> dict[str, tuple[list[int], GrammarSpec, object]]:
     """name -> (chat prompt ids as the orchestrator tokenizes them, grammar, reference output)."""
     from tokenizers import Tokenizer
 
@@ -126,6 +126,6 @@ def test_real_model_greedy_matches_plain_constrained(worker, cases, spec: Specul
             json.loads(worker.tokenizer.decode(got.tokens))  # a finished document parses
 
 
-def test_references_are_nontrivial(cases) -> None:  # type: ignore[no-untyped-def]
+def test_references_are_nontrivial(cases) -> None:
     assert all(len(ref.tokens) > 5 for _, _, ref in cases.values())
     assert any(ref.finish == "stop" for _, _, ref in cases.values())

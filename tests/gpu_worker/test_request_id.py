@@ -20,7 +20,7 @@ def _messages(caplog: pytest.LogCaptureFixture, logger_prefix: str) -> list[str]
     return [r.getMessage() for r in caplog.records if r.name.startswith(logger_prefix)]
 
 
-def test_request_id_reaches_worker_and_mask_service_logs(make_worker, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+def test_request_id_reaches_worker_and_mask_service_logs(make_worker, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="gpu_worker")
     caplog.set_level(logging.INFO, logger="mask_service")
     worker = make_worker()
@@ -41,7 +41,7 @@ def test_request_id_reaches_worker_and_mask_service_logs(make_worker, caplog: py
     assert len(opened) == 1 and len(closed) == 1, service_lines
 
 
-def test_sequence_without_request_id_is_logged_under_its_seq_id(make_worker, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+def test_sequence_without_request_id_is_logged_under_its_seq_id(make_worker, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="gpu_worker")
     worker = make_worker()
     seq = NewSequence("plain-1", (5, 6), None, SamplingParams(max_tokens=2), SpeculationParams(k=0))
@@ -51,7 +51,7 @@ def test_sequence_without_request_id_is_logged_under_its_seq_id(make_worker, cap
     assert any(m.startswith("[request_id=plain-1] seq plain-1 cancelled") for m in lines), lines
 
 
-def test_worker_process_with_log_level_emits_request_id_lines(tiny_pair) -> None:  # type: ignore[no-untyped-def]
+def test_worker_process_with_log_level_emits_request_id_lines(tiny_pair) -> None:
     """A fresh process, like a Ray actor's (root logger at WARNING, no handler): WorkerConfig.log_level
     makes the worker's INFO lines, with their request ids, reach its stderr."""
     script = textwrap.dedent(

@@ -97,7 +97,7 @@ def test_acceptance_is_learned_by_depth() -> None:
 
 def test_trim_keeps_the_mask_rows_of_kept_drafts() -> None:
     slot = _slot(["ngram"] * 3)
-    slot.grammar_rows.extend(["M0", "M1", "M2", "M3"])  # type: ignore[list-item]
+    slot.grammar_rows.extend(["M0", "M1", "M2", "M3"])  # type: ignore[list-item]  # markers, never read as rows
     assert slot.trim(1) == 2
     assert slot.drafts == [10] and slot.grammar_rows == ["M0", "M1"]
     assert slot.trim(5) == 0

@@ -35,7 +35,7 @@ def bpe_id(bpe_dir: Path) -> str:
 
 
 @pytest.fixture(scope="session")
-def hf_tok(bpe_dir: Path):  # type: ignore[no-untyped-def]
+def hf_tok(bpe_dir: Path):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(tokenizer_file=str(bpe_dir / "tokenizer.json"))

@@ -22,4 +22,4 @@ def make_config(bpe_dir: Path, **overrides: object) -> MaskServiceConfig:
         compile_workers=1,
     )
     base.update(overrides)
-    return MaskServiceConfig(**base)  # type: ignore[arg-type]
+    return MaskServiceConfig(**base)  # type: ignore[arg-type]  # the dataclass checks the fields

@@ -46,7 +46,7 @@ def _slow(i: int) -> GrammarSpec:
 
 
 @pytest.fixture(scope="module")
-def hostile(bpe_dir, registry) -> Iterator[MaskServiceHandle]:  # type: ignore[no-untyped-def]
+def hostile(bpe_dir, registry) -> Iterator[MaskServiceHandle]:
     # Limits raised, so the hostile schemas reach the compile workers and are time-boxed there.
     cfg = make_config(
         bpe_dir,
@@ -71,7 +71,7 @@ def _client(handle: MaskServiceHandle) -> MaskServiceClient:
     return MaskServiceClient(f"127.0.0.1:{handle.port}", deadline_s=30.0, max_retries=0)
 
 
-def test_huge_schema_time_boxed_while_steady_requests_succeed(hostile, bpe_id) -> None:  # type: ignore[no-untyped-def]
+def test_huge_schema_time_boxed_while_steady_requests_succeed(hostile, bpe_id) -> None:
     with _client(hostile) as c, _client(hostile) as steady:
         sid = steady.open_session(bpe_id, OPEN)
         latencies: list[float] = []
@@ -119,7 +119,7 @@ def test_huge_schema_time_boxed_while_steady_requests_succeed(hostile, bpe_id) -
         steady.close_session(sid)
 
 
-def test_compile_queue_is_bounded_and_fair(hostile, bpe_id) -> None:  # type: ignore[no-untyped-def]
+def test_compile_queue_is_bounded_and_fair(hostile, bpe_id) -> None:
     """One owner fills its share of the queue: its next grammar gets RESOURCE_EXHAUSTED with a
     retry hint, while another owner's grammar is still admitted and compiled."""
     results: dict[int, grpc.RpcError | None] = {}
@@ -153,7 +153,7 @@ def test_compile_queue_is_bounded_and_fair(hostile, bpe_id) -> None:  # type: ig
     assert results[99] is None, results[99]
 
 
-def test_serving_process_skips_prechecks_the_trial_ran(hostile, bpe_id, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_serving_process_skips_prechecks_the_trial_ran(hostile, bpe_id, monkeypatch) -> None:
     """The worker's trial compile ran the pre-checks (a pure-Python metaschema walk, most of a small
     schema's compile): the serving process, whose GIL draft-mask calls need, does not run them again."""
     from mask_service import grammar_checks
@@ -177,7 +177,7 @@ def test_serving_process_skips_prechecks_the_trial_ran(hostile, bpe_id, monkeypa
 
 
 @pytest.fixture
-def starving(bpe_dir, registry) -> Iterator[MaskServiceHandle]:  # type: ignore[no-untyped-def]
+def starving(bpe_dir, registry) -> Iterator[MaskServiceHandle]:
     """A replica whose CPU budget any grammar meets, with a short wall-clock backstop."""
     cfg = make_config(
         bpe_dir, compile_timeout_s=60.0, compile_wall_timeout_s=3.0, compile_nice=0, compile_sched_idle=False
@@ -188,7 +188,7 @@ def starving(bpe_dir, registry) -> Iterator[MaskServiceHandle]:  # type: ignore[
     handle.stop(grace_s=0)
 
 
-def test_starved_compile_is_retryable_and_not_cached(starving, bpe_id) -> None:  # type: ignore[no-untyped-def]
+def test_starved_compile_is_retryable_and_not_cached(starving, bpe_id) -> None:
     """A compile that gets no CPU (its worker SIGSTOPped, as on a saturated box) is ended by the
     wall backstop: RESOURCE_EXHAUSTED with a retry hint, not "too complex", and not remembered."""
     cache = starving._parts[0]
@@ -215,7 +215,7 @@ def test_starved_compile_is_retryable_and_not_cached(starving, bpe_id) -> None: 
             os.kill(pid, signal.SIGKILL)
 
 
-def test_lone_owner_borrows_idle_queue_and_others_keep_their_share(registry, bpe_id) -> None:  # type: ignore[no-untyped-def]
+def test_lone_owner_borrows_idle_queue_and_others_keep_their_share(registry, bpe_id) -> None:
     """With its worker stopped (nothing finishes), one owner's burst past its share is admitted into
     the idle queue; a second owner is still admitted within its share (a borrowed place is given up
     for it), and the borrower is no longer admitted past its share while the other waits."""
@@ -237,7 +237,7 @@ def test_lone_owner_borrows_idle_queue_and_others_keep_their_share(registry, bpe
             assert os.sched_getscheduler(pid) != os.SCHED_IDLE
         os.kill(pid, signal.SIGSTOP)
 
-        def submit(owner: str, i: int):  # type: ignore[no-untyped-def]
+        def submit(owner: str, i: int):
             return pool.submit("xgrammar", (bpe_id, size), GrammarSpec(GrammarKind.REGEX, f"a{i}[0-9]+"), owner)
 
         running = submit("a", 0)

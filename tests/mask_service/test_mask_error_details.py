@@ -18,7 +18,7 @@ BIG = GrammarSpec(GrammarKind.EBNF, "root ::= " + " | ".join(f'"w{i}x{i * 7}"' f
 
 
 @pytest.fixture
-def tight_server(bpe_dir, registry):  # type: ignore[no-untyped-def]
+def tight_server(bpe_dir, registry):
     """A replica whose compile budget no grammar of size meets."""
     from mask_service.server import build_service
     from tests.mask_service.service_config import make_config
@@ -42,7 +42,7 @@ def _raw_validate(address: str, bpe_id: str, spec: GrammarSpec) -> grpc.RpcError
 
 def test_too_complex_is_invalid_argument_with_reason(tight_server: str, bpe_id: str) -> None:
     err = _raw_validate(tight_server, bpe_id, BIG)
-    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
     details = details_of(err)
     assert (details.reason, details.domain) == ("GRAMMAR_TOO_COMPLEX", DOMAIN)
     assert [f for f, _ in details.field_violations] == ["grammar"]
@@ -58,7 +58,7 @@ def test_too_complex_is_invalid_argument_with_reason(tight_server: str, bpe_id: 
 
 def test_refused_grammar_names_the_field(tight_server: str, bpe_id: str) -> None:
     err = _raw_validate(tight_server, bpe_id, GrammarSpec(GrammarKind.REGEX, "(unclosed"))
-    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert err.code() is grpc.StatusCode.INVALID_ARGUMENT
     details = details_of(err)
     assert details.reason.startswith("GRAMMAR") and details.field_violations[0][0] == "grammar"
 

@@ -43,7 +43,7 @@ REFUSED_BY_XGRAMMAR_ONLY = [
 ]
 
 
-def _assert_code(fn, code: grpc.StatusCode) -> MaskServiceError:  # type: ignore[no-untyped-def]
+def _assert_code(fn, code: grpc.StatusCode) -> MaskServiceError:
     with pytest.raises(MaskServiceError) as exc:
         fn()
     assert exc.value.code == code, exc.value
@@ -84,7 +84,7 @@ def test_invalid_grammars(client: MaskServiceClient, bpe_id: str) -> None:
     client.validate_grammar(bpe_id, OK)  # still serving
 
 
-def test_request_errors(client: MaskServiceClient, bpe_id: str, service) -> None:  # type: ignore[no-untyped-def]
+def test_request_errors(client: MaskServiceClient, bpe_id: str, service) -> None:
     _assert_code(lambda: client.open_session("tok-unknown", OK), grpc.StatusCode.INVALID_ARGUMENT)
     _assert_code(lambda: client.open_session(bpe_id, OK, vocab_size=10), grpc.StatusCode.INVALID_ARGUMENT)
     _assert_code(lambda: client.draft_masks([DraftMaskItem("nope", [])]), grpc.StatusCode.NOT_FOUND)
@@ -128,7 +128,7 @@ def test_padded_vocab_session(client: MaskServiceClient, bpe_id: str) -> None:
     assert not res.bitmask.numpy()[0].view("uint32")[19]  # padding ids never allowed
 
 
-def test_health_and_reflection(service) -> None:  # type: ignore[no-untyped-def]
+def test_health_and_reflection(service) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     channel = grpc.insecure_channel(f"127.0.0.1:{service.port}")
@@ -145,7 +145,7 @@ def test_health_and_reflection(service) -> None:  # type: ignore[no-untyped-def]
     assert "specmask.mask.v1.MaskService" in names
 
 
-def test_compile_timeout_then_serving(bpe_dir, registry, bpe_id) -> None:  # type: ignore[no-untyped-def]
+def test_compile_timeout_then_serving(bpe_dir, registry, bpe_id) -> None:
     from mask_service.server import build_service
     from tests.mask_service.service_config import make_config
 

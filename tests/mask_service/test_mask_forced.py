@@ -100,9 +100,6 @@ def test_forced_at_a_refused_draft(client: MaskServiceClient, bpe_id: str, hf_to
     assert full.forced_at_stop and full.forced_tokens == ()  # no room left
     older = client.draft_masks([DraftMaskItem(sid, [*accepted, *refused], max_forced_tokens=8)])[0]
     assert older.forced_tokens == () and not older.forced_at_stop
-    # The indirect (row-table) form of the same replies says the same.
-    ind = client.draft_masks_indirect([item, DraftMaskItem(sid, [*accepted, *refused], max_forced_tokens=8)])
-    assert ind.forced_tokens == (res.forced_tokens, ()) and ind.forced_at_stop == (True, False)
     # Every forced token follows the accepted drafts in the grammar.
     assert not client.commit(sid, 1, [*accepted, *res.forced_tokens])
     client.close_session(sid)

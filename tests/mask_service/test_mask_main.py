@@ -13,7 +13,7 @@ import pytest
 
 
 @pytest.mark.slow
-def test_process_sigterm(bpe_dir) -> None:  # type: ignore[no-untyped-def]
+def test_process_sigterm(bpe_dir) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     with socket.socket() as s:

@@ -38,7 +38,7 @@ _CYCLE = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$r
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _warm(service, bpe_id: str) -> None:  # type: ignore[no-untyped-def]
+def _warm(service, bpe_id: str) -> None:
     """One compile before the tests: a cold compile worker may answer "still compiling, retry"."""
     c = MaskServiceClient(f"127.0.0.1:{service.port}", deadline_s=60.0)
     try:
@@ -113,7 +113,7 @@ def test_empty_languages_refused(client: MaskServiceClient, bpe_id: str, spec: G
     _still_serving(client, bpe_id)
 
 
-def test_orchestrator_validation_surfaces_refusal(service, registry, bpe_id: str) -> None:  # type: ignore[no-untyped-def]
+def test_orchestrator_validation_surfaces_refusal(service, registry, bpe_id: str) -> None:
     vocab_size = registry.info(bpe_id, None).vocab_size
     checker = MaskServiceGrammarChecker(
         (f"127.0.0.1:{service.port}",), tokenizer_id=bpe_id, vocab_size=vocab_size, deadline_s=20.0, max_retries=1
@@ -195,7 +195,7 @@ def test_unfaithfully_printed_class_refused(client: MaskServiceClient, bpe_id: s
     client.close_session(client.open_session(bpe_id, GrammarSpec(GrammarKind.REGEX, "a[x\\^]|\\[\\^")))
 
 
-def test_valid_unicode_still_accepted(client: MaskServiceClient, bpe_id: str, hf_tok) -> None:  # type: ignore[no-untyped-def]
+def test_valid_unicode_still_accepted(client: MaskServiceClient, bpe_id: str, hf_tok) -> None:
     ok = [
         GrammarSpec(GrammarKind.EBNF, 'root ::= "\\U0001F600" | "\\\\uD800"'),  # an escaped backslash, then text
         GrammarSpec(GrammarKind.REGEX, "[\\u00e9\\u{1F600}]+"),
@@ -226,7 +226,7 @@ LIES: list[tuple[Any, bool, str]] = [
 @pytest.mark.parametrize("schema,strict,lie", LIES, ids=[f"lie{i}" for i in range(len(LIES))])
 def test_object_lies_are_refused_or_rejected(
     client: MaskServiceClient, bpe_id: str, hf_tok, schema: Any, strict: bool, lie: str
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     """Whichever engine the service picks, the grammar is refused or no longer accepts the lie."""
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(json.loads(lie), schema)  # it is a lie (json.loads keeps the last duplicate)
@@ -273,7 +273,7 @@ XGRAMMAR_REFUSED: list[tuple[Any, bool, str]] = [
 
 
 @pytest.mark.parametrize("schema,strict,word", XGRAMMAR_REFUSED, ids=[f"xg{i}" for i in range(len(XGRAMMAR_REFUSED))])
-def test_xgrammar_object_refusals(registry, bpe_id: str, schema: Any, strict: bool, word: str) -> None:  # type: ignore[no-untyped-def]
+def test_xgrammar_object_refusals(registry, bpe_id: str, schema: Any, strict: bool, word: str) -> None:
     compiler = XGrammarBackend.make_compiler(registry.info(bpe_id, None), 1)
     with pytest.raises(GrammarError) as exc:
         BACKENDS["xgrammar"].compile(compiler, _json(schema, strict))
@@ -297,7 +297,7 @@ NON_STRICT_WALKED: list[Any] = [
 
 
 @pytest.mark.parametrize("index", range(len(NON_STRICT_WALKED)))
-def test_non_strict_walks_validate(registry, bpe_id: str, index: int) -> None:  # type: ignore[no-untyped-def]
+def test_non_strict_walks_validate(registry, bpe_id: str, index: int) -> None:
     import numpy as np
     import xgrammar as xgr
 
@@ -363,7 +363,7 @@ SURROGATE_BYTES_REFUSED: list[tuple[GrammarSpec, bytes]] = [
 )
 def test_json_strings_never_take_surrogate_bytes(
     client: MaskServiceClient, registry, bpe_id: str, spec: GrammarSpec, prefix: bytes
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     vocab = [bytes(t) for t in registry.info(bpe_id, None).decoded_vocab]
     single = {t[0]: i for i, t in enumerate(vocab) if len(t) == 1}
     sid = client.open_session(bpe_id, spec)
@@ -378,7 +378,7 @@ def test_json_strings_never_take_surrogate_bytes(
         client.close_session(sid)
 
 
-def test_draft04_exclusive_bounds_enforced(registry, bpe_id: str) -> None:  # type: ignore[no-untyped-def]
+def test_draft04_exclusive_bounds_enforced(registry, bpe_id: str) -> None:
     """Draft-04's boolean exclusiveMinimum/Maximum failed with a bare "Value must be a number"."""
     import xgrammar as xgr
 

@@ -18,7 +18,7 @@ SPEC = GrammarSpec(GrammarKind.REGEX, "[0-9]+")
 
 
 @pytest.fixture(scope="module")
-def guarded(bpe_dir, registry) -> Iterator[MaskServiceHandle]:  # type: ignore[no-untyped-def]
+def guarded(bpe_dir, registry) -> Iterator[MaskServiceHandle]:
     cfg = make_config(bpe_dir, max_sessions=20, max_sessions_per_owner=3, auth_token="s3cret", compile_workers=1)
     handle = build_service(cfg, registry)
     handle.server.start()
@@ -30,7 +30,7 @@ def _client(handle: MaskServiceHandle, token: str | None = "s3cret") -> MaskServ
     return MaskServiceClient(f"127.0.0.1:{handle.port}", deadline_s=20.0, max_retries=0, auth_token=token)
 
 
-def test_one_owner_exhausting_its_sessions_does_not_block_another(guarded, bpe_id) -> None:  # type: ignore[no-untyped-def]
+def test_one_owner_exhausting_its_sessions_does_not_block_another(guarded, bpe_id) -> None:
     with _client(guarded) as c:
         greedy = [c.open_session(bpe_id, SPEC, owner="greedy") for _ in range(3)]
         with pytest.raises(MaskServiceError) as info:
@@ -45,7 +45,7 @@ def test_one_owner_exhausting_its_sessions_does_not_block_another(guarded, bpe_i
         assert c.session_count() == 0
 
 
-def test_token_required_for_the_service_not_for_health(guarded, bpe_id) -> None:  # type: ignore[no-untyped-def]
+def test_token_required_for_the_service_not_for_health(guarded, bpe_id) -> None:
     for token in ("", "wrong"):
         with _client(guarded, token) as c, pytest.raises(MaskServiceError) as info:
             c.open_session(bpe_id, SPEC)
@@ -56,7 +56,7 @@ def test_token_required_for_the_service_not_for_health(guarded, bpe_id) -> None:
     assert resp.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_memory_guard_sheds_new_sessions(guarded, bpe_id) -> None:  # type: ignore[no-untyped-def]
+def test_memory_guard_sheds_new_sessions(guarded, bpe_id) -> None:
     assert rss_bytes() > 0
     assert MemoryGuard(1 << 50)() is None
     reason = MemoryGuard(1)()

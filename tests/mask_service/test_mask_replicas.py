@@ -34,7 +34,7 @@ def test_join_host_port_brackets_ipv6() -> None:
     assert split_host_port(join_host_port("::1", 7)) == ("::1", 7)
 
 
-def test_server_binds_ipv6_any(bpe_dir, registry) -> None:  # type: ignore[no-untyped-def]
+def test_server_binds_ipv6_any(bpe_dir, registry) -> None:
     """``--host ::`` (IPv6 / dual-stack clusters) binds and answers on ::1."""
     handle = build_service(make_config(bpe_dir, host="::"), registry)
     handle.server.start()
@@ -67,7 +67,7 @@ def test_replica_set_static_and_dns() -> None:
             ReplicaSet(bad)
 
 
-def test_router_over_a_dns_target(bpe_dir, registry, bpe_id) -> None:  # type: ignore[no-untyped-def]
+def test_router_over_a_dns_target(bpe_dir, registry, bpe_id) -> None:
     """dns:///localhost:P1 plus 127.0.0.1:P2: sessions land on both servers, masks agree, and
     release_owner reaches both. (Where localhost also resolves to ::1, nothing listens there:
     the router fails over, as it would for a pod that just left.)"""
@@ -94,7 +94,7 @@ def test_router_over_a_dns_target(bpe_dir, registry, bpe_id) -> None:  # type: i
             h.stop(grace_s=0)
 
 
-def test_a_replica_dns_answers_after_the_last_lookup_is_tried_before_giving_up(  # type: ignore[no-untyped-def]
+def test_a_replica_dns_answers_after_the_last_lookup_is_tried_before_giving_up(
     monkeypatch, bpe_dir, registry, bpe_id
 ) -> None:
     """The router last looked the name up while it named only one pod, and that pod died; the name

@@ -48,7 +48,7 @@ def _open_spread(router: MaskRouter, bpe_id: str, n: int) -> list[str]:
     return sids
 
 
-def test_router_failover_and_replay(bpe_dir, registry, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
+def test_router_failover_and_replay(bpe_dir, registry, bpe_id, hf_tok) -> None:
     toks = hf_tok.encode(DOC, add_special_tokens=False)
     handles = [build_service(make_config(bpe_dir), registry) for _ in range(2)]
     for h in handles:
@@ -95,7 +95,7 @@ def test_router_failover_and_replay(bpe_dir, registry, bpe_id, hf_tok) -> None: 
             h.stop(grace_s=0)
 
 
-def test_router_errors_name_router_session_ids(bpe_dir, registry, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
+def test_router_errors_name_router_session_ids(bpe_dir, registry, bpe_id, hf_tok) -> None:
     """A per-item failure in a batch spread over replicas names the caller's (router) session id,
     so the caller can drop that item and resend the rest (their commits are seen-seq no-ops)."""
     toks = hf_tok.encode(DOC, add_special_tokens=False)
@@ -141,7 +141,7 @@ def test_router_errors_name_router_session_ids(bpe_dir, registry, bpe_id, hf_tok
             h.stop(grace_s=0)
 
 
-def test_client_reaches_a_restarted_replica_within_seconds(bpe_dir, registry) -> None:  # type: ignore[no-untyped-def]
+def test_client_reaches_a_restarted_replica_within_seconds(bpe_dir, registry) -> None:
     """A replica down for half a minute, then back on its port: an existing client (what a
     router holds) uses it again within seconds. gRPC's default reconnect backoff would have
     grown past 10 s by then, failing every call fast with UNAVAILABLE long after the restart."""
@@ -174,7 +174,7 @@ def test_client_reaches_a_restarted_replica_within_seconds(bpe_dir, registry) ->
         handle.stop(grace_s=0)
 
 
-def test_router_release_owner_reaches_every_replica(bpe_dir, registry, bpe_id) -> None:  # type: ignore[no-untyped-def]
+def test_router_release_owner_reaches_every_replica(bpe_dir, registry, bpe_id) -> None:
     """A crashed process's sessions, spread over replicas, are released by its successor
     (same owner); another owner's are untouched; an owner is required."""
     handles = [build_service(make_config(bpe_dir), registry) for _ in range(2)]
@@ -203,7 +203,7 @@ def test_router_release_owner_reaches_every_replica(bpe_dir, registry, bpe_id) -
             h.stop(grace_s=0)
 
 
-def test_own_connection_sees_a_restarted_replica_at_once(bpe_dir, registry) -> None:  # type: ignore[no-untyped-def]
+def test_own_connection_sees_a_restarted_replica_at_once(bpe_dir, registry) -> None:
     """A new client shares, by default, the connection of every other channel to that address in
     the process; while that connection is in reconnect backoff each call fails at once with its
     last error, past the new client's retries (0.35 s). A probe (the e2e stack's session count

@@ -67,7 +67,7 @@ OTHER = [
 ]
 
 
-def _compile_direct(registry, bpe_id, spec: GrammarSpec):  # type: ignore[no-untyped-def]
+def _compile_direct(registry, bpe_id, spec: GrammarSpec):
     compiler = xgr.GrammarCompiler(registry.info(bpe_id, None))
     if spec.kind is GrammarKind.JSON_SCHEMA:
         # The backend's JSON-schema path (check, rewrite, EBNF repair: schema_rewrite) is
@@ -91,7 +91,7 @@ def _cases() -> list[tuple[GrammarSpec, str]]:
 
 
 @pytest.mark.parametrize("case", range(len(_cases())))
-def test_rows_bit_identical(case: int, client: MaskServiceClient, registry, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
+def test_rows_bit_identical(case: int, client: MaskServiceClient, registry, bpe_id, hf_tok) -> None:
     spec, doc = _cases()[case]
     rng = random.Random(case)
     compiled = _compile_direct(registry, bpe_id, spec)
@@ -132,7 +132,7 @@ def test_rows_bit_identical(case: int, client: MaskServiceClient, registry, bpe_
     client.close_session(sid)
 
 
-def test_batch_mixed_sessions_match_singles(client: MaskServiceClient, registry, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
+def test_batch_mixed_sessions_match_singles(client: MaskServiceClient, registry, bpe_id, hf_tok) -> None:
     """One batched call equals per-request references, in request order, with k = 0 mixed in."""
     rng = random.Random(7)
     items, refs = [], []

@@ -257,7 +257,7 @@ def _check_walks(walker: _Walker, schema: Any, seed: int, walks: int = WALKS) ->
 
 
 @pytest.fixture(scope="module")
-def bpe_walker(registry, bpe_id: str) -> _Walker:  # type: ignore[no-untyped-def]
+def bpe_walker(registry, bpe_id: str) -> _Walker:
     return _Walker(registry.info(bpe_id, None))
 
 

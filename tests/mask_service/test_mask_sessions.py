@@ -32,7 +32,7 @@ def _rows(client: MaskServiceClient, sid: str, drafts: list[int]) -> np.ndarray:
     return client.draft_masks([DraftMaskItem(sid, drafts)])[0].bitmask.numpy().copy()
 
 
-def test_masks_leave_committed_state_unchanged(client, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
+def test_masks_leave_committed_state_unchanged(client, bpe_id, hf_tok) -> None:
     toks = hf_tok.encode(DOC, add_special_tokens=False)
     sid = client.open_session(bpe_id, SCHEMA)
     client.commit(sid, 1, toks[:2])
@@ -44,7 +44,7 @@ def test_masks_leave_committed_state_unchanged(client, bpe_id, hf_tok) -> None: 
     assert client.draft_masks([DraftMaskItem(sid, toks[2:6])])[0].num_grammar_accepted == 4
 
 
-def test_commit_idempotent_and_rollback(client, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
+def test_commit_idempotent_and_rollback(client, bpe_id, hf_tok) -> None:
     toks = hf_tok.encode(DOC, add_special_tokens=False)
     sid = client.open_session(bpe_id, SCHEMA)
     assert client.commit(sid, 1, toks[:3]) is False
@@ -67,7 +67,7 @@ def test_commit_idempotent_and_rollback(client, bpe_id, hf_tok) -> None:  # type
         assert res[0].num_grammar_accepted == 2
 
 
-def test_session_ttl_and_limits(bpe_dir, registry, bpe_id) -> None:  # type: ignore[no-untyped-def]
+def test_session_ttl_and_limits(bpe_dir, registry, bpe_id) -> None:
     handle = build_service(
         make_config(bpe_dir, max_sessions=2, session_ttl_s=2.0, janitor_interval_s=0.2, max_batch=2, max_k=3), registry
     )
@@ -99,7 +99,7 @@ def test_session_ttl_and_limits(bpe_dir, registry, bpe_id) -> None:  # type: ign
         handle.stop(grace_s=0.5)
 
 
-def test_concurrent_clients(service, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
+def test_concurrent_clients(service, bpe_id, hf_tok) -> None:
     toks = hf_tok.encode(DOC, add_special_tokens=False)
     errors: list[BaseException] = []
     address = f"127.0.0.1:{service.port}"
@@ -139,7 +139,7 @@ def test_concurrent_clients(service, bpe_id, hf_tok) -> None:  # type: ignore[no
     assert not errors, errors
 
 
-def test_release_owner_closes_only_that_owners_sessions(client, bpe_id, hf_tok) -> None:  # type: ignore[no-untyped-def]
+def test_release_owner_closes_only_that_owners_sessions(client, bpe_id, hf_tok) -> None:
     toks = hf_tok.encode(DOC, add_special_tokens=False)
     mine = [client.open_session(bpe_id, SCHEMA, owner="worker-a") for _ in range(3)]
     other = client.open_session(bpe_id, SCHEMA, owner="worker-b")

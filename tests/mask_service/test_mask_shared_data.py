@@ -22,7 +22,7 @@ from tests.mask_service.service_config import make_config
 pytestmark = [pytest.mark.shared_data, pytest.mark.slow]
 
 
-def test_stop_tokens_from_config(shared_data) -> None:  # type: ignore[no-untyped-def]
+def test_stop_tokens_from_config(shared_data) -> None:
     reg = TokenizerRegistry([TokenizerSource.parse(str(require(shared_data, "tokenizers", "qwen3")) + ":151936")])
     [tid] = reg.ids()
     tok = reg.get(tid)
@@ -30,7 +30,7 @@ def test_stop_tokens_from_config(shared_data) -> None:  # type: ignore[no-untype
     assert reg.info(tid, None).vocab_size == 151936
 
 
-def test_llama3_maskbench_rows_exact(shared_data) -> None:  # type: ignore[no-untyped-def]
+def test_llama3_maskbench_rows_exact(shared_data) -> None:
     from transformers import PreTrainedTokenizerFast
 
     tok_dir = require(shared_data, "tokenizers", "llama3")

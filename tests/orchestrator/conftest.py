@@ -25,7 +25,7 @@ def bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def bpe_tokenizer(bpe_dir: Path):  # type: ignore[no-untyped-def]
+def bpe_tokenizer(bpe_dir: Path):
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(bpe_dir / "tokenizer.json"))

@@ -46,7 +46,7 @@ def chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(chat_dir: Path):  # type: ignore[no-untyped-def]
+def tokenizer(chat_dir: Path):
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(chat_dir / "tokenizer.json"))
@@ -149,7 +149,7 @@ def test_validator_without_a_renderer_refuses_chat(tokenizer) -> None:
         has_draft_model=False,
         max_k=4,
     )
-    plain = RequestValidator(tokenizer, info, grammar_checker=None, defaults=ServingDefaults(32, 4))  # type: ignore[arg-type]
+    plain = RequestValidator(tokenizer, info, grammar_checker=None, defaults=ServingDefaults(32, 4))  # type: ignore[arg-type]  # no grammar here
     with pytest.raises(InvalidRequest, match="does not take chat prompts"):
         plain.validate(GenerationRequest(request_id="c3", prompt=_chat(("user", "x"))))
 

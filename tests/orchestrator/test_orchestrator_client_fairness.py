@@ -54,7 +54,7 @@ def _slow(i: int) -> GrammarSpec:
 
 
 @pytest.fixture(scope="module")
-def service(bpe_dir) -> Iterator[MaskServiceHandle]:  # type: ignore[no-untyped-def]
+def service(bpe_dir) -> Iterator[MaskServiceHandle]:
     cfg = make_config(
         bpe_dir,
         compile_timeout_s=BUDGET_S,
@@ -72,7 +72,7 @@ def service(bpe_dir) -> Iterator[MaskServiceHandle]:  # type: ignore[no-untyped-
     handle.stop(grace_s=0)
 
 
-def test_one_clients_flood_does_not_starve_anothers_new_schema(service, bpe_dir, bpe_tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_one_clients_flood_does_not_starve_anothers_new_schema(service, bpe_dir, bpe_tokenizer) -> None:
     info = WorkerInfo(
         vocab_size=bpe_tokenizer.get_vocab_size(),
         max_model_len=64,

@@ -65,7 +65,7 @@ def test_real_tokenizers(shared_tokenizers, name: str, text: str) -> None:
 
 
 @functools.cache
-def _load(path: str):  # type: ignore[no-untyped-def]
+def _load(path: str):
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(path)

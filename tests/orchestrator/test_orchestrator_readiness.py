@@ -26,7 +26,7 @@ def test_readiness_follows_the_last_mask_replica(bpe_dir: Path) -> None:
     registry = TokenizerRegistry([TokenizerSource(str(bpe_dir))])
     ports = [free_port(), free_port()]
 
-    def serve(port: int):  # type: ignore[no-untyped-def]
+    def serve(port: int):
         handle = build_service(make_config(bpe_dir, port=port, compile_workers=0), registry)
         handle.server.start()
         return handle

@@ -67,7 +67,7 @@ def test_followers_share_the_leaders_result_and_exception() -> None:
 
 
 @pytest.fixture(scope="module")
-def service(bpe_dir) -> Iterator[MaskServiceHandle]:  # type: ignore[no-untyped-def]
+def service(bpe_dir) -> Iterator[MaskServiceHandle]:
     # Two compile waiters, one of them reserved for other clients: without single flight
     # a client's second concurrent request for a schema still compiling is refused.
     handle = build_service(make_config(bpe_dir, compile_waiters=2, compile_queue_per_owner=1))
@@ -76,7 +76,7 @@ def service(bpe_dir) -> Iterator[MaskServiceHandle]:  # type: ignore[no-untyped-
     handle.stop(grace_s=0)
 
 
-def test_a_burst_with_one_new_schema_costs_one_compile_waiter(service, bpe_dir, bpe_tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_a_burst_with_one_new_schema_costs_one_compile_waiter(service, bpe_dir, bpe_tokenizer) -> None:
     checker = MaskServiceGrammarChecker(
         (f"127.0.0.1:{service.port}",),
         tokenizer_id=tokenizer_id_for_path(bpe_dir),

@@ -77,7 +77,7 @@ def test_hits_expiry_bound_and_what_is_kept() -> None:
 
 
 @pytest.fixture(scope="module")
-def service(bpe_dir) -> Iterator[MaskServiceHandle]:  # type: ignore[no-untyped-def]
+def service(bpe_dir) -> Iterator[MaskServiceHandle]:
     handle = build_service(make_config(bpe_dir, grammar_limits=GrammarLimits(max_properties=20)))
     handle.server.start()
     yield handle
@@ -104,11 +104,11 @@ def _count_calls(checker: MaskServiceGrammarChecker) -> list[str]:
         calls.append(spec.cache_key())
         return real(tokenizer_id, spec, *args, **kwargs)
 
-    router.validate_grammar = counted  # type: ignore[method-assign]
+    router.validate_grammar = counted  # type: ignore[method-assign]  # counts the real calls
     return calls
 
 
-def test_a_grammar_judged_recently_costs_no_round_trip(service, bpe_dir, bpe_tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_a_grammar_judged_recently_costs_no_round_trip(service, bpe_dir, bpe_tokenizer) -> None:
     checker = _checker(service, bpe_dir, bpe_tokenizer)
     calls = _count_calls(checker)
     try:
@@ -132,7 +132,7 @@ def test_a_grammar_judged_recently_costs_no_round_trip(service, bpe_dir, bpe_tok
         checker.close()
 
 
-def test_with_the_tier_down_a_kept_acceptance_does_not_hide_it(bpe_dir, bpe_tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_with_the_tier_down_a_kept_acceptance_does_not_hide_it(bpe_dir, bpe_tokenizer) -> None:
     """The server trusts kept acceptances only while its readiness probe sees a replica: with
     every replica gone, a known grammar fails at validation (UNAVAILABLE) as before."""
     handle = build_service(make_config(bpe_dir))
@@ -149,7 +149,7 @@ def test_with_the_tier_down_a_kept_acceptance_does_not_hide_it(bpe_dir, bpe_toke
         handle.stop(grace_s=0)
 
 
-def test_off_asks_every_time(service, bpe_dir, bpe_tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_off_asks_every_time(service, bpe_dir, bpe_tokenizer) -> None:
     checker = _checker(service, bpe_dir, bpe_tokenizer, verdicts=VerdictCache(max_entries=0))
     calls = _count_calls(checker)
     try:

@@ -15,7 +15,7 @@ class CompileQueueFull(Exception):
     pass
 
 
-def _server(handler):  # type: ignore[no-untyped-def]
+def _server(handler):
     server = grpc.server(futures.ThreadPoolExecutor(2))
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("t.T", {"M": grpc.unary_unary_rpc_method_handler(handler)}),)
@@ -25,7 +25,7 @@ def _server(handler):  # type: ignore[no-untyped-def]
     return server, f"127.0.0.1:{port}"
 
 
-def _call(handler) -> grpc.RpcError:  # type: ignore[no-untyped-def]
+def _call(handler) -> grpc.RpcError:
     server, address = _server(handler)
     try:
         with grpc.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as info:
@@ -36,7 +36,7 @@ def _call(handler) -> grpc.RpcError:  # type: ignore[no-untyped-def]
 
 
 def test_round_trip_all_details() -> None:
-    def handler(_req, context):  # type: ignore[no-untyped-def]
+    def handler(_req, context):
         context.abort_with_status(
             status_for(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -50,7 +50,7 @@ def test_round_trip_all_details() -> None:
         )
 
     err = _call(handler)
-    assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and err.details() == "queue full"  # type: ignore[attr-defined]
+    assert err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and err.details() == "queue full"
     assert details_of(err) == ErrorDetails(
         reason="COMPILE_QUEUE_FULL",
         domain=DOMAIN,
@@ -58,11 +58,11 @@ def test_round_trip_all_details() -> None:
         field_violations=(("grammar", "too big"),),
         retry_after_s=0.25,
     )
-    assert ("retry-after-ms", "250") in tuple(err.trailing_metadata())  # type: ignore[attr-defined]
+    assert ("retry-after-ms", "250") in tuple(err.trailing_metadata())
 
 
 def test_plain_error_has_no_details() -> None:
-    def handler(_req, context):  # type: ignore[no-untyped-def]
+    def handler(_req, context):
         context.abort(grpc.StatusCode.UNAVAILABLE, "plain")
 
     assert details_of(_call(handler)) == ErrorDetails()

@@ -83,7 +83,7 @@ class HttpFrontDoor:
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
-        sockets = site._server.sockets if site._server is not None else ()  # type: ignore[union-attr]
+        sockets = site._server.sockets if isinstance(site._server, asyncio.Server) else ()
         self.port = sockets[0].getsockname()[1] if sockets else self.config.port
         logger.info("OpenAI-compatible HTTP API on http://%s:%d/v1", self.config.host, self.port)
         return self.port

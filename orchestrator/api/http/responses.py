@@ -46,7 +46,7 @@ def grammar_body(grammar: GrammarReport) -> dict[str, Any]:
 
 
 def usage_body(usage: Usage, grammar: GrammarReport | None = None) -> dict[str, Any]:
-    body = {
+    body: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
@@ -60,7 +60,7 @@ def usage_body(usage: Usage, grammar: GrammarReport | None = None) -> dict[str, 
         },
     }
     if grammar is not None:
-        body[USAGE_EXTENSION_KEY]["grammar"] = grammar_body(grammar)  # type: ignore[index]
+        body[USAGE_EXTENSION_KEY]["grammar"] = grammar_body(grammar)
     return body
 
 

@@ -55,7 +55,9 @@ def call_schema(tools: list[Tool], choice: str | NamedToolChoice | None) -> dict
 
 def _call_branch(tool: Tool, defs: dict[str, Any]) -> dict[str, Any]:
     name = tool.function.name
-    params = dict(tool.function.parameters) if tool.function.parameters is not None else {"type": "object"}
+    params: dict[str, Any] = {"type": "object"}
+    if tool.function.parameters is not None:
+        params = dict(tool.function.parameters)
     local: dict[str, Any] = {}
     for key in _DEF_KEYS:
         for def_name, sub in (params.pop(key, None) or {}).items():

@@ -95,9 +95,9 @@ def completion_request(body: CompletionRequest, request_id: str) -> Translated:
     if isinstance(body.prompt, str):
         prompt = body.prompt
     elif body.prompt and all(isinstance(p, int) for p in body.prompt):
-        prompt = tuple(body.prompt)  # type: ignore[arg-type]
+        prompt = tuple(body.prompt)  # type: ignore[arg-type]  # all() above: every item is an int
     elif len(body.prompt) == 1:
-        prompt = body.prompt[0]  # type: ignore[assignment]
+        prompt = body.prompt[0]  # type: ignore[assignment]  # one text (a lone int is caught above)
     else:
         raise ApiError.invalid("one prompt per request (a list of prompts is a batch, not supported)", param="prompt")
     grammars = _format_grammar(body.response_format) + _guided_grammars(body)
@@ -107,7 +107,7 @@ def completion_request(body: CompletionRequest, request_id: str) -> Translated:
 def _request(
     body: _Generation,
     request_id: str,
-    prompt: str | tuple[int, ...],
+    prompt: str | tuple[int, ...] | ChatPrompt,
     max_tokens: int | None,
     grammar: GrammarSpec | None,
 ) -> GenerationRequest:
