@@ -35,7 +35,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from mask_service.errors import MaskError
 from mask_service.grammar import GrammarKind, GrammarSpec
+from mask_service.grammar_checks import precheck
 from orchestrator.api.http.errors import ApiError
 from orchestrator.api.http.protocol import ChatMessage, Tool
 from orchestrator.output_check import OutputChecker, OutputCheckError
@@ -79,6 +81,12 @@ def auto_tools(tools: list[Tool], parallel: bool) -> AutoTools:
         name = tool.function.name
         schema = dict(tool.function.parameters) if tool.function.parameters is not None else {"type": "object"}
         params[name] = schema
+        try:
+            # The mask service's own checks of a JSON Schema (metaschema, depth, code points), so a
+            # tool refused under "required" is refused under "auto" too, with the same message.
+            precheck(GrammarSpec(kind=GrammarKind.JSON_SCHEMA, text=json.dumps(schema)))
+        except MaskError as exc:
+            raise ApiError.invalid(f"tool {name!r}: {exc}", param="tools") from None
         try:
             args = xgr.Grammar.from_json_schema(
                 json.dumps(schema), any_whitespace=False, separators=(", ", ": "), strict_mode=True

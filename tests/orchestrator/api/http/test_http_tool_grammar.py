@@ -136,3 +136,14 @@ def test_unknown_fields_are_ignored_logged_once_and_counted(caplog: pytest.LogCa
     # Known fields stay strictly typed.
     with pytest.raises(ValueError):
         ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user"}], "temperature": "hot"})
+
+
+def test_auto_refuses_a_tool_schema_the_mask_service_refuses() -> None:
+    from orchestrator.api.http.errors import ApiError
+
+    bad = Tool.model_validate(
+        {"type": "function", "function": {"name": "bad", "parameters": {"type": "object", "minProperties": "two"}}}
+    )
+    with pytest.raises(ApiError) as exc:
+        auto_tools([bad], parallel=False)
+    assert exc.value.param == "tools" and "'bad'" in exc.value.message
