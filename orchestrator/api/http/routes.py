@@ -213,17 +213,14 @@ class OpenAIRoutes:
         stream = await EventStream.open(request, headers)
         deltas = DeltaEncoder(rsp.chat_chunk(env, {"content": DeltaEncoder.PLACEHOLDER}))
         auto = translated.auto_tools
-        # A tool call is sent whole, once it is complete and parsed. With "auto" the output's first
-        # character says whether it is calls (held) or text (streamed): text never starts with "<".
-        tool_call = translated.tool_call
+        # A tool call is sent whole, once it is complete and parsed; text is streamed.
+        split = tool_grammar.StreamSplit(translated.tool_call, auto is not None)
         try:
             await stream.send(rsp.chat_chunk(env, {"role": "assistant", "content": ""}))
             held: list[str] = []
             async for out in admitted.events():
                 if out.text:
-                    if auto is not None and not held and not tool_call:
-                        tool_call = tool_grammar.is_call_output(out.text)
-                    if tool_call:
+                    if split.holds(out.text):
                         held.append(out.text)
                     else:
                         await stream.send_raw(deltas.encode(out.text))
@@ -234,12 +231,12 @@ class OpenAIRoutes:
                 if error is not None:
                     await stream.error(error)
                     return stream.response
-                if tool_call:
+                if split.calls:
                     try:
                         if auto is not None:
                             message, finish = self._auto_message("".join(held), out.finish_reason, auto)
                         else:
-                            message, finish = _chat_message("".join(held), out.finish_reason, tool_call)
+                            message, finish = _chat_message("".join(held), out.finish_reason, True)
                     except ApiError as exc:
                         await stream.error(exc)
                         return stream.response

@@ -126,6 +126,22 @@ def is_call_output(text: str) -> bool:
     return text.startswith("<")
 
 
+class StreamSplit:
+    """Which streamed text is held back (tool calls, sent whole once complete and checked) and
+    which is sent as it comes (text). With ``auto`` the answer's first text decides, once: text
+    never starts with "<", and text that mentions "<" later stays text."""
+
+    def __init__(self, tool_call: bool, auto: bool) -> None:
+        self.calls: bool = tool_call
+        self._undecided = auto
+
+    def holds(self, text: str) -> bool:
+        """Whether ``text`` (a non-empty delta) is held back."""
+        if self._undecided:
+            self.calls, self._undecided = is_call_output(text), False
+        return self.calls
+
+
 def parse_calls(text: str, tools: AutoTools, checker: OutputChecker) -> list[dict[str, Any]]:
     """The calls of a complete tool-call output as OpenAI ``tool_calls`` entries.
 

@@ -147,3 +147,13 @@ def test_auto_refuses_a_tool_schema_the_mask_service_refuses() -> None:
     with pytest.raises(ApiError) as exc:
         auto_tools([bad], parallel=False)
     assert exc.value.param == "tools" and "'bad'" in exc.value.message
+
+
+def test_stream_split_decides_once_on_the_first_text() -> None:
+    from orchestrator.api.http.tool_grammar import StreamSplit
+
+    text = StreamSplit(tool_call=False, auto=True)
+    assert [text.holds(t) for t in ("Hi", " <b>", "<tool_call>")] == [False, False, False] and not text.calls
+    calls = StreamSplit(tool_call=False, auto=True)
+    assert [calls.holds(t) for t in ("<tool", "_call>\n", "{")] == [True, True, True] and calls.calls
+    assert StreamSplit(tool_call=True, auto=False).holds("{") and not StreamSplit(False, False).holds("<")
