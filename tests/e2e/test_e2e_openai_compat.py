@@ -201,3 +201,38 @@ def test_http_port_serves_metrics_version_tokenize_and_counts_statuses(
     plain = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
     assert chat.json()["count"] == plain.usage.prompt_tokens
     assert httpx.post(f"{root}/tokenize", json={"model": model}).status_code == 400
+
+
+# ---- LangChain (langchain-openai), as an application would use it -----------------------------
+
+
+def test_langchain_bind_tools_default_and_json_mode(stack: ThreadStack, model: str) -> None:
+    """``bind_tools`` sends tools without tool_choice ("auto"); ``with_structured_output(method=
+    "json_mode")`` sends response_format json_object. Both come back in LangChain's own types."""
+    from langchain_openai import ChatOpenAI
+
+    assert stack.running is not None
+    llm = ChatOpenAI(
+        base_url=f"http://127.0.0.1:{stack.running.server.http_port}/v1",
+        api_key="unused",
+        model=model,
+        max_retries=0,
+        timeout=300,
+        temperature=1.0,
+        max_tokens=48,
+    )
+    for seed in (1, 2):
+        answer = llm.bind_tools(TOOLS, seed=seed).invoke(ASK[0]["content"])
+        for call in answer.tool_calls:
+            jsonschema.validate(call["args"], TOOL_PARAMS[call["name"]])
+        finish = answer.response_metadata["finish_reason"]
+        if answer.tool_calls:
+            assert finish == "tool_calls"
+        else:
+            assert finish in ("stop", "length") and isinstance(answer.content, str)
+    structured = llm.with_structured_output({"title": "cat", "type": "object"}, method="json_mode", include_raw=True)
+    out = structured.invoke("Describe a cat as JSON.")
+    if out["raw"].response_metadata["finish_reason"] == "stop":
+        assert isinstance(out["parsed"], dict) and out["parsing_error"] is None
+    else:  # cut at max_tokens: LangChain reports the parse failure, never a made-up object
+        assert out["raw"].response_metadata["finish_reason"] == "length" and out["parsed"] is None
