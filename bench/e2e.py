@@ -53,7 +53,7 @@ from typing import Any
 import grpc
 import jsonschema
 
-from orchestrator.chat import schema_instruction
+from orchestrator.chat import DEFAULT_INSTRUCTION_NAME, schema_instruction
 from orchestrator.client import StreamedResult, build_request, stream_retrying_overload
 from orchestrator.dev.local_stack import RunningStack, StackConfig, running_stack
 from orchestrator.output_check import validate_decimal
@@ -195,6 +195,8 @@ async def _one(
         draft_masking=draft_masking if speculation else None,
         k=k if speculation else None,
         request_id=f"{stats.phase}-{index}",
+        # The schema in the system turn for both phases (the server adds it only on request).
+        schema_instruction=DEFAULT_INSTRUCTION_NAME if constrained and not isinstance(prompt, str) else None,
     )
     result = StreamedResult()
     async with gate:

@@ -403,7 +403,9 @@ def _resolve_models(args: argparse.Namespace) -> tuple[str, str | None]:
 
     target = args.target
     if target is None:
-        cached = Path(".specmask/models") / REAL_MODEL
+        from gpu_worker.models.cache import cache_root
+
+        cached = cache_root() / REAL_MODEL
         if cached.is_dir():
             target = REAL_MODEL
         else:

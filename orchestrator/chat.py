@@ -9,6 +9,15 @@ rendering of the model's ``chat_template``, as ``apply_chat_template`` does;
 a plain ``role: content`` transcript for models without one). The rendered
 text is then tokenized like a text prompt; the template's special tokens are
 added tokens of the tokenizer, so they come out as their single ids.
+
+The schema instruction is opt-in: a server started with ``--schema-instruction``
+adds it to every JSON Schema chat, a request adds it with ``schema_instruction``
+(``"default"`` or its own text). Off by default, the caller's conversation is the
+prompt, as with OpenAI and vLLM: a model that copies the instruction's schema
+back (``{"type": "object"}`` for JSON mode) or a long schema pushing the prompt
+past the context are the server's doing, not the caller's. Text the server adds
+never gets a request refused either: when the instruction would not fit the
+context, the validator renders the conversation without it.
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ DEFAULT_SCHEMA_INSTRUCTION = (
     "Schema:\n{schema}"
 )
 SCHEMA_PLACEHOLDER = "{schema}"
+# ``ChatPrompt.schema_instruction`` value that names DEFAULT_SCHEMA_INSTRUCTION.
+DEFAULT_INSTRUCTION_NAME = "default"
 
 
 class ChatError(ValueError):
@@ -49,7 +60,8 @@ class ChatPrompt:
     """A chat request's prompt, before rendering."""
 
     messages: tuple[ChatMessage, ...]
-    # JSON Schema requests: None = DEFAULT_SCHEMA_INSTRUCTION, "" = no instruction, else this text.
+    # JSON Schema requests: None = the server's default (ChatRenderer), "" = no instruction,
+    # "default" = DEFAULT_SCHEMA_INSTRUCTION, else this text ("{schema}" substituted).
     schema_instruction: str | None = None
 
 
@@ -92,27 +104,40 @@ def with_schema_instruction(
 class ChatRenderer:
     """Renders ``ChatPrompt``s with one model's chat template (loaded once, at start-up)."""
 
-    def __init__(self, prompter: Any) -> None:
+    def __init__(self, prompter: Any, default_instruction: str = "") -> None:
         self._prompter = prompter  # orchestrator.api.http.prompting.ChatPrompter
+        # What a JSON Schema chat that names no instruction gets: "" = none (the default).
+        self._default_instruction = default_instruction
 
     @classmethod
-    def for_model(cls, model_dir: str) -> ChatRenderer:
+    def for_model(cls, model_dir: str, default_instruction: str = "") -> ChatRenderer:
         from orchestrator.api.http.prompting import load_prompter
 
-        return cls(load_prompter(model_dir))
+        return cls(load_prompter(model_dir), default_instruction)
 
-    def messages_for(self, chat: ChatPrompt, grammar: GrammarSpec | None) -> list[ChatMessage]:
-        """The conversation as rendered: the schema instruction added for JSON Schema requests."""
+    def instruction_template(self, chat: ChatPrompt, grammar: GrammarSpec | None) -> str:
+        """The instruction template this chat gets ("" = none): JSON Schema grammars only."""
+        if grammar is None or grammar.kind is not GrammarKind.JSON_SCHEMA:
+            return ""
+        template = self._default_instruction if chat.schema_instruction is None else chat.schema_instruction
+        return DEFAULT_SCHEMA_INSTRUCTION if template == DEFAULT_INSTRUCTION_NAME else template
+
+    def messages_for(
+        self, chat: ChatPrompt, grammar: GrammarSpec | None, *, instruction: bool = True
+    ) -> list[ChatMessage]:
+        """The conversation as rendered: with the schema instruction when there is one and
+        ``instruction`` is set (False: the caller's messages alone)."""
         validate_messages(chat.messages)
-        if grammar is not None and grammar.kind is GrammarKind.JSON_SCHEMA:
-            return with_schema_instruction(chat.messages, grammar.text, chat.schema_instruction)
+        template = self.instruction_template(chat, grammar) if instruction else ""
+        if template and grammar is not None:
+            return with_schema_instruction(chat.messages, grammar.text, template)
         return list(chat.messages)
 
-    def render(self, chat: ChatPrompt, grammar: GrammarSpec | None) -> str:
+    def render(self, chat: ChatPrompt, grammar: GrammarSpec | None, *, instruction: bool = True) -> str:
         from orchestrator.api.http.errors import ApiError
         from orchestrator.api.http.protocol import ChatMessage as ApiChatMessage
 
-        turns = self.messages_for(chat, grammar)
+        turns = self.messages_for(chat, grammar, instruction=instruction)
         messages = [ApiChatMessage.model_validate({"role": m.role, "content": m.content}) for m in turns]
         try:
             return self._prompter.render(messages, None)

@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "models": ("gpu_worker.models.cli", "fetch and convert a registered real model (cached, verified)"),
     "orchestrator": ("orchestrator.main", "run the orchestrator gRPC API"),
     "up": ("orchestrator.dev.up", "start the whole local stack (mask service, Ray worker, orchestrator)"),
+    "serve": ("orchestrator.dev.serve", "serve MODEL over the OpenAI API with vLLM's flag names (like `up`)"),
     "generate": ("orchestrator.generate_cli", "send a generation request to an orchestrator"),
     "demo": ("orchestrator.dev.demo", "build the toy pair, bring the stack up, run schema-constrained requests"),
 }

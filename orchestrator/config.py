@@ -18,8 +18,9 @@ DEFAULT_HOST = "127.0.0.1"
 # grows without limit.
 DEFAULT_MAX_QUEUE = 256
 AUTO_INFLIGHT_PER_CLIENT = -1  # max_inflight_per_client: derived (OrchestratorConfig.inflight_cap_per_client)
-# Output budget when a request names none (also capped by the model length).
-DEFAULT_MAX_TOKENS = 256
+# Output budget when a request names none; None = the room the prompt leaves in the context
+# (vLLM's and OpenAI's default: a long answer is not cut at an arbitrary length).
+DEFAULT_MAX_TOKENS: int | None = None
 # Drafts per step when a request names none. k=4 sits near the knee of
 # (1 - a^(k+1)) / (1 - a) for acceptance rates 0.6-0.8 (DESIGN.md).
 DEFAULT_K = 4
@@ -71,7 +72,7 @@ class OrchestratorConfig:
     max_batch: int = DEFAULT_MAX_BATCH  # per worker
     max_k: int = DEFAULT_MAX_K
     default_k: int = DEFAULT_K
-    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    default_max_tokens: int | None = DEFAULT_MAX_TOKENS  # None = the rest of the context
     max_model_len: int | None = None  # None = the target model's
     dtype: str = "float32"
     device: str = "auto"
@@ -87,6 +88,8 @@ class OrchestratorConfig:
     validation_threads: int = DEFAULT_VALIDATION_THREADS
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     checked_max_attempts: int = DEFAULT_CHECKED_MAX_ATTEMPTS  # checked mode: cap on a request's max_attempts
+    # JSON Schema chats get the schema in a system message by default (orchestrator.chat); off: only on request.
+    schema_instruction: bool = False
     # Requests one end client (orchestrator.client_identity) may have in flight; 0 = no cap,
     # AUTO_INFLIGHT_PER_CLIENT = every batch slot plus half the admission queue (inflight_cap_per_client).
     max_inflight_per_client: int = AUTO_INFLIGHT_PER_CLIENT
@@ -109,13 +112,16 @@ class OrchestratorConfig:
             "num_workers",
             "max_queue",
             "max_batch",
-            "default_max_tokens",
             "validation_threads",
             "checked_max_attempts",
             "step_prefill_tokens",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(
+                f"default_max_tokens must be >= 1 (None = the rest of the context), got {self.default_max_tokens}"
+            )
         if self.grammar_verdict_cache_entries < 0:
             raise ValueError(
                 f"grammar_verdict_cache_entries must be >= 0 (0 = off), got {self.grammar_verdict_cache_entries}"

@@ -66,7 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=cfg.DEFAULT_MAX_BATCH, help="active sequences per worker")
     parser.add_argument("--max-k", type=int, default=cfg.DEFAULT_MAX_K, help="largest k a request may ask for")
     parser.add_argument("--default-k", type=int, default=cfg.DEFAULT_K, help="k for requests that name none")
-    parser.add_argument("--default-max-tokens", type=int, default=cfg.DEFAULT_MAX_TOKENS)
+    parser.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=cfg.DEFAULT_MAX_TOKENS,
+        help="output budget of requests that name none (default: the room the prompt leaves in the context)",
+    )
     parser.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output (default: the model's)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="auto", help="worker device: auto, cpu, cuda")
@@ -111,6 +116,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=cfg.DEFAULT_CHECKED_MAX_ATTEMPTS,
         help="checked mode (issue 13): most generations one request may ask for (Grammar.max_attempts)",
+    )
+    parser.add_argument(
+        "--schema-instruction",
+        action="store_true",
+        help="put the JSON Schema of a chat's structured output into a system message (off: the caller's "
+        "messages are the prompt; a request opts in with schema_instruction)",
     )
     parser.add_argument(
         "--grammar-verdict-cache",
@@ -186,6 +197,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         mask_deadline_s=args.mask_deadline_s,
         shutdown_grace_s=args.shutdown_grace_s,
         checked_max_attempts=args.checked_max_attempts,
+        schema_instruction=args.schema_instruction,
         grammar_verdict_cache_entries=args.grammar_verdict_cache,
         grammar_verdict_ttl_s=args.grammar_verdict_ttl_s,
         worker_log_level=args.log_level,

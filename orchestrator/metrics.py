@@ -35,6 +35,18 @@ class OrchestratorMetrics:
         self.rejected = Counter(
             "specmask_requests_rejected", "Requests refused before generation, by status code", ["code"], registry=r
         )
+        self.http_requests = Counter(
+            "specmask_http_requests",
+            "HTTP requests by route pattern and final status (4xx and 5xx included)",
+            ["route", "status"],
+            registry=r,
+        )
+        self.http_unknown_fields = Counter(
+            "specmask_http_unknown_fields",
+            "HTTP request fields the server does not know and ignored (orchestrator.api.http.lenient)",
+            ["field"],
+            registry=r,
+        )
         self.request_latency = Histogram(
             "specmask_request_latency_seconds", "Arrival to final token", buckets=_LATENCY_BUCKETS, registry=r
         )
@@ -134,6 +146,23 @@ class OrchestratorMetrics:
         self.worker_recoveries = Counter(
             "specmask_worker_recoveries", "Lost workers that answered again and were put back", ["worker"], registry=r
         )
+        # vLLM's names for the same measures, beside ours, so vLLM dashboards work unchanged
+        # (without vLLM's model_name label: one orchestrator serves one model).
+        self.vllm_time_to_first_token = Histogram(
+            "vllm:time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.vllm_e2e_latency = Histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to final token", buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Completion tokens emitted", registry=r)
+        self.vllm_request_success = Counter(
+            "vllm:request_success", "Finished requests by finish reason", ["finished_reason"], registry=r
+        )
+        self.vllm_spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", registry=r)
+        self.vllm_spec_accepted_tokens = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r
+        )
         self._http_server: WSGIServer | None = None
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
@@ -164,6 +193,9 @@ class OrchestratorMetrics:
             self.target_forwards.inc(o.target_forwards)
             self.drafts_proposed.inc(o.drafts_proposed)
             self.drafts_accepted.inc(o.drafts_accepted)
+            self.vllm_generation_tokens.inc(len(o.new_token_ids))
+            self.vllm_spec_draft_tokens.inc(o.drafts_proposed)
+            self.vllm_spec_accepted_tokens.inc(o.drafts_accepted)
             if o.session_wait is not None:
                 self.session_waits.labels(outcome=o.session_wait.value).inc()
                 self.steps_sat_out.inc(o.steps_sat_out)
@@ -191,8 +223,12 @@ class OrchestratorMetrics:
         self.requests.labels(finish_reason=reason.value).inc()
         self.request_latency.observe(finish - arrival)
         self.prompt_tokens.inc(usage.prompt_tokens)
+        self.vllm_request_success.labels(finished_reason=reason.value).inc()
+        self.vllm_e2e_latency.observe(finish - arrival)
+        self.vllm_prompt_tokens.inc(usage.prompt_tokens)
         if first_token is not None:
             self.time_to_first_token.observe(first_token - arrival)
+            self.vllm_time_to_first_token.observe(first_token - arrival)
             # Tokens arrive in bursts of up to k+1 per step, so over a request of a few
             # tokens (finish - first_token) may span no step at all: 2 tokens of one burst
             # read as >5,000 tok/s (issue 14). Shorter requests are not rated.

@@ -91,7 +91,7 @@ class Tokenizer(Protocol):
 class ServingDefaults:
     """What a request gets for parameters it leaves unset."""
 
-    max_tokens: int
+    max_tokens: int | None  # None = the room the prompt leaves in the context
     k: int
     checked_max_attempts: int = DEFAULT_CHECKED_MAX_ATTEMPTS  # server cap on GenerationRequest.max_attempts
 
@@ -141,8 +141,10 @@ class RequestValidator:
 
     def validate_request(self, req: GenerationRequest) -> ValidatedRequest:
         """``validate``, plus the grammar's enforcement and the attempts checked mode may take."""
-        prompt = self._render_chat(req.prompt, req.grammar) if isinstance(req.prompt, ChatPrompt) else req.prompt
-        prompt_ids = self._prompt_ids(prompt)
+        if isinstance(req.prompt, ChatPrompt):
+            prompt_ids = self._chat_ids(req)
+        else:
+            prompt_ids = self._prompt_ids(req.prompt)
         sampling = self._sampling(req, len(prompt_ids))
         speculation = self._speculation(req)
         grammar = req.grammar
@@ -181,11 +183,27 @@ class RequestValidator:
             )
         return req.max_attempts
 
-    def _render_chat(self, chat: ChatPrompt, grammar: GrammarSpec | None) -> str:
+    def _chat_ids(self, req: GenerationRequest) -> tuple[int, ...]:
+        """A chat's prompt ids. The schema instruction is the server's text, not the caller's: when
+        the conversation with it leaves no room for the output, it is rendered without it, so a
+        request is never refused for text the server added."""
+        assert isinstance(req.prompt, ChatPrompt)
         if self._chat is None:
             raise _fail("this server does not take chat prompts; send text or token_ids")
+        ids = self._prompt_ids(self._render_chat(req.prompt, req.grammar, instruction=False))
+        if not self._chat.instruction_template(req.prompt, req.grammar):
+            return ids
+        with_instruction = self._render_chat(req.prompt, req.grammar, instruction=True)
+        if len(with_instruction) > MAX_CHARS_PER_TOKEN * self._info.max_model_len:
+            return ids
+        full = tuple(self._tokenizer.encode(with_instruction).ids)  # type: ignore[attr-defined]
+        room = self._info.max_model_len - len(full)
+        return full if room >= max(1, req.sampling.max_tokens or 1) else ids
+
+    def _render_chat(self, chat: ChatPrompt, grammar: GrammarSpec | None, *, instruction: bool) -> str:
+        assert self._chat is not None
         try:
-            return self._chat.render(chat, grammar)
+            return self._chat.render(chat, grammar, instruction=instruction)
         except ChatError as exc:
             raise _fail(str(exc)) from None
 
@@ -230,7 +248,8 @@ class RequestValidator:
                 raise _fail(f"stop strings must be 1-{MAX_STOP_STRING_CHARS} characters")
         room = self._info.max_model_len - prompt_len
         if s.max_tokens is None:
-            max_tokens = min(self._defaults.max_tokens, room)
+            default = self._defaults.max_tokens
+            max_tokens = room if default is None else min(default, room)
         else:
             if s.max_tokens < 1:
                 raise _fail(f"max_tokens must be >= 1, got {s.max_tokens}")

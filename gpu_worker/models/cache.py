@@ -6,6 +6,10 @@ sibling directory and renamed into place only once complete and hashed, so an
 interrupted build never leaves a directory that looks usable; a directory
 whose manifest is missing, names another recipe or disagrees with the files is
 rebuilt. A per-name file lock makes concurrent ``get``s build once.
+
+Where: ``$SPECMASK_MODEL_CACHE`` if set, else the user's cache directory (XDG:
+``$XDG_CACHE_HOME/specmask/models``, default ``~/.cache/specmask/models``), so a
+model is fetched once per user, not once per working directory.
 """
 
 from __future__ import annotations
@@ -27,17 +31,23 @@ from gpu_worker.models.sources import sha256_file
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CACHE_ROOT = Path(".specmask") / "models"
-CACHE_ENV = "SPECMASK_MODEL_CACHE"  # overrides DEFAULT_CACHE_ROOT
+CACHE_ENV = "SPECMASK_MODEL_CACHE"  # overrides default_cache_root()
+XDG_CACHE_ENV = "XDG_CACHE_HOME"
 MANIFEST_NAME = "specmask-manifest.json"
 # Bump when the cache layout changes in a way a recipe cannot see.
 CACHE_FORMAT_VERSION = 1
 
 
+def default_cache_root() -> Path:
+    """``$XDG_CACHE_HOME/specmask/models``, or ``~/.cache/specmask/models`` (the XDG default)."""
+    base = os.environ.get(XDG_CACHE_ENV) or str(Path.home() / ".cache")
+    return Path(base) / "specmask" / "models"
+
+
 def cache_root(root: Path | str | None = None) -> Path:
     if root is not None:
         return Path(root)
-    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_ROOT)
+    return Path(os.environ.get(CACHE_ENV) or default_cache_root())
 
 
 def verify(model_dir: Path, recipe: dict[str, Any]) -> str | None:

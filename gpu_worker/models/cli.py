@@ -7,8 +7,6 @@ import logging
 import sys
 from pathlib import Path
 
-from gpu_worker.models.cache import DEFAULT_CACHE_ROOT
-
 logger = logging.getLogger(__name__)
 
 
@@ -16,7 +14,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["get", "list"], help="get: fetch/convert (cached); list: registered names")
     parser.add_argument("name", nargs="?", default=None, help="registered model name (see `specmask models list`)")
     parser.add_argument(
-        "--out", type=Path, default=None, help=f"cache root (default: ./{DEFAULT_CACHE_ROOT} or $SPECMASK_MODEL_CACHE)"
+        "--out",
+        type=Path,
+        default=None,
+        help="cache root (default: $SPECMASK_MODEL_CACHE, else $XDG_CACHE_HOME/specmask/models or "
+        "~/.cache/specmask/models)",
     )
     parser.add_argument("--force", action="store_true", help="rebuild even when a verified copy is cached")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -57,7 +57,8 @@ def is_registered(name: str) -> bool:
 
 def resolve_model(spec: str | None, *, cache_root: Path | None = None, progress: bool = True) -> str | None:
     """A model directory for ``spec``: an existing directory as is, a registered name fetched or
-    built into the cache on first use (verified against its manifest after). None stays None."""
+    built into the cache on first use (verified against its manifest after), a Hugging Face id
+    (``org/name``) from the local Hugging Face cache (gpu_worker.models.hub). None stays None."""
     from gpu_worker.models.cache import ensure_model
 
     if spec is None:
@@ -66,4 +67,11 @@ def resolve_model(spec: str | None, *, cache_root: Path | None = None, progress:
         return spec
     if spec in MODELS:
         return str(ensure_model(spec, cache_root=cache_root, progress=progress))
-    raise ModelError(f"{spec!r} is neither a model directory nor a registered model ({', '.join(sorted(MODELS))})")
+    from gpu_worker.models.hub import cached_snapshot, looks_like_repo_id
+
+    if looks_like_repo_id(spec):
+        return cached_snapshot(spec)
+    raise ModelError(
+        f"{spec!r} is neither a model directory, a registered model ({', '.join(sorted(MODELS))}) "
+        "nor a Hugging Face id (org/name)"
+    )

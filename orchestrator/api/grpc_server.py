@@ -22,7 +22,7 @@ from mask_service.tokenizer_id import tokenizer_id_for_path
 from orchestrator.api.grpc_auth import ApiKeyInterceptor
 from orchestrator.api.grpc_servicer import OrchestratorServicer, add_to_server
 from orchestrator.auth_keys import ApiKeys
-from orchestrator.chat import ChatRenderer
+from orchestrator.chat import DEFAULT_SCHEMA_INSTRUCTION, ChatRenderer
 from orchestrator.config import OrchestratorConfig
 from orchestrator.engine import Engine, EngineConfig, WorkerSlot
 from orchestrator.grammar_check import MaskServiceGrammarChecker
@@ -184,7 +184,9 @@ async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer,
             k=min(config.default_k, info.max_k),
             checked_max_attempts=config.checked_max_attempts,
         )
-        chat = await asyncio.to_thread(ChatRenderer.for_model, config.target_dir)
+        chat = await asyncio.to_thread(
+            ChatRenderer.for_model, config.target_dir, DEFAULT_SCHEMA_INSTRUCTION if config.schema_instruction else ""
+        )
         validator = RequestValidator(tokenizer, info, checker, defaults, chat)
         metrics = OrchestratorMetrics()
         health_servicer = health.aio.HealthServicer()
@@ -211,7 +213,7 @@ async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer,
         if config.http_port is not None:
             from orchestrator.api.http.app import front_door_for  # aiohttp only when the HTTP API is on
 
-            server.http = front_door_for(config, engine, metrics, info.max_model_len)
+            server.http = front_door_for(config, engine, metrics, info.max_model_len, tokenizer)
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server)
         port = grpc_server.add_insecure_port(join_host_port(config.host, config.port))

@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 import jsonschema
 
+from orchestrator.chat import DEFAULT_INSTRUCTION_NAME
 from orchestrator.client import FINISH_REASON_NAMES, StreamedResult, build_request, stream_retrying_overload
 from orchestrator.dev.local_stack import StackConfig, running_stack
 from orchestrator.output_check import validate_decimal
@@ -202,6 +203,8 @@ async def _generate(
         max_tokens=max_tokens,
         speculation=None if speculation else False,
         request_id=f"demo-{case.name}{'' if speculation else '-nospec'}",
+        # The schema in the system turn (opt-in since the HTTP API's JSON mode must not get it).
+        schema_instruction=None if isinstance(case.prompt, str) else DEFAULT_INSTRUCTION_NAME,
     )
     result = StreamedResult()
     started = time.monotonic()

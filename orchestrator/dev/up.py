@@ -56,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 async def _up(stack: StackConfig, **overrides: object) -> None:
+    """Serve until SIGINT/SIGTERM; ``overrides``: OrchestratorConfig fields and the stack's HTTP port."""
     async with running_stack(stack, **overrides) as running:
         # The orchestrator serves from this process: keep what startup loaded (torch, Ray,
         # the tokenizer: ~230k objects, a ~110 ms full GC pass) out of full GC passes on
@@ -65,10 +66,11 @@ async def _up(stack: StackConfig, **overrides: object) -> None:
         stop = asyncio.Event()
         install_stop_signals(stop)  # after ray.init, which installs its own SIGTERM handler
         metrics = running.server.metrics_port
+        host = running.config.host
         print(
             f"specmask is up: API {running.address}"
-            + (f", OpenAI API http://127.0.0.1:{running.server.http_port}/v1" if running.server.http_port else "")
-            + (f", metrics http://127.0.0.1:{metrics}/metrics" if metrics else "")
+            + (f", OpenAI API http://{host}:{running.server.http_port}/v1" if running.server.http_port else "")
+            + (f", metrics http://{host}:{metrics}/metrics" if metrics else "")
             + f", mask service {', '.join(p.address for p in running.mask_services)}"
             + f", {stack.num_workers} worker(s). Ctrl-C to stop.",
             flush=True,

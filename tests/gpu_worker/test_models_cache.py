@@ -157,7 +157,7 @@ def test_corrupt_wheel_fails_before_conversion(local_index: Path, tmp_path: Path
 def test_resolve_model_directory_name_and_unknown(tmp_path: Path) -> None:
     assert registry.resolve_model(None) is None
     assert registry.resolve_model(str(tmp_path)) == str(tmp_path)
-    with pytest.raises(ModelError, match="neither a model directory nor a registered model"):
+    with pytest.raises(ModelError, match=r"neither a model directory, a registered model .* nor a Hugging Face id"):
         registry.resolve_model("no-such-model-xyz")
 
 
@@ -175,3 +175,17 @@ def test_draft_with_another_tokenizer_is_refused_before_start(tmp_path: Path) ->
     assert resolve_pair(str(target), NO_DRAFT) == (str(target), None)
     with pytest.raises(ModelError, match="use different tokenizers"):
         resolve_pair(str(target), str(other))
+
+
+def test_cache_root_is_the_users_cache_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpu_worker.models.cache import CACHE_ENV, cache_root
+
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_root() == tmp_path / "xdg" / "specmask" / "models"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "specmask" / "models"
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mine"))
+    assert cache_root() == tmp_path / "mine"
+    assert cache_root(tmp_path / "arg") == tmp_path / "arg"

@@ -100,21 +100,41 @@ def test_renders_with_the_models_template(renderer: ChatRenderer, tokenizer) -> 
     assert ids.count(tokenizer.token_to_id("<|im_end|>")) == 1
 
 
-def test_json_schema_requests_get_the_schema_instruction(renderer: ChatRenderer) -> None:
-    text = renderer.render(_chat(("user", "a user please")), SCHEMA_SPEC)
+def test_schema_instruction_is_opt_in(renderer: ChatRenderer) -> None:
+    """By default the caller's messages are the prompt; the instruction comes with "default" (or a
+    server started with it), is merged, overridden, and only ever added for JSON Schema grammars."""
+    plain = "<|im_start|>user\ngo<|im_end|>\n<|im_start|>assistant\n"
+    assert renderer.render(_chat(("user", "go")), SCHEMA_SPEC) == plain
     system = DEFAULT_SCHEMA_INSTRUCTION.replace("{schema}", COMPACT)
+    text = renderer.render(_chat(("user", "a user please"), instruction="default"), SCHEMA_SPEC)
     assert text.startswith(f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\na user please")
+    server_default = ChatRenderer(renderer._prompter, DEFAULT_SCHEMA_INSTRUCTION)
+    assert server_default.render(_chat(("user", "a user please")), SCHEMA_SPEC) == text
     # A caller's own system message is kept, after the instruction, in the one system turn.
-    merged = renderer.render(_chat(("system", "Be terse."), ("user", "go")), SCHEMA_SPEC)
+    merged = server_default.render(_chat(("system", "Be terse."), ("user", "go")), SCHEMA_SPEC)
     assert merged.count("<|im_start|>system") == 1 and f"{system}\n\nBe terse.<|im_end|>" in merged
-    # Overridden ("{schema}" substituted) and switched off ("").
+    # Overridden ("{schema}" substituted) and switched off ("") even where the server adds one.
     custom = renderer.render(_chat(("user", "go"), instruction="Schema={schema}"), SCHEMA_SPEC)
     assert custom.startswith(f"<|im_start|>system\nSchema={COMPACT}<|im_end|>")
-    off = renderer.render(_chat(("user", "go"), instruction=""), SCHEMA_SPEC)
-    assert off == "<|im_start|>user\ngo<|im_end|>\n<|im_start|>assistant\n"
+    assert server_default.render(_chat(("user", "go"), instruction=""), SCHEMA_SPEC) == plain
+    assert server_default.render(_chat(("user", "go")), SCHEMA_SPEC, instruction=False) == plain
     # Other grammar kinds get no instruction.
-    regex = renderer.render(_chat(("user", "go")), GrammarSpec(GrammarKind.REGEX, "[a-z]+"))
+    regex = server_default.render(_chat(("user", "go")), GrammarSpec(GrammarKind.REGEX, "[a-z]+"))
     assert "system" not in regex
+
+
+def test_an_instruction_too_long_for_the_context_is_left_out(validator: RequestValidator, renderer, tokenizer) -> None:
+    """The instruction is the server's text: a schema whose instruction would not fit the context
+    is rendered without it instead of getting the request refused for a prompt the caller did not send."""
+    big = {"type": "object", "description": "lorem ipsum " * 4000}
+    spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(big))
+    chat = _chat(("user", "Give me an object."), instruction="default")
+    assert len(tokenizer.encode(renderer.render(chat, spec)).ids) > 4096  # would be refused if kept
+    seq = validator.validate(GenerationRequest(request_id="big", prompt=chat, grammar=spec))
+    assert list(seq.prompt_token_ids) == tokenizer.encode(renderer.render(chat, spec, instruction=False)).ids
+    # A schema that fits keeps its instruction.
+    fits = validator.validate(GenerationRequest(request_id="fits", prompt=chat, grammar=SCHEMA_SPEC))
+    assert list(fits.prompt_token_ids) == tokenizer.encode(renderer.render(chat, SCHEMA_SPEC)).ids
 
 
 @pytest.mark.parametrize(

@@ -87,6 +87,14 @@ def test_default_max_tokens_is_capped_by_context(validator) -> None:
     assert validator.validate(_req(prompt)).sampling.max_tokens == 5
 
 
+def test_no_default_max_tokens_means_the_rest_of_the_context(bpe_tokenizer, info, checker) -> None:
+    """The server default (None, as vLLM and OpenAI): a request naming no budget may use all the room."""
+    v = RequestValidator(bpe_tokenizer, info, checker, ServingDefaults(max_tokens=None, k=4))
+    prompt = tuple(range(1, 11))
+    assert v.validate(_req(prompt)).sampling.max_tokens == MAX_MODEL_LEN - 10
+    assert v.validate(_req(prompt, max_tokens=3)).sampling.max_tokens == 3
+
+
 def test_stop_tokens(validator) -> None:
     assert validator.validate(_req()).stop_token_ids is None  # the tokenizer's EOS ids
     assert validator.validate(_req(ignore_eos=True)).stop_token_ids == ()  # none: only max_tokens ends it

@@ -17,12 +17,14 @@ from aiohttp import web
 
 from orchestrator.api.http.auth import api_key_middleware, enable_cors
 from orchestrator.api.http.errors import INTERNAL, ApiError, HttpError
+from orchestrator.api.http.observability import ObservabilityRoutes, access_log_middleware
 from orchestrator.api.http.prompting import ChatPrompter, load_prompter
 from orchestrator.api.http.routes import OpenAIRoutes
 from orchestrator.auth_keys import ApiKeys
 from orchestrator.config import OrchestratorConfig
 from orchestrator.engine import Engine
 from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.validation import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -64,16 +66,26 @@ class HttpFrontDoor:
     """``start()`` binds and serves; ``stop()`` stops accepting, lets handlers finish (bounded), closes."""
 
     def __init__(
-        self, config: HttpConfig, engine: Engine, metrics: OrchestratorMetrics, prompter: ChatPrompter
+        self,
+        config: HttpConfig,
+        engine: Engine,
+        metrics: OrchestratorMetrics,
+        prompter: ChatPrompter,
+        tokenizer: Tokenizer | None = None,  # None: no /tokenize
     ) -> None:
         self.config = config
-        self.app = web.Application(
-            client_max_size=MAX_BODY_BYTES, middlewares=[openai_errors, api_key_middleware(ApiKeys(config.api_keys))]
-        )
+        # The access log is outermost: it sees the final status of every request, errors included.
+        middlewares = [
+            access_log_middleware(metrics.http_requests),
+            openai_errors,
+            api_key_middleware(ApiKeys(config.api_keys)),
+        ]
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         enable_cors(self.app, config.cors_origins)
         OpenAIRoutes(
             engine, metrics, prompter, model_name=config.model_name, max_model_len=config.max_model_len
         ).add_to(self.app)
+        ObservabilityRoutes(metrics, tokenizer, prompter, config.model_name, config.max_model_len).add_to(self.app)
         self._runner = web.AppRunner(
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=config.shutdown_grace_s
         )
@@ -93,7 +105,11 @@ class HttpFrontDoor:
 
 
 def front_door_for(
-    config: OrchestratorConfig, engine: Engine, metrics: OrchestratorMetrics, max_model_len: int
+    config: OrchestratorConfig,
+    engine: Engine,
+    metrics: OrchestratorMetrics,
+    max_model_len: int,
+    tokenizer: Tokenizer | None = None,
 ) -> HttpFrontDoor:
     """The HTTP API of an orchestrator built from ``config`` (``config.http_port`` set)."""
     assert config.http_port is not None
@@ -106,4 +122,4 @@ def front_door_for(
         api_keys=config.api_keys,
         cors_origins=config.cors_origins,
     )
-    return HttpFrontDoor(http_config, engine, metrics, load_prompter(config.target_dir))
+    return HttpFrontDoor(http_config, engine, metrics, load_prompter(config.target_dir), tokenizer)

@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 
 
 class ChatPrompter(Protocol):
+    # Whether ``render`` puts ``tools`` into the prompt in the model's own format.
+    supports_tools: bool
+
     def render(self, messages: list[ChatMessage], tools: list[Tool] | None) -> str: ...
 
 
@@ -58,6 +61,8 @@ def _arguments(text: str) -> Any:
 
 class TranscriptPrompter:
     """The fallback: ``role: content`` blocks, then ``assistant:``."""
+
+    supports_tools = False
 
     def render(self, messages: list[ChatMessage], tools: list[Tool] | None) -> str:
         blocks = []
@@ -92,6 +97,8 @@ class TemplatePrompter:
         env.globals["raise_exception"] = raise_exception
         self._template = env.from_string(template)
         self._special = special
+        # A template that never reads ``tools`` would drop them silently.
+        self.supports_tools = "tools" in template
 
     def render(self, messages: list[ChatMessage], tools: list[Tool] | None) -> str:
         from jinja2.exceptions import TemplateError

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI API, as pydantic models (parsing and shape checks only).
 
-Unknown fields are refused (``extra="forbid"``), so a client never believes a
-field it sent was honoured when it was not. Fields OpenAI defines that this
+Unknown fields are kept aside (``extra="allow"``) and ignored, as vLLM does:
+``lenient`` logs each new name once and counts them. Fields OpenAI defines that this
 server does not implement (``n > 1``, ``logprobs``, penalties, ``logit_bias``)
 are declared so they can be refused with a precise message in ``translate``,
 while their neutral values (``n=1``, ``logprobs=false``, penalties 0) pass.
@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
 
 
 class TextPart(_Body):
@@ -150,7 +150,8 @@ class ChatCompletionRequest(_Generation):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # Extension: the system instruction a JSON Schema request's chat gets (orchestrator/chat.py);
-    # None = the default (the schema in a system message), "" = none.
+    # None = the server's default (none unless started with --schema-instruction), "" = none,
+    # "default" = the built-in instruction, else this text ("{schema}" becomes the schema).
     schema_instruction: str | None = None
     # Accepted and ignored: they change nothing about generation.
     metadata: dict[str, str] | None = None

@@ -21,8 +21,9 @@ from pydantic import BaseModel, ValidationError
 
 from gpu_worker.types import FinishReason
 from orchestrator.api.http import responses as rsp
-from orchestrator.api.http import tools, translate
+from orchestrator.api.http import tool_grammar, tools, translate
 from orchestrator.api.http.errors import GENERATION_FAILED, NOT_FOUND, ApiError
+from orchestrator.api.http.lenient import UnknownFieldLog
 from orchestrator.api.http.prompting import ChatPrompter
 from orchestrator.api.http.protocol import ChatCompletionRequest, CompletionRequest
 from orchestrator.api.http.sse import DeltaEncoder, EventStream
@@ -30,6 +31,7 @@ from orchestrator.client_identity import client_identity
 from orchestrator.engine import Engine
 from orchestrator.errors import RequestError
 from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.output_check import OutputChecker
 from orchestrator.request import Request
 from orchestrator.types import GenerationResult, GrammarReport, Usage
 from orchestrator.validation import RequestValidator
@@ -81,6 +83,8 @@ class OpenAIRoutes:
         self._model = model_name
         self._max_model_len = max_model_len
         self._created = int(time.time())
+        self._checker = OutputChecker()  # tool calls' arguments against their own tool's schema
+        self._unknown = UnknownFieldLog(metrics.http_unknown_fields)
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -139,6 +143,7 @@ class OpenAIRoutes:
         body = await parse_body(request, ChatCompletionRequest)
         self._check_model(body.model)
         request_id = self._request_id(request)
+        self._unknown.note(body, request_id)
         translated = _guard_depth(translate.chat_request, body, request_id, self._prompter)
         admitted = await self._submit(translated, request)
         env = rsp.Envelope(id=f"chatcmpl-{request_id}", model=self._model)
@@ -146,10 +151,13 @@ class OpenAIRoutes:
         try:
             if body.stream:
                 include_usage = body.stream_options is not None and body.stream_options.include_usage
-                return await self._stream_chat(request, admitted, env, headers, translated.tool_call, include_usage)
+                return await self._stream_chat(request, admitted, env, headers, translated, include_usage)
             result = await admitted.result()
             _raise_for_finish(result.finish_reason, result.error)
-            message, finish = _chat_message(result.text, result.finish_reason, translated.tool_call)
+            if translated.auto_tools is not None:
+                message, finish = self._auto_message(result.text, result.finish_reason, translated.auto_tools)
+            else:
+                message, finish = _chat_message(result.text, result.finish_reason, translated.tool_call)
             return web.json_response(
                 rsp.chat_completion(env, message, finish, result.usage, result.grammar), headers=headers
             )
@@ -160,6 +168,7 @@ class OpenAIRoutes:
         body = await parse_body(request, CompletionRequest)
         self._check_model(body.model)
         request_id = self._request_id(request)
+        self._unknown.note(body, request_id)
         translated = _guard_depth(translate.completion_request, body, request_id)
         admitted = await self._submit(translated, request)
         env = rsp.Envelope(id=f"cmpl-{request_id}", model=self._model)
@@ -177,6 +186,19 @@ class OpenAIRoutes:
         finally:
             self._engine.cancel(admitted.request_id)
 
+    def _auto_message(
+        self, text: str, reason: FinishReason, auto: tool_grammar.AutoTools
+    ) -> tuple[dict[str, Any], str]:
+        """``tool_choice: "auto"``: text is content; complete calls are ``tool_calls``, each checked
+        against its tool's schema (a failure is an error, never a success)."""
+        if reason is FinishReason.GRAMMAR_COMPLETE and tool_grammar.is_call_output(text):
+            try:
+                calls = tool_grammar.parse_calls(text, auto, self._checker)
+            except ValueError as exc:
+                raise ApiError(GENERATION_FAILED, f"the generated tool call is not valid: {exc}") from None
+            return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": text}, rsp.FINISH_REASONS[reason]
+
     # ---- streaming -------------------------------------------------------
 
     async def _stream_chat(
@@ -185,17 +207,20 @@ class OpenAIRoutes:
         admitted: Request,
         env: rsp.Envelope,
         headers: dict[str, str],
-        tool_call: bool,
+        translated: translate.Translated,
         include_usage: bool,
     ) -> web.StreamResponse:
         stream = await EventStream.open(request, headers)
         deltas = DeltaEncoder(rsp.chat_chunk(env, {"content": DeltaEncoder.PLACEHOLDER}))
+        auto = translated.auto_tools
+        # A tool call is sent whole, once it is complete and parsed; text is streamed.
+        split = tool_grammar.StreamSplit(translated.tool_call, auto is not None)
         try:
             await stream.send(rsp.chat_chunk(env, {"role": "assistant", "content": ""}))
-            held: list[str] = []  # a tool call is sent whole, once it is complete and parsed
+            held: list[str] = []
             async for out in admitted.events():
                 if out.text:
-                    if tool_call:
+                    if split.holds(out.text):
                         held.append(out.text)
                     else:
                         await stream.send_raw(deltas.encode(out.text))
@@ -206,9 +231,12 @@ class OpenAIRoutes:
                 if error is not None:
                     await stream.error(error)
                     return stream.response
-                if tool_call:
+                if split.calls:
                     try:
-                        message, finish = _chat_message("".join(held), out.finish_reason, tool_call)
+                        if auto is not None:
+                            message, finish = self._auto_message("".join(held), out.finish_reason, auto)
+                        else:
+                            message, finish = _chat_message("".join(held), out.finish_reason, True)
                     except ApiError as exc:
                         await stream.error(exc)
                         return stream.response

@@ -3,9 +3,9 @@
 The output is constrained to one JSON object ``{"name": <tool>, "arguments":
 <that tool's parameters>}``: with ``tool_choice: "required"`` any of the tools,
 with a named function only that one. ``"none"`` means no call (no grammar from
-the tools). ``"auto"`` (the model decides between text and a call) is refused:
-deciding needs a grammar that admits free text too, which this server does not
-build yet. One call per response (``parallel_tool_calls`` may hold at most one).
+the tools). ``"auto"`` (and tools without ``tool_choice``), where the model
+decides between text and calls, is ``tool_grammar``'s: its grammar admits free
+text too. One call per response here.
 
 Each tool's ``$defs``/``definitions`` are hoisted to the combined schema's root
 under ``<tool>__<name>`` and its local ``$ref``s rewritten, since a pointer
@@ -28,7 +28,7 @@ def call_schema(tools: list[Tool], choice: str | NamedToolChoice | None) -> dict
     """The schema a tool call must match, or None when the tools impose no constraint ("none")."""
     if choice is None or choice == "auto":
         raise ApiError.invalid(
-            'tool_choice "auto" is not supported (the output would have to be free text or a call); '
+            'tool_choice "auto" is not a single call schema (see tool_grammar); '
             'use "required" or {"type": "function", "function": {"name": ...}}',
             param="tool_choice",
         )

@@ -23,6 +23,7 @@ from orchestrator.api.http import tools as tool_calls
 from orchestrator.api.http.errors import ApiError
 from orchestrator.api.http.prompting import ChatPrompter
 from orchestrator.api.http.protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat, _Generation
+from orchestrator.api.http.tool_grammar import AutoTools, auto_tools, tools_prompt, with_system_text
 from orchestrator.chat import ChatMessage, ChatPrompt
 from orchestrator.types import GenerationRequest, SamplingOptions, SpeculationOptions
 
@@ -36,6 +37,7 @@ BACKEND_NAMES = {"auto": "", "xgrammar": "xgrammar", "llguidance": "llguidance",
 class Translated:
     request: GenerationRequest
     tool_call: bool = False  # the output is a tool call to parse into message.tool_calls
+    auto_tools: AutoTools | None = None  # tool_choice "auto": the output is text or calls (tool_grammar)
 
 
 def chat_request(body: ChatCompletionRequest, request_id: str, prompter: ChatPrompter) -> Translated:
@@ -46,7 +48,12 @@ def chat_request(body: ChatCompletionRequest, request_id: str, prompter: ChatPro
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     grammars: list[tuple[str, GrammarSpec]] = []
     tool_schema = None
-    if body.tools:
+    auto = None
+    if body.tools and body.tool_choice in (None, "auto"):
+        # OpenAI's default with tools: the model answers in text or calls tools.
+        auto = auto_tools(body.tools, parallel=body.parallel_tool_calls is not False)
+        grammars.append(("tools", auto.grammar))
+    elif body.tools:
         tool_schema = tool_calls.call_schema(body.tools, body.tool_choice)
         if tool_schema is not None:
             grammars.append(("tools", _schema_spec(tool_schema)))
@@ -54,16 +61,30 @@ def chat_request(body: ChatCompletionRequest, request_id: str, prompter: ChatPro
         raise ApiError.invalid("tool_choice was given without tools", param="tool_choice")
     grammars += _format_grammar(body.response_format)
     grammars += _guided_grammars(body)
+    if auto is not None and len(grammars) > 1:
+        # "text or a call" leaves no room for a second constraint on the text.
+        raise ApiError.invalid(
+            f'tools with tool_choice "auto" cannot be combined with {grammars[1][0]}; '
+            'use tool_choice "required" or a named function',
+            param=grammars[1][0],
+        )
+    prompt = _auto_prompt(body, prompter) if auto is not None else _chat_prompt(body, prompter, tool_schema is not None)
     return Translated(
-        request=_request(
-            body,
-            request_id,
-            _chat_prompt(body, prompter, tool_schema is not None),
-            max_tokens,
-            _one_grammar(grammars, body),
-        ),
+        request=_request(body, request_id, prompt, max_tokens, _one_grammar(grammars, body)),
         tool_call=tool_schema is not None,
+        auto_tools=auto,
     )
+
+
+def _auto_prompt(body: ChatCompletionRequest, prompter: ChatPrompter) -> str:
+    """The conversation with the tools: the chat template renders them when it knows how;
+    otherwise a system message lists them and shows the call format the grammar admits."""
+    if body.schema_instruction is not None:
+        raise ApiError.invalid("schema_instruction applies to plain chats only (no tools)", param="schema_instruction")
+    assert body.tools is not None
+    if prompter.supports_tools:
+        return prompter.render(body.messages, body.tools)
+    return prompter.render(with_system_text(body.messages, tools_prompt(body.tools)), None)
 
 
 def _chat_prompt(body: ChatCompletionRequest, prompter: ChatPrompter, tool_call: bool) -> str | ChatPrompt:
@@ -76,7 +97,11 @@ def _chat_prompt(body: ChatCompletionRequest, prompter: ChatPrompter, tool_call:
     )
     if plain:
         messages = tuple(ChatMessage(role=m.role, content=m.text) for m in body.messages)
-        return ChatPrompt(messages=messages, schema_instruction=body.schema_instruction)
+        instruction = body.schema_instruction
+        if instruction is None and body.response_format is not None and body.response_format.type == "json_object":
+            # JSON mode is "any object": an instruction would show the model {"type": "object"} to copy.
+            instruction = ""
+        return ChatPrompt(messages=messages, schema_instruction=instruction)
     if body.schema_instruction is not None:
         raise ApiError.invalid("schema_instruction applies to plain chats only (no tools)", param="schema_instruction")
     return prompter.render(body.messages, body.tools if tool_call else None)

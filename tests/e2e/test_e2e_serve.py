@@ -1,0 +1,139 @@
+"""`specmask serve MODEL` as a real process tree, driven with vLLM's flag names and the `openai`
+client: the served model name and context cap show in /v1/models, a chat answers, /metrics is on
+the HTTP port, and Ctrl-C stops everything. Its --speculative-config parsing is checked without
+a process."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from orchestrator.dev.serve import Speculative, parse_speculative_config
+from tests.e2e.test_e2e_cli import STOP_TIMEOUT_S, UP_TIMEOUT_S, _cli, _descendants
+from tests.fixtures.procs import exited
+
+pytestmark = pytest.mark.slow
+
+
+def test_speculative_config_maps_vllm_keys() -> None:
+    assert parse_speculative_config(None) == Speculative(None, None)
+    assert parse_speculative_config('{"model": "d", "num_speculative_tokens": 3}') == Speculative("d", 3)
+    assert parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 2}') == Speculative("none", 2)
+    for bad, needle in (
+        ("[1]", "JSON object"),
+        ("{", "not JSON"),
+        ('{"draft_tensor_parallel_size": 1}', "unsupported keys"),
+        ('{"method": "eagle"}', "method"),
+        ('{"num_speculative_tokens": -1}', "num_speculative_tokens"),
+        ('{"method": "ngram", "model": "d"}', "no model"),
+    ):
+        with pytest.raises(ValueError, match=needle):
+            parse_speculative_config(bad)
+
+
+def test_serve_with_vllm_flags(tiny_pair, tmp_path: Path) -> None:
+    target, draft = tiny_pair
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    serve = subprocess.Popen(
+        _cli(
+            "serve",
+            str(target),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",  # free ports, printed once bound (a shared machine may hold 8000 / 50051)
+            "--grpc-port",
+            "0",
+            "--served-model-name",
+            "tiny-chat",
+            "--max-model-len",
+            "256",
+            "--speculative-config",
+            json.dumps({"model": str(draft), "num_speculative_tokens": 2}),
+            "--log-level",
+            "WARNING",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        text=True,
+    )
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + UP_TIMEOUT_S
+        assert serve.stdout is not None
+        while True:
+            line = serve.stdout.readline()
+            assert line or serve.poll() is None, f"`specmask serve` exited early:\n{''.join(lines)}"
+            lines.append(line)
+            if line.startswith("specmask is up"):
+                match = re.search(r"OpenAI API (http://127\.0\.0\.1:\d+)/v1", line)
+                assert match, line
+                root = match.group(1)
+                break
+            assert time.monotonic() < deadline, "".join(lines)
+        with openai.OpenAI(base_url=root + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            (card,) = client.models.list().data
+            assert card.id == "tiny-chat" and card.model_extra["max_model_len"] == 256
+            resp = client.chat.completions.create(
+                model="tiny-chat",
+                messages=[{"role": "user", "content": "hi"}],
+                response_format={"type": "json_object"},
+                max_tokens=32,
+                seed=1,
+            )
+            assert resp.choices[0].finish_reason in ("stop", "length")
+            assert resp.usage.model_extra["specmask"]["drafts_proposed"] > 0  # the draft of --speculative-config
+        metrics = httpx.get(root + "/metrics").text
+        assert "vllm:e2e_request_latency_seconds_count" in metrics
+        children = _descendants(serve.pid)
+        serve.send_signal(signal.SIGINT)
+        rest, _ = serve.communicate(timeout=STOP_TIMEOUT_S)
+        lines.append(rest)
+        assert serve.returncode == 0, "".join(lines)
+        deadline = time.monotonic() + 30
+        while (alive := [p for p, c in children.items() if not exited(p, c)]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not alive, {p: children[p] for p in alive}
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait(30)
+
+
+def test_api_key_and_fairness_flags_are_passed_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`serve` takes `up`'s --api-key/--api-key-file, --max-inflight-per-client and --cors-origin, and
+    passes them to the orchestrator's config fields."""
+    import argparse
+
+    from orchestrator import config as cfg
+    from orchestrator.dev.serve import add_arguments, orchestrator_overrides
+
+    for name in ("SPECMASK_API_KEY", "SPECMASK_API_KEYS"):
+        monkeypatch.delenv(name, raising=False)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        ["some/model", "--api-key", "k1", "--served-model-name", "m", "--max-model-len", "64", "--cors-origin", "x"]
+    )
+    plain = orchestrator_overrides(parser.parse_args(["dir", "--host", "0.0.0.0"]), Speculative(None, 3))
+    assert plain == {
+        "host": "0.0.0.0",
+        "served_model_name": "dir",
+        "max_model_len": None,
+        "default_k": 3,
+        "api_keys": (),
+        "max_inflight_per_client": cfg.AUTO_INFLIGHT_PER_CLIENT,
+        "cors_origins": (),
+    }
+    keyed = orchestrator_overrides(args, Speculative(None, None))
+    assert keyed["api_keys"] == ("k1",) and keyed["cors_origins"] == ("x",)

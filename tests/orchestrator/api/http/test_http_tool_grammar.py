@@ -1,0 +1,159 @@
+"""tool_choice "auto": the "text or calls" grammar (checked with a fresh xgrammar matcher, as the
+engine's end check does), parsing calls back with each call's arguments checked against its own
+tool's schema, the request translation, and unknown request fields (ignored, logged, counted)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from mask_service.grammar import GrammarKind
+from orchestrator.api.http import translate
+from orchestrator.api.http.lenient import MAX_NAMED_FIELDS, OTHER, UnknownFieldLog, unknown_fields
+from orchestrator.api.http.prompting import TranscriptPrompter
+from orchestrator.api.http.protocol import ChatCompletionRequest, Tool
+from orchestrator.api.http.tool_grammar import CALL_CLOSE, CALL_OPEN, auto_tools, is_call_output, parse_calls
+from orchestrator.metrics import OrchestratorMetrics
+from orchestrator.output_check import OutputChecker
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+POINT = {
+    "type": "object",
+    "properties": {"p": {"$ref": "#/$defs/pt"}},
+    "required": ["p"],
+    "$defs": {"pt": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2}},
+}
+TOOLS = [
+    Tool.model_validate({"type": "function", "function": {"name": "weather", "parameters": WEATHER}}),
+    Tool.model_validate({"type": "function", "function": {"name": "move", "parameters": POINT}}),
+    Tool.model_validate({"type": "function", "function": {"name": "stop"}}),
+]
+CHECKER = OutputChecker()
+
+
+def _call(name: str, arguments: object) -> str:
+    return CALL_OPEN + json.dumps({"name": name, "arguments": arguments}) + CALL_CLOSE
+
+
+@pytest.mark.parametrize(
+    ("text", "single", "parallel"),
+    [
+        ("", True, True),
+        ("It is sunny.", True, True),
+        ("Let me see <tool_call> later is text", True, True),
+        (_call("weather", {"city": "Paris", "days": 3}), True, True),
+        (_call("move", {"p": [1, 2]}), True, True),
+        (_call("stop", {}), True, True),
+        (_call("stop", {}) + "\n" + _call("move", {"p": [3, 4]}), False, True),
+        ("\n".join([_call("stop", {})] * 5), False, False),  # more than MAX_PARALLEL_CALLS
+        (_call("weather", {"city": "Rome", "days": 3}), False, False),
+        (_call("weather", {"city": "Paris"}), False, False),
+        (_call("move", {"p": [1]}), False, False),
+        (_call("jump", {}), False, False),
+        (_call("stop", {}) + " trailing", False, False),
+        ("<b>bold</b>", False, False),
+        (CALL_OPEN + '{"name": "stop", "arguments": {}', False, False),
+    ],
+)
+def test_auto_grammar_admits_text_or_valid_calls(text: str, single: bool, parallel: bool) -> None:
+    for allow_parallel, expected in ((False, single), (True, parallel)):
+        grammar = auto_tools(TOOLS, parallel=allow_parallel).grammar
+        assert grammar.kind is GrammarKind.EBNF
+        assert CHECKER.check(grammar, text).ok is expected, (allow_parallel, text)
+
+
+def test_parse_calls_checks_each_call_against_its_tool() -> None:
+    auto = auto_tools(TOOLS, parallel=True)
+    text = _call("stop", {}) + "\n" + _call("weather", {"city": "Oslo", "days": 7})
+    assert is_call_output(text) and not is_call_output("Hi <tool_call>")
+    calls = parse_calls(text, auto, CHECKER)
+    assert [c["function"]["name"] for c in calls] == ["stop", "weather"]
+    assert json.loads(calls[1]["function"]["arguments"]) == {"city": "Oslo", "days": 7}
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    # The grammar's end check and this one are independent: a call breaking its schema is refused
+    # here even if a grammar had let it through (days out of range).
+    for bad in (
+        _call("weather", {"city": "Oslo", "days": 9}),
+        _call("nope", {}),
+        "plain text",
+        _call("stop", {}) + "\n\n" + _call("stop", {}),
+    ):
+        with pytest.raises(ValueError):
+            parse_calls(bad, auto, CHECKER)
+
+
+def test_translate_auto_and_default_choice() -> None:
+    tools = [t.model_dump(exclude_none=True) for t in TOOLS]
+    for extra in ({}, {"tool_choice": "auto"}):
+        body = ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools, **extra}
+        )
+        out = translate.chat_request(body, "r", TranscriptPrompter())
+        assert out.auto_tools is not None and not out.tool_call
+        assert out.request.grammar == out.auto_tools.grammar
+        # A template without tool support gets the tools and the call format in a system turn.
+        assert isinstance(out.request.prompt, str) and out.request.prompt.startswith(
+            "system: Answer in plain text, or call tools"
+        )
+        assert '"name": "weather"' not in out.request.prompt and "- weather:" in out.request.prompt
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": "none"}
+    )
+    none = translate.chat_request(body, "r", TranscriptPrompter())
+    assert none.auto_tools is None and none.request.grammar is None
+
+
+def test_unknown_fields_are_ignored_logged_once_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+    body = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi", "annotations": []}, {"role": "user", "content": "x"}],
+            "reasoning_effort": "low",
+            "prompt_cache_key": "k",
+            "temperature": 0.5,
+        }
+    )
+    assert sorted(unknown_fields(body)) == ["messages[].annotations", "prompt_cache_key", "reasoning_effort"]
+    metrics = OrchestratorMetrics(CollectorRegistry())
+    log = UnknownFieldLog(metrics.http_unknown_fields)
+    with caplog.at_level(logging.WARNING, logger="orchestrator.api.http.lenient"):
+        log.note(body, "r1")
+        log.note(body, "r2")
+    assert sum("reasoning_effort" in r.getMessage() for r in caplog.records) == 1
+    assert metrics.registry.get_sample_value("specmask_http_unknown_fields_total", {"field": "reasoning_effort"}) == 2
+    for i in range(MAX_NAMED_FIELDS + 3):
+        log.note(ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user"}], f"f{i}": 1}), "r")
+    assert metrics.registry.get_sample_value("specmask_http_unknown_fields_total", {"field": OTHER}) >= 3
+    # Known fields stay strictly typed.
+    with pytest.raises(ValueError):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user"}], "temperature": "hot"})
+
+
+def test_auto_refuses_a_tool_schema_the_mask_service_refuses() -> None:
+    from orchestrator.api.http.errors import ApiError
+
+    bad = Tool.model_validate(
+        {"type": "function", "function": {"name": "bad", "parameters": {"type": "object", "minProperties": "two"}}}
+    )
+    with pytest.raises(ApiError) as exc:
+        auto_tools([bad], parallel=False)
+    assert exc.value.param == "tools" and "'bad'" in exc.value.message
+
+
+def test_stream_split_decides_once_on_the_first_text() -> None:
+    from orchestrator.api.http.tool_grammar import StreamSplit
+
+    text = StreamSplit(tool_call=False, auto=True)
+    assert [text.holds(t) for t in ("Hi", " <b>", "<tool_call>")] == [False, False, False] and not text.calls
+    calls = StreamSplit(tool_call=False, auto=True)
+    assert [calls.holds(t) for t in ("<tool", "_call>\n", "{")] == [True, True, True] and calls.calls
+    assert StreamSplit(tool_call=True, auto=False).holds("{") and not StreamSplit(False, False).holds("<")
