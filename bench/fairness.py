@@ -81,7 +81,7 @@ def _flood_thread(address: str, index: int, max_tokens: int, stop: Any, complete
                 with completed.get_lock():
                     completed.value += 1
             except grpc.RpcError as exc:
-                if exc.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:  # type: ignore[attr-defined]
+                if exc.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
                 with refused.get_lock():
                     refused.value += 1

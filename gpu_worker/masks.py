@@ -77,10 +77,10 @@ class MaskChannel:
     ) -> MaskChannel:
         """``owner``: a stable id of this worker; sessions carry it, and the channel first
         releases whatever an earlier process under that owner left open (a crash)."""
-        from mask_service.router import MaskRouter
+        from mask_service.router import DEFAULT_COMPILE_WAIT_S, MaskRouter
 
-        extra = {} if compile_wait_s is None else {"compile_wait_s": compile_wait_s}
-        router = MaskRouter(list(addresses), deadline_s=deadline_s, owner=owner, **extra)
+        wait_s = DEFAULT_COMPILE_WAIT_S if compile_wait_s is None else compile_wait_s
+        router = MaskRouter(list(addresses), deadline_s=deadline_s, owner=owner, compile_wait_s=wait_s)
         if owner:
             try:
                 released = router.release_owner()

@@ -196,7 +196,7 @@ class RequestValidator:
         with_instruction = self._render_chat(req.prompt, req.grammar, instruction=True)
         if len(with_instruction) > MAX_CHARS_PER_TOKEN * self._info.max_model_len:
             return ids
-        full = tuple(self._tokenizer.encode(with_instruction).ids)  # type: ignore[attr-defined]
+        full = tuple(self._tokenizer.encode(with_instruction).ids)
         room = self._info.max_model_len - len(full)
         return full if room >= max(1, req.sampling.max_tokens or 1) else ids
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from orchestrator.api.http.auth import api_key_middleware, enable_cors
 from orchestrator.api.http.errors import INTERNAL, ApiError, HttpError
@@ -75,7 +76,7 @@ class HttpFrontDoor:
     ) -> None:
         self.config = config
         # The access log is outermost: it sees the final status of every request, errors included.
-        middlewares = [
+        middlewares: list[Middleware] = [
             access_log_middleware(metrics.http_requests),
             openai_errors,
             api_key_middleware(ApiKeys(config.api_keys)),

@@ -17,11 +17,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from orchestrator.auth_keys import ApiKeys
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
 
 # Paths a probe or scraper reaches without a key.
 OPEN_PATHS = frozenset({"/health", "/healthz", "/readyz", "/livez", "/metrics"})

@@ -24,6 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from pydantic import Field
 
@@ -46,7 +47,7 @@ def package_version() -> str:
         return "unknown"
 
 
-def access_log_middleware(counter: Counter) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def access_log_middleware(counter: Counter) -> Middleware:
     """Outermost middleware: sees the final status, after errors became OpenAI error bodies."""
 
     @web.middleware
@@ -127,5 +128,5 @@ class ObservabilityRoutes:
         if len(text) > MAX_CHARS_PER_TOKEN * self._max_model_len:
             raise ApiError.invalid(f"a text of {len(text)} characters is longer than the model's context")
         assert self._tokenizer is not None
-        ids = await asyncio.to_thread(lambda: list(self._tokenizer.encode(text).ids))  # type: ignore[union-attr,attr-defined]
+        ids = await asyncio.to_thread(lambda: list(self._tokenizer.encode(text).ids))  # type: ignore[union-attr]  # lambda: no narrowing
         return web.json_response({"count": len(ids), "max_model_len": self._max_model_len, "tokens": ids})
