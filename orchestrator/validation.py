@@ -23,6 +23,7 @@ from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams, Wor
 from mask_service.grammar import GrammarKind, GrammarSpec
 from orchestrator.chat import ChatError, ChatPrompt, ChatRenderer
 from orchestrator.errors import InvalidRequest
+from orchestrator.output_budget import longest_token_chars, min_tokens
 from orchestrator.types import GenerationRequest, GrammarReport
 
 # Client-chosen ids appear in logs and are used as worker sequence ids: keep
@@ -47,6 +48,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_GRAMMAR_CHARS = 1 << 20
 # Separators are JSON punctuation with optional whitespace, e.g. ", " / ": ".
 MAX_SEPARATOR_CHARS = 8
+JSON_WHITESPACE = " \t\n\r"
 # Proposer names the worker registry knows (gpu_worker.types.SpeculationParams).
 KNOWN_PROPOSERS = frozenset({"draft_model", "grammar_forced", "ngram"})
 # Default proposers of a worker without a draft model (no draft forward to pay for).
@@ -102,6 +104,24 @@ def _fail(message: str) -> InvalidRequest:
     return InvalidRequest(message)
 
 
+def _with_schema_note(exc: InvalidRequest, req: GenerationRequest) -> InvalidRequest:
+    """A prompt refused as too long says so when most of it is the JSON Schema instruction a chat
+    request gets (orchestrator/chat.py): the client sent a short conversation and a large schema."""
+    grammar = req.grammar
+    chat = req.prompt
+    if not (isinstance(chat, ChatPrompt) and grammar is not None and grammar.kind is GrammarKind.JSON_SCHEMA):
+        return exc
+    if chat.schema_instruction == "":
+        return exc
+    return InvalidRequest(
+        f"{exc.message}. The prompt includes the JSON Schema ({len(grammar.text)} characters) as a system "
+        'instruction; a schema this large does not fit the context with it: send schema_instruction "" '
+        "to leave the instruction out (the schema still constrains the output), or a smaller schema",
+        reason=exc.reason,
+        field="grammar",
+    )
+
+
 class RequestValidator:
     """Turns a ``GenerationRequest`` into a runnable ``NewSequence`` or raises ``InvalidRequest``."""
 
@@ -118,6 +138,7 @@ class RequestValidator:
         self._info = info
         self._grammar_checker = grammar_checker
         self._defaults = defaults
+        self._longest_token: int | None = None  # lazily, from the tokenizer's vocabulary
 
     @staticmethod
     def request_id(requested: str) -> str:
@@ -135,7 +156,10 @@ class RequestValidator:
     def validate_request(self, req: GenerationRequest) -> ValidatedRequest:
         """``validate``, plus the grammar's enforcement and the attempts checked mode may take."""
         prompt = self._render_chat(req.prompt, req.grammar) if isinstance(req.prompt, ChatPrompt) else req.prompt
-        prompt_ids = self._prompt_ids(prompt)
+        try:
+            prompt_ids = self._prompt_ids(prompt)
+        except InvalidRequest as exc:
+            raise _with_schema_note(exc, req) from None
         sampling = self._sampling(req, len(prompt_ids))
         speculation = self._speculation(req)
         grammar = req.grammar
@@ -145,6 +169,7 @@ class RequestValidator:
             if req.sampling.ignore_eos:
                 raise _fail("ignore_eos cannot be combined with a grammar (a grammar ends where it admits EOS)")
             self._check_grammar_shape(grammar)
+            self._check_output_fits(grammar, sampling.max_tokens)
             if grammar.backend == "auto":
                 grammar = dataclasses.replace(grammar, backend="")
             report = self._grammar_checker.check(grammar, req.client) or GrammarReport("exact", grammar.backend)
@@ -268,6 +293,32 @@ class RequestValidator:
             return SpeculationParams().proposers
         return DRAFTLESS_PROPOSERS
 
+    def _max_token_chars(self) -> int | None:
+        """The longest token's characters (an upper bound), or None if the tokenizer cannot say."""
+        if self._longest_token is None:
+            get_vocab = getattr(self._tokenizer, "get_vocab", None)
+            if get_vocab is None:
+                return None
+            self._longest_token = longest_token_chars(get_vocab())
+        return self._longest_token
+
+    def _check_output_fits(self, spec: GrammarSpec, max_tokens: int) -> None:
+        """Refuse a JSON Schema whose shortest document cannot fit in ``max_tokens`` (output_budget.py)."""
+        if spec.kind is not GrammarKind.JSON_SCHEMA:
+            return
+        per_token = self._max_token_chars()
+        bound = None if per_token is None else min_tokens(spec.text, per_token)
+        if bound is None or bound[1] <= max_tokens:
+            return
+        chars, tokens = bound
+        raise InvalidRequest(
+            f"the schema's shortest valid output has at least {chars} characters (minLength, minItems, "
+            f"required properties), so it needs at least {tokens} tokens, but max_tokens is {max_tokens}: "
+            "it could only end by length; raise max_tokens or relax the schema",
+            reason="OUTPUT_CANNOT_FIT",
+            field="sampling.max_tokens",
+        )
+
     @staticmethod
     def _check_grammar_shape(spec: GrammarSpec) -> None:
         """Local checks that need no engine: size, JSON-only options on JSON kinds."""
@@ -291,5 +342,10 @@ class RequestValidator:
             raise _fail(f"{spec.kind.value} grammar is empty")
         if spec.separators is not None:
             for sep, mark in zip(spec.separators, (",", ":")):
-                if len(sep) > MAX_SEPARATOR_CHARS or sep.strip() != mark:
-                    raise _fail(f"JSON separator {sep!r} must be {mark!r} with optional surrounding whitespace")
+                # JSON's whitespace only (RFC 8259): str.strip() also strips U+00A0, U+2028, ...,
+                # which the grammar engines rightly refuse to emit between JSON tokens.
+                if len(sep) > MAX_SEPARATOR_CHARS or sep.strip(JSON_WHITESPACE) != mark:
+                    raise _fail(
+                        f"JSON separator {sep!r} must be {mark!r} with optional surrounding JSON whitespace "
+                        "(space, tab, line feed, carriage return)"
+                    )

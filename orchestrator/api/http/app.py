@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,12 +61,23 @@ class HttpFrontDoor:
     """``start()`` binds and serves; ``stop()`` stops accepting, lets handlers finish (bounded), closes."""
 
     def __init__(
-        self, config: HttpConfig, engine: Engine, metrics: OrchestratorMetrics, prompter: ChatPrompter
+        self,
+        config: HttpConfig,
+        engine: Engine,
+        metrics: OrchestratorMetrics,
+        prompter: ChatPrompter,
+        ready: Callable[[], bool] | None = None,
     ) -> None:
+        """``ready``: the orchestrator's readiness (what gRPC health says); None = the engine's worker health."""
         self.config = config
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[openai_errors])
         OpenAIRoutes(
-            engine, metrics, prompter, model_name=config.model_name, max_model_len=config.max_model_len
+            engine,
+            metrics,
+            prompter,
+            model_name=config.model_name,
+            max_model_len=config.max_model_len,
+            ready=ready,
         ).add_to(self.app)
         self._runner = web.AppRunner(
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=config.shutdown_grace_s
@@ -86,7 +98,12 @@ class HttpFrontDoor:
 
 
 def front_door_for(
-    config: OrchestratorConfig, engine: Engine, metrics: OrchestratorMetrics, max_model_len: int
+    config: OrchestratorConfig,
+    engine: Engine,
+    metrics: OrchestratorMetrics,
+    max_model_len: int,
+    *,
+    ready: Callable[[], bool] | None = None,
 ) -> HttpFrontDoor:
     """The HTTP API of an orchestrator built from ``config`` (``config.http_port`` set)."""
     assert config.http_port is not None
@@ -97,4 +114,4 @@ def front_door_for(
         max_model_len=max_model_len,
         shutdown_grace_s=config.shutdown_grace_s,
     )
-    return HttpFrontDoor(http_config, engine, metrics, load_prompter(config.target_dir))
+    return HttpFrontDoor(http_config, engine, metrics, load_prompter(config.target_dir), ready)
