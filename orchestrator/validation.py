@@ -169,7 +169,8 @@ class RequestValidator:
             if req.sampling.ignore_eos:
                 raise _fail("ignore_eos cannot be combined with a grammar (a grammar ends where it admits EOS)")
             self._check_grammar_shape(grammar)
-            self._check_output_fits(grammar, sampling.max_tokens)
+            room = self._info.max_model_len - len(prompt_ids)
+            self._check_output_fits(grammar, sampling.max_tokens if req.sampling.max_tokens is None else None, room)
             if grammar.backend == "auto":
                 grammar = dataclasses.replace(grammar, backend="")
             report = self._grammar_checker.check(grammar, req.client) or GrammarReport("exact", grammar.backend)
@@ -302,19 +303,28 @@ class RequestValidator:
             self._longest_token = longest_token_chars(get_vocab())
         return self._longest_token
 
-    def _check_output_fits(self, spec: GrammarSpec, max_tokens: int) -> None:
-        """Refuse a JSON Schema whose shortest document cannot fit in ``max_tokens`` (output_budget.py)."""
+    def _check_output_fits(self, spec: GrammarSpec, default_max_tokens: int | None, room: int) -> None:
+        """Refuse a JSON Schema whose shortest document cannot fit (output_budget.py): in the context
+        left after the prompt (``room``), or in the server's default budget when the client set none
+        (``default_max_tokens``). A max_tokens the client chose below the bound is its call: the
+        output ends by length, and says so."""
         if spec.kind is not GrammarKind.JSON_SCHEMA:
             return
         per_token = self._max_token_chars()
         bound = None if per_token is None else min_tokens(spec.text, per_token)
-        if bound is None or bound[1] <= max_tokens:
+        if bound is None:
             return
         chars, tokens = bound
+        if tokens > room:
+            limit = f"only {room} fit in the context after the prompt (the largest max_tokens possible)"
+        elif default_max_tokens is not None and tokens > default_max_tokens:
+            limit = f"max_tokens defaults to {default_max_tokens}; send a larger max_tokens (up to {room})"
+        else:
+            return
         raise InvalidRequest(
             f"the schema's shortest valid output has at least {chars} characters (minLength, minItems, "
-            f"required properties), so it needs at least {tokens} tokens, but max_tokens is {max_tokens}: "
-            "it could only end by length; raise max_tokens or relax the schema",
+            f"required properties), so it needs at least {tokens} tokens, but {limit}: it could only "
+            "end by length",
             reason="OUTPUT_CANNOT_FIT",
             field="sampling.max_tokens",
         )
