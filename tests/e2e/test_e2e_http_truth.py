@@ -358,6 +358,12 @@ def test_http_health_follows_readiness_and_outage_is_503(stack: ThreadStack, bas
         assert resp.status_code == 503, resp.text
         message = resp.json()["error"]["message"]
         assert "mask tier unavailable" in message and "127.0.0.1" not in message and "ipv4" not in message, message
+        grpc_req = build_request("a", schema={"type": "object", "properties": {uuid.uuid4().hex: {}}}, max_tokens=8)
+        with OrchestratorClient(stack.address) as client, pytest.raises(grpc.RpcError) as down:
+            client.generate(grpc_req)
+        assert down.value.code() == grpc.StatusCode.UNAVAILABLE, down.value  # type: ignore[attr-defined]
+        details = down.value.details()  # type: ignore[attr-defined]
+        assert "mask tier unavailable" in details and "127.0.0.1" not in details, details
     finally:
         for r in replicas:
             r.start(wait=False)
