@@ -37,6 +37,7 @@ from gpu_worker.loading import (
     resolve_device,
     resolve_dtype,
 )
+from gpu_worker.mask_errors import MASK_TIER_UNAVAILABLE, describe_mask_failure
 from gpu_worker.mask_table import DeviceMaskTable
 from gpu_worker.masks import MaskChannel
 from gpu_worker.model_runner import ForwardItem, ModelRunner
@@ -453,7 +454,7 @@ class GpuWorker:
             waited = time.monotonic() - state.opening_since
             if waited <= self._open_timeout_s:
                 return None
-            return f"grammar refused by the mask service: opening the session took over {waited:.0f} s"
+            return f"{MASK_TIER_UNAVAILABLE}: opening the grammar session took over {waited:.0f} s; retry"
         state.session_opening = None
         try:
             state.session_id = opening.result()
@@ -461,7 +462,7 @@ class GpuWorker:
             logger.warning(
                 "[request_id=%s] seq %s: opening mask session failed: %s", state.request_id, state.seq_id, exc
             )
-            return f"grammar refused by the mask service: {exc}"
+            return describe_mask_failure(exc, "opening the grammar session")
         return None
 
     def _settle_sessions(self, *, wait: bool) -> list[StepOutput]:

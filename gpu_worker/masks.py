@@ -35,6 +35,7 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from gpu_worker.mask_errors import MASK_TIER_UNAVAILABLE, describe_mask_failure
 from mask_service.auth import public_owner
 from mask_service.grammar import GrammarSpec
 
@@ -226,15 +227,16 @@ class PendingMasks:
                 reply.results.update(zip(remaining, results))
                 break
             except FutureTimeout:
-                msg = f"mask service did not answer within {self._timeout_s:.1f}s"
+                msg = f"{MASK_TIER_UNAVAILABLE}: no mask answer within {self._timeout_s:.1f}s; retry"
                 reply.errors.update((session_id, msg) for session_id in remaining)
                 break
             except Exception as exc:
                 failed = getattr(exc, "session_id", None) or ""
                 if remaining.pop(failed, None) is None:
-                    reply.errors.update((session_id, f"mask service: {exc}") for session_id in remaining)
+                    why = describe_mask_failure(exc, "computing masks")
+                    reply.errors.update((session_id, why) for session_id in remaining)
                     break
-                reply.errors[failed] = f"mask service: {exc}"
+                reply.errors[failed] = describe_mask_failure(exc, "computing masks")
                 logger.warning(
                     "mask call failed for session %s (%s); resending the other %d", failed, exc, len(remaining)
                 )

@@ -35,7 +35,10 @@ finished only after ``output_check`` accepts its final text against the caller's
 grammar (on the executor, off the loop); otherwise, or if the check itself fails,
 it finishes with GRAMMAR_VIOLATION and a typed error, counted in
 ``specmask_grammar_violations`` and logged with the grammar's hash. A violation
-the worker caught on device arrives as GRAMMAR_VIOLATION already.
+the worker caught on device arrives as GRAMMAR_VIOLATION already. A grammar request
+a stop string ended (STOP) goes through the same check: a stop match counts only where
+the grammar may end (stop_strings.py), and the final text is checked again before STOP
+is reported, exactly as for GRAMMAR_COMPLETE.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.output_check import OutputChecker, OutputCheckError, Verdict
 from orchestrator.request import Request
 from orchestrator.types import GenerationRequest
-from orchestrator.validation import RequestValidator
+from orchestrator.validation import RequestValidator, ValidatedRequest
 
 logger = logging.getLogger(__name__)
 # How often drain() looks whether the live requests have finished.
@@ -279,6 +282,7 @@ class Engine:
             arrival_time=arrival,
             grammar=validated.grammar,
             max_attempts=validated.max_attempts,
+            stop_may_end=self._stop_may_end(validated) if req.sampling.stop else None,
         )
         self._live[request.request_id] = request
         request.admitted_time = time.monotonic()
@@ -460,6 +464,13 @@ class Engine:
             if request is None:
                 continue  # cancelled while this step was in flight; remove() is queued
             hit_stop_string = request.apply_step(out)
+            if hit_stop_string and request.seq.grammar is not None:
+                # Before the worker's own finish: the stop match ended the output first.
+                del slot.running[out.seq_id]
+                if out.finish_reason is None:
+                    slot.to_remove.append(out.seq_id)
+                self._finish_checked(request, FinishReason.STOP)
+                continue
             if out.finish_reason is not None:
                 # The worker already freed this sequence.
                 del slot.running[out.seq_id]
@@ -475,11 +486,32 @@ class Engine:
                 slot.to_remove.append(out.seq_id)
                 self._finish(request, FinishReason.STOP)
 
-    def _finish_checked(self, request: Request) -> None:
-        """Finish a grammar request the worker calls complete, once its text passes the end check."""
+    def _stop_may_end(self, validated: ValidatedRequest) -> Callable[[str], bool] | None:
+        """For a grammar request with stop strings: whether its output may end with a text
+        (the end check, run on the loop: only at a stop match, at most MAX_END_CHECKS times)."""
+        spec = validated.seq.grammar
+        if spec is None:
+            return None
+        engine = validated.grammar.backend if validated.grammar is not None else ""
+        checker = self.output_checker
+
+        def may_end(text: str) -> bool:
+            try:
+                return checker.check(spec, text, engine).ok
+            except OutputCheckError:
+                return False
+
+        return may_end
+
+    def _finish_checked(self, request: Request, reason: FinishReason = FinishReason.GRAMMAR_COMPLETE) -> None:
+        """Finish a grammar request the worker calls complete (or a stop string ended: ``reason``
+        STOP), once its text passes the end check."""
         assert request.seq.grammar is not None
         spec = request.seq.grammar
-        text = self._tokenizer.decode(list(request.token_ids), skip_special_tokens=True)
+        if reason is FinishReason.STOP:
+            text = request.stop_text
+        else:
+            text = self._tokenizer.decode(list(request.token_ids), skip_special_tokens=True)
         engine = request.grammar.backend if request.grammar is not None else ""
 
         def check() -> Verdict:
@@ -501,7 +533,7 @@ class Engine:
             if verdict.ok:
                 if checked:
                     self._metrics.checked_attempts.labels(outcome="passed").inc()
-                self._finish(request, FinishReason.GRAMMAR_COMPLETE)
+                self._finish(request, reason)
                 return
             if checked:  # checked mode (issue 13): the relaxation allowed it; the end check caught it
                 if request.may_resample:

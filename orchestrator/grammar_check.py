@@ -12,10 +12,12 @@ judged recently costs no round trip at all.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import grpc
 
+from gpu_worker.mask_errors import MASK_TIER_UNAVAILABLE
 from mask_service.client import MaskServiceError
 from mask_service.grammar import GrammarSpec
 from mask_service.router import MaskRouter
@@ -23,6 +25,8 @@ from orchestrator.errors import GrammarTimeout, InvalidRequest, Overloaded, Unav
 from orchestrator.single_flight import SingleFlight
 from orchestrator.types import GrammarReport
 from orchestrator.verdict_cache import VerdictCache
+
+logger = logging.getLogger(__name__)
 
 
 class MaskServiceGrammarChecker:
@@ -74,7 +78,11 @@ class MaskServiceGrammarChecker:
                 # The compile queue is full or the grammar is still compiling: back off and
                 # retry (a grammar over a limit or over budget is INVALID_ARGUMENT above).
                 raise Overloaded(f"mask service busy compiling grammars: {exc.message}") from None
-            raise Unavailable(f"mask service could not validate the grammar ({exc.code.name}): {exc.message}") from None
+            # The router's text names replica addresses: it goes to the log, not to the client.
+            logger.warning("grammar validation failed (%s): %s", exc.code.name, exc.message)
+            raise Unavailable(
+                f"{MASK_TIER_UNAVAILABLE}: no mask service replica could validate the grammar; retry"
+            ) from None
         report = GrammarReport(
             enforcement=resp.enforcement or "exact", backend=resp.backend, relaxed=tuple(resp.relaxed)
         )

@@ -11,6 +11,10 @@ Checked mode (issue 13): a request whose grammar is enforced by a relaxation
 engine's end check passes (``release`` then sends the whole text as one
 delta), because an attempt that fails the check is discarded and regenerated
 (``restart``). A held request that fails returns no text at all.
+
+A grammar request that is not held still never streams the text of the step the
+worker calls complete before the end check passed (``_unchecked``): a client of a
+request that ends in a violation holds no complete-looking document.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from gpu_worker.types import FinishReason, NewSequence, StepOutput
 from orchestrator.detokenizer import Decoder, IncrementalDetokenizer
@@ -51,7 +55,10 @@ class Request:
         arrival_time: float | None = None,
         grammar: GrammarReport | None = None,
         max_attempts: int = 1,
+        stop_may_end: Callable[[str], bool] | None = None,
     ) -> None:
+        """``stop_may_end``: whether a stop string may end the output after this text (grammar
+        requests: the end check; see stop_strings.py); None = any stop match ends it."""
         self.seq = seq
         self.grammar = grammar  # how the grammar is enforced (None: no grammar)
         self.max_attempts = max_attempts  # generations the engine may run (checked mode)
@@ -61,6 +68,10 @@ class Request:
         self._held_text: list[str] = []
         self._tokenizer = tokenizer
         self._stop_strings = stop
+        self._stop_may_end = stop_may_end
+        # The last step's delta of a grammar request the worker called complete, sent once
+        # the end check passed (finish) and dropped if it failed.
+        self._unchecked: tuple[tuple[int, ...], str] | None = None
         self.log = RequestLog(logger, {"request_id": seq.seq_id})
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.admitted_time: float | None = None  # validated and queued (Engine.submit)
@@ -73,7 +84,7 @@ class Request:
         self.error: str | None = None
         self._text_parts: list[str] = []
         self._detokenizer = IncrementalDetokenizer(tokenizer)
-        self._stop = StopStringMatcher(stop)
+        self._stop = StopStringMatcher(stop, stop_may_end)
         self._events: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
     @property
@@ -108,8 +119,16 @@ class Request:
         self.token_ids.extend(new_ids)
         self.usage.completion_tokens += len(new_ids)
         text, stopped = self._stop.feed(self._detokenizer.push(new_ids))
-        self._emit(new_ids, text)
+        if out.finish_reason is FinishReason.GRAMMAR_COMPLETE and self.seq.grammar is not None and not self._hold:
+            self._unchecked = (new_ids, text)
+        else:
+            self._emit(new_ids, text)
         return stopped
+
+    @property
+    def stop_text(self) -> str:
+        """The output a stop string ended (the text before the match)."""
+        return self._stop.text_before_match
 
     @property
     def may_resample(self) -> bool:
@@ -125,7 +144,7 @@ class Request:
         self._held_ids, self._held_text = [], []
         self.usage.completion_tokens = 0  # the returned output's tokens; forwards and drafts stay cumulative
         self._detokenizer = IncrementalDetokenizer(self._tokenizer)
-        self._stop = StopStringMatcher(self._stop_strings)
+        self._stop = StopStringMatcher(self._stop_strings, self._stop_may_end)
 
     def _report(self) -> GrammarReport | None:
         return None if self.grammar is None else dataclasses.replace(self.grammar, attempts=self.attempts)
@@ -138,6 +157,9 @@ class Request:
         if self.finished:
             return
         held_success = self._hold and reason in _HELD_SUCCESSES
+        unchecked, self._unchecked = self._unchecked, None
+        if unchecked is not None and reason in _HELD_SUCCESSES:
+            self._emit(*unchecked)
         discard = self._hold and not held_success
         self.finish_reason = reason
         self.error = error

@@ -23,6 +23,7 @@ from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams, Wor
 from mask_service.grammar import GrammarKind, GrammarSpec
 from orchestrator.chat import ChatError, ChatPrompt, ChatRenderer
 from orchestrator.errors import InvalidRequest
+from orchestrator.output_budget import longest_token_chars, min_tokens
 from orchestrator.types import GenerationRequest, GrammarReport
 
 # Client-chosen ids appear in logs and are used as worker sequence ids: keep
@@ -47,6 +48,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_GRAMMAR_CHARS = 1 << 20
 # Separators are JSON punctuation with optional whitespace, e.g. ", " / ": ".
 MAX_SEPARATOR_CHARS = 8
+JSON_WHITESPACE = " \t\n\r"
 # Proposer names the worker registry knows (gpu_worker.types.SpeculationParams).
 KNOWN_PROPOSERS = frozenset({"draft_model", "grammar_forced", "ngram"})
 # Default proposers of a worker without a draft model (no draft forward to pay for).
@@ -125,6 +127,7 @@ class RequestValidator:
         self._info = info
         self._grammar_checker = grammar_checker
         self._defaults = defaults
+        self._longest_token: int | None = None  # lazily, from the tokenizer's vocabulary
 
     @staticmethod
     def request_id(requested: str) -> str:
@@ -154,6 +157,8 @@ class RequestValidator:
             if req.sampling.ignore_eos:
                 raise _fail("ignore_eos cannot be combined with a grammar (a grammar ends where it admits EOS)")
             self._check_grammar_shape(grammar)
+            room = self._info.max_model_len - len(prompt_ids)
+            self._check_output_fits(grammar, sampling.max_tokens if req.sampling.max_tokens is None else None, room)
             if grammar.backend == "auto":
                 grammar = dataclasses.replace(grammar, backend="")
             report = self._grammar_checker.check(grammar, req.client) or GrammarReport("exact", grammar.backend)
@@ -294,6 +299,41 @@ class RequestValidator:
             return SpeculationParams().proposers
         return DRAFTLESS_PROPOSERS
 
+    def _max_token_chars(self) -> int | None:
+        """The longest token's characters (an upper bound), or None if the tokenizer cannot say."""
+        if self._longest_token is None:
+            get_vocab = getattr(self._tokenizer, "get_vocab", None)
+            if get_vocab is None:
+                return None
+            self._longest_token = longest_token_chars(get_vocab())
+        return self._longest_token
+
+    def _check_output_fits(self, spec: GrammarSpec, default_max_tokens: int | None, room: int) -> None:
+        """Refuse a JSON Schema whose shortest document cannot fit (output_budget.py): in the context
+        left after the prompt (``room``), or in the server's default budget when the client set none
+        (``default_max_tokens``). A max_tokens the client chose below the bound is its call: the
+        output ends by length, and says so."""
+        if spec.kind is not GrammarKind.JSON_SCHEMA:
+            return
+        per_token = self._max_token_chars()
+        bound = None if per_token is None else min_tokens(spec.text, per_token)
+        if bound is None:
+            return
+        chars, tokens = bound
+        if tokens > room:
+            limit = f"only {room} fit in the context after the prompt (the largest max_tokens possible)"
+        elif default_max_tokens is not None and tokens > default_max_tokens:
+            limit = f"max_tokens defaults to {default_max_tokens}; send a larger max_tokens (up to {room})"
+        else:
+            return
+        raise InvalidRequest(
+            f"the schema's shortest valid output has at least {chars} characters (minLength, minItems, "
+            f"required properties), so it needs at least {tokens} tokens, but {limit}: it could only "
+            "end by length",
+            reason="OUTPUT_CANNOT_FIT",
+            field="sampling.max_tokens",
+        )
+
     @staticmethod
     def _check_grammar_shape(spec: GrammarSpec) -> None:
         """Local checks that need no engine: size, JSON-only options on JSON kinds."""
@@ -317,5 +357,10 @@ class RequestValidator:
             raise _fail(f"{spec.kind.value} grammar is empty")
         if spec.separators is not None:
             for sep, mark in zip(spec.separators, (",", ":")):
-                if len(sep) > MAX_SEPARATOR_CHARS or sep.strip() != mark:
-                    raise _fail(f"JSON separator {sep!r} must be {mark!r} with optional surrounding whitespace")
+                # JSON's whitespace only (RFC 8259): str.strip() also strips U+00A0, U+2028, ...,
+                # which the grammar engines rightly refuse to emit between JSON tokens.
+                if len(sep) > MAX_SEPARATOR_CHARS or sep.strip(JSON_WHITESPACE) != mark:
+                    raise _fail(
+                        f"JSON separator {sep!r} must be {mark!r} with optional surrounding JSON whitespace "
+                        "(space, tab, line feed, carriage return)"
+                    )

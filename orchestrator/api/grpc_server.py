@@ -105,6 +105,8 @@ class OrchestratorServer:
         self._grammar_checker = grammar_checker
         self._slots = slots
         self._stopped = False
+        # What gRPC readiness says now; HTTP /health answers from the same flag (docs/api-errors.md).
+        self.serving = False
         self._background: set[asyncio.Task] = set()  # strong refs: the loop keeps only weak ones
         # Readiness = a healthy worker AND a reachable mask replica (issue 14).
         self.readiness = Readiness(
@@ -130,6 +132,7 @@ class OrchestratorServer:
         # Liveness is the process alone: it stays SERVING while readiness follows the workers.
         for name in (health_names.READINESS, SERVICE_NAME, health_names.LIVENESS):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.serving = True
         self.readiness.start()
 
     async def stop(self, grace_s: float | None = None) -> None:
@@ -137,6 +140,7 @@ class OrchestratorServer:
         if self._stopped:
             return
         self._stopped = True
+        self.serving = False
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         await self._health.enter_graceful_shutdown()
         await self.readiness.stop()
@@ -151,6 +155,7 @@ class OrchestratorServer:
         self.metrics.close()
 
     def _on_health_change(self, healthy: bool) -> None:
+        self.serving = healthy and not self._stopped
         status = health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in (health_names.READINESS, SERVICE_NAME):  # never LIVENESS: see proto/health.py
             task = asyncio.get_running_loop().create_task(self._health.set(name, status))
@@ -213,7 +218,9 @@ async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer,
         if config.http_port is not None:
             from orchestrator.api.http.app import front_door_for  # aiohttp only when the HTTP API is on
 
-            server.http = front_door_for(config, engine, metrics, info.max_model_len, tokenizer)
+            server.http = front_door_for(
+                config, engine, metrics, info.max_model_len, tokenizer, ready=lambda: server.serving
+            )
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), grpc_server)
         port = grpc_server.add_insecure_port(join_host_port(config.host, config.port))

@@ -91,22 +91,38 @@ def test_stream_text_matches_tokenizer_decode(client: OrchestratorClient, tiny_p
 
 
 def test_stop_string(client: OrchestratorClient) -> None:
+    """Without a grammar a stop string cuts the output before it; beside a grammar a match inside
+    the document is ignored (docs/api-errors.md): the output is the whole document, never a cut one."""
+    # Seeded sampling replays the same text (greedy text of the random-init model is one repeated
+    # character, where any stop string would match at position 0).
+    plain = dict(temperature=1.0, seed=5, max_tokens=32, ignore_eos=True)
+    text = client.generate(build_request(PROMPT, **plain)).text
+    stop = text[len(text) // 2 : len(text) // 2 + 4]
+    cut = text.index(stop)
+    assert cut > 0, text
+    for chunks in (
+        [client.generate(build_request(PROMPT, stop=[stop], **plain))],
+        list(client.stream(build_request(PROMPT, stop=[stop], **plain))),
+    ):
+        assert "".join(c.text for c in chunks) == text[:cut]
+        assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP
+
     base = client.generate(build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0, max_tokens=LONG_MAX_TOKENS))
     assert base.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE
     stop = '"level"'
-    cut = base.text.index(stop)
+    assert stop in base.text
     stopped = client.generate(
         build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0, max_tokens=LONG_MAX_TOKENS, stop=[stop])
     )
-    assert stopped.finish_reason == pb.FINISH_REASON_STOP
-    assert stopped.text == base.text[:cut]
+    assert stopped.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE
+    assert stopped.text == base.text
     chunks = list(
         client.stream(
             build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0, max_tokens=LONG_MAX_TOKENS, stop=[stop])
         )
     )
-    assert "".join(c.text for c in chunks) == base.text[:cut]
-    assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP
+    assert "".join(c.text for c in chunks) == base.text
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE
 
 
 def test_client_cancel_mid_stream_frees_session_and_kv(stack: ThreadStack, client: OrchestratorClient) -> None:

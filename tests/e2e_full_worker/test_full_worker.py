@@ -1,6 +1,7 @@
 """A full worker's freed slot goes to the waiting request: the remove goes before the add.
 
-When a request finishes in the orchestrator (a stop string) rather than on the worker, the
+When a request finishes in the orchestrator (a stop string in plain text: beside a grammar a
+stop string may only end a complete document, which the worker ends itself) rather than on the worker, the
 worker still holds its sequence until a remove() reaches it; the request waiting for that
 slot is placed at once and goes with the next iterate() call, which removes before it adds
 (``GpuWorker.iterate``). In the other order, a worker at ``max_batch`` refuses the add
@@ -18,10 +19,9 @@ import pytest
 from orchestrator.client import OrchestratorClient, build_request
 from orchestrator.dev.local_stack import StackConfig
 from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
-from tests.e2e.stack import LONG_MAX_TOKENS, LONG_SCHEMA, PROMPT, ThreadStack
+from tests.e2e.stack import LONG_MAX_TOKENS, PROMPT, ThreadStack
 
 pytestmark = pytest.mark.slow
-STOP = '"level"'  # in LONG_SCHEMA's first item: the orchestrator ends the request there
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +37,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadStack]:
 
 def test_the_slot_a_stop_string_frees_goes_to_the_waiting_request(stack: ThreadStack) -> None:
     with OrchestratorClient(stack.address) as client:
-        whole = client.generate(build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0, max_tokens=LONG_MAX_TOKENS))
-    assert STOP in whole.text
-    request = build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0, max_tokens=LONG_MAX_TOKENS, stop=[STOP])
+        whole = client.generate(
+            build_request(
+                PROMPT, temperature=1.0, seed=7, max_tokens=LONG_MAX_TOKENS, ignore_eos=True, speculation=False
+            )
+        )
+    # A seeded request replays the same text: a stop string from its middle ends each request
+    # there, in the orchestrator (the worker would run on to max_tokens).
+    middle = len(whole.text) // 2
+    stop = whole.text[middle : middle + 8]
+    cut = whole.text.index(stop)
+    assert cut > 0, whole.text
+    request = build_request(
+        PROMPT, temperature=1.0, seed=7, max_tokens=LONG_MAX_TOKENS, ignore_eos=True, speculation=False, stop=[stop]
+    )
     # Three at once on one slot: each waits in the queue until the one before's stop string frees it.
 
     def generate(_: int) -> pb.GenerateResponse:
@@ -66,6 +77,6 @@ def test_the_slot_a_stop_string_frees_goes_to_the_waiting_request(stack: ThreadS
     assert after[1] - before[1] <= 1.0, (before, after)
     for r in results:
         assert r.finish_reason == pb.FINISH_REASON_STOP, (r.finish_reason, r.error)
-        assert r.text == whole.text[: whole.text.index(STOP)]
+        assert r.text == whole.text[:cut]
     active, sessions = stack.wait_idle()
     assert active == [0] and sessions == 0

@@ -61,3 +61,65 @@ def test_every_split_point(split: int) -> None:
 def test_empty_stop_string_is_rejected() -> None:
     with pytest.raises(ValueError):
         StopStringMatcher([""])
+
+
+# ---- beside a grammar: a stop match counts only where the grammar may end ----------------
+
+
+def _run_grammar(stops: list[str], deltas: list[str], sentences: set[str], **kw: int) -> tuple[str, bool, str]:
+    m = StopStringMatcher(stops, lambda text: text in sentences, **kw)
+    out, stopped = [], False
+    for d in deltas:
+        text, stopped = m.feed(d)
+        out.append(text)
+        if stopped:
+            break
+    if not stopped:
+        out.append(m.flush())
+    return "".join(out), stopped, m.text_before_match
+
+
+def test_stop_inside_a_sentence_is_ignored() -> None:
+    # guided_choice alpha|beta with stop "l": "a" is no sentence, so generation goes on.
+    assert _run_grammar(["l", "e"], ["a", "lp", "ha"], {"alpha", "beta"}) == ("alpha", False, "alpha")
+
+
+def test_stop_where_the_grammar_may_end_stops() -> None:
+    assert _run_grammar(["c"], ["a", "bc"], {"ab", "abc"}) == ("ab", True, "ab")
+
+
+def test_refused_occurrence_is_released_and_later_one_counts() -> None:
+    m = StopStringMatcher(["}"], lambda text: text == '{"a":{}}')
+    assert m.feed('{"a":{') == ('{"a":{', False)
+    assert m.feed("}") == ("}", False)  # '{"a":{' is not a document: the "}" is text
+    assert m.feed("}") == ("}", False)  # '{"a":{}' is not one either
+    assert m.feed("}") == ("", True)  # the text before this "}" is a whole document
+    assert m.text_before_match == '{"a":{}}'
+
+
+def test_held_prefix_of_a_refused_position_is_released() -> None:
+    m = StopStringMatcher(["ab"], lambda text: False)
+    assert m.feed("xa") == ("x", False)  # "a" may begin "ab"
+    assert m.feed("b") == ("ab", False)  # "x" is no sentence: "ab" is output, not a stop
+    assert m.matched is None
+
+
+def test_checks_are_bounded_and_fail_closed() -> None:
+    calls: list[str] = []
+
+    def may_end(text: str) -> bool:
+        calls.append(text)
+        return True
+
+    m = StopStringMatcher(["x"], may_end, max_end_checks=0)
+    assert m.feed("axbx") == ("axbx", False)  # past the cap an occurrence never ends the output
+    assert calls == []
+
+    def broken(text: str) -> bool:
+        raise RuntimeError("checker down")
+
+    assert StopStringMatcher(["x"], broken).feed("ax") == ("ax", False)
+
+
+def test_without_a_grammar_every_occurrence_counts() -> None:
+    assert _run(["l", "e"], ["alpha"]) == ("a", True, "l")

@@ -236,3 +236,40 @@ def test_backend_and_checked_mode(validator) -> None:
         validator.validate(dataclasses.replace(_req(grammar=SCHEMA), max_attempts=2))
     with pytest.raises(InvalidRequest, match="JSON Schema grammars only"):
         validator.validate(_req(grammar=GrammarSpec(GrammarKind.REGEX, "[a-z]+", checked=True)))
+
+
+def test_schema_that_cannot_fit_is_refused_before_the_mask_service(validator, bpe_tokenizer) -> None:
+    """The shortest document must fit the context, and the default budget when none is given;
+    a max_tokens the client chose below it is its call (the output ends by length)."""
+    longest = max(len(piece) for piece in bpe_tokenizer.get_vocab())
+
+    def schema(tokens: int) -> GrammarSpec:
+        return GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "string", "minLength": tokens * longest}))
+
+    with pytest.raises(InvalidRequest) as exc:
+        validator.validate(_req("hello", schema(MAX_MODEL_LEN), max_tokens=8))
+    assert "fit in the context" in exc.value.message and "at least" in exc.value.message
+    with pytest.raises(InvalidRequest) as exc:
+        validator.validate(_req("hello", schema(40)))  # the default budget is 32
+    assert "max_tokens defaults to 32" in exc.value.message
+    assert validator.validate(_req("hello", schema(40), max_tokens=8)).sampling.max_tokens == 8
+
+
+def test_separator_must_use_json_whitespace(validator) -> None:
+    for bad in (",\u00a0", "\u2028,"):
+        with pytest.raises(InvalidRequest, match="JSON whitespace"):
+            validator.validate(_req("hello", dataclasses.replace(SCHEMA, separators=(bad, ":"))))
+    assert validator.validate(_req("hello", dataclasses.replace(SCHEMA, separators=(",\t", " : "))))
+
+
+def test_prompt_overflow_from_the_schema_instruction_names_it(bpe_dir, bpe_tokenizer, info, checker) -> None:
+    from orchestrator.chat import ChatMessage, ChatPrompt, ChatRenderer
+
+    validator = RequestValidator(
+        bpe_tokenizer, info, checker, ServingDefaults(max_tokens=32, k=4), chat=ChatRenderer.for_model(str(bpe_dir))
+    )
+    big = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"properties": {f"p{i}": {} for i in range(200)}}))
+    chat = ChatPrompt(messages=(ChatMessage("user", "hi"),))
+    with pytest.raises(InvalidRequest) as exc:
+        validator.validate(_req(chat, big))
+    assert "schema_instruction" in exc.value.message

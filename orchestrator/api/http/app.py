@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,7 +74,9 @@ class HttpFrontDoor:
         metrics: OrchestratorMetrics,
         prompter: ChatPrompter,
         tokenizer: Tokenizer | None = None,  # None: no /tokenize
+        ready: Callable[[], bool] | None = None,
     ) -> None:
+        """``ready``: the orchestrator's readiness (what gRPC health says); None = the engine's worker health."""
         self.config = config
         # The access log is outermost: it sees the final status of every request, errors included.
         middlewares: list[Middleware] = [
@@ -84,7 +87,12 @@ class HttpFrontDoor:
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         enable_cors(self.app, config.cors_origins)
         OpenAIRoutes(
-            engine, metrics, prompter, model_name=config.model_name, max_model_len=config.max_model_len
+            engine,
+            metrics,
+            prompter,
+            model_name=config.model_name,
+            max_model_len=config.max_model_len,
+            ready=ready,
         ).add_to(self.app)
         ObservabilityRoutes(metrics, tokenizer, prompter, config.model_name, config.max_model_len).add_to(self.app)
         self._runner = web.AppRunner(
@@ -111,6 +119,8 @@ def front_door_for(
     metrics: OrchestratorMetrics,
     max_model_len: int,
     tokenizer: Tokenizer | None = None,
+    *,
+    ready: Callable[[], bool] | None = None,
 ) -> HttpFrontDoor:
     """The HTTP API of an orchestrator built from ``config`` (``config.http_port`` set)."""
     assert config.http_port is not None
@@ -123,4 +133,4 @@ def front_door_for(
         api_keys=config.api_keys,
         cors_origins=config.cors_origins,
     )
-    return HttpFrontDoor(http_config, engine, metrics, load_prompter(config.target_dir), tokenizer)
+    return HttpFrontDoor(http_config, engine, metrics, load_prompter(config.target_dir), tokenizer, ready)

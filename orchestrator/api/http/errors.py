@@ -33,6 +33,12 @@ OVERLOADED = HttpError(429, "rate_limit_error", "rate_limit_exceeded", retry_aft
 UNAVAILABLE = HttpError(503, "service_unavailable", "service_unavailable", retry_after=True)
 INTERNAL = HttpError(500, "server_error", "internal_error")
 GENERATION_FAILED = HttpError(500, "server_error", "generation_failed")
+# An output that broke the caller's grammar was caught (the end check, the device check, or
+# checked mode's attempts all failed): the request was fine, the server failed to honour it.
+GRAMMAR_VIOLATION = HttpError(500, "grammar_violation", "grammar_violation")
+# The mask tier went away while the request ran (its words: gpu_worker.mask_errors).
+MASK_TIER_DOWN = HttpError(503, "service_unavailable", "mask_tier_unavailable", retry_after=True)
+UNSUPPORTED_MEDIA_TYPE = HttpError(415, "invalid_request_error", "unsupported_media_type")
 
 # Domain error code -> wire shape. DEADLINE_EXCEEDED is a grammar that did not
 # compile in time: the request (its schema) is what is refused.

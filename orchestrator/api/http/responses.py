@@ -3,7 +3,8 @@
 Finish reasons: only the ones in ``FINISH_REASONS`` are successes. Every
 other reason (``ERROR``, ``CANCELLED`` by a shutdown, and any reason added
 later, such as an output that failed its end-of-request grammar check) is an
-error response, never a 200 with text: ``finish_error`` says which.
+error response, never a 200 with text: ``finish_error`` says which (a caught
+violation is ``grammar_violation``; docs/api-errors.md).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_worker.mask_errors import MASK_TIER_UNAVAILABLE
 from gpu_worker.types import FinishReason
-from orchestrator.api.http.errors import GENERATION_FAILED, UNAVAILABLE, ApiError
+from orchestrator.api.http.errors import GENERATION_FAILED, GRAMMAR_VIOLATION, MASK_TIER_DOWN, UNAVAILABLE, ApiError
 from orchestrator.types import GrammarReport, Usage
 
 # Engine finish reason -> OpenAI finish_reason, for the reasons that are a success.
@@ -31,6 +33,10 @@ def finish_error(reason: FinishReason, error: str | None) -> ApiError | None:
         return None
     if reason is FinishReason.CANCELLED:
         return ApiError(UNAVAILABLE, "the request was cancelled: the server is shutting down")
+    if reason is FinishReason.GRAMMAR_VIOLATION:
+        return ApiError(GRAMMAR_VIOLATION, error or "grammar violation")
+    if error and error.startswith(MASK_TIER_UNAVAILABLE):
+        return ApiError(MASK_TIER_DOWN, error)
     detail = f": {error}" if error else ""
     return ApiError(GENERATION_FAILED, f"generation failed ({reason.value}){detail}")
 

@@ -22,7 +22,8 @@ from pydantic import BaseModel, ValidationError
 from gpu_worker.types import FinishReason
 from orchestrator.api.http import responses as rsp
 from orchestrator.api.http import tool_grammar, tools, translate
-from orchestrator.api.http.errors import GENERATION_FAILED, NOT_FOUND, ApiError
+from orchestrator.api.http.errors import GRAMMAR_VIOLATION, NOT_FOUND, ApiError
+from orchestrator.api.http.input_checks import check_content_type, refuse_lone_surrogates
 from orchestrator.api.http.lenient import UnknownFieldLog
 from orchestrator.api.http.prompting import ChatPrompter
 from orchestrator.api.http.protocol import ChatCompletionRequest, CompletionRequest
@@ -46,6 +47,7 @@ Body = TypeVar("Body", bound=BaseModel)
 
 
 async def parse_body(request: web.Request, model: type[Body]) -> Body:
+    check_content_type(request)
     raw = await request.read()
     try:
         data = json.loads(raw)
@@ -55,8 +57,9 @@ async def parse_body(request: web.Request, model: type[Body]) -> Body:
         raise ApiError.invalid(TOO_DEEP) from None
     if not isinstance(data, dict):
         raise ApiError.invalid("request body must be a JSON object")
+    refuse_lone_surrogates(data)
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, strict=True)
     except RecursionError:
         raise ApiError.invalid(TOO_DEEP) from None
     except ValidationError as exc:
@@ -76,8 +79,11 @@ class OpenAIRoutes:
         *,
         model_name: str,
         max_model_len: int,
+        ready: Callable[[], bool] | None = None,
     ) -> None:
+        """``ready``: readiness as gRPC health reports it (None: the engine's worker health alone)."""
         self._engine = engine
+        self._ready = ready if ready is not None else (lambda: engine.healthy)
         self._metrics = metrics
         self._prompter = prompter
         self._model = model_name
@@ -112,8 +118,9 @@ class OpenAIRoutes:
         return web.json_response(self._model_card())
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while a worker serves requests, 503 otherwise (a readiness probe)."""
-        if self._engine.healthy:
+        """Readiness, the same state as gRPC health: 200 while a GPU worker is healthy and a mask
+        replica answers, 503 otherwise (docs/api-errors.md)."""
+        if self._ready():
             return web.json_response({"status": "ok"})
         return web.json_response({"status": "unavailable"}, status=503)
 
@@ -195,7 +202,9 @@ class OpenAIRoutes:
             try:
                 calls = tool_grammar.parse_calls(text, auto, self._checker)
             except ValueError as exc:
-                raise ApiError(GENERATION_FAILED, f"the generated tool call is not valid: {exc}") from None
+                raise ApiError(
+                    GRAMMAR_VIOLATION, f"grammar violation: the generated tool call is not valid: {exc}"
+                ) from None
             return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
         return {"role": "assistant", "content": text}, rsp.FINISH_REASONS[reason]
 
@@ -317,6 +326,8 @@ def _chat_message(text: str, reason: FinishReason, tool_call: bool) -> tuple[dic
         try:
             call = tools.parse_call(text)
         except ValueError as exc:  # a complete grammar that does not parse: never a success
-            raise ApiError(GENERATION_FAILED, f"the generated tool call does not parse: {exc}") from None
+            raise ApiError(
+                GRAMMAR_VIOLATION, f"grammar violation: the generated tool call does not parse: {exc}"
+            ) from None
         return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
     return {"role": "assistant", "content": text}, rsp.FINISH_REASONS[reason]

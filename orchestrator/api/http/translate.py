@@ -136,6 +136,8 @@ def _request(
     max_tokens: int | None,
     grammar: GrammarSpec | None,
 ) -> GenerationRequest:
+    if body.n is not None and body.n < 1:
+        raise ApiError.invalid(f"n must be >= 1, got {body.n}", param="n")
     if body.n not in (None, 1):
         raise ApiError.invalid("n > 1 is not supported: send n=1 (or several requests)", param="n")
     for name in ("presence_penalty", "frequency_penalty"):
