@@ -27,6 +27,16 @@ DEFAULT_NGRAM_MAX = 4
 # matches actor.PREFILL_CHUNK_TOKENS, so no forward takes more of one prompt than a
 # prefill chunk would. 1 = the whole prompt but its last token is prefilled in add().
 DEFAULT_STEP_PREFILL_TOKENS = 512
+# Target-model tokens one worker iteration (one ``iterate`` call) may process, across the
+# decode/verify rows of the step and the prefill chunks of prompts not yet cached (chunked
+# prefill, as vLLM's max_num_batched_tokens). Running sequences are served first; prompts
+# take what is left, chunk by chunk over as many iterations as they need, so an iteration's
+# time is bounded whatever arrives. The slowest supported device bounds it: SmolLM2-135M on
+# two busy CPU cores forwards 512 new tokens against a 4k-token context in well under the
+# orchestrator's liveness limit (docs/scheduling.md gives the figures), and a GPU forwards
+# that many in milliseconds. Smaller keeps the streams' inter-token latency closer to a
+# pure decode step's while prompts arrive; larger prefills bursts sooner.
+DEFAULT_MAX_ITERATION_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,7 @@ class WorkerConfig:
     ngram_min: int = DEFAULT_NGRAM_MIN
     ngram_max: int = DEFAULT_NGRAM_MAX
     step_prefill_tokens: int = DEFAULT_STEP_PREFILL_TOKENS
+    max_iteration_tokens: int = DEFAULT_MAX_ITERATION_TOKENS  # target tokens per iteration (see above)
     # torch intra-op threads (process-wide). None keeps the process's default: in a Ray
     # actor without num_cpus that is 1, since Ray sets OMP_NUM_THREADS=1 there. 0 = every
     # CPU this process may run on, when the device is the CPU and the target is not tiny
@@ -77,6 +88,11 @@ class WorkerConfig:
             raise ValueError(
                 "step_prefill_tokens must be >= 1 (the first step feeds at least the last prompt token), "
                 f"got {self.step_prefill_tokens}"
+            )
+        if self.max_iteration_tokens < self.max_batch:
+            # Every running sequence feeds at least one token per step: a full batch must fit.
+            raise ValueError(
+                f"max_iteration_tokens ({self.max_iteration_tokens}) must be >= max_batch ({self.max_batch})"
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
