@@ -257,11 +257,13 @@ class GpuWorker:
         return errors
 
     def step(self) -> list[StepOutput]:
-        """One decoding step for every active sequence whose mask session is open; finished
-        sequences are freed. A sequence whose session is still opening when the step starts
-        joins it late if the open answers while the drafts are proposed (``join_late``);
-        otherwise it sits this step out (no output for it). If nobody else could step, the
-        step waits for it."""
+        """One iteration within ``max_iteration_tokens`` target tokens: a decoding step for the
+        sequences ``_step_batch`` picks (running ones first), then prefill chunks of prompts not
+        yet cached with what is left (``_prefill_some``); finished sequences are freed. A
+        sequence whose session is still opening when the step starts joins it late if the open
+        answers while the drafts are proposed (``join_late``) and its tail fits; otherwise it
+        sits this step out (no output for it). If nobody could step and no prompt is being
+        prefilled, the step waits for an open to answer."""
         refused = self._settle_sessions(wait=False)
         prefilling = any(s.prefilling for s in self._seqs.values())
         batch = self._step_batch(prefilling)

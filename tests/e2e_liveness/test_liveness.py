@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 LIVENESS_S = 1.0
 BUDGET = 128
 MAX_BATCH = 16
-PROMPT_CHARS = 9000  # ~3k tokens on the tiny byte-level vocabulary
+PROMPT_CHARS = 3600  # ~3k tokens on the tiny byte-level vocabulary
 BURST = 16
 # Cannot complete within the 4k context: the stream runs until the test closes it.
 _ITEM = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
@@ -75,9 +75,12 @@ def _run_all(address: str, requests: list[pb.GenerateRequest]) -> list[StreamedR
     results = [StreamedResult() for _ in requests]
 
     def run(i: int) -> None:
-        with OrchestratorClient(address) as client:
-            for chunk in client.stream(requests[i], timeout_s=600):
-                results[i].add(chunk)
+        try:
+            with OrchestratorClient(address) as client:
+                for chunk in client.stream(requests[i], timeout_s=600):
+                    results[i].add(chunk)
+        except Exception as exc:  # a refused call is a failure the test reports, not a thread crash
+            results[i].error = repr(exc)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
     for t in threads:
