@@ -149,7 +149,7 @@ def test_greedy_matches_with_prompts_prefilled_across_budgeted_iterations(make_w
     """With an iteration budget of a few tokens, every prompt is cached chunk by chunk over
     several iterations, beside the other sequences' decode steps, and their drafts are trimmed
     to the budget: the tokens stay the unchunked reference's."""
-    budget = len(GRAMMARS) + 4
+    budget = len(GRAMMARS)  # the least that holds every sequence's row
     assert max(len(p) for p, _ in references.values()) > 2 * budget
     _check(
         _run(
