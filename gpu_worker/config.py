@@ -31,10 +31,9 @@ DEFAULT_STEP_PREFILL_TOKENS = 512
 # decode/verify rows of the step and the prefill chunks of prompts not yet cached (chunked
 # prefill, as vLLM's max_num_batched_tokens). Running sequences are served first; prompts
 # take what is left, chunk by chunk over as many iterations as they need, so an iteration's
-# time is bounded whatever arrives. The slowest supported device bounds it: SmolLM2-135M on
-# two busy CPU cores forwards 512 new tokens against a 4k-token context in well under the
-# orchestrator's liveness limit (docs/scheduling.md gives the figures), and a GPU forwards
-# that many in milliseconds. Smaller keeps the streams' inter-token latency closer to a
+# time is bounded whatever arrives. The slowest supported device bounds it: 512 is one
+# prefill chunk (actor.PREFILL_CHUNK_TOKENS, the most one prompt ever took in a forward), far
+# inside the orchestrator's liveness limit for SmolLM2-135M on a CPU, and milliseconds on a GPU. Smaller keeps the streams' inter-token latency closer to a
 # pure decode step's while prompts arrive; larger prefills bursts sooner.
 DEFAULT_MAX_ITERATION_TOKENS = 512
 
