@@ -19,6 +19,13 @@ burst_errors, burst_ttft_p50/p99_s, itl_baseline_p50/p99_ms, itl_burst_p50/p99_m
 itl_p99_ratio, steady_errors, worker_failures and the flags that shaped the run.
 Without ``--target`` the tiny random-init pair (8k context) is used: the serving path,
 not the model, is measured.
+
+``--worker-only`` measures the same thing one level down, with no Ray, gRPC or mask
+service: a ``GpuWorker`` in this process decodes the steady sequence (one token per
+iteration, k=0), the burst is added in one ``add`` call, and each ``step()`` is one
+iteration, so ITL is the iteration time and TTFT the time from the ``add`` to the burst
+sequence's first token. It isolates the worker's scheduling (budget, chunked prefill)
+from the serving path's overheads, and starts in seconds on a busy box.
 """
 
 from __future__ import annotations
@@ -176,6 +183,81 @@ async def bench(args: argparse.Namespace, target: str, draft: str | None) -> dic
     return result
 
 
+def bench_worker(args: argparse.Namespace, target: str) -> dict[str, Any]:
+    """``--worker-only``: the scheduling of one in-process GpuWorker (see the module docstring)."""
+    from gpu_worker.actor import GpuWorker
+    from gpu_worker.config import WorkerConfig
+    from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
+
+    fields: dict[str, Any] = dict(target_dir=target, device="cpu", torch_threads=args.torch_threads)
+    if args.max_iteration_tokens is not None:
+        fields["max_iteration_tokens"] = args.max_iteration_tokens
+    worker = GpuWorker(WorkerConfig(**fields))
+    plain = SpeculationParams(enabled=False, k=0)
+    steady_prompt = tuple(burst_prompts(target, 1, 16)[0])
+
+    def steady(i: int) -> NewSequence:
+        sampling = SamplingParams(max_tokens=10**6, temperature=0.0)
+        return NewSequence(f"steady{i}", steady_prompt, None, sampling, plain, stop_token_ids=())
+
+    worker.add([steady(0)], wait_for_sessions=True)
+    for _ in range(5):  # warm-up
+        worker.step()
+    base: list[float] = []
+    deadline = time.monotonic() + args.baseline_s
+    while time.monotonic() < deadline:
+        t0 = time.perf_counter()
+        worker.step()
+        base.append(time.perf_counter() - t0)
+    prompts = burst_prompts(target, args.burst, args.prompt_tokens)
+    burst = [
+        NewSequence(f"b{i}", tuple(p), None, SamplingParams(max_tokens=args.burst_max_tokens, temperature=0.0), plain)
+        for i, p in enumerate(prompts)
+    ]
+    start = time.perf_counter()
+    errors = [e for e in worker.add(burst) if e is not None]
+    ttft: dict[str, float] = {}
+    during: list[float] = []
+    finished: set[str] = set()
+    while len(finished) + len(errors) < len(burst):
+        t0 = time.perf_counter()
+        outputs = worker.step()
+        during.append(time.perf_counter() - t0)
+        for out in outputs:
+            if out.error:
+                errors.append(out.error)
+            if out.seq_id.startswith("b"):
+                if out.new_token_ids and out.seq_id not in ttft:
+                    ttft[out.seq_id] = time.perf_counter() - start
+                if out.finish_reason is not None:
+                    finished.add(out.seq_id)
+    burst_s = time.perf_counter() - start
+    worker.shutdown()
+    ttfts = list(ttft.values())
+    return {
+        "mode": "worker-only",
+        "burst": args.burst,
+        "prompt_tokens": args.prompt_tokens,
+        "burst_errors": len(errors),
+        "burst_error_samples": errors[:3],
+        "burst_s": round(burst_s, 2),
+        "burst_ttft_p50_s": round(percentile(ttfts, 0.5), 3),
+        "burst_ttft_p99_s": round(percentile(ttfts, 0.99), 3),
+        "itl_baseline_n": len(base),
+        "itl_baseline_p50_ms": round(1000 * percentile(base, 0.5), 1),
+        "itl_baseline_p99_ms": round(1000 * percentile(base, 0.99), 1),
+        "itl_burst_n": len(during),
+        "itl_burst_p50_ms": round(1000 * percentile(during, 0.5), 1),
+        "itl_burst_p99_ms": round(1000 * percentile(during, 0.99), 1),
+        "itl_p99_ratio": round(percentile(during, 0.99) / percentile(base, 0.99), 2),
+        "steady_errors": 0,
+        "worker_failures": 0,
+        "max_iteration_tokens": worker.config.max_iteration_tokens,
+        "step_timeout_s": None,
+        "target": target,
+    }
+
+
 def print_table(r: dict[str, Any]) -> None:
     print(f"{'phase':<10} {'ITL n':>7} {'ITL p50 ms':>11} {'ITL p99 ms':>11}")
     print(f"{'baseline':<10} {r['itl_baseline_n']:>7} {r['itl_baseline_p50_ms']:>11} {r['itl_baseline_p99_ms']:>11}")
@@ -199,8 +281,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline-s", type=float, default=20.0)
     parser.add_argument("--max-iteration-tokens", type=int, default=None, help="default: the server's")
     parser.add_argument("--step-timeout-s", type=float, default=30.0, help="the liveness limit")
+    parser.add_argument("--worker-only", action="store_true", help="an in-process GpuWorker, no serving stack")
+    parser.add_argument("--torch-threads", type=int, default=0, help="--worker-only: torch threads (0 = every CPU)")
     args = parser.parse_args(argv)
-    if args.target is None:
+    if args.worker_only:
+        if args.target is None:
+            parser.error("--worker-only needs --target")
+        from gpu_worker.models.resolve import resolve_cli_models
+
+        target, _ = resolve_cli_models(args.target, "none", toy=False, progress=False)
+        result = bench_worker(args, target)
+    elif args.target is None:
         from tests.fixtures.tiny_models import build_tiny_model_pair
 
         with tempfile.TemporaryDirectory(prefix="bench-burst-") as tmp:
