@@ -23,9 +23,10 @@ DEFAULT_NGRAM_MAX = 4
 # forward per sequence on the worker's one thread, and every running sequence waits
 # for it: under a flood of short requests that was 20% of the worker's time (issue 14).
 # Inside the step those tokens only widen the packed forwards the step runs anyway.
-# Longer prompts are prefilled in add() up to their last this-many tokens; the value
-# matches actor.PREFILL_CHUNK_TOKENS, so no forward takes more of one prompt than a
-# prefill chunk would. 1 = the whole prompt but its last token is prefilled in add().
+# Longer prompts are prefilled in chunks (within the iteration budget below) up to their
+# last this-many tokens, capped at half the budget; the value matches
+# actor.PREFILL_CHUNK_TOKENS, so no forward takes more of one prompt than a prefill chunk
+# would. 1 = the whole prompt but its last token is prefilled first.
 DEFAULT_STEP_PREFILL_TOKENS = 512
 # Target-model tokens one worker iteration (one ``iterate`` call) may process, across the
 # decode/verify rows of the step and the prefill chunks of prompts not yet cached (chunked
@@ -33,8 +34,9 @@ DEFAULT_STEP_PREFILL_TOKENS = 512
 # take what is left, chunk by chunk over as many iterations as they need, so an iteration's
 # time is bounded whatever arrives. The slowest supported device bounds it: 512 is one
 # prefill chunk (actor.PREFILL_CHUNK_TOKENS, the most one prompt ever took in a forward), far
-# inside the orchestrator's liveness limit for SmolLM2-135M on a CPU, and milliseconds on a GPU. Smaller keeps the streams' inter-token latency closer to a
-# pure decode step's while prompts arrive; larger prefills bursts sooner.
+# inside the orchestrator's liveness limit for SmolLM2-135M on a CPU, and milliseconds on a
+# GPU. Smaller keeps the streams' inter-token latency closer to a pure decode step's while
+# prompts arrive; larger prefills bursts sooner (docs/scheduling.md).
 DEFAULT_MAX_ITERATION_TOKENS = 512
 
 
