@@ -44,8 +44,9 @@ from gpu_worker.model_runner import ForwardItem, ModelRunner
 from gpu_worker.proposers.base import ProposerResources
 from gpu_worker.proposers.registry import build_proposers, order_names
 from gpu_worker.sequence import SequenceState
-from gpu_worker.step import StepRunner
+from gpu_worker.step import StepRunner, uncached
 from gpu_worker.types import (
+    LIVENESS_GROUP,
     FinishReason,
     Iteration,
     NewSequence,
@@ -53,6 +54,7 @@ from gpu_worker.types import (
     StepOutput,
     UnknownSequenceError,
     WorkerInfo,
+    WorkerProgress,
 )
 from mask_service.auth import owner_tag
 
@@ -137,6 +139,11 @@ class GpuWorker:
             mask_table=self.mask_table,
         )
         self._seqs: dict[str, SequenceState] = {}  # insertion order = batch order
+        # Prompt tokens the first step feeds (WorkerConfig.step_prefill_tokens), capped so that a
+        # new sequence's first step fits the iteration budget with room for others.
+        self._step_tail = max(1, min(config.step_prefill_tokens, config.max_iteration_tokens // 2))
+        # Forwards (prefill chunks) and steps finished: the heartbeat's progress (``progress``).
+        self.progress_count = 0
         self._rng = random.Random(config.seed)
         logger.info(
             "worker ready: target=%s draft=%s device=%s V=%d max_len=%d proposers=%s",
@@ -184,12 +191,16 @@ class GpuWorker:
         return list(self._seqs)
 
     def add(self, seqs: Sequence[NewSequence], *, wait_for_sessions: bool = False) -> list[str | None]:
-        """Validate, start opening mask sessions, prefill long prompts. Returns per sequence None
-        or an error message. A session the mask service refuses is reported by add() if it had
-        answered by then, else by the sequence's next step (an ERROR output);
-        ``wait_for_sessions`` waits for every answer, so add() reports them all, and the first
-        steps' batches do not depend on how fast the opens answer (benchmarks, whose timed
-        steps must not include the opens; seeded replays)."""
+        """Validate and start opening mask sessions. Returns per sequence None or an error
+        message. A session the mask service refuses is reported by add() if it had answered by
+        then, else by the sequence's next step (an ERROR output). add() runs no forward: long
+        prompts are prefilled in chunks by the following iterations, within their token budget
+        (``step``), so an add() of any size returns at once.
+
+        ``wait_for_sessions`` waits for every answer, so add() reports them all, and prefills
+        every prompt now, so the first steps' batches depend neither on how fast the opens
+        answer nor on the iteration budget (benchmarks, whose timed steps must be decode steps;
+        seeded replays)."""
         errors: list[str | None] = [None] * len(seqs)
         accepted: list[tuple[int, SequenceState]] = []
         seen: set[str] = set()
@@ -217,15 +228,19 @@ class GpuWorker:
                 assert self.masks is not None  # _admit refuses a grammar without a mask service
                 state.session_opening = self.masks.open_session_async(grammar, request_id=state.request_id)
                 state.opening_since = time.monotonic()
-        try:
-            self._prefill([s for _, s in accepted])  # long prompts only (WorkerConfig.step_prefill_tokens)
-        except Exception as exc:
-            logger.exception("prefill of %d sequences failed", len(accepted))
-            for i, state in accepted:
-                errors[i] = f"prefill failed: {exc}"
-                self._free(state)
-            return errors
+        for _, state in accepted:
+            # Cached by the iterations' prefill chunks (``_prefill_some``), within their token
+            # budget; the first step feeds the tail (WorkerConfig.step_prefill_tokens).
+            state.prefill_to = max(0, len(state.token_ids) - self._step_tail)
         if wait_for_sessions:
+            try:
+                self._prefill([s for _, s in accepted])
+            except Exception as exc:
+                logger.exception("prefill of %d sequences failed", len(accepted))
+                for i, state in accepted:
+                    errors[i] = f"prefill failed: {exc}"
+                    self._free(state)
+                return errors
             opening = [s.session_opening for _, s in accepted if s.session_opening is not None]
             futures_wait(opening, timeout=self._open_timeout_s)
         for i, state in accepted:
@@ -250,20 +265,51 @@ class GpuWorker:
         return errors
 
     def step(self) -> list[StepOutput]:
-        """One decoding step for every active sequence whose mask session is open; finished
-        sequences are freed. A sequence whose session is still opening when the step starts
-        joins it late if the open answers while the drafts are proposed (``join_late``);
-        otherwise it sits this step out (no output for it). If nobody else could step, the
-        step waits for it."""
+        """One iteration within ``max_iteration_tokens`` target tokens: a decoding step for the
+        sequences ``_step_batch`` picks (running ones first), then prefill chunks of prompts not
+        yet cached with what is left (``_prefill_some``); finished sequences are freed. A
+        sequence whose session is still opening when the step starts joins it late if the open
+        answers while the drafts are proposed (``join_late``) and its tail fits; otherwise it
+        sits this step out (no output for it). If nobody could step and no prompt is being
+        prefilled, the step waits for an open to answer."""
         refused = self._settle_sessions(wait=False)
-        batch = [s for s in self._seqs.values() if s.session_opening is None]
-        if not batch and self._seqs:
+        prefilling = any(s.prefilling for s in self._seqs.values())
+        batch = self._step_batch(prefilling)
+        if not batch and self._seqs and not prefilling:
             refused += self._settle_sessions(wait=True)
-            batch = [s for s in self._seqs.values() if s.session_opening is None]
+            batch = self._step_batch(prefilling)
+        budget = self.config.max_iteration_tokens
+        before = self.target.num_positions
         if not batch:
-            return refused
+            return refused + self._prefill_some(budget)
+        outputs = self._step(batch, refused, budget - (budget // 4 if prefilling else 0))
+        used = self.target.num_positions - before
+        return refused + outputs + self._prefill_some(budget - used)
+
+    def _step_batch(self, prefilling: bool) -> list[SequenceState]:
+        """The sequences this iteration's step takes: every running one (one uncached token
+        each, plus drafts the step trims to the budget), then new ones whose prompt is cached
+        up to its tail, in arrival order, while their tails fit. A quarter of the budget is
+        kept for prefill chunks while any prompt is being prefilled, so a stream of running
+        sequences cannot starve them."""
+        budget = self.config.max_iteration_tokens - (self.config.max_iteration_tokens // 4 if prefilling else 0)
+        ready = [s for s in self._seqs.values() if s.session_opening is None and not s.prefilling]
+        batch = [s for s in ready if uncached(s) == 1]
+        used = len(batch)
+        for s in ready:
+            cost = uncached(s)
+            if cost > 1 and (used + cost <= budget or not batch):
+                batch.append(s)
+                used += cost
+        return batch
+
+    def _step(self, batch: list[SequenceState], refused: list[StepOutput], budget: int) -> list[StepOutput]:
+        """One decoding step of ``batch`` within ``budget`` target tokens (late joiners included)."""
         joined: list[SequenceState] = []
         in_batch = {s.seq_id for s in batch}
+        # A lower bound on what the step leaves of the budget: drafts are trimmed to fit it, and
+        # proposers may propose fewer than planned.
+        room = budget - min(budget, sum(uncached(s) + self.stepper.plan_k(s) for s in batch))
 
         def join_late() -> list[SequenceState]:
             # Nearly every new grammar sequence used to sit its first step out: the step after its
@@ -271,12 +317,17 @@ class GpuWorker:
             # answered (issue 14 soak: 41% of steps had a sequence sitting out, 3,841 in all, each
             # 0.4-3.7 ms (p10-p90) into its open). The proposal phase (draft forwards, draft-mask
             # round trips) gives the open that time; joining then saves the sequence an iteration.
+            nonlocal room
             refused.extend(self._settle_sessions(wait=False))
-            joined.extend(s for s in self._seqs.values() if s.session_opening is None and s.seq_id not in in_batch)
+            for s in self._seqs.values():
+                fits = uncached(s) <= room
+                if s.session_opening is None and not s.prefilling and s.seq_id not in in_batch and fits:
+                    room -= uncached(s)
+                    joined.append(s)
             return joined
 
         try:
-            outputs = self.stepper.run(batch, joiners=join_late)
+            outputs = self.stepper.run(batch, joiners=join_late, token_budget=budget)
         except Exception as exc:
             logger.exception("step failed for %d sequences", len(batch) + len(joined))
             outputs = [
@@ -296,7 +347,8 @@ class GpuWorker:
                     state.num_output,
                     f" ({out.error})" if out.error else "",
                 )
-        return refused + outputs
+        self.progress_count += 1
+        return outputs
 
     def _note_session_waits(self, in_batch: set[str], joined: list[SequenceState], outputs: list[StepOutput]) -> None:
         """Count this step against the sequences still waiting for their sessions, and put
@@ -428,20 +480,49 @@ class GpuWorker:
                 raise ValueError(f"{what} token id {t!r} outside [0, {self.vocab_size})")
 
     def _prefill(self, states: Sequence[SequenceState]) -> None:
-        """Cache each prompt but its last ``step_prefill_tokens`` tokens, which the first step
-        feeds with its drafts (WorkerConfig.step_prefill_tokens says why); a short prompt is
-        not forwarded here at all.
-
-        Sequence by sequence, PREFILL_CHUNK_TOKENS at a time (see there for why).
-        """
+        """Cache each prompt up to its tail now, sequence by sequence, PREFILL_CHUNK_TOKENS at a
+        time (``add(wait_for_sessions=True)``: benchmarks and replays; serving prefills within
+        the iterations' budget instead, ``_prefill_some``)."""
         for s in states:
-            prompt = s.token_ids[: max(0, len(s.token_ids) - self.config.step_prefill_tokens)]
-            for lo in range(0, len(prompt), PREFILL_CHUNK_TOKENS):
-                chunk = prompt[lo : lo + PREFILL_CHUNK_TOKENS]
-                self.target.forward([ForwardItem(s.target_kv, chunk, 0)])
-                if s.draft_kv is not None:
-                    assert self.draft is not None
-                    self.draft.forward([ForwardItem(s.draft_kv, chunk, 0)])
+            while s.prefilling:
+                self._prefill_chunk(s, PREFILL_CHUNK_TOKENS)
+
+    def _prefill_some(self, budget: int) -> list[StepOutput]:
+        """Prefill chunks of the prompts not yet cached, oldest first, until ``budget`` target
+        tokens are used; one sequence per forward, at most PREFILL_CHUNK_TOKENS each (see there
+        why). A sequence whose prefill fails is freed and reported as an ERROR output."""
+        failed: list[StepOutput] = []
+        for s in [s for s in self._seqs.values() if s.prefilling]:
+            if budget <= 0:
+                break
+            try:
+                budget -= self._prefill_chunk(s, min(budget, PREFILL_CHUNK_TOKENS))
+            except Exception as exc:
+                logger.exception("[request_id=%s] seq %s: prefill failed", s.request_id, s.seq_id)
+                del self._seqs[s.seq_id]
+                s.finished = FinishReason.ERROR
+                self._free(s)
+                failed.append(StepOutput(s.seq_id, [], FinishReason.ERROR, error=f"prefill failed: {exc}"))
+        return failed
+
+    def _prefill_chunk(self, s: SequenceState, most: int) -> int:
+        """Forward the next at most ``most`` uncached prompt tokens of ``s`` through the target
+        (and the draft, which keeps pace); returns how many."""
+        lo = s.target_kv.length
+        chunk = s.token_ids[lo : min(s.prefill_to, lo + most)]
+        self.target.forward([ForwardItem(s.target_kv, chunk, 0)])
+        if s.draft_kv is not None:
+            assert self.draft is not None
+            self.draft.forward([ForwardItem(s.draft_kv, s.token_ids[s.draft_kv.length : lo + len(chunk)], 0)])
+        self.progress_count += 1
+        return len(chunk)
+
+    def progress(self) -> WorkerProgress:
+        """The heartbeat: how many forwards and steps this worker has finished. Answered on its
+        own thread (the ``liveness`` concurrency group, ``start_remote_worker``), so it answers
+        while an iteration runs; the orchestrator reads a count that moves as a worker that
+        is slow, not stuck."""
+        return WorkerProgress(count=self.progress_count, active=len(self._seqs))
 
     def _settle_session(self, state: SequenceState) -> str | None:
         """If ``state``'s session open has answered, take its session id, or return why it
@@ -534,4 +615,5 @@ def start_remote_worker(config: WorkerConfig, *, num_gpus: float | None = None, 
 
     if num_gpus is None:
         num_gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    ray_options.setdefault("concurrency_groups", {LIVENESS_GROUP: 1})
     return ray.remote(num_gpus=num_gpus, **ray_options)(GpuWorker).remote(config)

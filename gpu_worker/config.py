@@ -23,10 +23,21 @@ DEFAULT_NGRAM_MAX = 4
 # forward per sequence on the worker's one thread, and every running sequence waits
 # for it: under a flood of short requests that was 20% of the worker's time (issue 14).
 # Inside the step those tokens only widen the packed forwards the step runs anyway.
-# Longer prompts are prefilled in add() up to their last this-many tokens; the value
-# matches actor.PREFILL_CHUNK_TOKENS, so no forward takes more of one prompt than a
-# prefill chunk would. 1 = the whole prompt but its last token is prefilled in add().
+# Longer prompts are prefilled in chunks (within the iteration budget below) up to their
+# last this-many tokens, capped at half the budget; the value matches
+# actor.PREFILL_CHUNK_TOKENS, so no forward takes more of one prompt than a prefill chunk
+# would. 1 = the whole prompt but its last token is prefilled first.
 DEFAULT_STEP_PREFILL_TOKENS = 512
+# Target-model tokens one worker iteration (one ``iterate`` call) may process, across the
+# decode/verify rows of the step and the prefill chunks of prompts not yet cached (chunked
+# prefill, as vLLM's max_num_batched_tokens). Running sequences are served first; prompts
+# take what is left, chunk by chunk over as many iterations as they need, so an iteration's
+# time is bounded whatever arrives. The slowest supported device bounds it: 512 is one
+# prefill chunk (actor.PREFILL_CHUNK_TOKENS, the most one prompt ever took in a forward), far
+# inside the orchestrator's liveness limit for SmolLM2-135M on a CPU, and milliseconds on a
+# GPU. Smaller keeps the streams' inter-token latency closer to a pure decode step's while
+# prompts arrive; larger prefills bursts sooner (docs/scheduling.md).
+DEFAULT_MAX_ITERATION_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,7 @@ class WorkerConfig:
     ngram_min: int = DEFAULT_NGRAM_MIN
     ngram_max: int = DEFAULT_NGRAM_MAX
     step_prefill_tokens: int = DEFAULT_STEP_PREFILL_TOKENS
+    max_iteration_tokens: int = DEFAULT_MAX_ITERATION_TOKENS  # target tokens per iteration (see above)
     # torch intra-op threads (process-wide). None keeps the process's default: in a Ray
     # actor without num_cpus that is 1, since Ray sets OMP_NUM_THREADS=1 there. 0 = every
     # CPU this process may run on, when the device is the CPU and the target is not tiny
@@ -79,6 +91,11 @@ class WorkerConfig:
             raise ValueError(
                 "step_prefill_tokens must be >= 1 (the first step feeds at least the last prompt token), "
                 f"got {self.step_prefill_tokens}"
+            )
+        if self.max_iteration_tokens < self.max_batch:
+            # Every running sequence feeds at least one token per step: a full batch must fit.
+            raise ValueError(
+                f"max_iteration_tokens ({self.max_iteration_tokens}) must be >= max_batch ({self.max_batch})"
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")

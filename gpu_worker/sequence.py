@@ -45,6 +45,9 @@ class SequenceState:
     commit_seq: int = 0  # sequence number of the latest commit handed to the mask service (>= 1 once used)
     step: int = 0  # steps taken; mixed into the sampling seed so every step draws fresh randomness
     finished: FinishReason | None = None
+    # Prompt tokens to cache by prefill chunks before the first step (which feeds the rest);
+    # the sequence does not step until its target cache reaches this length.
+    prefill_to: int = 0
 
     @property
     def seq_id(self) -> str:
@@ -62,6 +65,11 @@ class SequenceState:
     @property
     def num_output(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    @property
+    def prefilling(self) -> bool:
+        """Its prompt is still being cached chunk by chunk: it holds its KV slot, not a step row."""
+        return self.target_kv.length < self.prefill_to
 
     @property
     def has_grammar(self) -> bool:

@@ -99,14 +99,24 @@ class StepRunner:
         self,
         seqs: Sequence[SequenceState],
         joiners: Callable[[], Sequence[SequenceState]] | None = None,
+        *,
+        token_budget: int | None = None,
     ) -> list[StepOutput]:
         """One step for every sequence in ``seqs`` (each must be unfinished), and for those
         ``joiners`` returns once the drafts are proposed: sequences that became ready to step
         meanwhile (the actor's newly added ones whose mask session has just opened). They join
         the verify forward without drafts (k_r = 0): the forward feeds their prompt and they
-        emit one token, instead of sitting the whole step out."""
+        emit one token, instead of sitting the whole step out.
+
+        ``token_budget``: the most tokens the target forward of ``seqs`` may take (the worker's
+        iteration budget less what it keeps for prefill); drafts are trimmed, widest rows
+        first, until the rows' uncached tokens plus their drafts fit (``trim_to_budget``).
+        Joiners are the caller's to fit into what is left."""
         errors: dict[str, str] = {}
-        slots = [DraftSlot(seq, k=self.plan_k(seq)) for seq in seqs]
+        ks = [self.plan_k(seq) for seq in seqs]
+        if token_budget is not None:
+            ks = trim_to_budget([uncached(seq) for seq in seqs], ks, token_budget)
+        slots = [DraftSlot(seq, k=k) for seq, k in zip(seqs, ks, strict=True)]
         mask_wait = self.drafter.propose(slots, errors)
         self.width.trim([s for s in slots if s.seq.seq_id not in errors])
         if joiners is not None:
@@ -246,6 +256,25 @@ class StepRunner:
             drafts_accepted=num_accepted,
             target_forwards=1,
         )
+
+
+def uncached(seq: SequenceState) -> int:
+    """Committed tokens the target has not cached: what the sequence's next forward feeds
+    before its drafts (1 after a step; a new sequence's prompt tail before its first)."""
+    return len(seq.token_ids) - seq.target_kv.length
+
+
+def trim_to_budget(base: Sequence[int], ks: Sequence[int], budget: int) -> list[int]:
+    """Per-row draft counts ``ks`` cut so that ``sum(base) + sum(ks) <= budget`` where possible:
+    one draft at a time from the row with the most, so every row keeps an equal share. Rows'
+    ``base`` tokens are never cut (a row that steps feeds at least its uncached tokens)."""
+    out = list(ks)
+    excess = sum(base) + sum(out) - budget
+    while excess > 0 and any(out):
+        widest = max(range(len(out)), key=out.__getitem__)
+        out[widest] -= 1
+        excess -= 1
+    return out
 
 
 def _needs_last_row_only(slot: DraftSlot) -> bool:

@@ -141,6 +141,20 @@ class Iteration:
     unknown_removed: list[str] = field(default_factory=list)
 
 
+# Ray concurrency group of ``GpuWorker.progress`` (gpu_worker.actor.start_remote_worker): a
+# thread of its own, so the heartbeat answers while an iteration runs; every other method stays
+# in the default group, one call at a time.
+LIVENESS_GROUP = "liveness"
+
+
+@dataclass(frozen=True)
+class WorkerProgress:
+    """``GpuWorker.progress``: the heartbeat the orchestrator's liveness check reads."""
+
+    count: int  # prefill forwards and steps finished since the worker started; moves while it works
+    active: int  # sequences held (prefilling or decoding)
+
+
 @dataclass(frozen=True)
 class WorkerInfo:
     """Static facts about a loaded worker."""

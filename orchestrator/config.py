@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpu_worker.config import DEFAULT_MAX_BATCH, DEFAULT_MAX_K, DEFAULT_STEP_PREFILL_TOKENS, WorkerConfig
+from gpu_worker.config import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_ITERATION_TOKENS,
+    DEFAULT_MAX_K,
+    DEFAULT_STEP_PREFILL_TOKENS,
+    WorkerConfig,
+)
 from mask_service.replicas import parse_targets
-from orchestrator import validation, verdict_cache
+from orchestrator import token_admission, validation, verdict_cache
 
 # Local runs listen on loopback only (a dev box should not expose an
 # unauthenticated API); the images and the Helm chart pass --host 0.0.0.0,
@@ -24,11 +30,12 @@ DEFAULT_MAX_TOKENS: int | None = None
 # Drafts per step when a request names none. k=4 sits near the knee of
 # (1 - a^(k+1)) / (1 - a) for acceptance rates 0.6-0.8 (DESIGN.md).
 DEFAULT_K = 4
-# One worker step is one batched target forward plus one mask round trip:
-# milliseconds on a GPU, about a second for the real CPU model at full batch.
-# A worker that exceeds it is treated as hung (its streams end with an error
-# and readiness drops), so it bounds how long a SIGSTOPped or wedged worker
-# leaves streams silent; 30 s still covers first CPU steps on a loaded box.
+# The liveness limit. A worker iteration is bounded by its token budget
+# (--max-iteration-tokens): milliseconds on a GPU, about a second for the real model on a
+# busy CPU. An iteration running past this limit is not a failure by itself: the engine then
+# asks the worker's heartbeat, and takes the worker out only when the heartbeat does not
+# answer within the limit (SIGSTOPped, wedged, unreachable) or its progress count has not
+# moved for ten limits (hung). It also bounds every other Ray call to a worker.
 DEFAULT_STEP_TIMEOUT_S = 30.0
 # Loading models (and, on a fresh Ray cluster, starting the actor process).
 DEFAULT_WORKER_START_TIMEOUT_S = 600.0
@@ -52,6 +59,8 @@ DEFAULT_WORKER_MAX_RESTARTS = -1
 DEFAULT_WORKER_TORCH_THREADS = 0
 # Checked mode (issue 13): the most generations (1 + resamples) a request may ask for.
 DEFAULT_CHECKED_MAX_ATTEMPTS = validation.DEFAULT_CHECKED_MAX_ATTEMPTS
+DEFAULT_MAX_QUEUED_PROMPT_TOKENS = token_admission.DEFAULT_MAX_QUEUED_PROMPT_TOKENS
+DEFAULT_MAX_WORKER_PROMPT_TOKENS = token_admission.DEFAULT_MAX_WORKER_PROMPT_TOKENS
 DEFAULT_GRAMMAR_VERDICT_CACHE_ENTRIES = verdict_cache.DEFAULT_MAX_ENTRIES
 DEFAULT_GRAMMAR_VERDICT_TTL_S = verdict_cache.DEFAULT_TTL_S
 
@@ -83,6 +92,11 @@ class OrchestratorConfig:
     worker_torch_threads: int = DEFAULT_WORKER_TORCH_THREADS
     # Trailing prompt tokens a new sequence's first step feeds (gpu_worker.config says why).
     step_prefill_tokens: int = DEFAULT_STEP_PREFILL_TOKENS
+    # Target tokens per worker iteration, prefill chunks and decode rows together (gpu_worker.config).
+    max_iteration_tokens: int = DEFAULT_MAX_ITERATION_TOKENS
+    # Prompt tokens waiting for a worker, and placed on one worker (orchestrator.token_admission); 0 = off.
+    max_queued_prompt_tokens: int = DEFAULT_MAX_QUEUED_PROMPT_TOKENS
+    max_worker_prompt_tokens: int = DEFAULT_MAX_WORKER_PROMPT_TOKENS
     mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S
     mask_max_retries: int = DEFAULT_MASK_MAX_RETRIES
     validation_threads: int = DEFAULT_VALIDATION_THREADS
@@ -122,6 +136,12 @@ class OrchestratorConfig:
             raise ValueError(
                 f"default_max_tokens must be >= 1 (None = the rest of the context), got {self.default_max_tokens}"
             )
+        if self.max_iteration_tokens < self.max_batch:
+            raise ValueError(
+                f"max_iteration_tokens ({self.max_iteration_tokens}) must be >= max_batch ({self.max_batch}): "
+                "every running sequence feeds at least one token per iteration"
+            )
+        self.prompt_token_bounds()  # negative bounds raise ValueError
         if self.grammar_verdict_cache_entries < 0:
             raise ValueError(
                 f"grammar_verdict_cache_entries must be >= 0 (0 = off), got {self.grammar_verdict_cache_entries}"
@@ -148,6 +168,12 @@ class OrchestratorConfig:
             return self.max_inflight_per_client
         return self.max_batch * self.num_workers + max(1, self.max_queue // 2)
 
+    def prompt_token_bounds(self) -> token_admission.PromptTokenBounds:
+        return token_admission.PromptTokenBounds(
+            max_queued_prompt_tokens=self.max_queued_prompt_tokens,
+            max_worker_prompt_tokens=self.max_worker_prompt_tokens,
+        )
+
     def worker_config(self) -> WorkerConfig:
         """What every GPU worker gets: all mask-service replicas, so its router can fail over."""
         return WorkerConfig(
@@ -162,6 +188,7 @@ class OrchestratorConfig:
             mask_deadline_s=self.mask_deadline_s,
             torch_threads=self.worker_torch_threads,
             step_prefill_tokens=self.step_prefill_tokens,
+            max_iteration_tokens=self.max_iteration_tokens,
             log_level=self.worker_log_level,
             log_format=self.log_format,
         )

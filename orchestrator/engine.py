@@ -56,12 +56,22 @@ from typing import Any
 
 from ray.exceptions import RayTaskError
 
-from gpu_worker.types import FinishReason, Iteration, SamplingParams, StepOutput, UnknownSequenceError, WorkerInfo
+from gpu_worker.types import (
+    LIVENESS_GROUP,
+    FinishReason,
+    Iteration,
+    SamplingParams,
+    StepOutput,
+    UnknownSequenceError,
+    WorkerInfo,
+    WorkerProgress,
+)
 from orchestrator.detokenizer import Decoder
 from orchestrator.errors import DuplicateRequestId, Overloaded, ShuttingDown, Unavailable
 from orchestrator.metrics import OrchestratorMetrics
 from orchestrator.output_check import OutputChecker, OutputCheckError, Verdict
 from orchestrator.request import Request
+from orchestrator.token_admission import PromptTokenBounds
 from orchestrator.types import GenerationRequest
 from orchestrator.validation import RequestValidator, ValidatedRequest
 
@@ -89,12 +99,18 @@ _RECOVERY_PROBE_MAX_S = 10.0
 _RESERVED_SLOT_FRACTION = 1 / 8
 # Checked mode: attempt n of a seeded request uses seed + n * this (odd, so attempts never share a seed).
 _SEED_STRIDE = 0x9E3779B97F4A7C15
+# A worker whose heartbeat answers but whose progress count has not moved for this many
+# liveness limits is hung (e.g. a deadlocked iteration), not slow: it is taken out.
+_STALL_LIMITS = 10
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     max_queue: int  # requests validating or waiting beyond which submit() refuses
-    step_timeout_s: float  # per Ray call to a worker
+    # The liveness limit: an iterate() call running past it is not a failure while the worker's
+    # heartbeat (GpuWorker.progress) answers within it and its progress count moves; the bound
+    # of every other Ray call to a worker.
+    step_timeout_s: float
     validation_threads: int
     # Requests one end client (GenerationRequest.client) may have in flight; 0 = no cap. Bounds
     # one client's share of the batches, so its flood is its own queueing (issue 14).
@@ -102,6 +118,8 @@ class EngineConfig:
     # Place the oldest request of the client holding the fewest batch slots (Engine._next_waiting);
     # False: strict arrival order (bench.fairness's control).
     fair_placement: bool = True
+    # Queue and per-worker batch bounded in prompt tokens (orchestrator.token_admission).
+    prompt_token_bounds: PromptTokenBounds = field(default_factory=PromptTokenBounds)
 
 
 @dataclass(eq=False)
@@ -123,6 +141,11 @@ class WorkerSlot:
     @property
     def load(self) -> int:
         return len(self.running) + len(self.to_add)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens of the requests placed here and not finished (the token bound's batch)."""
+        return sum(len(r.seq.prompt_token_ids) for r in (*self.running.values(), *self.to_add))
 
     def has_work(self) -> bool:
         return bool(self.running or self.to_remove or self.to_add)
@@ -249,6 +272,7 @@ class Engine:
         # is admitted however slow validation is at that moment.
         if self.queue_depth >= self._config.max_queue + self._free_slots():
             raise Overloaded(f"admission queue is full ({self._config.max_queue} requests waiting); retry later")
+        self._config.prompt_token_bounds.check_queue(self._queued_prompt_tokens(), 1)
         if req.request_id in self._live:
             raise DuplicateRequestId(f"request_id {req.request_id!r} is already in flight")
         cap = self._config.max_inflight_per_client
@@ -275,6 +299,12 @@ class Engine:
             self._release_client(req.request_id)
             raise Unavailable("no healthy GPU worker")
         seq = validated.seq
+        try:
+            self._config.prompt_token_bounds.check_queue(self._queued_prompt_tokens(), len(seq.prompt_token_ids))
+        except Overloaded:
+            del self._live[req.request_id]
+            self._release_client(req.request_id)
+            raise
         request = Request(
             seq,
             tokenizer=self._tokenizer,
@@ -338,6 +368,9 @@ class Engine:
             if self._per_client[client] <= 0:
                 del self._per_client[client]
 
+    def _queued_prompt_tokens(self) -> int:
+        return sum(len(r.seq.prompt_token_ids) for r in self._waiting)
+
     def _free_slots(self) -> int:
         """Batch slots on healthy workers not yet taken by a running or placed request."""
         return sum(max(0, s.capacity - s.load) for s in self._slots if s.healthy)
@@ -345,13 +378,18 @@ class Engine:
     def _place(self) -> None:
         """Move waiting requests to the least-loaded healthy workers with free slots; each goes
         with its worker's next iterate() call (an idle worker's loop is woken for it)."""
+        bounds = self._config.prompt_token_bounds
         while self._waiting and not self._stopping:
-            candidates = [s for s in self._slots if s.healthy and s.load < s.capacity]
-            if not candidates:
-                break
             request = self._next_waiting()
             if request is None:
                 break
+            n = len(request.seq.prompt_token_ids)
+            candidates = [
+                s for s in self._slots if s.healthy and s.load < s.capacity and bounds.fits_worker(s.prompt_tokens, n)
+            ]
+            if not candidates:
+                break  # it waits at its place in the queue for room in a worker's batch
+            self._waiting.remove(request)
             slot = min(candidates, key=lambda s: s.load)
             slot.to_add.append(request)
             self._slot_of[request.request_id] = slot
@@ -359,14 +397,15 @@ class Engine:
         self._metrics.queue_depth.set(self.queue_depth)
 
     def _next_waiting(self) -> Request | None:
-        """Take the next request to place: the oldest waiting one of the client that holds the
-        fewest batch slots now. So batch slots are shared round-robin between the clients that
-        wait, and one client's flood cannot keep another's request out of the batch. One client
-        may hold all but a reserve of the slots (``_RESERVED_SLOT_FRACTION``; none below 8), so
-        another client's request finds a free slot at once instead of waiting for one of the
-        flood's to finish; None when every waiting client is at that share."""
+        """The next request to place, left in the queue for ``_place`` to take: the oldest waiting
+        one of the client that holds the fewest batch slots now. So batch slots are shared
+        round-robin between the clients that wait, and one client's flood cannot keep another's
+        request out of the batch. One client may hold all but a reserve of the slots
+        (``_RESERVED_SLOT_FRACTION``; none below 8), so another client's request finds a free slot
+        at once instead of waiting for one of the flood's to finish; None when every waiting
+        client is at that share."""
         if not self._config.fair_placement:
-            return self._waiting.popleft()
+            return self._waiting[0]
         total = sum(s.capacity for s in self._slots if s.healthy)
         share = total - int(total * _RESERVED_SLOT_FRACTION)
         placed = collections.Counter(self._client_of.get(rid, "") for rid in self._slot_of)
@@ -382,8 +421,6 @@ class Engine:
                 best, best_load = request, placed[client]
                 if best_load == 0:
                     break
-        if best is not None:
-            self._waiting.remove(best)
         return best
 
     # ---- step loop -------------------------------------------------------
@@ -428,7 +465,7 @@ class Engine:
             return
         started = time.monotonic()
         try:
-            result: Iteration = await _ray_get(slot.actor.iterate.remote(removes, [r.seq for r in adds]), timeout)
+            result: Iteration = await self._await_live(slot, slot.actor.iterate.remote(removes, [r.seq for r in adds]))
         except RayTaskError as exc:
             # A worker method raised: the actor is alive, but this batch's
             # state is suspect. Fail the batch, free it, keep the worker.
@@ -442,6 +479,42 @@ class Engine:
                 self._finish(request, FinishReason.ERROR, f"worker refused the request: {add_error}")
         self._metrics.observe_step(slot.index, time.monotonic() - started, result.outputs, slot.running)
         self._apply(slot, result.outputs)
+
+    async def _await_live(self, slot: WorkerSlot, ref: Any) -> Any:
+        """Await a worker call for as long as the worker is alive and making progress.
+
+        Every liveness limit (``step_timeout_s``) the call has not answered, the worker's
+        heartbeat is asked (``GpuWorker.progress``, answered on its own thread): a heartbeat
+        that does not answer within the limit means the worker stopped (SIGSTOP, a wedged
+        process or node) and raises TimeoutError; one that answers with a progress count that
+        has not moved for ``_STALL_LIMITS`` limits means a hung iteration, also TimeoutError.
+        A worker that is merely slow (a long iteration on a busy CPU) is waited for."""
+        call = asyncio.ensure_future(asyncio.wrap_future(ref.future()))
+        limit = self._config.step_timeout_s
+        last: WorkerProgress | None = None
+        started = moved = time.monotonic()
+        try:
+            while True:
+                done, _ = await asyncio.wait({call}, timeout=limit)
+                if done:
+                    return call.result()
+                beat = slot.actor.progress.options(concurrency_group=LIVENESS_GROUP).remote()
+                progress: WorkerProgress = await _ray_get(beat, limit)
+                now = time.monotonic()
+                if last is None or progress.count != last.count:
+                    moved = now
+                elif now - moved > _STALL_LIMITS * limit:
+                    raise TimeoutError(f"no progress in {now - moved:.0f} s")
+                last = progress
+                logger.warning(
+                    "worker %d: call running for %.0f s; alive (progress %d, %d sequences)",
+                    slot.index,
+                    now - started,
+                    progress.count,
+                    progress.active,
+                )
+        finally:
+            call.cancel()
 
     @staticmethod
     async def _await_remove(slot: WorkerSlot, ref: Any, timeout: float) -> None:
@@ -592,23 +665,31 @@ class Engine:
         # The client gets what happened in SpecMask's words; Ray's exception text
         # ("ActorUnavailableError ... recvmsg") stays in the log above (issue 14).
         what = (
-            f"stopped answering (no step in {self._config.step_timeout_s:g} s)"
+            f"stopped answering (no heartbeat or no progress within {self._config.step_timeout_s:g} s)"
             if timed_out
             else "was lost (its process died or became unreachable)"
         )
         slot.healthy = False
         self._metrics.worker_failures.labels(worker=str(slot.index)).inc()
-        lost = list(slot.running.values())
+        held = list(slot.running.values())
         slot.running.clear()
         slot.to_remove.clear()
-        # Placed here while its last call ran, never sent: back to the head of the line, in
-        # order, for another worker (or failed below with the rest if none is left).
-        for request in reversed(slot.to_add):
+        # Requests that have generated nothing yet (prefilling, or never stepped) lose nothing
+        # by starting over: with the ones placed here while its last call ran, never sent, they
+        # go back to the head of the line, in order, for another worker (or are failed below
+        # with the rest if none is left). A request that has produced tokens cannot be replayed
+        # without sending them twice (or, sampled, differently): it ends with an error.
+        unstarted = [r for r in held if not r.token_ids]
+        lost = [r for r in held if r.token_ids]
+        for request in reversed([*unstarted, *slot.to_add]):
             self._slot_of.pop(request.request_id, None)
             self._waiting.appendleft(request)
         slot.to_add.clear()
+        if unstarted:
+            logger.warning("worker %d: %d requests that had not started are queued again", slot.index, len(unstarted))
+            self._metrics.requeued.inc(len(unstarted))
         for request in lost:
-            self._finish(request, FinishReason.ERROR, f"GPU worker {slot.index} {what}")
+            self._finish(request, FinishReason.ERROR, f"GPU worker {slot.index} {what}; the request was cut off")
         if self._release_sessions is not None and slot.info.session_owner and not self._stopping:
             # Its requests are finished, so their mask sessions are garbage. Release them
             # now: a worker that never comes back (restarts used up, or hung) would

@@ -81,7 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="GPUs per worker actor (default: 1 if the Ray cluster has GPUs, else 0)",
     )
-    parser.add_argument("--step-timeout-s", type=float, default=cfg.DEFAULT_STEP_TIMEOUT_S)
+    parser.add_argument(
+        "--step-timeout-s",
+        type=float,
+        default=cfg.DEFAULT_STEP_TIMEOUT_S,
+        help="liveness limit: a worker is taken out when its heartbeat does not answer within it, or its "
+        "progress stops for ten of them (a slow iteration alone is waited for); also bounds other worker calls",
+    )
     parser.add_argument("--worker-start-timeout-s", type=float, default=cfg.DEFAULT_WORKER_START_TIMEOUT_S)
     parser.add_argument(
         "--worker-max-restarts",
@@ -101,8 +107,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=cfg.DEFAULT_STEP_PREFILL_TOKENS,
         help="a new sequence's last N prompt tokens are fed by its first step, mixed into the batch's "
-        "forwards; only a longer prompt's head is prefilled on its own, in front of the step (1 = all "
+        "forwards; a longer prompt's head is prefilled in chunks within --max-iteration-tokens (1 = all "
         "but the last token)",
+    )
+    parser.add_argument(
+        "--max-iteration-tokens",
+        type=int,
+        default=cfg.DEFAULT_MAX_ITERATION_TOKENS,
+        help="target tokens one worker iteration may process: running sequences' decode rows first, then "
+        "chunks of prompts being prefilled (docs/scheduling.md)",
+    )
+    parser.add_argument(
+        "--max-queued-prompt-tokens",
+        type=int,
+        default=cfg.DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
+        help="prompt tokens waiting for a worker beyond which requests get RESOURCE_EXHAUSTED (0 = no bound)",
+    )
+    parser.add_argument(
+        "--max-worker-prompt-tokens",
+        type=int,
+        default=cfg.DEFAULT_MAX_WORKER_PROMPT_TOKENS,
+        help="prompt tokens of the requests placed on one worker; more wait in the queue (0 = no bound)",
     )
     parser.add_argument("--mask-deadline-s", type=float, default=cfg.DEFAULT_MASK_DEADLINE_S)
     parser.add_argument(
@@ -194,6 +219,9 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         worker_max_restarts=args.worker_max_restarts,
         worker_torch_threads=args.worker_torch_threads,
         step_prefill_tokens=args.step_prefill_tokens,
+        max_iteration_tokens=args.max_iteration_tokens,
+        max_queued_prompt_tokens=args.max_queued_prompt_tokens,
+        max_worker_prompt_tokens=args.max_worker_prompt_tokens,
         mask_deadline_s=args.mask_deadline_s,
         shutdown_grace_s=args.shutdown_grace_s,
         checked_max_attempts=args.checked_max_attempts,

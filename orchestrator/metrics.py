@@ -143,6 +143,11 @@ class OrchestratorMetrics:
             ["outcome"],
             registry=r,
         )
+        self.requeued = Counter(
+            "specmask_requeued_requests",
+            "Requests a lost worker held before they generated anything, queued again instead of failed",
+            registry=r,
+        )
         self.worker_recoveries = Counter(
             "specmask_worker_recoveries", "Lost workers that answered again and were put back", ["worker"], registry=r
         )

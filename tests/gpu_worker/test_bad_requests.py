@@ -7,7 +7,7 @@ import pytest
 from gpu_worker.actor import UnknownSequenceError
 from gpu_worker.types import FinishReason, NewSequence, SamplingParams, SessionWait, SpeculationParams
 from mask_service.grammar import GrammarKind, GrammarSpec
-from tests.gpu_worker.helpers import run_to_completion, wait_sessions_open
+from tests.gpu_worker.helpers import Finished, run_to_completion, wait_sessions_open
 
 GOOD_GRAMMAR = GrammarSpec(GrammarKind.REGEX, "(yes|no)")
 
@@ -123,11 +123,11 @@ def test_mask_service_dying_mid_generation_fails_grammar_sequences_only(make_wor
 
 
 def test_sessions_open_during_the_prefill_and_a_refused_one_frees_its_kv(make_worker):
-    """add() opens the mask sessions on the I/O thread while the prompts prefill (before, one
-    round trip after another in front of the prefill), and does not wait for them; a sequence
-    whose session is refused was prefilled meanwhile, and its KV slot is given back.
+    """add() starts the mask sessions opening on the I/O thread and returns at once; the next
+    iteration prefills the prompts while the opens are in flight (it does not wait for them);
+    a sequence whose session is refused was prefilled meanwhile, and its KV slot is given back.
     (``step_prefill_tokens=1``: these short prompts would otherwise be fed by the first step,
-    with no prefill in add() at all.)"""
+    with no prefill chunk at all.)"""
     import threading
     import time
 
@@ -135,7 +135,7 @@ def test_sessions_open_during_the_prefill_and_a_refused_one_frees_its_kv(make_wo
     events: list[str] = []
     lock = threading.Lock()
     router = worker.masks._router
-    real_open, real_prefill = router.open_session, worker._prefill
+    real_open, real_chunk = router.open_session, worker._prefill_chunk
 
     def slow_open(*args, **kwargs):
         with lock:
@@ -143,20 +143,25 @@ def test_sessions_open_during_the_prefill_and_a_refused_one_frees_its_kv(make_wo
         time.sleep(0.1)  # a replica's round trip, slowed so the order is unambiguous
         return real_open(*args, **kwargs)
 
-    def prefill(states):
+    def prefill_chunk(state, most):
         with lock:
             events.append("prefill")
-        real_prefill(states)
+        return real_chunk(state, most)
 
     router.open_session = slow_open
-    worker._prefill = prefill
+    worker._prefill_chunk = prefill_chunk
     seqs = [_seq(f"g{i}", max_tokens=4) for i in range(3)] + [BAD["bad grammar"][0]()]
     t0 = time.monotonic()
     errors = worker.add(seqs)
     assert time.monotonic() - t0 < 0.3  # four 0.1 s opens: add() waited for none of them
     assert errors == [None] * 4  # the refusal comes with a step
+    first = worker.step()  # the prefill chunks, while the opens answer one by one
     assert worker.target.pool is not None and worker.target.pool.num_used == 4
     results = run_to_completion(worker)
+    for out in first:  # a refusal that answered during the first iteration is reported by it
+        results.setdefault(out.seq_id, Finished()).tokens.extend(out.new_token_ids)
+        if out.finish_reason is not None:
+            results[out.seq_id].finish, results[out.seq_id].error = out.finish_reason, out.error
     assert results["t4"].finish is FinishReason.ERROR and "grammar refused" in results["t4"].error
     assert results["t4"].tokens == []
     assert all(results[f"g{i}"].error is None for i in range(3))

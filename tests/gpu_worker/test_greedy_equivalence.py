@@ -135,7 +135,8 @@ def test_references_are_nontrivial(references):
 
 
 def test_greedy_matches_with_prompts_prefilled_in_chunks(make_worker, references, monkeypatch):
-    """Prompts longer than the prefill chunk are cached chunk by chunk (actor.PREFILL_CHUNK_TOKENS):
+    """Prompts longer than the prefill chunk are cached chunk by chunk (actor.PREFILL_CHUNK_TOKENS, the
+    most one prefill forward takes):
     with 2-token chunks every prompt here spans several forwards, and the tokens stay the reference's."""
     import gpu_worker.actor
 
@@ -144,10 +145,29 @@ def test_greedy_matches_with_prompts_prefilled_in_chunks(make_worker, references
     _check(_run(make_worker, references, SpeculationParams(k=4), step_prefill_tokens=1), references)
 
 
+def test_greedy_matches_with_prompts_prefilled_across_budgeted_iterations(make_worker, references):
+    """With an iteration budget of a few tokens, every prompt is cached chunk by chunk over
+    several iterations, beside the other sequences' decode steps, and their drafts are trimmed
+    to the budget: the tokens stay the unchunked reference's."""
+    budget = len(GRAMMARS)  # the least that holds every sequence's row
+    assert max(len(p) for p, _ in references.values()) > 2 * budget
+    _check(
+        _run(
+            make_worker,
+            references,
+            SpeculationParams(k=4),
+            max_iteration_tokens=budget,
+            max_batch=len(GRAMMARS),
+            step_prefill_tokens=2,
+        ),
+        references,
+    )
+
+
 @pytest.mark.parametrize("step_prefill_tokens", [1, 2])
 def test_greedy_matches_with_prompts_prefilled_in_add(make_worker, references, step_prefill_tokens):
     """By default these short prompts are fed whole by each sequence's first step (mixed with the
-    others' drafts); with ``step_prefill_tokens`` 1 or 2, add() caches all but the last 1 or 2
-    prompt tokens first. Either way the tokens are the reference's."""
+    others' drafts); with ``step_prefill_tokens`` 1 or 2, prefill chunks cache all but the last
+    1 or 2 prompt tokens first. Either way the tokens are the reference's."""
     assert min(len(p) for p, _ in references.values()) > 2
     _check(_run(make_worker, references, SpeculationParams(k=4), step_prefill_tokens=step_prefill_tokens), references)

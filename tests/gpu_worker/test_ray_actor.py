@@ -63,6 +63,11 @@ def test_worker_serves_as_a_ray_actor(ray_local, tiny_pair, mask_address):
             if not ray.get(actor.num_active.remote(), timeout=GET_TIMEOUT_S):
                 break
         assert finished == {"a": FinishReason.GRAMMAR_COMPLETE}
+        # The heartbeat answers on its own concurrency group; its count moved with the steps.
+        from gpu_worker.types import LIVENESS_GROUP
+
+        beat = ray.get(actor.progress.options(concurrency_group=LIVENESS_GROUP).remote(), timeout=GET_TIMEOUT_S)
+        assert beat.count >= 2 and beat.active == 0
         # iterate(): the orchestrator's one call per iteration. Removes first (an id the worker
         # does not hold is reported, not raised), then adds (per-sequence errors), then a step
         # that already includes what was just added.

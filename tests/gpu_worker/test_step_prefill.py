@@ -2,9 +2,9 @@
 
 What the tokens are is tested against the independent reference in
 test_greedy_equivalence.py (both ways); here, where the prompt tokens go: a short
-prompt costs add() no forward at all and rides in the first step's batched
-forwards, and a long one is prefilled in add() only up to its last
-``step_prefill_tokens`` tokens.
+prompt costs no prefill forward at all and rides in the first step's batched
+forwards, and a long one is prefilled in chunks, within the iterations' token
+budget, only up to its last ``step_prefill_tokens`` tokens.
 """
 
 from __future__ import annotations
@@ -55,14 +55,22 @@ def test_short_prompts_are_fed_by_the_first_step(make_worker):
             assert state.target_kv.length == len(state.token_ids) - 1
 
 
-def test_a_long_prompt_is_prefilled_in_add_up_to_its_tail(make_worker):
+def test_a_long_prompt_is_prefilled_by_the_iterations_up_to_its_tail(make_worker):
+    """add() runs no forward; the next iteration caches the long prompt up to its tail (a prefill
+    chunk within the iteration budget), and the step after feeds the tail."""
     worker = make_worker(step_prefill_tokens=4)
+    forwards = worker.target.num_forwards
     assert worker.add([_seq("long", 10), _seq("short", 3)]) == [None, None]
+    assert worker.target.num_forwards == forwards
+    assert worker._seqs["long"].prefilling and not worker._seqs["short"].prefilling
+    wait_sessions_open(worker)
+    outputs = {out.seq_id: out for out in worker.step()}
     assert worker._seqs["long"].target_kv.length == 10 - 4
     assert worker._seqs["long"].draft_kv.length == 10 - 4
-    assert worker._seqs["short"].target_kv.length == 0
+    assert "long" not in outputs  # prefilling: no step row yet
+    assert outputs["short"].error is None and outputs["short"].new_token_ids
     outputs = {out.seq_id: out for out in worker.step()}
-    assert all(out.error is None and out.new_token_ids for out in outputs.values())
+    assert outputs["long"].error is None and outputs["long"].new_token_ids
 
 
 def test_step_prefill_tokens_below_one_is_refused(tiny_pair):

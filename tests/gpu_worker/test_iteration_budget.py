@@ -1,0 +1,98 @@
+"""The iteration token budget (WorkerConfig.max_iteration_tokens): chunked prefill beside decode.
+
+A burst of long prompts arrives while a sequence is decoding: every ``step()`` (one
+iteration) forwards at most the budget's worth of target tokens, across the running
+sequence's verify row and the new prompts' prefill chunks, and the running sequence
+emits in every iteration while the prompts are cached. Token-for-token equality of
+chunked and unchunked prefill is in test_greedy_equivalence.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpu_worker.config import WorkerConfig
+from gpu_worker.model_runner import ForwardItem
+from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
+from tests.gpu_worker.helpers import wait_sessions_open
+
+BUDGET = 24
+SPEC = SpeculationParams(k=4, proposers=("draft_model",), draft_masking=False)
+
+
+def _seq(seq_id: str, prompt_len: int, max_tokens: int) -> NewSequence:
+    prompt = tuple(5 + (i * 7) % 200 for i in range(prompt_len))
+    return NewSequence(seq_id, prompt, None, SamplingParams(max_tokens=max_tokens), SPEC)
+
+
+def _record_forwards(worker: Any) -> list[int]:
+    """Count the new tokens of every target forward from now on (one entry per forward)."""
+    sizes: list[int] = []
+    real = worker.target.forward
+
+    def forward(items: list[ForwardItem]) -> Any:
+        sizes.append(sum(len(it.token_ids) for it in items))
+        return real(items)
+
+    worker.target.forward = forward
+    return sizes
+
+
+def test_a_burst_of_long_prompts_keeps_every_iteration_within_the_budget(make_worker: Any) -> None:
+    worker = make_worker(max_iteration_tokens=BUDGET, max_batch=8, step_prefill_tokens=4)
+    assert worker.add([_seq("running", 6, max_tokens=200)]) == [None]
+    worker.step()
+    burst = [_seq(f"long{i}", 90 + 13 * i, max_tokens=3) for i in range(5)]
+    assert worker.add(burst) == [None] * len(burst)
+    wait_sessions_open(worker)
+    sizes = _record_forwards(worker)
+    per_iteration: list[int] = []
+    running_emitted: list[bool] = []
+    finished: set[str] = set()
+    for _ in range(400):
+        if all(s.seq_id in finished for s in burst):
+            break
+        before = len(sizes)
+        outputs = worker.step()
+        per_iteration.append(sum(sizes[before:]))
+        running_emitted.append(any(o.seq_id == "running" and o.new_token_ids for o in outputs))
+        for out in outputs:
+            assert out.error is None, out.error
+            if out.finish_reason is not None:
+                finished.add(out.seq_id)
+    assert all(s.seq_id in finished for s in burst), f"unfinished: {set(worker.active_ids())}"
+    assert "running" not in finished  # it kept decoding through the whole burst
+    total_prompt = sum(len(s.prompt_token_ids) for s in burst)
+    # The prompts could not have been cached in fewer iterations than the budget allows...
+    assert len(per_iteration) >= total_prompt // BUDGET
+    # ...and no forward, nor any iteration's forwards together, ever took more than the budget.
+    assert max(sizes) <= BUDGET and max(per_iteration) <= BUDGET, (max(sizes), max(per_iteration))
+    assert max(per_iteration) >= BUDGET // 2  # the budget was used, not left idle
+    assert all(running_emitted), running_emitted  # a token in every iteration
+
+
+def test_full_decode_rows_have_their_drafts_trimmed_to_the_budget(make_worker: Any) -> None:
+    """Eight running sequences asking for k=4 want 8 x 5 = 40 tokens a step; with a 24-token
+    budget their drafts are cut, never their rows: every sequence still steps every iteration."""
+    worker = make_worker(max_iteration_tokens=BUDGET, max_batch=8)
+    seqs = [_seq(f"s{i}", 5 + i, max_tokens=30) for i in range(8)]
+    assert worker.add(seqs) == [None] * len(seqs)
+    started: set[str] = set()
+    for _ in range(10):  # the prompt tails join the steps as the budget allows
+        started |= {o.seq_id for o in worker.step() if o.new_token_ids}
+        if len(started) == len(seqs):
+            break
+    assert len(started) == len(seqs)
+    sizes = _record_forwards(worker)
+    for _ in range(5):
+        outputs = worker.step()
+        assert {o.seq_id for o in outputs} == {s.seq_id for s in seqs}
+        assert all(o.error is None and o.new_token_ids for o in outputs)
+    assert max(sizes) <= BUDGET
+
+
+def test_the_budget_must_hold_a_full_batch(tiny_pair: Any) -> None:
+    with pytest.raises(ValueError, match="max_iteration_tokens"):
+        WorkerConfig(target_dir=str(tiny_pair[0]), max_batch=16, max_iteration_tokens=8)
