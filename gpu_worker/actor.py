@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from gpu_worker.config import WorkerConfig
+from gpu_worker.config import WorkerConfig, iteration_budget
 from gpu_worker.kv_cache import SequenceKV
 from gpu_worker.loading import (
     cpu_threads,
@@ -141,7 +141,8 @@ class GpuWorker:
         self._seqs: dict[str, SequenceState] = {}  # insertion order = batch order
         # Prompt tokens the first step feeds (WorkerConfig.step_prefill_tokens), capped so that a
         # new sequence's first step fits the iteration budget with room for others.
-        self._step_tail = max(1, min(config.step_prefill_tokens, config.max_iteration_tokens // 2))
+        self.iteration_budget = iteration_budget(config, self.device.type)
+        self._step_tail = max(1, min(config.step_prefill_tokens, self.iteration_budget // 2))
         # Forwards (prefill chunks) and steps finished: the heartbeat's progress (``progress``).
         self.progress_count = 0
         self._rng = random.Random(config.seed)
@@ -265,7 +266,7 @@ class GpuWorker:
         return errors
 
     def step(self) -> list[StepOutput]:
-        """One iteration within ``max_iteration_tokens`` target tokens: a decoding step for the
+        """One iteration within ``iteration_budget`` target tokens: a decoding step for the
         sequences ``_step_batch`` picks (running ones first), then prefill chunks of prompts not
         yet cached with what is left (``_prefill_some``); finished sequences are freed. A
         sequence whose session is still opening when the step starts joins it late if the open
@@ -278,7 +279,7 @@ class GpuWorker:
         if not batch and self._seqs and not prefilling:
             refused += self._settle_sessions(wait=True)
             batch = self._step_batch(prefilling)
-        budget = self.config.max_iteration_tokens
+        budget = self.iteration_budget
         before = self.target.num_positions
         if not batch:
             return refused + self._prefill_some(budget)
@@ -292,7 +293,7 @@ class GpuWorker:
         up to its tail, in arrival order, while their tails fit. A quarter of the budget is
         kept for prefill chunks while any prompt is being prefilled, so a stream of running
         sequences cannot starve them."""
-        budget = self.config.max_iteration_tokens - (self.config.max_iteration_tokens // 4 if prefilling else 0)
+        budget = self.iteration_budget - (self.iteration_budget // 4 if prefilling else 0)
         ready = [s for s in self._seqs.values() if s.session_opening is None and not s.prefilling]
         batch = [s for s in ready if uncached(s) == 1]
         used = len(batch)

@@ -32,12 +32,14 @@ DEFAULT_STEP_PREFILL_TOKENS = 512
 # decode/verify rows of the step and the prefill chunks of prompts not yet cached (chunked
 # prefill, as vLLM's max_num_batched_tokens). Running sequences are served first; prompts
 # take what is left, chunk by chunk over as many iterations as they need, so an iteration's
-# time is bounded whatever arrives. The slowest supported device bounds it: 512 is one
-# prefill chunk (actor.PREFILL_CHUNK_TOKENS, the most one prompt ever took in a forward), far
-# inside the orchestrator's liveness limit for SmolLM2-135M on a CPU, and milliseconds on a
-# GPU. Smaller keeps the streams' inter-token latency closer to a pure decode step's while
-# prompts arrive; larger prefills bursts sooner (docs/scheduling.md).
-DEFAULT_MAX_ITERATION_TOKENS = 512
+# time is bounded whatever arrives. 0 = by device (``iteration_budget``): on a GPU 512, one
+# prefill chunk (actor.PREFILL_CHUNK_TOKENS), milliseconds of work; on a CPU, where a forward's
+# time grows with its tokens, 64, so a burst of long prompts adds little to the running
+# streams' inter-token latency. Smaller keeps the streams' inter-token latency closer to a pure
+# decode step's while prompts arrive; larger prefills bursts sooner (docs/scheduling.md).
+DEFAULT_MAX_ITERATION_TOKENS = 0
+GPU_ITERATION_TOKENS = 512
+CPU_ITERATION_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -92,10 +94,19 @@ class WorkerConfig:
                 "step_prefill_tokens must be >= 1 (the first step feeds at least the last prompt token), "
                 f"got {self.step_prefill_tokens}"
             )
-        if self.max_iteration_tokens < self.max_batch:
+        if self.max_iteration_tokens < 0 or 0 < self.max_iteration_tokens < self.max_batch:
             # Every running sequence feeds at least one token per step: a full batch must fit.
             raise ValueError(
                 f"max_iteration_tokens ({self.max_iteration_tokens}) must be >= max_batch ({self.max_batch})"
             )
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+def iteration_budget(config: WorkerConfig, device_type: str) -> int:
+    """The iteration token budget in force on a device ("cuda", "cpu", ...): the configured one,
+    or by device when it is 0; never below a full batch's one token per sequence."""
+    if config.max_iteration_tokens > 0:
+        return config.max_iteration_tokens
+    chosen = GPU_ITERATION_TOKENS if device_type == "cuda" else CPU_ITERATION_TOKENS
+    return max(chosen, config.max_batch)

@@ -136,7 +136,7 @@ class OrchestratorConfig:
             raise ValueError(
                 f"default_max_tokens must be >= 1 (None = the rest of the context), got {self.default_max_tokens}"
             )
-        if self.max_iteration_tokens < self.max_batch:
+        if self.max_iteration_tokens < 0 or 0 < self.max_iteration_tokens < self.max_batch:
             raise ValueError(
                 f"max_iteration_tokens ({self.max_iteration_tokens}) must be >= max_batch ({self.max_batch}): "
                 "every running sequence feeds at least one token per iteration"

@@ -115,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=cfg.DEFAULT_MAX_ITERATION_TOKENS,
         help="target tokens one worker iteration may process: running sequences' decode rows first, then "
-        "chunks of prompts being prefilled (docs/scheduling.md)",
+        "chunks of prompts being prefilled; 0 = by device, 512 on a GPU and 64 on a CPU (docs/scheduling.md)",
     )
     parser.add_argument(
         "--max-queued-prompt-tokens",

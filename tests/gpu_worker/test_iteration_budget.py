@@ -96,3 +96,18 @@ def test_full_decode_rows_have_their_drafts_trimmed_to_the_budget(make_worker: A
 def test_the_budget_must_hold_a_full_batch(tiny_pair: Any) -> None:
     with pytest.raises(ValueError, match="max_iteration_tokens"):
         WorkerConfig(target_dir=str(tiny_pair[0]), max_batch=16, max_iteration_tokens=8)
+
+
+def test_the_default_budget_follows_the_device() -> None:
+    """0 = by device: a GPU's forward of 512 tokens takes milliseconds, a CPU's grows with them;
+    an explicit budget is kept, and the automatic one never drops below a full batch."""
+    from gpu_worker.config import CPU_ITERATION_TOKENS, GPU_ITERATION_TOKENS, iteration_budget
+
+    auto = WorkerConfig(target_dir="/m", max_batch=8)
+    assert auto.max_iteration_tokens == 0
+    assert iteration_budget(auto, "cuda") == GPU_ITERATION_TOKENS == 512
+    assert iteration_budget(auto, "cpu") == CPU_ITERATION_TOKENS == 64
+    assert iteration_budget(WorkerConfig(target_dir="/m", max_batch=100), "cpu") == 100
+    assert iteration_budget(WorkerConfig(target_dir="/m", max_batch=8, max_iteration_tokens=300), "cpu") == 300
+    with pytest.raises(ValueError, match="max_iteration_tokens"):
+        WorkerConfig(target_dir="/m", max_batch=8, max_iteration_tokens=-1)
