@@ -10,12 +10,16 @@ and greedy speculative decoding must equal plain constrained greedy decoding.
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gpu_worker.models.distill import DistillConfig, distill_draft
-from gpu_worker.models.sources import sha256_file
+from gpu_worker.models.sources import ModelSource, sha256_file
 from gpu_worker.types import SamplingParams, SpeculationParams
 from tests.gpu_worker.helpers import torch_threads
 
@@ -121,3 +125,53 @@ def test_greedy_with_distilled_draft_matches_plain_constrained_decoding(make_wor
         got = results[name]
         assert got.error is None, got.error
         assert list(got.tokens) == references[name][1], name
+
+
+@dataclass(frozen=True)
+class _CopiedDir(ModelSource):
+    """A registered model that is a copy of a local directory (the tiny target)."""
+
+    path: str
+
+    def recipe(self) -> dict[str, Any]:
+        return {"kind": "copied-dir", "path": self.path}
+
+    def build(self, out_dir: Path, deps: Mapping[str, Path], *, progress: bool) -> dict[str, Any]:
+        shutil.copytree(self.path, out_dir)
+        return {}
+
+
+def test_cached_distilled_draft_is_the_default_and_is_never_built_implicitly(
+    tiny_pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpu_worker.models import registry
+    from gpu_worker.models.cache import CACHE_ENV, ensure_model, read_manifest
+    from gpu_worker.models.resolve import default_draft, draft_hint, resolve_pair
+    from gpu_worker.models.sources import DistilledDraftSource
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setitem(registry.MODELS, "tiny", _CopiedDir(str(tiny_pair[0])))
+    monkeypatch.setitem(
+        registry.MODELS, "tiny-draft", DistilledDraftSource(base="tiny", layers=(0,), num_schemas=8, epochs=1)
+    )
+    monkeypatch.setitem(registry.DISTILLED_DRAFTS, "tiny", "tiny-draft")
+
+    assert default_draft("tiny") is None  # not built: no draft, and nothing is built
+    assert not (tmp_path / "cache" / "tiny-draft").exists()
+    target_dir, draft_dir = resolve_pair("tiny", None)
+    assert draft_dir is None
+    assert "specmask models distill tiny" in (draft_hint("tiny", draft_dir) or "")
+
+    with torch_threads(1):
+        built = ensure_model("tiny-draft")
+    manifest = read_manifest(built) or {}
+    assert manifest["recipe"] == registry.MODELS["tiny-draft"].recipe()
+    assert manifest["info"]["teacher_decodes"] > 0
+
+    assert default_draft("tiny") == "tiny-draft"
+    assert resolve_pair("tiny", None) == (target_dir, str(built))
+    assert draft_hint("tiny", str(built)) is None
+    assert resolve_pair("tiny", "none") == (target_dir, None)
+    # A copy that no longer matches its manifest is not picked up.
+    (built / "model.safetensors").write_bytes(b"corrupt")
+    assert default_draft("tiny") is None
