@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,34 @@ SCHEMAS = {
         "required": ["name", "age"],
     },
 }
+
+
+@pytest.fixture(scope="module")
+def mask_service(tiny_pair: tuple[Path, Path]) -> Iterator[Any]:
+    """A real mask service for the tiny pair whose compile workers run at normal priority: at the
+    default (nice 19, SCHED_IDLE) a saturated shared box starves them past the worker's deadline,
+    and this module tests the draft's exactness, not compile scheduling."""
+    from mask_service.config import MaskServiceConfig
+    from mask_service.server import build_service
+    from mask_service.tokenizers import TokenizerSource
+
+    config = MaskServiceConfig(
+        tokenizers=(TokenizerSource(str(tiny_pair[0])),),
+        host="127.0.0.1",
+        port=0,
+        mask_threads=1,
+        compile_nice=0,
+        compile_sched_idle=False,
+    )
+    handle = build_service(config)
+    handle.server.start()
+    yield handle
+    handle.stop(grace_s=1.0)
+
+
+@pytest.fixture(scope="module")
+def mask_address(mask_service: Any) -> str:
+    return f"127.0.0.1:{mask_service.port}"
 
 
 @pytest.fixture(scope="module")
@@ -101,11 +130,29 @@ def references(tiny_pair) -> dict[str, tuple[list[int], list[int], str]]:
     return refs
 
 
+def _run_retrying_compiles(worker: Any, seqs: list[Any], deadline_s: float = 600.0) -> dict[str, Any]:
+    """Run ``seqs`` to completion; a sequence refused with "still compiling, retry" (a busy box can
+    hold a compile past the worker's mask deadline) is sent again until ``deadline_s``."""
+    from tests.gpu_worker.helpers import run_to_completion
+
+    pending = {s.seq_id: s for s in seqs}
+    results: dict[str, Any] = {}
+    end = time.monotonic() + deadline_s
+    while pending:
+        assert worker.add(list(pending.values())) == [None] * len(pending)
+        for seq_id, got in run_to_completion(worker).items():
+            retry = got.error is not None and "still compiling" in got.error and not got.tokens
+            if retry and time.monotonic() < end:
+                continue
+            results[seq_id] = got
+            pending.pop(seq_id)
+    return results
+
+
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_with_distilled_draft_matches_plain_constrained_decoding(make_worker, distilled, references, k) -> None:
     from gpu_worker.types import NewSequence
     from mask_service.grammar import GrammarKind, GrammarSpec
-    from tests.gpu_worker.helpers import run_to_completion
 
     worker = make_worker(draft_dir=str(distilled[0]))
     spec = SpeculationParams(k=k, proposers=("draft_model", "grammar_forced"), draft_masking=True)
@@ -119,12 +166,12 @@ def test_greedy_with_distilled_draft_matches_plain_constrained_decoding(make_wor
         )
         for name, schema in SCHEMAS.items()
     ]
-    assert worker.add(seqs) == [None] * len(seqs)
-    results = run_to_completion(worker)
+    results = _run_retrying_compiles(worker, seqs)
     for name in SCHEMAS:
         got = results[name]
         assert got.error is None, got.error
         assert list(got.tokens) == references[name][1], name
+    assert sum(results[name].drafts_proposed for name in SCHEMAS) > 0  # the draft did draft
 
 
 @dataclass(frozen=True)
