@@ -24,7 +24,10 @@ pair unless --target/--draft), then sends the same N prompts, all at once
   shapes and differ only in grammar work;
 * ``constrained-nodraftmask``: grammar on, draft-side masking off (masks only
   on the verify path, where they overlap the target forward);
-* ``constrained-nospec``: grammar on, speculation off.
+* ``constrained-nospec``: grammar on, speculation off;
+* ``constrained-forced-ngram``: grammar on, speculation with grammar-forced and n-gram
+  drafts only (the draftless default), so a draft model is compared with the free
+  proposers in the same run.
 
 The four phases run ``--rounds`` times (default 3), alternating, so drift on a
 shared machine hits every phase alike. Step time is the orchestrator-side time
@@ -178,6 +181,7 @@ async def _one(
     k: int | None,
     gate: asyncio.Semaphore,
     lengths: list[int],
+    proposers: tuple[str, ...] | None = None,
 ) -> None:
     stats.subsets.setdefault(case.subset, dict.fromkeys(OUTCOMES, 0))["requests"] += 1
     prompt = case.prompt
@@ -198,6 +202,10 @@ async def _one(
         # The schema in the system turn for both phases (the server adds it only on request).
         schema_instruction=DEFAULT_INSTRUCTION_NAME if constrained and not isinstance(prompt, str) else None,
     )
+    if proposers is not None and speculation:
+        from orchestrator.convert import PROPOSER_ENUMS
+
+        req.speculation.proposers.extend(PROPOSER_ENUMS[p] for p in proposers)
     result = StreamedResult()
     async with gate:
         try:
@@ -244,6 +252,7 @@ async def run_phase(
     max_tokens: int | list[int],
     concurrency: int,
     k: int | None = None,
+    proposers: tuple[str, ...] | None = None,
 ) -> tuple[PhaseStats, list[int]]:
     """Run one phase; ``max_tokens`` per request (a list) means exactly that many (ignore_eos)."""
     stats = PhaseStats(phase=phase, requests=len(cases))
@@ -272,6 +281,7 @@ async def run_phase(
                     k=k,
                     gate=gate,
                     lengths=lengths,
+                    proposers=proposers,
                 )
                 for i, c in enumerate(cases)
             )
@@ -353,7 +363,9 @@ def print_table(phases: list[PhaseStats]) -> None:
             print(f"  [{p.phase}] {sample}")
 
 
-PHASES = ("constrained", "unconstrained", "constrained-nodraftmask", "constrained-nospec")
+PHASES = ("constrained", "unconstrained", "constrained-nodraftmask", "constrained-nospec", "constrained-forced-ngram")
+# The proposers of the constrained-forced-ngram phase (orchestrator.validation.DRAFTLESS_PROPOSERS).
+FORCED_NGRAM = ("grammar_forced", "ngram")
 
 
 def print_subsets(stats: PhaseStats) -> None:
@@ -427,6 +439,16 @@ async def run_round(running: RunningStack, cases: list[Case], args: argparse.Nam
             max_tokens=args.max_tokens,
             **common,
         )
+    if "constrained-forced-ngram" in args.phases:
+        out["constrained-forced-ngram"], _ = await run_phase(
+            running,
+            cases,
+            "constrained-forced-ngram",
+            constrained=True,
+            max_tokens=args.max_tokens,
+            proposers=FORCED_NGRAM,
+            **common,
+        )
     return out
 
 
@@ -464,6 +486,8 @@ async def bench(args: argparse.Namespace, cases: list[Case], stack: StackConfig)
     step_ratios = per_round("constrained", "unconstrained", "mean_step_ms")
     nodraftmask_ratios = per_round("constrained-nodraftmask", "unconstrained", "mean_step_ms")
     speedups = per_round("constrained", "constrained-nospec", "tokens_per_s")
+    vs_forced_ngram = per_round("constrained", "constrained-forced-ngram", "tokens_per_s")
+    forced_ngram = merged.get("constrained-forced-ngram", empty)
     same = [identical_outputs(r["constrained"], r["constrained-nospec"]) for r in rounds if "constrained-nospec" in r]
     return {
         "rounds": args.rounds,
@@ -493,6 +517,10 @@ async def bench(args: argparse.Namespace, cases: list[Case], stack: StackConfig)
         "spec_vs_nonspec_speedup_rounds": speedups,
         # Greedy: speculation must not change a token. [same, compared] summed over rounds.
         "spec_nonspec_identical_outputs": [sum(s for s, _ in same), sum(n for _, n in same)] if same else None,
+        "forced_ngram_tokens_per_target_forward": round(forced_ngram.usage.tokens_per_target_forward, 3),
+        "forced_ngram_tokens_per_s": round(forced_ngram.tokens_per_s, 1),
+        "spec_vs_forced_ngram_speedup": _median(vs_forced_ngram),
+        "spec_vs_forced_ngram_speedup_rounds": vs_forced_ngram,
         "mask_round_trips_per_step": round(constrained.mask_round_trips_per_step, 3),
         "nospec_mask_round_trips_per_step": round(nospec.mask_round_trips_per_step, 3),
         "device": device,
@@ -510,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64, help="requests in flight at once")
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--max-batch", type=int, default=64, help="active sequences per worker")
-    parser.add_argument("--rounds", type=int, default=3, help="times the four phases run, alternating")
+    parser.add_argument("--rounds", type=int, default=3, help="times the phases run, alternating")
     parser.add_argument("--k", type=int, default=None, help="drafts per step when speculating (default: the server's)")
     parser.add_argument("--target", default=None, help="target model dir or registered name (default: the toy pair)")
     parser.add_argument("--draft", default=None, help="draft model dir or name ('none' = no draft model)")
@@ -524,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--subsets", default=None, help="comma list of schema-file prefixes; --n is then per subset")
     parser.add_argument(
         "--phases",
-        default=",".join(PHASES[1:]),
+        default=",".join(PHASES[1:4]),
         help=f"phases besides 'constrained' (comma list of {', '.join(PHASES[1:])})",
     )
     parser.add_argument("--log-level", default="WARNING")

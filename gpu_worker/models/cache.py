@@ -116,6 +116,19 @@ def ensure_model(
         return final
 
 
+def cached_model(name: str, *, cache_root: Path | str | None = None) -> Path | None:
+    """The verified cached directory of registered model ``name``, or None; never fetches or builds."""
+    source = get_source(name)
+    final = globals()["cache_root"](cache_root) / name
+    if not final.is_dir():
+        return None
+    problem = verify(final, source.recipe())
+    if problem is not None:
+        logger.info("model %s: cached copy at %s not usable (%s)", name, final, problem)
+        return None
+    return final
+
+
 def read_manifest(model_dir: Path) -> dict[str, Any] | None:
     path = Path(model_dir) / MANIFEST_NAME
     return json.loads(path.read_text()) if path.is_file() else None

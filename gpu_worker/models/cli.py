@@ -1,4 +1,4 @@
-"""`specmask models get NAME [--out DIR] [--force]` and `specmask models list`."""
+"""`specmask models get NAME [--out DIR] [--force]`, `specmask models distill TARGET` and `specmask models list`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=["get", "list"], help="get: fetch/convert (cached); list: registered names")
+    parser.add_argument(
+        "action",
+        choices=["get", "distill", "list"],
+        help="get: fetch/convert (cached); distill: build TARGET's small draft model here (cached); "
+        "list: registered names",
+    )
     parser.add_argument("name", nargs="?", default=None, help="registered model name (see `specmask models list`)")
     parser.add_argument(
         "--out",
@@ -35,13 +40,31 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name}: {source.recipe()}")
         return 0
     if args.name is None:
-        print("specmask models get: name a model (see `specmask models list`)", file=sys.stderr)
+        print(f"specmask models {args.action}: name a model (see `specmask models list`)", file=sys.stderr)
         return 2
+    name = args.name
+    if args.action == "distill":
+        from gpu_worker.models.registry import DISTILLED_DRAFTS
+
+        if name not in DISTILLED_DRAFTS:
+            known = ", ".join(sorted(DISTILLED_DRAFTS))
+            print(
+                f"specmask models distill: no distilled draft is defined for {name!r} (known: {known})", file=sys.stderr
+            )
+            return 2
+        name = DISTILLED_DRAFTS[name]
     try:
-        path = ensure_model(args.name, cache_root=args.out, force=args.force, progress=not args.quiet)
+        path = ensure_model(name, cache_root=args.out, force=args.force, progress=not args.quiet)
     except ModelError as exc:
         print(f"specmask models get: {exc}", file=sys.stderr)
         return 1
     manifest = read_manifest(path) or {}
-    print(f"{args.name}: {path} (built {manifest.get('built_at')}, {manifest.get('build_seconds')} s)")
+    print(f"{name}: {path} (built {manifest.get('built_at')}, {manifest.get('build_seconds')} s)")
+    if args.action == "distill":
+        info = manifest.get("info", {})
+        print(
+            f"  held-out greedy agreement (masked, unforced positions): {info.get('heldout_agreement_before')} "
+            f"before training -> {info.get('heldout_agreement_after')} after; "
+            f"used by default with {args.name} (or --draft {name})"
+        )
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpu_worker.models.errors import ModelError
-from gpu_worker.models.sources import EarlyExitSource, GgufWheelSource, ModelSource
+from gpu_worker.models.sources import DistilledDraftSource, EarlyExitSource, GgufWheelSource, ModelSource
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -38,9 +38,20 @@ def _early_exit_name(base: str, num_layers: int) -> str:
 for _n in (8, 16, 24):
     register(_early_exit_name(DEFAULT_MODEL, _n), EarlyExitSource(base=DEFAULT_MODEL, num_layers=_n))
 
+# Drafts distilled here from a target (`specmask models distill TARGET`; ~20 min on 2 CPU cores):
+# the target's first and last layers, its frozen tied embedding and tokenizer, trained on
+# its own grammar-constrained outputs for generated schemas (gpu_worker/models/distill.py).
+DISTILLED_DRAFTS: dict[str, str] = {DEFAULT_MODEL: f"{DEFAULT_MODEL}-draft"}
+register(
+    DISTILLED_DRAFTS[DEFAULT_MODEL],
+    DistilledDraftSource(base=DEFAULT_MODEL, layers=(0, -1), num_schemas=40, epochs=2),
+)
+
 # The draft `specmask up/demo/bench` pair with a registered target when none is named. None: no
 # draft model; requests then draft with grammar-forced tokens and prompt lookup (n-gram), which
 # measured best on this model (README, "Real model").
+# A target's distilled draft (DISTILLED_DRAFTS) takes precedence when it is already in the cache:
+# it is never built implicitly (resolve.default_draft).
 DEFAULT_DRAFTS: dict[str, str | None] = {DEFAULT_MODEL: None}
 
 

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from gpu_worker.models.errors import ModelError
-from gpu_worker.models.registry import DEFAULT_DRAFTS, DEFAULT_MODEL, resolve_model
+from gpu_worker.models.registry import DEFAULT_DRAFTS, DEFAULT_MODEL, DISTILLED_DRAFTS, resolve_model
 
 NO_DRAFT = "none"
 
@@ -22,13 +22,37 @@ def resolve_pair(target: str | None, draft: str | None, *, progress: bool = True
     """(target_dir, draft_dir or None). ``target`` None = the default real model."""
     target = DEFAULT_MODEL if target is None else target
     if draft is None:
-        draft = DEFAULT_DRAFTS.get(target)
+        draft = default_draft(target)
     target_dir = resolve_model(target, progress=progress)
     assert target_dir is not None
     draft_dir = None if draft in (None, NO_DRAFT) else resolve_model(draft, progress=progress)
     if draft_dir is not None:
         check_same_tokenizer(target_dir, draft_dir)
     return target_dir, draft_dir
+
+
+def default_draft(target: str) -> str | None:
+    """The draft a registered ``target`` gets when none is named: its distilled draft when that is
+    already built and verified in the cache (never built here: that takes minutes), else the
+    registry's default (None = grammar-forced + n-gram drafts)."""
+    from gpu_worker.models.cache import cached_model
+
+    distilled = DISTILLED_DRAFTS.get(target)
+    if distilled is not None and cached_model(distilled) is not None:
+        return distilled
+    return DEFAULT_DRAFTS.get(target)
+
+
+def draft_hint(target: str | None, draft_dir: str | None) -> str | None:
+    """One line telling how to get the distilled draft, when ``target`` has one and runs without it."""
+    target = DEFAULT_MODEL if target is None else target
+    distilled = DISTILLED_DRAFTS.get(target)
+    if draft_dir is not None or distilled is None:
+        return None
+    return (
+        f"a distilled draft model for {target} is not built; `specmask models distill {target}` "
+        f"builds it (~20 min on 2 CPU cores) and it is then used by default"
+    )
 
 
 def _vocab(model_dir: str) -> dict[str, int] | None:

@@ -122,3 +122,34 @@ def _layer_index(key: str) -> int | None:
         if i + 1 < len(parts) and parts[i + 1].isdigit():
             return int(parts[i + 1])
     return None
+
+
+@dataclass(frozen=True)
+class DistilledDraftSource(ModelSource):
+    """A small draft distilled on this machine from ``base``'s own grammar-constrained greedy
+    outputs for generated JSON Schemas (gpu_worker/models/distill.py): a few of the base's
+    layers, its frozen tied embedding and tokenizer, trained to match its masked distribution."""
+
+    base: str  # registered name of the target
+    layers: tuple[int, ...]
+    num_schemas: int
+    epochs: int
+    seed: int = 0
+
+    def config(self) -> Any:
+        from gpu_worker.models.distill import DistillConfig
+
+        return DistillConfig(layers=self.layers, num_schemas=self.num_schemas, epochs=self.epochs, seed=self.seed)
+
+    def recipe(self) -> dict[str, Any]:
+        from gpu_worker.models.distill import RECIPE_VERSION
+
+        return {"kind": "distilled-draft", "base": self.base, "version": RECIPE_VERSION, **self.config().to_json()}
+
+    def dependencies(self) -> tuple[str, ...]:
+        return (self.base,)
+
+    def build(self, out_dir: Path, deps: Mapping[str, Path], *, progress: bool) -> dict[str, Any]:
+        from gpu_worker.models.distill import distill_draft
+
+        return distill_draft(deps[self.base], out_dir, self.config(), progress=progress)

@@ -344,7 +344,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gpu_worker.models.errors import ModelError
-    from gpu_worker.models.resolve import describe, resolve_cli_models
+    from gpu_worker.models.resolve import describe, draft_hint, resolve_cli_models
 
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     started = time.monotonic()
@@ -359,6 +359,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     drafting = describe(draft) if draft else "no draft model (grammar-forced + n-gram drafts)"
     print(f"  target: {describe(target)}\n  draft:  {drafting}")
+    hint = None if args.toy else draft_hint(args.target, draft)
+    if hint is not None:
+        print(f"  ({hint})")
     print(f"  ready in {time.monotonic() - started:.1f} s", flush=True)
     stack = StackConfig(target_dir=target, draft_dir=draft, log_dir=".specmask/logs", worker_logs=False)
     # The toy pair is used with its own prompts (it has no chat template and knows only its schemas).
