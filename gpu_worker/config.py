@@ -46,6 +46,10 @@ class WorkerConfig:
     # [1, Σ T_r] sequence over the slot pool (gpu_worker/model_runner.py).
     # False: one forward per sequence (the exact reference the batched path is tested against).
     batched_forward: bool = True
+    # Decode and verify forwards at static bucketed shapes over the slot pool
+    # (gpu_worker.static_forward): "auto" = captured and replayed as CUDA graphs on a GPU,
+    # the eager packed path on a CPU; "on" = the static path on a CPU too; "off" = never.
+    static_forward: str = "auto"
     mask_deadline_s: float = 5.0  # per mask-service call, handed to the router
     ngram_min: int = DEFAULT_NGRAM_MIN
     ngram_max: int = DEFAULT_NGRAM_MAX
@@ -78,5 +82,7 @@ class WorkerConfig:
                 "step_prefill_tokens must be >= 1 (the first step feeds at least the last prompt token), "
                 f"got {self.step_prefill_tokens}"
             )
+        if self.static_forward not in ("auto", "on", "off"):
+            raise ValueError(f"static_forward must be auto, on or off, got {self.static_forward!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
