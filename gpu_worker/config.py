@@ -47,8 +47,9 @@ class WorkerConfig:
     # False: one forward per sequence (the exact reference the batched path is tested against).
     batched_forward: bool = True
     # Decode and verify forwards at static bucketed shapes over the slot pool
-    # (gpu_worker.static_forward): "auto" = captured and replayed as CUDA graphs on a GPU,
-    # the eager packed path on a CPU; "on" = the static path on a CPU too; "off" = never.
+    # (gpu_worker.static_forward), captured and replayed as CUDA graphs on a GPU and run
+    # eagerly on a CPU: "auto" = wherever the architecture is supported (Llama family),
+    # "on" = required (an unsupported model is an error), "off" = the packed path only.
     static_forward: str = "auto"
     mask_deadline_s: float = 5.0  # per mask-service call, handed to the router
     ngram_min: int = DEFAULT_NGRAM_MIN

@@ -73,8 +73,9 @@ class ModelRunner:
     def __init__(
         self, model: Any, *, batched: bool = True, packed: bool = True, name: str = "model", static: str = "off"
     ) -> None:
-        """``static``: the static-shape forward for decode and verify batches (gpu_worker.static_forward:
-        "auto" = CUDA graphs on a GPU, eager elsewhere; "on" = also on a CPU; "off" = never)."""
+        """``static``: the static-shape forward for decode and verify batches (gpu_worker.static_forward;
+        "auto", "on" or "off", see ``static_forward.build``). Off by default here: the worker
+        passes WorkerConfig.static_forward."""
         self.model = model
         self.name = name
         self.batched = batched

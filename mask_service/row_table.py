@@ -133,12 +133,18 @@ class RowTable:
         self.table = np.empty((size, self.num_mask_words), dtype=np.int32)  # [rows, W]
         self.allowed = np.empty(size, dtype=np.int32)  # [rows]
         self.single = np.empty(size, dtype=np.int32)  # [rows]
+        self.ids = np.empty(size, dtype=np.uint64)  # [rows] content id of each slot
         self.table[0] = -1
         self.allowed[0] = 32 * self.num_mask_words
         self.single[0] = -1
+        self.ids[0] = ALL_ONES_ID
         self.slot_of: dict[int, int] = {ALL_ONES_ID: 0}
         self.num_rows = 1
         self.epoch += 1
+        # Content ids sorted, with their slots: a reply's ids map to slots in one vectorised
+        # search (no Python work per id). Rebuilt when rows were added since.
+        self._sorted_ids = self.ids[:1].copy()
+        self._sorted_slots = np.zeros(1, dtype=np.int32)
 
     def _grow(self, need: int) -> None:
         size = self.table.shape[0]
@@ -152,8 +158,10 @@ class RowTable:
         allowed[:n] = self.allowed[:n]
         single = np.empty(new_size, dtype=np.int32)
         single[:n] = self.single[:n]
+        ids = np.empty(new_size, dtype=np.uint64)
+        ids[:n] = self.ids[:n]
         # New arrays, old ones untouched: views taken before the growth stay valid.
-        self.table, self.allowed, self.single = grown, allowed, single
+        self.table, self.allowed, self.single, self.ids = grown, allowed, single, ids
 
     def has_room(self, n: int) -> bool:
         return self.num_rows + n <= self.capacity
@@ -199,10 +207,22 @@ class RowTable:
             slot = self.num_rows
             decode_row(r.encoding, r.payload, self.table[slot])
             self.allowed[slot], self.single[slot] = self._count(r, self.table[slot])
+            self.ids[slot] = r.row_id
             self.slot_of[r.row_id] = slot
             self.num_rows += 1
-        get = self.slot_of.get
-        out = np.fromiter((get(i, -1) for i in row_ids), dtype=np.int32, count=len(row_ids))
-        if out.size and int(out.min()) < 0:
+        return self.slots_of(row_ids)
+
+    def slots_of(self, row_ids: Sequence[int]) -> np.ndarray:
+        """Slots of ``row_ids`` ([n] int32), by a vectorised search of the sorted ids (the
+        reply's repeated field is converted by numpy in one call, not id by id in Python).
+        Raises MissingRow if an id is not held."""
+        n = self.num_rows
+        if self._sorted_slots.shape[0] != n:
+            order = np.argsort(self.ids[:n], kind="stable")
+            self._sorted_ids, self._sorted_slots = self.ids[:n][order], order.astype(np.int32)
+        wanted = np.array(row_ids, dtype=np.uint64).reshape(-1)  # [n]
+        pos = np.searchsorted(self._sorted_ids, wanted)
+        np.minimum(pos, n - 1, out=pos)
+        if not np.array_equal(self._sorted_ids[pos], wanted):
             raise MissingRow("response references a row this client does not hold")
-        return out
+        return self._sorted_slots[pos]

@@ -13,7 +13,7 @@ import torch
 
 from gpu_worker.kv_cache import SequenceKV
 from gpu_worker.model_runner import ForwardItem, ModelRunner
-from gpu_worker.static_forward import StaticForward, supports
+from gpu_worker.static_forward import StaticForward, build, supports
 from gpu_worker.types import SpeculationParams
 from tests.gpu_worker.test_greedy_equivalence import _check, _run, references  # noqa: F401 (fixture)
 
@@ -105,11 +105,24 @@ def test_bucketed_plan_pads_rows_and_width(model: torch.nn.Module) -> None:
     assert static.plan([ForwardItem(kvs[0], list(range(17)), 1)]) is None
 
 
-def test_auto_mode_stays_eager_on_cpu(model: torch.nn.Module) -> None:
+def test_modes_and_cpu_defaults(model: torch.nn.Module) -> None:
     assert supports(model)
-    assert ModelRunner(model, static="auto").static is None
+    runner = ModelRunner(model, static="auto")
+    assert runner.static is not None and not runner.static.use_graphs and not runner.static.pad_to_buckets
+    assert ModelRunner(model, static="off").static is None
+    assert ModelRunner(model).static is None
     with pytest.raises(ValueError):
         StaticForward(model, use_graphs=True)  # no CUDA here
+
+
+def test_unsupported_architecture_falls_back_under_auto_only() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2, n_positions=64)).eval()
+    assert not supports(gpt2)
+    assert build(gpt2, "auto") is None and build(gpt2, "off") is None
+    with pytest.raises(ValueError):
+        build(gpt2, "on")
 
 
 @pytest.mark.parametrize("k", [1, 4])

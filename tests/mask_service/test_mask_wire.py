@@ -278,3 +278,34 @@ def test_client_allowed_counts_match_real_rows(service, bpe_id, hf_tok) -> None:
             ind = client.draft_masks_indirect([DraftMaskItem(sid, toks[p : p + 3])])
             np.testing.assert_array_equal(ind.allowed_count.numpy(), counts)
         assert singles > 0  # the schema forces tokens (e.g. after '{"'), so the single path is exercised
+
+
+def test_row_table_maps_reply_ids_to_slots_vectorised() -> None:
+    """Reply ids map to slots by one sorted search: 64-bit ids above 2**63, any order,
+    repeats, ids added across replies and after a clear; an id not held is MissingRow."""
+    import numpy as np
+
+    from mask_service.row_table import RowTable
+    from mask_service.wire import MissingRow
+    from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+
+    def row(i: int) -> pb.NewRow:
+        payload = np.array([i], dtype="<u4").tobytes()
+        return pb.NewRow(row_id=(i * 0x9E3779B97F4A7C15) % (1 << 64), encoding=pb.ROW_ENCODING_ALLOWED,
+                         payload=payload, allowed_count=1)  # fmt: skip
+
+    table = RowTable(4, 64)
+    first = [row(i) for i in range(1, 6)]
+    assert max(r.row_id for r in first) > 2**63
+    ids = [first[3].row_id, 0, first[0].row_id, first[3].row_id]
+    assert table.absorb(first, ids).tolist() == [4, 0, 1, 4]
+    second = [row(i) for i in range(6, 9)]
+    got = table.absorb(second, pb.DraftMasksResponse(row_ids=[second[2].row_id, first[1].row_id]).row_ids)
+    assert got.tolist() == [8, 2]
+    assert table.single[8] == 8
+    with pytest.raises(MissingRow):
+        table.absorb([], [row(99).row_id])
+    table.clear()
+    with pytest.raises(MissingRow):
+        table.absorb([], [first[0].row_id])
+    assert table.absorb([first[0]], [first[0].row_id, 0]).tolist() == [1, 0]
