@@ -466,6 +466,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4, help="record/replay pairs, order alternating")
     parser.add_argument("--no-nospec-check", action="store_true", help="skip the no-speculation output check")
     parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument(
+        "--static-forward", default="auto", choices=("auto", "on", "off"), help="WorkerConfig.static_forward"
+    )
     parser.add_argument("--mask-threads", type=int, default=1)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -506,6 +509,7 @@ def _run(args: argparse.Namespace) -> int:
             max_k=max(args.k, 1),
             torch_threads=args.torch_threads,
             step_prefill_tokens=1,  # prompts prefilled in add(), untimed: the timed steps are decode steps
+            static_forward=args.static_forward,
         )
         # Two workers over one set of weights: the constrained run and its replay step side by
         # side, each with its own KV pool, mask channel and sequences.
@@ -642,6 +646,7 @@ def _run(args: argparse.Namespace) -> int:
         "sequences": len(ref.outputs),
         "proposers": list(proposers),
         "k": args.k,
+        "static_forward": args.static_forward,
         "target": target_dir,
         "draft": draft_dir,
         "load_average": [list(load_start), list(load_end)],

@@ -198,6 +198,9 @@ class StaticForward:
         rows, width = ids.shape
         key = (rows, width, keys, pool.k[0].data_ptr(), pool.v[0].data_ptr())
         buf = self._graphs.get(key)
+        # Page-locked copies (torch's caching pinned allocator): the uploads below are then
+        # asynchronous and never wait for the device.
+        ids, positions = ids.pin_memory(), positions.pin_memory()
         if buf is not None:
             self._graphs.move_to_end(key)
             buf.input_ids.copy_(ids, non_blocking=True)

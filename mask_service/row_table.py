@@ -17,13 +17,39 @@ holds it, however the table changes meanwhile on a mask-reply thread.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from mask_service.wire import ALL_ONES_ID, MissingRow, WireError, decode_row
 from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+
+# Allocates a table's host arrays: (shape, dtype) -> an empty array. np.empty by default; a
+# worker on a CUDA host installs page-locked memory (gpu_worker.mask_table.use_pinned_rows),
+# so uploading new rows to the device mirror is an asynchronous DMA straight from the table
+# the mask-reply thread decoded them into (rows never change within an epoch, so the copy
+# can run while that thread appends more).
+HostAllocator = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+
+
+def _numpy_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    return np.empty(shape, dtype=dtype)
+
+
+_host_allocator: HostAllocator = _numpy_empty
+
+
+def set_host_allocator(allocator: HostAllocator | None) -> None:
+    """Allocate the row words of every table created or grown from now on with ``allocator``
+    (None: np.empty)."""
+    global _host_allocator
+    _host_allocator = allocator if allocator is not None else _numpy_empty
+
+
+def _empty(shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    return _host_allocator(shape, np.dtype(dtype))
+
 
 # Distinct per RowTable in this process: a device mirror is keyed by it.
 _SOURCES = itertools.count(1)
@@ -130,7 +156,7 @@ class RowTable:
     def clear(self) -> None:
         """Start the next epoch in fresh arrays: views of the old epoch stay intact."""
         size = min(self.capacity, _INITIAL_ROWS)
-        self.table = np.empty((size, self.num_mask_words), dtype=np.int32)  # [rows, W]
+        self.table = _empty((size, self.num_mask_words), np.int32)  # [rows, W]
         self.allowed = np.empty(size, dtype=np.int32)  # [rows]
         self.single = np.empty(size, dtype=np.int32)  # [rows]
         self.ids = np.empty(size, dtype=np.uint64)  # [rows] content id of each slot
@@ -152,7 +178,7 @@ class RowTable:
             return
         new_size = min(self.capacity, max(need, size * 2))
         n = self.num_rows
-        grown = np.empty((new_size, self.num_mask_words), dtype=np.int32)
+        grown = _empty((new_size, self.num_mask_words), np.int32)
         grown[:n] = self.table[:n]
         allowed = np.empty(new_size, dtype=np.int32)
         allowed[:n] = self.allowed[:n]

@@ -140,5 +140,10 @@ def test_worker_greedy_matches_reference_on_the_static_path(make_worker, referen
             runner.static.pad_to_buckets = True
         return worker
 
-    _check(_run(make, references, spec), references)
+    for _ in range(10):
+        results = _run(make, references, spec)
+        # A busy box can refuse a cold grammar while it compiles: run again once it is cached.
+        if not any("still compiling" in (r.error or "") for r in results.values()):
+            break
+    _check(results, references)
     assert worker is not None and worker.target.static.forwards > 0 and worker.draft.static.forwards > 0

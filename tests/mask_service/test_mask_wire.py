@@ -309,3 +309,34 @@ def test_row_table_maps_reply_ids_to_slots_vectorised() -> None:
     with pytest.raises(MissingRow):
         table.absorb([], [first[0].row_id])
     assert table.absorb([first[0]], [first[0].row_id, 0]).tolist() == [1, 0]
+
+
+def test_row_table_words_come_from_the_installed_host_allocator() -> None:
+    """A worker on a CUDA host installs page-locked memory for the row words; every table
+    created or grown afterwards uses it, and decoding into it is unchanged."""
+    import numpy as np
+
+    from mask_service import row_table
+    from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+
+    made: list[np.ndarray] = []
+
+    def counting(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        made.append(np.empty(shape, dtype=dtype))
+        return made[-1]
+
+    row_table.set_host_allocator(counting)
+    try:
+        table = row_table.RowTable(3, 200)
+        assert len(made) == 1 and table.table is made[0]
+        rows = [
+            pb.NewRow(row_id=i, encoding=pb.ROW_ENCODING_ALLOWED, payload=np.array([i], "<u4").tobytes(),
+                      allowed_count=1)
+            for i in range(1, 64 + 8)
+        ]  # fmt: skip
+        slots = table.absorb(rows, [r.row_id for r in rows])
+        assert len(made) == 2 and table.table is made[1]  # grown past the first 64 rows
+        assert table.view().words[slots[5]].tolist() == [1 << 6, 0, 0]
+    finally:
+        row_table.set_host_allocator(None)
+    assert type(row_table.RowTable(2, 8).table) is np.ndarray and len(made) == 2
