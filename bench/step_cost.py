@@ -344,9 +344,18 @@ class Run:
     def __init__(self, worker: Any, stepper: StepRunner, seqs: Sequence[Any], counter: _CallCounter) -> None:
         """Adds ``seqs`` (prefill: untimed) to ``worker``, which then steps with ``stepper``."""
         worker.stepper = stepper
-        errors = worker.add(list(seqs), wait_for_sessions=True)
-        if any(errors):
-            raise RuntimeError(f"add failed: {[e for e in errors if e][:3]}")
+        pending = list(seqs)
+        for _ in range(60):
+            errors = worker.add(pending, wait_for_sessions=True)
+            failed = [(seq, err) for seq, err in zip(pending, errors, strict=True) if err]
+            # On a busy host a cold grammar can outlast the open's deadline: the service keeps
+            # compiling it and refuses with "still compiling"; add those sequences again.
+            if not failed or any("still compiling" not in err for _, err in failed):
+                break
+            pending = [seq for seq, _ in failed]
+            time.sleep(1.0)
+        if failed:
+            raise RuntimeError(f"add failed: {[err for _, err in failed][:3]}")
         self.worker, self.stepper, self.counter = worker, stepper, counter
         self.stats = RunStats(outputs={s.seq_id: [] for s in seqs})
         self._draft_forwards0 = worker.draft.num_forwards if worker.draft is not None else 0
@@ -498,7 +507,9 @@ def _run(args: argparse.Namespace) -> int:
     else:
         proposers = ("draft_model", "grammar_forced") if draft_dir else ("grammar_forced", "ngram")
     load_start = os.getloadavg()
-    service = MaskServiceProcess([target_dir], extra_args=["--mask-threads", str(args.mask_threads)]).start()
+    service = MaskServiceProcess([target_dir], extra_args=["--mask-threads", str(args.mask_threads)])
+    service.start(wait=False)
+    service.wait_serving(timeout_s=600.0)  # loading the tokenizer takes minutes on a busy shared host
     workers: list[Any] = []
     try:
         config = WorkerConfig(

@@ -18,20 +18,21 @@ over a fixed layout, so one forward is one fixed sequence of kernels that a
 * **Every row is T wide**, T a bucket (``WIDTH_BUCKETS``) at least the widest
   item; row r's tokens sit at ``t < T_r`` and the rest is padding written past
   ``L_r + T_r``.
-* **Keys are read up to S**, the pool capacity on a GPU (so the graph depends
-  on the pool's tensors, not on this step's lengths) and the batch's longest
-  row on a CPU. Query (b, t) at position ``p = L_b + t`` sees keys ``0..p`` of
+* **Keys are read up to S**: on a GPU the batch's longest row rounded up to
+  ``KEY_BUCKET`` (so one graph serves many steps) and on a CPU that row's
+  length exactly. Query (b, t) at position ``p = L_b + t`` sees keys ``0..p`` of
   its own row; the mask is computed on the device from the position buffer.
 * **Inputs and outputs are preallocated** per (B, T, S) and the KV writes are
   one indexed write per layer at (row, position) from device tensors, so the
   forward has no host synchronisation and no shape that depends on values.
 
-On CUDA the first forward of a (B, T, S, pool tensors) shape is warmed up on
+On CUDA the first forward of a (B, T, S) shape is warmed up on
 a side stream and captured; later ones copy their inputs into the graph's
 buffers and replay it. Warm-up and capture write the very keys/values the
 replay writes (the inputs are already in the buffers), so capturing on live
-data is harmless. A pool resize (more slots or positions) makes new tensors,
-hence new graphs; capacity is grown in large steps on a GPU so that is rare.
+data is harmless. A pool resize (more slots or positions) makes new tensors, so
+every graph is dropped and recaptured on demand; capacity is grown in large
+steps on a GPU so that is rare.
 Forwards outside the buckets (prefill chunks, batches past the largest bucket)
 run eagerly through model_runner.py.
 
@@ -63,6 +64,10 @@ WIDTH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16)
 MAX_GRAPHS = 96
 # Key positions the pool grows by at least, on a GPU: every growth means new graphs.
 GPU_CAPACITY_STEP = 1024
+# Key positions attention reads, on a GPU: the batch's longest row rounded up to this, so a
+# graph serves every step until the context crosses the next multiple (reading the whole
+# capacity instead would multiply the KV bytes a step moves).
+KEY_BUCKET = 256
 # Token fed to rows and columns that carry no real token (any valid id works).
 _PAD_TOKEN_ID = 0
 
@@ -132,6 +137,7 @@ class StaticForward:
         self.width_buckets = tuple(sorted(width_buckets))
         self._graphs: OrderedDict[tuple[int, ...], _Buffers] = OrderedDict()
         self._graph_pool: tuple[int, int] | None = None  # shared memory pool of the captured graphs
+        self._pool_tensors: tuple[int, ...] = ()  # addresses of the KV tensors the graphs read
         # Counters (tests, benches).
         self.forwards = 0
         self.captures = 0
@@ -165,13 +171,9 @@ class StaticForward:
             ids[it.kv.slot, : len(it.token_ids)] = torch.as_tensor(list(it.token_ids), dtype=torch.long)
         positions = torch.tensor(lengths, dtype=torch.long).unsqueeze(1) + torch.arange(width)  # [B, T]
         need = max(lengths) + width  # every row, dummy ones too, writes T positions past its length
-        if self.use_graphs:
-            step = GPU_CAPACITY_STEP
-            pool.reserve(-(-need // step) * step)
-            keys = pool.capacity
-        else:
-            pool.reserve(need)
-            keys = need
+        pool.reserve(-(-need // GPU_CAPACITY_STEP) * GPU_CAPACITY_STEP if self.use_graphs else need)
+        # Bucketed (what a graph runs): keys past the rows' lengths are read too, under the mask.
+        keys = min(pool.capacity, -(-need // KEY_BUCKET) * KEY_BUCKET) if self.pad_to_buckets else need
         k_rows = [k[:rows] for k in pool.k]  # [B, H_kv, capacity, D] views: row b is slot b
         v_rows = [v[:rows] for v in pool.v]
         if self.use_graphs:
@@ -196,7 +198,13 @@ class StaticForward:
         keys: int,
     ) -> torch.Tensor:
         rows, width = ids.shape
-        key = (rows, width, keys, pool.k[0].data_ptr(), pool.v[0].data_ptr())
+        tensors = tuple(t.data_ptr() for t in (*pool.k, *pool.v))
+        if tensors != self._pool_tensors:
+            # The pool was resized: its old tensors are gone, and a graph reading them must never
+            # replay (the allocator may hand the same addresses to other tensors).
+            self._graphs.clear()
+            self._pool_tensors = tensors
+        key = (rows, width, keys)
         buf = self._graphs.get(key)
         # Page-locked copies (torch's caching pinned allocator): the uploads below are then
         # asynchronous and never wait for the device.
