@@ -2,8 +2,8 @@
 
 On a CPU the static path runs eagerly, either at the exact batch range or padded to its
 buckets (the layout a CUDA graph records: dummy rows, padded columns); both must give
-the eager path's logits (float32, up to summation order) and, through the whole worker,
-the greedy reference's tokens.
+the eager path's logits (float32, up to summation order). Through the whole worker the
+static path is checked against the greedy reference in test_greedy_equivalence.py.
 """
 
 from __future__ import annotations
@@ -14,8 +14,6 @@ import torch
 from gpu_worker.kv_cache import SequenceKV
 from gpu_worker.model_runner import ForwardItem, ModelRunner
 from gpu_worker.static_forward import StaticForward, build, supports
-from gpu_worker.types import SpeculationParams
-from tests.gpu_worker.test_greedy_equivalence import _check, _run, references  # noqa: F401 (fixture)
 
 VOCAB = 97
 ATOL = 1e-5
@@ -123,27 +121,3 @@ def test_unsupported_architecture_falls_back_under_auto_only() -> None:
     assert build(gpt2, "auto") is None and build(gpt2, "off") is None
     with pytest.raises(ValueError):
         build(gpt2, "on")
-
-
-@pytest.mark.parametrize("k", [1, 4])
-def test_worker_greedy_matches_reference_on_the_static_path(make_worker, references, k: int) -> None:  # noqa: F811
-    """The whole worker (draft forwards, verify forwards, grammar masks) on the static path,
-    bucketed as a graph would run it, emits the greedy reference's tokens."""
-    spec = SpeculationParams(k=k, proposers=("draft_model", "grammar_forced"), draft_masking=True)
-    worker = None
-
-    def make(**overrides: object):  # type: ignore[no-untyped-def]
-        nonlocal worker
-        worker = make_worker(static_forward="on", **overrides)
-        for runner in (worker.target, worker.draft):
-            assert runner.static is not None
-            runner.static.pad_to_buckets = True
-        return worker
-
-    for _ in range(10):
-        results = _run(make, references, spec)
-        # A busy box can refuse a cold grammar while it compiles: run again once it is cached.
-        if not any("still compiling" in (r.error or "") for r in results.values()):
-            break
-    _check(results, references)
-    assert worker is not None and worker.target.static.forwards > 0 and worker.draft.static.forwards > 0
