@@ -507,7 +507,10 @@ def _run(args: argparse.Namespace) -> int:
     else:
         proposers = ("draft_model", "grammar_forced") if draft_dir else ("grammar_forced", "ngram")
     load_start = os.getloadavg()
-    service = MaskServiceProcess([target_dir], extra_args=["--mask-threads", str(args.mask_threads)])
+    # A long wall-clock backstop for compiles: on a busy shared host the default (30 s) can stop a
+    # starved compile again and again, and the batch never starts.
+    service_args = ["--mask-threads", str(args.mask_threads), "--compile-wall-timeout-s", "900"]
+    service = MaskServiceProcess([target_dir], extra_args=service_args)
     service.start(wait=False)
     service.wait_serving(timeout_s=600.0)  # loading the tokenizer takes minutes on a busy shared host
     workers: list[Any] = []
