@@ -462,6 +462,37 @@ def copy_bandwidth_gbps(device: Any, nbytes: int, reps: int) -> float:
     return 2 * nbytes / ms / 1e6
 
 
+@dataclass(frozen=True)
+class ModelBytes:
+    """What one forward of a model must read from device memory, besides activations."""
+
+    weights: int  # every parameter once (tied embeddings counted once)
+    kv_per_token: int  # keys + values of one cached position, all layers
+
+
+def model_bytes(model: Any) -> ModelBytes:
+    config = model.config
+    layers = int(config.num_hidden_layers)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    param = next(model.parameters())
+    return ModelBytes(
+        weights=sum(p.numel() * p.element_size() for p in model.parameters()),
+        kv_per_token=2 * layers * kv_heads * head_dim * param.element_size(),
+    )
+
+
+def step_floor_bytes(
+    target: ModelBytes, draft: ModelBytes | None, *, batch: int, context: float, draft_forwards: int
+) -> float:
+    """Bytes a step must read at least: the target's weights and its KV cache once (the verify
+    forward), the draft's weights and KV cache once per draft forward."""
+    total = target.weights + batch * context * target.kv_per_token
+    if draft is not None and draft_forwards:
+        total += draft_forwards * (draft.weights + batch * context * draft.kv_per_token)
+    return total
+
+
 def bench_kernels(device: Any, *, batch: int, k: int, vocab: int, reps: int, density: float) -> dict[str, Any]:
     import torch
     import xgrammar
@@ -533,6 +564,10 @@ class StepStats:
     # host spends launching them, plus any sync the forward itself does).
     target_forward_host_ms: float
     draft_forward_host_ms: float
+    # Memory-bandwidth floor of the step (step_floor_bytes over the copy rate measured in the
+    # same run) and the step's multiple of it; filled in by run_pair.
+    floor_ms: float | None = None
+    vs_floor: float | None = None
 
 
 @dataclass
@@ -703,10 +738,14 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
                     torch_threads=args.torch_threads,
                     # Prompts prefilled in add(), untimed: the timed steps are decode steps.
                     step_prefill_tokens=1,
+                    static_forward=args.static_forward,
                 ),
                 target_model=target,
                 draft_model=draft,
             )
+            # The floor's denominator, measured in this run: a large device-to-device copy.
+            copy_gbps = copy_bandwidth_gbps(device, 1 << 30 if device.type == "cuda" else 1 << 26, 20)
+            target_bytes, draft_bytes = model_bytes(target), model_bytes(draft)
             scripts = ScriptedLogits(vocab)
             scripts.install(worker.target)
             assert worker.draft is not None
@@ -738,16 +777,39 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
                             per_round.setdefault(key, {}).setdefault(str(batch), []).append(value)
                 for mode_name, samples in cells.items():
                     stats = samples.stats()
+                    mode = MODES[mode_name]
+                    per_seq = stats.tokens_per_step / batch  # tokens one sequence gains per step
+                    # Mean cached positions over the timed steps (prompt, warm-up, then half the timed ones).
+                    context = args.prompt_len + per_seq * (args.warmup + (args.steps + 1) / 2)
+                    floor_bytes = step_floor_bytes(
+                        target_bytes,
+                        draft_bytes,
+                        batch=batch,
+                        context=context,
+                        draft_forwards=args.k if mode.speculate else 0,
+                    )
+                    stats.floor_ms = floor_bytes / copy_gbps / 1e6
+                    stats.vs_floor = stats.step_ms / stats.floor_ms
                     rows.setdefault(mode_name, {})[str(batch)] = asdict(stats)
                     print(
                         f"  {name} B={batch:<3} {mode_name:<34} step {stats.step_ms:8.2f} ms  "
                         f"mask wait {stats.mask_wait_ms:7.2f} ms  {stats.tokens_per_s:9.1f} tok/s  "
                         f"host in target fwd {stats.target_forward_host_ms:7.2f} ms, "
-                        f"draft fwd {stats.draft_forward_host_ms:7.2f} ms",
+                        f"draft fwd {stats.draft_forward_host_ms:7.2f} ms  floor {stats.floor_ms:7.2f} ms "
+                        f"({stats.vs_floor:.2f}x)",
                         flush=True,
                     )
             if args.profile_batch:
                 profile_modes(worker, scripts, args.profile_batch, args, log_dir)
+            static = {}
+            for role, runner in (("target", worker.target), ("draft", worker.draft)):
+                st = getattr(runner, "static", None)
+                static[role] = (
+                    None
+                    if st is None
+                    else {"graphs": st.use_graphs, "forwards": st.forwards, "captures": st.captures,
+                          "replays": st.replays}
+                )  # fmt: skip
         finally:
             if worker is not None:
                 worker.shutdown()
@@ -762,6 +824,10 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
         "tokenizer": pair.tokenizer,
         "vocab": vocab,
         "build_s": build_s,
+        "copy_gbps": copy_gbps,
+        "weights_bytes": {"target": target_bytes.weights, "draft": draft_bytes.weights},
+        "kv_bytes_per_token": {"target": target_bytes.kv_per_token, "draft": draft_bytes.kv_per_token},
+        "static_forward": static,
         "modes": rows,
         **ratios,
     }
@@ -829,6 +895,20 @@ def print_tables(result: dict[str, Any]) -> None:
                 s = by_batch[str(b)]
                 cells.append(f"{s['step_ms']:.1f} / {s['mask_wait_ms']:.2f} / {s['tokens_per_s']:.0f}")
             print(f"| {mode} | " + " | ".join(cells) + " |")
+        print(
+            f"\nStep time against its memory-bandwidth floor (target weights + k x draft weights + KV "
+            f"bytes over the {pair['copy_gbps']:.0f} GB/s device copy rate measured in this run): "
+            "ms / floor ms / x floor\n"
+        )
+        print("| mode | " + " | ".join(f"B={b}" for b in batches) + " |\n|---|" + "---:|" * len(batches))
+        for mode, by_batch in pair["modes"].items():
+            cells = [
+                f"{by_batch[str(b)]['step_ms']:.1f} / {by_batch[str(b)]['floor_ms']:.2f} / "
+                f"{by_batch[str(b)]['vs_floor']:.2f}"
+                for b in batches
+            ]
+            print(f"| {mode} | " + " | ".join(cells) + " |")
+        print(f"\nstatic forward (CUDA graphs on a GPU): {json.dumps(pair['static_forward'])}")
         print("\nHost ms per step inside the forward calls (target / draft), no sync added:\n")
         print("| mode | " + " | ".join(f"B={b}" for b in batches) + " |\n|---|" + "---:|" * len(batches))
         for mode, by_batch in pair["modes"].items():
@@ -888,6 +968,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile-batch", type=int, default=0, help="also profile steps at this batch size")
     parser.add_argument(
         "--profile-modes", default="spec/unconstrained,spec/constrained/draft-masks-on", help="modes to profile"
+    )
+    parser.add_argument(
+        "--static-forward",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="WorkerConfig.static_forward: auto = CUDA graphs on a GPU (off: the eager packed path, for comparison)",
     )
     parser.add_argument("--no-prime", dest="prime", action="store_false", help="skip the untimed pass per batch")
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel measurement")

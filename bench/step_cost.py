@@ -344,9 +344,18 @@ class Run:
     def __init__(self, worker: Any, stepper: StepRunner, seqs: Sequence[Any], counter: _CallCounter) -> None:
         """Adds ``seqs`` (prefill: untimed) to ``worker``, which then steps with ``stepper``."""
         worker.stepper = stepper
-        errors = worker.add(list(seqs), wait_for_sessions=True)
-        if any(errors):
-            raise RuntimeError(f"add failed: {[e for e in errors if e][:3]}")
+        pending = list(seqs)
+        for _ in range(60):
+            errors = worker.add(pending, wait_for_sessions=True)
+            failed = [(seq, err) for seq, err in zip(pending, errors, strict=True) if err]
+            # On a busy host a cold grammar can outlast the open's deadline: the service keeps
+            # compiling it and refuses with "still compiling"; add those sequences again.
+            if not failed or any("still compiling" not in err for _, err in failed):
+                break
+            pending = [seq for seq, _ in failed]
+            time.sleep(1.0)
+        if failed:
+            raise RuntimeError(f"add failed: {[err for _, err in failed][:3]}")
         self.worker, self.stepper, self.counter = worker, stepper, counter
         self.stats = RunStats(outputs={s.seq_id: [] for s in seqs})
         self._draft_forwards0 = worker.draft.num_forwards if worker.draft is not None else 0
@@ -468,6 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4, help="record/replay pairs, order alternating")
     parser.add_argument("--no-nospec-check", action="store_true", help="skip the no-speculation output check")
     parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument(
+        "--static-forward", default="auto", choices=("auto", "on", "off"), help="WorkerConfig.static_forward"
+    )
     parser.add_argument("--mask-threads", type=int, default=1)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -497,7 +509,12 @@ def _run(args: argparse.Namespace) -> int:
     else:
         proposers = ("draft_model", "grammar_forced") if draft_dir else ("grammar_forced", "ngram")
     load_start = os.getloadavg()
-    service = MaskServiceProcess([target_dir], extra_args=["--mask-threads", str(args.mask_threads)]).start()
+    # A long wall-clock backstop for compiles: on a busy shared host the default (30 s) can stop a
+    # starved compile again and again, and the batch never starts.
+    service_args = ["--mask-threads", str(args.mask_threads), "--compile-wall-timeout-s", "900"]
+    service = MaskServiceProcess([target_dir], extra_args=service_args)
+    service.start(wait=False)
+    service.wait_serving(timeout_s=600.0)  # loading the tokenizer takes minutes on a busy shared host
     workers: list[Any] = []
     try:
         config = WorkerConfig(
@@ -508,6 +525,7 @@ def _run(args: argparse.Namespace) -> int:
             max_k=max(args.k, 1),
             torch_threads=args.torch_threads,
             step_prefill_tokens=1,  # prompts prefilled in add(), untimed: the timed steps are decode steps
+            static_forward=args.static_forward,
         )
         # Two workers over one set of weights: the constrained run and its replay step side by
         # side, each with its own KV pool, mask channel and sequences.
@@ -644,6 +662,7 @@ def _run(args: argparse.Namespace) -> int:
         "sequences": len(ref.outputs),
         "proposers": list(proposers),
         "k": args.k,
+        "static_forward": args.static_forward,
         "target": target_dir,
         "draft": draft_dir,
         "load_average": [list(load_start), list(load_end)],

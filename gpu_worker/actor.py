@@ -90,13 +90,17 @@ class GpuWorker:
         threads = cpu_threads(config.torch_threads, self.device, sum(p.numel() for p in target_model.parameters()))
         if threads is not None:
             torch.set_num_threads(threads)
-        self.target = ModelRunner(target_model, batched=config.batched_forward, name="target")
+        self.target = ModelRunner(
+            target_model, batched=config.batched_forward, name="target", static=config.static_forward
+        )
         self.draft: ModelRunner | None = None
         if config.draft_dir is not None:
             self._check_shared_tokenizer(config.draft_dir)
             if draft_model is None:
                 draft_model = load_causal_lm(config.draft_dir, dtype, self.device)
-            self.draft = ModelRunner(draft_model, batched=config.batched_forward, name="draft")
+            self.draft = ModelRunner(
+                draft_model, batched=config.batched_forward, name="draft", static=config.static_forward
+            )
         self.vocab_size = self.target.vocab_size  # V: logits width
         self.max_model_len = self.target.max_model_len
         if config.max_model_len is not None:

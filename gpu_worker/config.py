@@ -59,6 +59,11 @@ class WorkerConfig:
     # [1, Σ T_r] sequence over the slot pool (gpu_worker/model_runner.py).
     # False: one forward per sequence (the exact reference the batched path is tested against).
     batched_forward: bool = True
+    # Decode and verify forwards at static bucketed shapes over the slot pool
+    # (gpu_worker.static_forward), captured and replayed as CUDA graphs on a GPU and run
+    # eagerly on a CPU: "auto" = wherever the architecture is supported (Llama family),
+    # "on" = required (an unsupported model is an error), "off" = the packed path only.
+    static_forward: str = "auto"
     mask_deadline_s: float = 5.0  # per mask-service call, handed to the router
     # How long opening a session waits for its grammar's compile (mask_service.client).
     compile_wait_s: float = 120.0
@@ -99,6 +104,8 @@ class WorkerConfig:
             raise ValueError(
                 f"max_iteration_tokens ({self.max_iteration_tokens}) must be >= max_batch ({self.max_batch})"
             )
+        if self.static_forward not in ("auto", "on", "off"):
+            raise ValueError(f"static_forward must be auto, on or off, got {self.static_forward!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -97,6 +97,11 @@ class SlotPool:
         self._owners.pop()
         kv.pool, kv.slot = None, None
 
+    def ensure_slots(self, slots: int) -> None:
+        """At least ``slots`` slots (used or free): a static-shape forward spans a whole bucket of them."""
+        if slots > self.num_slots:
+            self._resize(slots, max(self.capacity, _MIN_GROWTH))
+
     def reserve(self, positions: int) -> None:
         """Room for ``positions`` positions in every slot (grows by half, at least ``_MIN_GROWTH``)."""
         if positions > self.capacity:

@@ -26,6 +26,14 @@ always bumps the epoch, so keying on it misses no change.
 
 On a CPU device the mirror is the client's numpy table itself (zero copy):
 a view's rows never change, so sharing its memory is safe.
+
+On a CUDA device the client's tables live in page-locked host memory
+(``use_pinned_rows``, installed when the mirror is built): the mask-reply
+thread decodes each new row straight into it, and the launching thread's
+upload of new rows is one asynchronous copy per refresh, never a per-row step
+or a host synchronisation. The source rows are kept referenced until their
+copy's event has completed, since a cleared table's arrays may otherwise be
+freed and reused while the copy still reads them.
 """
 
 from __future__ import annotations
@@ -39,9 +47,22 @@ import numpy as np
 import torch
 
 from gpu_worker.row_index import RowIndexCache
-from mask_service.row_table import MaskRow, TableView
+from mask_service.row_table import MaskRow, TableView, set_host_allocator
 
 logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {np.dtype(np.int32): torch.int32}
+
+
+def _pinned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A numpy array over page-locked memory (the tensor stays alive as the array's base)."""
+    return torch.empty(shape, dtype=_TORCH_DTYPES[dtype], pin_memory=True).numpy()
+
+
+def use_pinned_rows() -> None:
+    """Allocate the mask client's row tables in page-locked memory from now on (CUDA hosts)."""
+    set_host_allocator(_pinned_empty)
+
 
 # Client tables mirrored at once: one per mask-service replica the worker's router
 # talks to (and row width). Beyond it the least recently used mirror is dropped.
@@ -63,6 +84,11 @@ class DeviceMaskTable:
         CPU device; False on CPU runs the accelerator's upload path, which tests use)."""
         self.device = torch.device(device)
         self.zero_copy = self.device.type == "cpu" if zero_copy is None else zero_copy
+        self._async = self.device.type == "cuda"
+        if self._async:
+            use_pinned_rows()
+        # Uploads still in flight: (their CUDA event, the host rows they read).
+        self._inflight: list[tuple[torch.cuda.Event, np.ndarray]] = []
         self._mirrors: OrderedDict[int, _Mirror] = OrderedDict()  # TableView.source -> mirror
         # Counters (tests, benches): rows copied host -> device, full re-uploads, stale rows gathered.
         self.rows_uploaded = 0
@@ -71,6 +97,18 @@ class DeviceMaskTable:
         # The same rows as token ids, for masking CPU logits without unpacking bits (the
         # verifier's CPU reference path); filled on first use of a row, empty on a GPU.
         self.row_index = RowIndexCache()
+
+    def _upload(self, dst: torch.Tensor, src: np.ndarray) -> None:
+        """Copy host rows ``src`` into device rows ``dst``: asynchronous from pinned memory on a
+        GPU (``src`` held until the copy is done), a plain copy elsewhere."""
+        if not self._async:
+            dst.copy_(torch.from_numpy(src))
+            return
+        self._inflight = [(e, a) for e, a in self._inflight if not e.query()]
+        dst.copy_(torch.from_numpy(src), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._inflight.append((event, src))
 
     def _refresh(self, view: TableView) -> _Mirror:
         """Bring the mirror of ``view.source`` up to ``view`` (same or newer epoch)."""
@@ -84,7 +122,7 @@ class DeviceMaskTable:
                 mirror = _Mirror(view.epoch, n, torch.from_numpy(view.words))
         elif mirror is None or view.epoch != mirror.epoch:
             rows = torch.empty((max(n, 64), view.num_mask_words), dtype=torch.int32, device=self.device)
-            rows[:n].copy_(torch.from_numpy(view.words))
+            self._upload(rows[:n], view.words)
             mirror = _Mirror(view.epoch, n, rows)
             self.full_uploads += 1
             self.rows_uploaded += n
@@ -95,7 +133,7 @@ class DeviceMaskTable:
                 )
                 grown[: mirror.num_rows].copy_(mirror.rows[: mirror.num_rows])
                 mirror.rows = grown
-            mirror.rows[mirror.num_rows : n].copy_(torch.from_numpy(view.words[mirror.num_rows : n]))
+            self._upload(mirror.rows[mirror.num_rows : n], view.words[mirror.num_rows : n])
             self.rows_uploaded += n - mirror.num_rows
             mirror.num_rows = n
         self._mirrors[view.source] = mirror
@@ -165,7 +203,11 @@ class DeviceMaskTable:
             logger.debug("mask table: %d rows from a cleared epoch gathered on the host", len(stale_rows))
             parts.append(torch.from_numpy(np.stack(stale_rows)).to(self.device))
         table = parts[0] if len(parts) == 1 else torch.cat(parts)
-        row_ids = torch.tensor(ids, dtype=torch.int32).to(self.device)  # [len(rows)]
+        row_ids = torch.tensor(ids, dtype=torch.int32)  # [len(rows)]
+        if self._async:  # from the caching pinned allocator: no host synchronisation
+            row_ids = row_ids.pin_memory().to(self.device, non_blocking=True)
+        else:
+            row_ids = row_ids.to(self.device)
         return table, row_ids
 
 

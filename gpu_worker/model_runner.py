@@ -50,6 +50,8 @@ import torch
 
 from gpu_worker.attention import ATTENTION, PackedRows, RowSpan, register
 from gpu_worker.kv_cache import SequenceKV, SlotPool
+from gpu_worker.static_forward import StaticForward
+from gpu_worker.static_forward import build as build_static
 
 # Token id written into padding slots. Any valid id works: padded queries'
 # outputs are discarded and padded keys are masked out.
@@ -68,7 +70,12 @@ class ForwardItem:
 class ModelRunner:
     """Owns one loaded causal LM and runs batch forwards (packed or padded) over per-sequence caches."""
 
-    def __init__(self, model: Any, *, batched: bool = True, packed: bool = True, name: str = "model") -> None:
+    def __init__(
+        self, model: Any, *, batched: bool = True, packed: bool = True, name: str = "model", static: str = "off"
+    ) -> None:
+        """``static``: the static-shape forward for decode and verify batches (gpu_worker.static_forward;
+        "auto", "on" or "off", see ``static_forward.build``). Off by default here: the worker
+        passes WorkerConfig.static_forward."""
         self.model = model
         self.name = name
         self.batched = batched
@@ -93,6 +100,7 @@ class ModelRunner:
         self.num_forwards = 0
         self.num_positions = 0
         self.num_computed_positions = 0
+        self.static: StaticForward | None = build_static(model, static) if batched and packed else None
 
     @torch.inference_mode()
     def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:
@@ -106,7 +114,15 @@ class ModelRunner:
                 raise ValueError(
                     f"{self.name}: {it.kv.length + len(it.token_ids)} positions exceed max length {self.max_model_len}"
                 )
-        if self.batched and len(items) > 1:
+        plan = None
+        if self.static is not None:
+            pool = self._pool_for(items)  # binds new caches, so every item has its slot
+            plan = self.static.plan(items)
+        if plan is not None:
+            hidden = self.static.forward(pool, items, *plan)  # type: ignore[union-attr]
+            self.num_forwards += 1
+            self.num_computed_positions += plan[0] * plan[1]
+        elif self.batched and len(items) > 1:
             hidden = self._forward_packed(items) if self.packed else self._forward_padded(items)
             self.num_forwards += 1
         else:

@@ -17,13 +17,39 @@ holds it, however the table changes meanwhile on a mask-reply thread.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from mask_service.wire import ALL_ONES_ID, MissingRow, WireError, decode_row
 from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+
+# Allocates a table's host arrays: (shape, dtype) -> an empty array. np.empty by default; a
+# worker on a CUDA host installs page-locked memory (gpu_worker.mask_table.use_pinned_rows),
+# so uploading new rows to the device mirror is an asynchronous DMA straight from the table
+# the mask-reply thread decoded them into (rows never change within an epoch, so the copy
+# can run while that thread appends more).
+HostAllocator = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+
+
+def _numpy_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    return np.empty(shape, dtype=dtype)
+
+
+_host_allocator: HostAllocator = _numpy_empty
+
+
+def set_host_allocator(allocator: HostAllocator | None) -> None:
+    """Allocate the row words of every table created or grown from now on with ``allocator``
+    (None: np.empty)."""
+    global _host_allocator
+    _host_allocator = allocator if allocator is not None else _numpy_empty
+
+
+def _empty(shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    return _host_allocator(shape, np.dtype(dtype))
+
 
 # Distinct per RowTable in this process: a device mirror is keyed by it.
 _SOURCES = itertools.count(1)
@@ -139,15 +165,21 @@ class RowTable:
     def clear(self) -> None:
         """Start the next epoch in fresh arrays: views of the old epoch stay intact."""
         size = min(self.capacity, _INITIAL_ROWS)
-        self.table = np.empty((size, self.num_mask_words), dtype=np.int32)  # [rows, W]
+        self.table = _empty((size, self.num_mask_words), np.int32)  # [rows, W]
         self.allowed = np.empty(size, dtype=np.int32)  # [rows]
         self.single = np.empty(size, dtype=np.int32)  # [rows]
+        self.ids = np.empty(size, dtype=np.uint64)  # [rows] content id of each slot
         self.table[0] = -1
         self.allowed[0] = 32 * self.num_mask_words
         self.single[0] = -1
+        self.ids[0] = ALL_ONES_ID
         self.slot_of: dict[int, int] = {ALL_ONES_ID: 0}
         self.num_rows = 1
         self.epoch += 1
+        # Content ids sorted, with their slots: a reply's ids map to slots in one vectorised
+        # search (no Python work per id). Rebuilt when rows were added since.
+        self._sorted_ids = self.ids[:1].copy()
+        self._sorted_slots = np.zeros(1, dtype=np.int32)
 
     def _grow(self, need: int) -> None:
         size = self.table.shape[0]
@@ -155,14 +187,16 @@ class RowTable:
             return
         new_size = min(self.capacity, max(need, size * 2))
         n = self.num_rows
-        grown = np.empty((new_size, self.num_mask_words), dtype=np.int32)
+        grown = _empty((new_size, self.num_mask_words), np.int32)
         grown[:n] = self.table[:n]
         allowed = np.empty(new_size, dtype=np.int32)
         allowed[:n] = self.allowed[:n]
         single = np.empty(new_size, dtype=np.int32)
         single[:n] = self.single[:n]
+        ids = np.empty(new_size, dtype=np.uint64)
+        ids[:n] = self.ids[:n]
         # New arrays, old ones untouched: views taken before the growth stay valid.
-        self.table, self.allowed, self.single = grown, allowed, single
+        self.table, self.allowed, self.single, self.ids = grown, allowed, single, ids
 
     def has_room(self, n: int) -> bool:
         return self.num_rows + n <= self.capacity
@@ -208,10 +242,22 @@ class RowTable:
             slot = self.num_rows
             decode_row(r.encoding, r.payload, self.table[slot])
             self.allowed[slot], self.single[slot] = self._count(r, self.table[slot])
+            self.ids[slot] = r.row_id
             self.slot_of[r.row_id] = slot
             self.num_rows += 1
-        get = self.slot_of.get
-        out = np.fromiter((get(i, -1) for i in row_ids), dtype=np.int32, count=len(row_ids))
-        if out.size and int(out.min()) < 0:
+        return self.slots_of(row_ids)
+
+    def slots_of(self, row_ids: Sequence[int]) -> np.ndarray:
+        """Slots of ``row_ids`` ([n] int32), by a vectorised search of the sorted ids (the
+        reply's repeated field is converted by numpy in one call, not id by id in Python).
+        Raises MissingRow if an id is not held."""
+        n = self.num_rows
+        if self._sorted_slots.shape[0] != n:
+            order = np.argsort(self.ids[:n], kind="stable")
+            self._sorted_ids, self._sorted_slots = self.ids[:n][order], order.astype(np.int32)
+        wanted = np.array(row_ids, dtype=np.uint64).reshape(-1)  # [n]
+        pos = np.searchsorted(self._sorted_ids, wanted)
+        np.minimum(pos, n - 1, out=pos)
+        if not np.array_equal(self._sorted_ids[pos], wanted):
             raise MissingRow("response references a row this client does not hold")
-        return out
+        return self._sorted_slots[pos]

@@ -38,6 +38,14 @@ def test_dry_run_measures_every_mode(tmp_path: Path) -> None:
             per_seq = k + 1 if gpu.MODES[name].speculate else 1
             assert stats["tokens_per_step"] == batch * per_seq, (name, stats)
             assert stats["acceptance"] == (1.0 if gpu.MODES[name].speculate else None)
+            # Every cell prints its memory-bandwidth floor and its multiple of it.
+            assert stats["floor_ms"] > 0 and stats["vs_floor"] == pytest.approx(stats["step_ms"] / stats["floor_ms"])
+    assert pair["copy_gbps"] > 0 and pair["weights_bytes"]["target"] > pair["weights_bytes"]["draft"] > 0
+    # The worker ran its decode and verify forwards on the static path (eager on a CPU: no graphs).
+    for role in ("target", "draft"):
+        static = pair["static_forward"][role]
+        assert static["forwards"] > 0 and not static["graphs"] and static["captures"] == 0, static
+    assert "x floor" in proc.stdout
     assert set(pair["constrained_vs_unconstrained_step_time"]) == {"1", "2"}
     impls = result["kernels"]["impls"]
     assert all("ms" in r for r in impls.values()), impls  # every implementation matched the reference
@@ -48,6 +56,14 @@ def test_missing_wheels_are_named(monkeypatch: pytest.MonkeyPatch, capsys: pytes
     monkeypatch.setitem(gpu.REQUIRED_WHEELS, "specmask_no_such_module", "no-such-wheel==1.0")
     assert gpu.main(["--dry-run"]) == 2
     assert "no-such-wheel==1.0" in capsys.readouterr().out
+
+
+def test_step_floor_counts_weights_once_and_draft_per_forward() -> None:
+    target, draft = gpu.ModelBytes(weights=1000, kv_per_token=10), gpu.ModelBytes(weights=100, kv_per_token=1)
+    no_spec = gpu.step_floor_bytes(target, draft, batch=4, context=50, draft_forwards=0)
+    assert no_spec == 1000 + 4 * 50 * 10
+    spec = gpu.step_floor_bytes(target, draft, batch=4, context=50, draft_forwards=3)
+    assert spec == no_spec + 3 * (100 + 4 * 50 * 1)
 
 
 @pytest.mark.parametrize(

@@ -171,3 +171,27 @@ def test_greedy_matches_with_prompts_prefilled_in_add(make_worker, references, s
     1 or 2 prompt tokens first. Either way the tokens are the reference's."""
     assert min(len(p) for p, _ in references.values()) > 2
     _check(_run(make_worker, references, SpeculationParams(k=4), step_prefill_tokens=step_prefill_tokens), references)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_matches_on_the_bucketed_static_path(make_worker, references, k: int) -> None:
+    """The whole worker (draft forwards, verify forwards, grammar masks) on the static path,
+    bucketed as a graph would run it, emits the greedy reference's tokens."""
+    spec = SpeculationParams(k=k, proposers=("draft_model", "grammar_forced"), draft_masking=True)
+    worker = None
+
+    def make(**overrides: object):  # type: ignore[no-untyped-def]
+        nonlocal worker
+        worker = make_worker(static_forward="on", **overrides)
+        for runner in (worker.target, worker.draft):
+            assert runner.static is not None
+            runner.static.pad_to_buckets = True
+        return worker
+
+    for _ in range(10):
+        results = _run(make, references, spec)
+        # A busy box can refuse a cold grammar while it compiles: run again once it is cached.
+        if not any("still compiling" in (r.error or "") for r in results.values()):
+            break
+    _check(results, references)
+    assert worker is not None and worker.target.static.forwards > 0 and worker.draft.static.forwards > 0

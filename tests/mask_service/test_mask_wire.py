@@ -271,3 +271,65 @@ def test_client_allowed_counts_match_real_rows(service, bpe_id, hf_tok) -> None:
                 else:
                     assert row.single_token is None
         assert singles > 0  # the schema forces tokens (e.g. after '{"'), so the single path is exercised
+
+
+def test_row_table_maps_reply_ids_to_slots_vectorised() -> None:
+    """Reply ids map to slots by one sorted search: 64-bit ids above 2**63, any order,
+    repeats, ids added across replies and after a clear; an id not held is MissingRow."""
+    import numpy as np
+
+    from mask_service.row_table import RowTable
+    from mask_service.wire import MissingRow
+    from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+
+    def row(i: int) -> pb.NewRow:
+        payload = np.array([i], dtype="<u4").tobytes()
+        return pb.NewRow(row_id=(i * 0x9E3779B97F4A7C15) % (1 << 64), encoding=pb.ROW_ENCODING_ALLOWED,
+                         payload=payload, allowed_count=1)  # fmt: skip
+
+    table = RowTable(4, 64)
+    first = [row(i) for i in range(1, 6)]
+    assert max(r.row_id for r in first) > 2**63
+    ids = [first[3].row_id, 0, first[0].row_id, first[3].row_id]
+    assert table.absorb(first, ids).tolist() == [4, 0, 1, 4]
+    second = [row(i) for i in range(6, 9)]
+    got = table.absorb(second, pb.DraftMasksResponse(row_ids=[second[2].row_id, first[1].row_id]).row_ids)
+    assert got.tolist() == [8, 2]
+    assert table.single[8] == 8
+    with pytest.raises(MissingRow):
+        table.absorb([], [row(99).row_id])
+    table.clear()
+    with pytest.raises(MissingRow):
+        table.absorb([], [first[0].row_id])
+    assert table.absorb([first[0]], [first[0].row_id, 0]).tolist() == [1, 0]
+
+
+def test_row_table_words_come_from_the_installed_host_allocator() -> None:
+    """A worker on a CUDA host installs page-locked memory for the row words; every table
+    created or grown afterwards uses it, and decoding into it is unchanged."""
+    import numpy as np
+
+    from mask_service import row_table
+    from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+
+    made: list[np.ndarray] = []
+
+    def counting(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        made.append(np.empty(shape, dtype=dtype))
+        return made[-1]
+
+    row_table.set_host_allocator(counting)
+    try:
+        table = row_table.RowTable(3, 200)
+        assert len(made) == 1 and table.table is made[0]
+        rows = [
+            pb.NewRow(row_id=i, encoding=pb.ROW_ENCODING_ALLOWED, payload=np.array([i], "<u4").tobytes(),
+                      allowed_count=1)
+            for i in range(1, 64 + 8)
+        ]  # fmt: skip
+        slots = table.absorb(rows, [r.row_id for r in rows])
+        assert len(made) == 2 and table.table is made[1]  # grown past the first 64 rows
+        assert table.view().words[slots[5]].tolist() == [1 << 6, 0, 0]
+    finally:
+        row_table.set_host_allocator(None)
+    assert type(row_table.RowTable(2, 8).table) is np.ndarray and len(made) == 2
