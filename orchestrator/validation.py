@@ -291,5 +291,5 @@ class RequestValidator:
             raise _fail(f"{spec.kind.value} grammar is empty")
         if spec.separators is not None:
             for sep, mark in zip(spec.separators, (",", ":")):
-                if len(sep) > MAX_SEPARATOR_CHARS or sep.strip() != mark:
+                if len(sep) > MAX_SEPARATOR_CHARS or sep.strip(" \t\n\r") != mark:  # JSON whitespace only
                     raise _fail(f"JSON separator {sep!r} must be {mark!r} with optional surrounding whitespace")
