@@ -51,6 +51,7 @@ from mask_service.errors import GrammarError, LimitExceeded
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.grammar_checks import check_language, precheck
 from mask_service.llguidance_check import check_llguidance_schema, strict_schema
+from mask_service.schema_rewrite import tighten_formats
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ def _json_schema(spec: GrammarSpec) -> str:
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("a JSON schema must be an object or a boolean")
     check_llguidance_schema(schema)
+    schema = tighten_formats(schema)  # RFC-tight dates, times, IPv4, hostnames
     if spec.strict:
         schema = strict_schema(schema)
     return _json_grammar(schema, spec)
