@@ -383,6 +383,71 @@ def recursive_case(rng: random.Random) -> tuple[str, pb.Grammar, Callable[[str],
     return f"{kind}_recursive", grammar, nested_digits_check, f"{kind} {RECURSIVE[kind]!r}"
 
 
+# ---- non-ASCII grammars ------------------------------------------------------------
+# Multi-byte UTF-8 everywhere a grammar can hold text: Latin-1 ranges (2 bytes), CJK (3),
+# emoji (4). Their forced continuations start and end inside characters.
+
+_UNICODE_LITERALS = ("é", "ü", "ß", "日本", "中文", "한국", "😀", "🎉", "Ωμ", "ñ")
+_UNICODE_CLASSES = ("à-ÿ", "é-ü", "α-ω", "一-丁", "😀-😂", "a-cé")
+
+
+def _unicode_ast(rng: random.Random, depth: int) -> tuple:
+    choice = rng.randrange(5) if depth > 0 else rng.randrange(2)
+    if choice == 0:
+        return ("lit", "".join(rng.choice(_UNICODE_LITERALS) for _ in range(rng.randint(1, 2))))
+    if choice == 1:
+        return ("cls", rng.choice(_UNICODE_CLASSES))
+    if choice == 2:
+        return ("seq", [_unicode_ast(rng, depth - 1) for _ in range(rng.randint(2, 3))])
+    if choice == 3:
+        return ("alt", [_unicode_ast(rng, depth - 1) for _ in range(rng.randint(2, 3))])
+    lo = rng.randint(0, 2)
+    return ("rep", _unicode_ast(rng, depth - 1), lo, rng.choice((lo + 1, lo + 3, None)))
+
+
+def unicode_regular_case(rng: random.Random) -> tuple[str, pb.Grammar, Callable[[str], str | None], str]:
+    ast = _unicode_ast(rng, rng.randint(1, 3))
+    pattern = to_regex(ast)
+    kind = rng.choice(("regex", "ebnf", "lark"))
+    if kind == "regex":
+        grammar = pb.Grammar(regex=pattern)
+    elif kind == "ebnf":
+        grammar = pb.Grammar(ebnf=f"root ::= {to_ebnf(ast)}")
+    else:
+        grammar = pb.Grammar(lark=f"start: {to_lark(ast)}")
+    return f"unicode_{kind}", grammar, regex_check(pattern), f"{kind} {getattr(grammar, kind)!r} (regex {pattern!r})"
+
+
+def unicode_schema_case(rng: random.Random) -> tuple[str, pb.Grammar, Callable[[str], str | None], str]:
+    words = rng.sample(_UNICODE_LITERALS, rng.randint(1, 4))
+    pick = rng.randrange(5)
+    if pick == 0:
+        schema: dict[str, Any] = {"enum": words}
+    elif pick == 1:
+        schema = {"const": "".join(words)}
+    elif pick == 2:
+        schema = {"type": "string", "pattern": f"^[{rng.choice(_UNICODE_CLASSES)}]+$"}
+    elif pick == 3:
+        schema = {"type": "object", "properties": {w: {"type": "integer"} for w in words}, "required": words[:1]}
+    else:
+        schema = {"type": "array", "items": {"enum": words}, "maxItems": 3}
+    separators = rng.choice(SEPARATORS)
+    grammar = pb.Grammar(json_schema=json.dumps(schema, ensure_ascii=rng.random() < 0.5))
+    grammar.separators.CopyFrom(pb.JsonSeparators(item=separators[0], key=separators[1]))
+    check = json_check(strict_truth(schema), False, separators)
+    return (
+        "unicode_json_schema",
+        grammar,
+        check,
+        f"json_schema {json.dumps(schema, ensure_ascii=False)} seps={separators}",
+    )
+
+
+UNICODE_FAMILIES: tuple[tuple[float, Callable[[random.Random], tuple]], ...] = (
+    (0.5, unicode_regular_case),
+    (0.5, unicode_schema_case),
+)
+
 FAMILIES: tuple[tuple[float, Callable[[random.Random], tuple]], ...] = (
     (0.5, json_schema_case),
     (0.1, any_json_case),
@@ -394,8 +459,16 @@ FAMILIES: tuple[tuple[float, Callable[[random.Random], tuple]], ...] = (
 # ---- requests -------------------------------------------------------------------------
 
 
-def random_request(rng: random.Random, index: int, max_k: int, max_tokens: int, *, seeded_only: bool = False) -> Case:
-    weights, makers = zip(*FAMILIES)
+def random_request(
+    rng: random.Random,
+    index: int,
+    max_k: int,
+    max_tokens: int,
+    *,
+    seeded_only: bool = False,
+    families: tuple[tuple[float, Callable[[random.Random], tuple]], ...] = FAMILIES,
+) -> Case:
+    weights, makers = zip(*families)
     name, grammar, check, desc = rng.choices(makers, weights)[0](rng)
     req = pb.GenerateRequest(request_id=f"lie-{index}", text=rng.choice(PROMPTS))
     req.grammar.CopyFrom(grammar)
@@ -426,8 +499,12 @@ def random_request(rng: random.Random, index: int, max_k: int, max_tokens: int, 
     return Case(name, req, check, f"{desc} | {sampling_desc}")
 
 
-def generate(seed: int, n: int, *, max_k: int, max_tokens: int, seeded_only: bool = False) -> list[Case]:
+def generate(
+    seed: int, n: int, *, max_k: int, max_tokens: int, seeded_only: bool = False, unicode: bool = False
+) -> list[Case]:
     """``n`` cases from ``seed``. ``seeded_only``: every request carries a sampling seed, so
-    outputs replay exactly (tests); otherwise 30% are unseeded (the server draws a seed)."""
+    outputs replay exactly (tests); otherwise 30% are unseeded (the server draws a seed).
+    ``unicode``: the non-ASCII families only (UNICODE_FAMILIES)."""
     rng = random.Random(seed)
-    return [random_request(rng, i, max_k, max_tokens, seeded_only=seeded_only) for i in range(n)]
+    families = UNICODE_FAMILIES if unicode else FAMILIES
+    return [random_request(rng, i, max_k, max_tokens, seeded_only=seeded_only, families=families) for i in range(n)]

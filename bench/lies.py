@@ -109,6 +109,10 @@ async def _one(stub: pb_grpc.OrchestratorServiceStub, case: Case, tally: Tally, 
         tally.add("caught", case, f"{result.error}; text={result.text!r}")
     elif reason == pb.FINISH_REASON_LENGTH:
         tally.add("truncated", case)
+    elif "RESOURCE_EXHAUSTED" in result.error:
+        # Back-pressure met after the stream began (the grammar was still compiling past its
+        # wait on a loaded host): overload, not a failure of the request's grammar.
+        tally.add("overloaded", case, f"finish {reason}: {result.error}")
     else:
         tally.add("errors", case, f"finish {reason}: {result.error}")
 
@@ -156,7 +160,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     stack = StackConfig(target_dir=target, draft_dir=draft, num_workers=args.workers)
     async with running_stack(stack, max_queue=max(256, 2 * args.concurrency), max_batch=args.max_batch) as running:
         max_k = running.config.max_k
-        cases = generate(args.seed, args.requests, max_k=max_k, max_tokens=args.max_tokens)
+        cases = generate(args.seed, args.requests, max_k=max_k, max_tokens=args.max_tokens, unicode=args.unicode)
         started = time.monotonic()
         tally = await run_cases(
             running.address, cases, concurrency=args.concurrency, progress_every=args.progress_every
@@ -171,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=500)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--unicode", action="store_true", help="non-ASCII grammars only (lie_cases.UNICODE_FAMILIES)")
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight at once")
     parser.add_argument("--max-tokens", type=int, default=48, help="upper bound of the random max_tokens")
     parser.add_argument("--max-batch", type=int, default=32, help="active sequences per worker")

@@ -68,10 +68,13 @@ class GrammarBackend(Protocol):
 
 
 class GrammarEngine(GrammarBackend, Protocol):
-    """A backend that is one engine (not a selection among engines): it also reads forced text."""
+    """A backend that is one engine (not a selection among engines): it also reads forced bytes."""
 
-    def forced_text(self, matcher: Any) -> str:  # Any: each engine takes only its own matcher type
-        """The text the grammar forces from the matcher's state ("" = none); no state change."""
+    def forced_bytes(self, matcher: Any) -> bytes:  # Any: each engine takes only its own matcher type
+        """The bytes the grammar forces from the matcher's state (b"" = none); no state change.
+
+        They may start or end inside a UTF-8 character (a state between a character's
+        byte tokens, or a forced lead byte): forced.py works in bytes."""
 
 
 class XGrammarBackend:
@@ -160,9 +163,15 @@ class XGrammarBackend:
         return xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
 
     @staticmethod
-    def forced_text(matcher: Any) -> str:
-        """xgrammar's jump-forward string (documented not to change the matcher state)."""
-        return str(matcher.find_jump_forward_string())
+    def forced_bytes(matcher: Any) -> bytes:
+        """xgrammar's jump-forward string (documented not to change the matcher state), as bytes.
+
+        The engine computes bytes and its binding decodes them as UTF-8, which fails
+        when they start or end inside a character; the decode error carries the bytes."""
+        try:
+            return str(matcher.find_jump_forward_string()).encode("utf-8")
+        except UnicodeDecodeError as exc:
+            return bytes(exc.object)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ from mask_service.errors import GrammarError, LimitExceeded
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.grammar_checks import check_language, precheck
 from mask_service.llguidance_check import check_llguidance_schema, strict_schema
+from mask_service.schema_rewrite import tighten_formats
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ def _json_schema(spec: GrammarSpec) -> str:
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("a JSON schema must be an object or a boolean")
     check_llguidance_schema(schema)
+    schema = tighten_formats(schema)  # RFC-tight dates, times, IPv4, hostnames
     if spec.strict:
         schema = strict_schema(schema)
     return _json_grammar(schema, spec)
@@ -242,13 +244,13 @@ class LLGuidanceMatcher:
         self._m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         self._check()
 
-    def forced_text(self) -> str:
-        """The bytes llguidance forces from this state, cut to whole UTF-8 characters."""
+    def forced_bytes(self) -> bytes:
+        """The bytes llguidance forces from this state (they may start or end inside a character)."""
         if self._terminated:
-            return ""
+            return b""
         data = bytes(self._m.compute_ff_bytes())
         self._check()
-        return data[: _utf8_cut(data)].decode("utf-8")
+        return data
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens <= 0:
@@ -259,18 +261,6 @@ class LLGuidanceMatcher:
         if num_tokens and not self._m.rollback(num_tokens):
             self._check()
             raise MatcherFailed(f"llguidance matcher could not roll back {num_tokens} tokens")
-
-
-def _utf8_cut(data: bytes) -> int:
-    """Length of the longest prefix of ``data`` that is whole UTF-8 characters (forced
-    bytes may end inside a character; a cut more than 3 bytes back means invalid data)."""
-    for cut in range(len(data), max(len(data) - 4, -1), -1):
-        try:
-            data[:cut].decode("utf-8")
-        except UnicodeDecodeError:
-            continue
-        return cut
-    return 0
 
 
 class LLGuidanceBackend:
@@ -299,5 +289,5 @@ class LLGuidanceBackend:
         return LLGuidanceMatcher(compiled.template.deep_copy(), stops)
 
     @staticmethod
-    def forced_text(matcher: LLGuidanceMatcher) -> str:
-        return matcher.forced_text()
+    def forced_bytes(matcher: LLGuidanceMatcher) -> bytes:
+        return matcher.forced_bytes()

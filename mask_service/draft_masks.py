@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from mask_service.backends import ENGINES, engine_name
-from mask_service.errors import InvalidArgument, MaskError
+from mask_service.errors import InternalItemError, InvalidArgument, MaskError
 from mask_service.forced import TokenizerViews, forced_continuation
 from mask_service.protocols import GrammarMatcher
 from mask_service.sessions import Session, SessionStore
@@ -122,11 +122,13 @@ def walk_drafts(
     if last_row_only and not stopped:
         m.fill_next_token_bitmask(out, 0)
         filled[0] = True
-    if at_stop is not None and (refused or not stopped):
-        row = out[-1] if not stopped else (out[accepted] if not last_row_only and filled[accepted] else None)
-        at_stop(m, row, accepted, refused)
-    if accepted:
-        m.rollback(accepted)
+    try:
+        if at_stop is not None and (refused or not stopped):
+            row = out[-1] if not stopped else (out[accepted] if not last_row_only and filled[accepted] else None)
+            at_stop(m, row, accepted, refused)
+    finally:  # a failing hook must not leave the drafts accepted in committed state
+        if accepted:
+            m.rollback(accepted)
     return accepted, filled
 
 
@@ -205,6 +207,11 @@ class DraftMaskEngine:
         except MaskError as exc:
             res.error = exc
             return res
+        except Exception as exc:
+            # An engine or walk failure in one item is that item's request's failure, never
+            # the call's: the other items of the batch belong to other users.
+            logger.exception("DraftMasks item for session %s failed", req.session_id)
+            return DraftOutcome(error=InternalItemError(f"internal error computing masks ({type(exc).__name__})"))
         res.num_rows = out.shape[0]
         res.rows = self._interner.intern_rows(out, filled, session.num_mask_words)
         return res
@@ -218,7 +225,7 @@ class DraftMaskEngine:
             return None
         entry = session.entry
         view = self._views.get(entry.key[0], entry.compiled.tokenizer_info)
-        forced_text = ENGINES[engine_name(entry.compiled, entry.backend)].forced_text
+        forced_bytes = ENGINES[engine_name(entry.compiled, entry.backend)].forced_bytes
         res.forced_at_stop = at_stop
 
         def hook(matcher: GrammarMatcher, row: np.ndarray | None, accepted: int, refused: bool) -> None:
@@ -227,7 +234,7 @@ class DraftMaskEngine:
             cap = min(req.forced_up_to - accepted if at_stop else req.max_forced_tokens, self.max_k)
             if cap > 0:
                 res.forced_tokens = forced_continuation(
-                    matcher, forced_text, view, cap, last_row=row, vocab_size=session.vocab_size
+                    matcher, forced_bytes, view, cap, last_row=row, vocab_size=session.vocab_size
                 )
 
         return hook

@@ -31,6 +31,11 @@ class MaskError(Exception):
         self.message = message
 
 
+class InternalItemError(MaskError):
+    """An unexpected failure while serving one item of a batch call (logged with its
+    traceback); INTERNAL for that item alone, the call's other items are answered."""
+
+
 class InvalidArgument(MaskError):
     code = ErrorCode.INVALID_ARGUMENT
 

@@ -1,11 +1,15 @@
-"""Forced continuations: the tokens the grammar forces after a state (issue 15, item 3).
+"""Forced continuations: the tokens the grammar forces after a state (a speculation shortcut).
 
 After ``{"name":"Bob","`` a schema with keys name, age forces the text ``age":``;
 the row allows ``a``, ``ag`` and ``age`` alike, so a one-allowed-token check never
-fires there. Here the forced *text* comes from the engine (xgrammar's
+fires there. Here the forced *bytes* come from the engine (xgrammar's
 ``find_jump_forward_string``, llguidance's ``compute_ff_bytes``; each backend's
-``forced_text(matcher)``), is tokenised canonically with the session's HF tokenizer
-(no special tokens), and is checked token by token:
+``forced_bytes(matcher)``). They may begin inside a UTF-8 character (the committed
+tokens ended between its bytes) and end inside one (only a lead byte is forced), so
+the walk works in bytes: the bytes finishing a begun character are spelled with
+vocabulary tokens, the whole characters after them are tokenised canonically with
+the session's HF tokenizer (no special tokens), a character only begun is left out,
+and the tokens are checked one by one:
 
 * the tokens' bytes must spell exactly a prefix of the text (else nothing);
 * the last token is kept only when no longer token that extends it is allowed by the
@@ -57,6 +61,7 @@ class TokenizerView:
     sorted_bytes: list[bytes]  # token bytes sorted, for prefix (extension) lookups
     sorted_ids: list[int]  # ids in the order of sorted_bytes
     stop_ids: frozenset[int]
+    by_bytes: dict[bytes, int]  # token bytes -> id (non-special tokens; the lowest id of duplicates)
 
     @classmethod
     def build(cls, hf_tokenizer: Any, tokenizer_info: Any) -> TokenizerView:
@@ -79,6 +84,7 @@ class TokenizerView:
             sorted_bytes=[b for b, _ in order],
             sorted_ids=[i for _, i in order],
             stop_ids=frozenset(int(i) for i in tokenizer_info.stop_token_ids),
+            by_bytes={b: i for b, i in reversed(order)},
         )
 
     def extensions(self, token: int) -> list[int] | None:
@@ -204,26 +210,72 @@ def _accepts_any(matcher: Any, tokens: list[int]) -> bool:
     return False
 
 
-def _round(matcher: Any, forced_text: Callable[[Any], str], view: TokenizerView, budget: int) -> tuple[list[int], bool]:
+def _utf8_lead(data: bytes) -> int:
+    """How many bytes ``data`` starts with that continue a character begun before it (0..3)."""
+    n = 0
+    while n < min(3, len(data)) and 0x80 <= data[n] <= 0xBF:
+        n += 1
+    return n
+
+
+def _utf8_whole(data: bytes) -> int:
+    """Length of the longest prefix of ``data`` made of whole UTF-8 characters."""
+    for cut in range(len(data), max(len(data) - 4, -1), -1):
+        try:
+            data[:cut].decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        return cut
+    return 0
+
+
+def tokenise_forced(data: bytes, view: TokenizerView) -> tuple[list[int], int]:
+    """Whole tokens spelling a prefix of the forced bytes ``data``, and that prefix's length.
+
+    Bytes that finish a character the committed tokens began are spelled with the
+    longest vocabulary tokens that match them (a byte-level vocabulary has one per
+    byte); the whole characters after them with the canonical encoding; a character
+    the forced bytes only begin is left out (its next bytes are not forced, and a
+    token that ends inside it would be a guess at the boundary)."""
+    lead = _utf8_lead(data)
+    tokens: list[int] = []
+    pos = 0
+    while pos < lead:
+        for end in range(lead, pos, -1):
+            t = view.by_bytes.get(data[pos:end])
+            if t is not None:
+                tokens.append(t)
+                pos = end
+                break
+        else:
+            return [], 0
+    whole = _utf8_whole(data[lead:])
+    if whole:
+        tokens.extend(view.encode(data[lead : lead + whole].decode("utf-8")))
+    return tokens, lead + whole
+
+
+def _round(
+    matcher: Any, forced_bytes: Callable[[Any], bytes], view: TokenizerView, budget: int
+) -> tuple[list[int], bool]:
     """One jump-forward round from the matcher's state; accepted tokens stay accepted.
 
     Returns (tokens accepted, whether the whole forced text was consumed with a safe
     boundary, i.e. another round might find more)."""
-    text = forced_text(matcher)
-    if not text:
+    data = forced_bytes(matcher)
+    if not data:
         return [], False
-    data = text.encode("utf-8")
-    tokens = view.encode(text)
+    tokens, covered = tokenise_forced(data, view)
     spelled = b"".join(view.token_bytes[t] if t < len(view.token_bytes) else b"\x00\xff" for t in tokens)
-    if not tokens or not data.startswith(spelled):
-        return [], False  # the canonical ids do not spell the forced text: propose nothing
-    complete = len(spelled) == len(data)
+    if not tokens or spelled != data[:covered]:
+        return [], False  # the tokens do not spell the forced bytes: propose nothing
+    complete = covered == len(data)
     accepted: list[int] = []
     for i, t in enumerate(tokens[:budget]):
         if t in view.stop_ids:
             break
-        if i == len(tokens) - 1 and complete:
-            # The text ends inside this token's reach: keep it only when no longer
+        if i == len(tokens) - 1:
+            # The forced bytes end inside this token's reach: keep it only when no longer
             # token that starts with it is allowed here (else the boundary is ambiguous).
             ext = view.extensions(t)
             if ext is None or _accepts_any(matcher, ext):
@@ -238,7 +290,7 @@ def _round(matcher: Any, forced_text: Callable[[Any], str], view: TokenizerView,
 
 def forced_continuation(
     matcher: Any,
-    forced_text: Callable[[Any], str],
+    forced_bytes: Callable[[Any], bytes],
     view: TokenizerView,
     max_tokens: int,
     *,
@@ -257,7 +309,7 @@ def forced_continuation(
         for _ in range(MAX_ROUNDS):
             if len(out) >= max_tokens or matcher.is_terminated():
                 break
-            tokens, more = _round(matcher, forced_text, view, max_tokens - len(out))
+            tokens, more = _round(matcher, forced_bytes, view, max_tokens - len(out))
             out.extend(tokens)
             if not more:
                 break

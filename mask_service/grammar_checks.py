@@ -34,7 +34,7 @@ from mask_service.code_points import bad_code_point
 from mask_service.errors import GrammarError, MaskError
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.protocols import GrammarMatcher
-from mask_service.schema_check import NESTING_TOO_DEEP, check_document, check_metaschema
+from mask_service.schema_check import NESTING_TOO_DEEP, check_document, check_formats, check_metaschema
 
 _TEXT_KINDS = (GrammarKind.REGEX, GrammarKind.EBNF, GrammarKind.LARK)
 _ENGINE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+\.(?:cc|h):\d+:\s*")
@@ -97,6 +97,7 @@ def _precheck(spec: GrammarSpec) -> None:
     schema = load_schema(spec.text)
     check_document(schema)  # depth, Unicode, finite numbers: iterative, before anything that recurses
     check_metaschema(schema)
+    check_formats(schema)  # a format the end check cannot verify is refused, never waved through
 
 
 def check_language(matcher: GrammarMatcher, tokenizer_info: Any, spec: GrammarSpec) -> None:

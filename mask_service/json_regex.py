@@ -225,7 +225,10 @@ def _emit(op: Any, arg: Any) -> str:
         if hi is _sre.MAXREPEAT or hi == _sre.MAXREPEAT:
             return inner + ("*" if lo == 0 else "+" if lo == 1 else f"{{{lo},}}")
         if (lo, hi) == (0, 1):
-            return inner + "?"
+            # xgrammar 0.2.8's JSON-string regex reads an optional group holding a repeat
+            # ("(?:ab+)?") as if its first item were optional too (it accepted "b"); the
+            # alternation with the empty string is read right.
+            return f"(?:{_emit_seq(sub)}|)" if inner.startswith("(?:") else inner + "?"
         return inner + (f"{{{lo}}}" if lo == hi else f"{{{lo},{hi}}}")
     if op is _sre.SUBPATTERN:
         _group_id, add_flags, del_flags, sub = arg

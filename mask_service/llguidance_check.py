@@ -55,9 +55,12 @@ _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 # Keys whose value is instance data, never a schema.
 _DATA_KEYS = ("const", "enum", "default", "examples", "example")
 # Keywords that make a node an object schema for strict mode.
-_OBJECT_KEYS = ("properties", "required", "minProperties", "maxProperties")
-# Keywords that already say what undeclared properties may be.
-_OPEN_KEYS = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+_OBJECT_KEYS = ("properties", "patternProperties", "required", "minProperties", "maxProperties")
+# Keywords that already say what undeclared properties may be. Not ``patternProperties``:
+# it says what keys matching a pattern may hold; other keys are still the strict default's
+# (closed, as xgrammar's strict_mode reads it), and additionalProperties: false beside it
+# leaves the pattern-matching keys allowed.
+_OPEN_KEYS = ("additionalProperties", "unevaluatedProperties")
 _COMBINATORS = ("allOf", "anyOf", "oneOf")
 
 

@@ -496,3 +496,74 @@ def check_metaschema(schema: Any) -> None:
         f"invalid JSON Schema at {_pointer(error.absolute_path)}: {error.message} "
         f"(checked against the metaschema of {draft}{'' if declared else ' and every earlier draft'})"
     )
+
+
+# Formats JSON Schema defines (draft 2020-12, 7.3). Any other value is an annotation that
+# every validator ignores; these assert something, and the end check must be able to verify it.
+ASSERTED_FORMATS = frozenset(
+    {
+        "date-time",
+        "date",
+        "time",
+        "duration",
+        "email",
+        "idn-email",
+        "hostname",
+        "idn-hostname",
+        "ipv4",
+        "ipv6",
+        "uri",
+        "uri-reference",
+        "iri",
+        "iri-reference",
+        "uuid",
+        "uri-template",
+        "json-pointer",
+        "relative-json-pointer",
+        "regex",
+    }
+)
+
+
+def verifiable_formats() -> frozenset[str]:
+    """The formats this runtime's ``jsonschema`` can check (its optional checker packages,
+    ``jsonschema[format-nongpl]``, decide which; a missing package silently drops one)."""
+    import jsonschema
+
+    return frozenset(jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers)
+
+
+def unverifiable_formats(schema: Any) -> list[str]:
+    """Standard ``format`` values in ``schema`` that the end check could not verify, sorted."""
+    known = verifiable_formats()
+    found: set[str] = set()
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        fmt = node.get("format")
+        if isinstance(fmt, str) and fmt in ASSERTED_FORMATS and fmt not in known:
+            found.add(fmt)
+        for key, value in node.items():
+            if key in _DATA_KEYS:
+                continue
+            if key in (*_SCHEMA_MAPS, "dependentSchemas") and isinstance(value, dict):
+                stack.extend(value.values())  # names are not keywords
+            elif isinstance(value, (dict, list)):
+                stack.append(value)
+    return sorted(found)
+
+
+def check_formats(schema: Any) -> None:
+    """Refuse a schema whose ``format`` the output check could not verify: waving it through
+    would return unchecked text as complete (fail closed, never silently open)."""
+    missing = unverifiable_formats(schema)
+    if missing:
+        raise GrammarError(
+            f"format {', '.join(repr(f) for f in missing)} cannot be verified by this server's output check "
+            "(its checker is not installed), so it is refused rather than not enforced"
+        )

@@ -75,12 +75,36 @@ _JSON_CHAR = r'[^"\\\x00-\x1f'  # prefix of a negated class of JSON-safe charact
 _ATEXT = r"[A-Za-z0-9_!#$%&'*+/=?^`{|}~-]"
 _DOMAIN = r"[A-Za-z0-9](?:[-A-Za-z0-9]*[A-Za-z0-9])?(?:\.[A-Za-z0-9][-A-Za-z0-9]*[A-Za-z0-9])*"
 _POINTER = rf"(?:/(?:{_JSON_CHAR}/~]|~[01])*)*"
-# Stricter-or-equal replacements for the formats whose xgrammar regex is not JSON-safe.
+# RFC 3339 full-date with the days of each month and leap years; year 0000 is left out
+# (the end check reads dates with Python's datetime, which has no year 0).
+_YEAR = r"(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE = (
+    rf"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+    rf"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)"
+)
+# RFC 3339 full-time, offset required. Second 60 is left out: a leap second is valid only at
+# 23:59:60 UTC on the days one was inserted, and the end check refuses every :60.
+_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"  # no leading zeros
+# RFC 1123 labels of 1..63 characters; at most 4 labels, the last of 61 at most, keeps the
+# whole name within 253 characters.
+_LABEL = r"[A-Za-z0-9](?:[-A-Za-z0-9]{0,61}[A-Za-z0-9])?"
+_LAST_LABEL = r"[A-Za-z0-9](?:[-A-Za-z0-9]{0,59}[A-Za-z0-9])?"
+# Stricter-or-equal replacements for the formats whose xgrammar regex is not JSON-safe, or is
+# looser than the RFC the end check verifies (each caught violation costs the caller a request).
 FORMAT_PATTERNS = {
+    "date": rf"^{_DATE}$",
+    "time": rf"^{_TIME}$",
+    "date-time": rf"^{_DATE}T{_TIME}$",
+    "ipv4": rf"^{_OCTET}(?:\.{_OCTET}){{3}}$",
+    "hostname": rf"^(?:{_LABEL}\.){{0,3}}{_LAST_LABEL}$",
     # xgrammar's email regex minus the quoted-string local part.
     "email": rf"^{_ATEXT}+(?:\.{_ATEXT}+)*@{_DOMAIN}$",
     "json-pointer": rf"^{_POINTER}$",
-    "relative-json-pointer": rf"^(?:0|[1-9][0-9]*)(?:#|{_POINTER})$",
+    # No 0 followed by another digit: the end check's reading (jsonschema's checker refuses
+    # "100"), stricter than the draft's non-negative integer.
+    "relative-json-pointer": rf"^(?:0|[1-9]+0?)(?:#|{_POINTER})$",
 }
 
 # Keys that make xgrammar parse a schema as something other than "any value".
@@ -375,3 +399,30 @@ def repair_ebnf(ebnf: str) -> str:
             line = f"{name} ::= {_SAFE_CHAR_CLASS}"
         lines.append(line)
     return "\n".join(lines) + "\n"
+
+
+# Formats whose engine grammar (xgrammar's and llguidance's built-in regexes) is looser than
+# the RFC the end check verifies: both engines get FORMAT_PATTERNS' tighter pattern instead.
+TIGHTENED_FORMATS = ("date", "time", "date-time", "ipv4", "hostname")
+
+
+def tighten_formats(schema: Any) -> Any:
+    """A copy of ``schema`` where a string schema's ``format`` in TIGHTENED_FORMATS (and no
+    ``pattern``) becomes FORMAT_PATTERNS' pattern: the same or a smaller language."""
+    if isinstance(schema, list):
+        return [tighten_formats(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _DATA_KEYS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: tighten_formats(sub) for name, sub in value.items()}
+        else:
+            out[key] = tighten_formats(value)
+    fmt = out.get("format")
+    if fmt in TIGHTENED_FORMATS and "pattern" not in out and out.get("type") == "string":
+        del out["format"]
+        out["pattern"] = FORMAT_PATTERNS[fmt]
+    return out

@@ -48,6 +48,7 @@ from typing import Any
 
 from mask_service.grammar import GrammarKind, GrammarSpec
 from mask_service.llguidance_check import strict_schema as llguidance_strict
+from mask_service.schema_check import unverifiable_formats
 
 __all__ = ["OutputCheckError", "OutputChecker", "Verdict", "exact_multiples", "strict_schema", "validate_decimal"]
 
@@ -202,6 +203,9 @@ def _json_schema_checker(spec: GrammarSpec, engine: str) -> Callable[[str], Verd
         schema = json.loads(spec.text)
     except ValueError as exc:
         raise OutputCheckError(f"schema is not JSON: {exc}") from exc
+    missing = unverifiable_formats(schema)
+    if missing:  # jsonschema skips a format it has no checker for: that would pass anything
+        raise OutputCheckError(f"format {', '.join(missing)} cannot be verified (checker not installed)")
     cls = exact_multiples(jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator))
     # The schema as written, always: strict defaults pushed into a condition or a negation
     # (``if``, ``not``, a ``oneOf`` branch) would make the check LOOSER (a document the

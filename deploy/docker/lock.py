@@ -33,7 +33,7 @@ SPECMASK_BASE = [
     "protobuf",
     "numpy",
     "prometheus-client",
-    "jsonschema",
+    "jsonschema[format-nongpl]",  # the format checkers the end check needs (mask_service/schema_check.py)
     "tqdm",
     "xxhash",
 ]
@@ -67,7 +67,7 @@ EXCLUDE = {"pip", "setuptools", "wheel", "xgrammar", "specmask"}
 def closure(roots: list[str]) -> dict[str, str]:
     """name -> installed version for roots and everything they require at runtime."""
     seen: dict[str, str] = {}
-    todo: list[tuple[str, frozenset[str]]] = [(r, frozenset()) for r in roots]
+    todo: list[tuple[str, frozenset[str]]] = [(Requirement(r).name, frozenset(Requirement(r).extras)) for r in roots]
     while todo:
         name, extras = todo.pop()
         key = canonicalize_name(name)

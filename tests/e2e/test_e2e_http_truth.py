@@ -251,7 +251,8 @@ def test_huge_schema_is_never_refused_for_the_servers_text(base_url: str, model:
     """A schema far larger than the context is not put into the prompt unless asked for, and when
     asked for and it does not fit, it is left out: the request is never refused for text the server
     added (the schema still constrains the output)."""
-    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(2000)}}
+    # Several times the tiny model's context when written into the prompt; compiles in well under a second.
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(200)}}
     for extra in ({}, {"schema_instruction": "default"}):
         body = {
             "model": model,

@@ -260,16 +260,3 @@ def test_separator_must_use_json_whitespace(validator) -> None:
         with pytest.raises(InvalidRequest, match="JSON whitespace"):
             validator.validate(_req("hello", dataclasses.replace(SCHEMA, separators=(bad, ":"))))
     assert validator.validate(_req("hello", dataclasses.replace(SCHEMA, separators=(",\t", " : "))))
-
-
-def test_prompt_overflow_from_the_schema_instruction_names_it(bpe_dir, bpe_tokenizer, info, checker) -> None:
-    from orchestrator.chat import ChatMessage, ChatPrompt, ChatRenderer
-
-    validator = RequestValidator(
-        bpe_tokenizer, info, checker, ServingDefaults(max_tokens=32, k=4), chat=ChatRenderer.for_model(str(bpe_dir))
-    )
-    big = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"properties": {f"p{i}": {} for i in range(200)}}))
-    chat = ChatPrompt(messages=(ChatMessage("user", "hi"),))
-    with pytest.raises(InvalidRequest) as exc:
-        validator.validate(_req(chat, big))
-    assert "schema_instruction" in exc.value.message
