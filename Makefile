@@ -35,10 +35,10 @@ demo: $(STAMP)
 	$(VENV)/bin/specmask demo
 
 proto: $(STAMP)
-	$(PY) -m proto.codegen
+	$(PY) -m specmask.proto.codegen
 
 proto-check: $(STAMP)
-	$(PY) -m proto.codegen --check
+	$(PY) -m specmask.proto.codegen --check
 
 # The GPU-path benchmark (bench/gpu.py). It runs on a bare GPU host with the interpreter that
 # has CUDA torch (PYTHON, default python3), not the CPU-only venv; the Llama-3 tokenizer it needs

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.client import OrchestratorClient, build_request
-from orchestrator.dev.local_stack import StackConfig, running_stack
+from specmask.orchestrator.client import OrchestratorClient, build_request
+from specmask.orchestrator.dev.local_stack import StackConfig, running_stack
 
 STEADY_PROMPT = "Write a short story about a lighthouse keeper and a storm."
 
@@ -187,9 +187,9 @@ async def bench(args: argparse.Namespace, target: str, draft: str | None) -> dic
 
 def bench_worker(args: argparse.Namespace, target: str) -> dict[str, Any]:
     """``--worker-only``: the scheduling of one in-process GpuWorker (see the module docstring)."""
-    from gpu_worker.actor import GpuWorker
-    from gpu_worker.config import WorkerConfig
-    from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
+    from specmask.gpu_worker.actor import GpuWorker
+    from specmask.gpu_worker.config import WorkerConfig
+    from specmask.gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
 
     fields: dict[str, Any] = dict(target_dir=target, device="cpu", torch_threads=args.torch_threads)
     if args.max_iteration_tokens is not None:
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker_only:
         if args.target is None:
             parser.error("--worker-only needs --target")
-        from gpu_worker.models.resolve import resolve_cli_models
+        from specmask.gpu_worker.models.resolve import resolve_cli_models
 
         target, _ = resolve_cli_models(args.target, "none", toy=False, progress=False)
         result = bench_worker(args, target)
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             t, d = build_tiny_model_pair(tmp, max_position_embeddings=8192)
             result = asyncio.run(bench(args, str(t), str(d)))
     else:
-        from gpu_worker.models.resolve import resolve_cli_models
+        from specmask.gpu_worker.models.resolve import resolve_cli_models
 
         target, draft = resolve_cli_models(args.target, args.draft, toy=False, progress=False)
         result = asyncio.run(bench(args, target, draft))

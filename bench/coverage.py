@@ -193,8 +193,8 @@ class Checker:
     """Compiles through the service's backend registry and feeds instances to its matchers."""
 
     def __init__(self, tokenizer_dir: str, backend: str, strict: bool, checked: bool = False) -> None:
-        from mask_service.backends import BACKENDS
-        from mask_service.tokenizers import TokenizerRegistry, TokenizerSource
+        from specmask.mask_service.grammar.backends import BACKENDS
+        from specmask.mask_service.server.tokenizers import TokenizerRegistry, TokenizerSource
 
         self.registry = TokenizerRegistry([TokenizerSource(tokenizer_dir)])
         tid = self.registry.ids()[0]
@@ -208,7 +208,7 @@ class Checker:
         self._end_check: Any = None
 
     def spec(self, schema: Any) -> Any:
-        from mask_service.grammar import GrammarKind, GrammarSpec
+        from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 
         text = json.dumps(schema, ensure_ascii=False)
         return GrammarSpec(
@@ -217,7 +217,7 @@ class Checker:
 
     def end_check(self, schema: Any, text: str) -> bool:
         """The orchestrator's end-of-request check of ``text`` against the original schema (fails closed)."""
-        from orchestrator.output_check import OutputChecker, OutputCheckError
+        from specmask.orchestrator.output_check import OutputChecker, OutputCheckError
 
         if self._end_check is None:
             self._end_check = OutputChecker()
@@ -238,8 +238,8 @@ class Checker:
 
 
 def run_case(checker: Checker, case: Case, tally: Tally, verbose: bool) -> None:
-    from mask_service.backends import SelectedGrammar
-    from mask_service.errors import MaskError
+    from specmask.mask_service.errors import MaskError
+    from specmask.mask_service.grammar.backends import SelectedGrammar
 
     tally.add(case.subset, "schemas")
     try:
@@ -323,8 +323,8 @@ def mask_cost(checker: Checker, cases: Iterator[Case], num_schemas: int) -> dict
     """
     import numpy as np
 
-    from mask_service.errors import MaskError
-    from mask_service.grammar import GrammarKind, GrammarSpec
+    from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+    from specmask.mask_service.errors import MaskError
 
     width = (checker.compilers.tokenizer_info.vocab_size + 31) // 32
     times: dict[str, list[float]] = {"xgrammar": [], "llguidance": []}

@@ -56,13 +56,13 @@ from typing import Any
 import grpc
 import jsonschema
 
-from orchestrator.chat import DEFAULT_INSTRUCTION_NAME, schema_instruction
-from orchestrator.client import StreamedResult, build_request, stream_retrying_overload
-from orchestrator.dev.local_stack import RunningStack, StackConfig, running_stack
-from orchestrator.output_check import validate_decimal
-from orchestrator.types import Usage
-from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
-from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc
+from specmask.orchestrator.chat import DEFAULT_INSTRUCTION_NAME, schema_instruction
+from specmask.orchestrator.client import StreamedResult, build_request, stream_retrying_overload
+from specmask.orchestrator.dev.local_stack import RunningStack, StackConfig, running_stack
+from specmask.orchestrator.output_check import validate_decimal
+from specmask.orchestrator.types import Usage
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc
 
 REQUEST_TIMEOUT_S = 600.0
 
@@ -76,7 +76,7 @@ class Case:
 
 
 # The user turn of --chat requests; the schema itself goes in with the server's default
-# instruction (orchestrator/chat.py), as JSONSchemaBench prompts do.
+# instruction (specmask/orchestrator/chat.py), as JSONSchemaBench prompts do.
 CHAT_USER_TURN = "Generate a JSON object that matches the schema."
 OUTCOMES = ("requests", "valid", "invalid", "truncated", "refused", "errors")
 
@@ -139,7 +139,7 @@ def load_cases(
     """``--schemas toy``: the toy pair's own schemas (in-distribution prompts). Otherwise a dir of
     ``*.json`` files: a bare JSON Schema, or a JSONSchemaBench record with a "schema" key.
     With ``subsets``: only files of those prefixes, ``n`` per subset, spread over the sorted files."""
-    from gpu_worker.toy.schemas import all_schemas, prompt_for
+    from specmask.gpu_worker.toy.schemas import all_schemas, prompt_for
 
     def prompt(name: str, schema: Any) -> str | list[dict[str, str]]:
         return [{"role": "user", "content": CHAT_USER_TURN}] if chat else prompt_for(name, schema)
@@ -203,7 +203,7 @@ async def _one(
         schema_instruction=DEFAULT_INSTRUCTION_NAME if constrained and not isinstance(prompt, str) else None,
     )
     if proposers is not None and speculation:
-        from orchestrator.convert import PROPOSER_ENUMS
+        from specmask.orchestrator.convert import PROPOSER_ENUMS
 
         req.speculation.proposers.extend(PROPOSER_ENUMS[p] for p in proposers)
     result = StreamedResult()
@@ -564,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     subsets = tuple(s for s in args.subsets.split(",") if s) if args.subsets else None
     cases = load_cases(args.schemas, args.n, chat=args.chat, subsets=subsets)
-    from gpu_worker.models.resolve import resolve_cli_models
+    from specmask.gpu_worker.models.resolve import resolve_cli_models
 
     target, draft = resolve_cli_models(args.target, args.draft, toy=args.target is None, progress=False)
     result = asyncio.run(bench(args, cases, StackConfig(target_dir=target, draft_dir=draft, mask_metrics=True)))

@@ -35,8 +35,8 @@ from typing import Any
 
 import grpc
 
-from orchestrator.client import OrchestratorClient, build_request
-from orchestrator.dev.local_stack import RunningStack, StackConfig, running_stack
+from specmask.orchestrator.client import OrchestratorClient, build_request
+from specmask.orchestrator.dev.local_stack import RunningStack, StackConfig, running_stack
 
 logger = logging.getLogger(__name__)
 LIGHT_KEY = "bench-fairness-light"

@@ -410,7 +410,7 @@ def prepare_tokenizer(kind: str, out_dir: Path) -> None:
             if f.name.startswith("tokenizer"):
                 shutil.copy2(f, out_dir / f.name)
         return
-    from gpu_worker.toy.tokenizer import save_tokenizer, train_bpe
+    from specmask.gpu_worker.toy.tokenizer import save_tokenizer, train_bpe
 
     # No training text: the vocabulary is the EOS special plus the 256 byte tokens.
     save_tokenizer(train_bpe([], vocab_size=257), out_dir, model_max_length=1 << 20)
@@ -497,8 +497,8 @@ def bench_kernels(device: Any, *, batch: int, k: int, vocab: int, reps: int, den
     import torch
     import xgrammar
 
-    from kernels.backend import Backend
-    from kernels.bitmask import apply_token_bitmask_indirect_inplace, apply_token_bitmask_inplace
+    from specmask.kernels.backend import Backend
+    from specmask.kernels.bitmask import apply_token_bitmask_indirect_inplace, apply_token_bitmask_inplace
 
     backend = Backend.TRITON if device.type == "cuda" else Backend.REFERENCE
     gen = torch.Generator().manual_seed(0)
@@ -620,8 +620,8 @@ def time_mode(
 ) -> Samples:
     """Add ``batch`` scripted sequences in ``mode``, time ``args.steps`` steps after
     ``args.warmup`` untimed ones, remove them. ``on_step`` runs after every timed step."""
-    from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
-    from mask_service.grammar import GrammarKind, GrammarSpec
+    from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+    from specmask.gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
 
     steps = args.warmup + args.steps
     seqs = make_sequences(
@@ -705,9 +705,9 @@ def _add_all(worker: Any, new: Sequence[Any], attempts: int = 30) -> None:
 
 
 def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Namespace, log_dir: Path) -> dict:
-    from gpu_worker.actor import GpuWorker
-    from gpu_worker.config import WorkerConfig
-    from orchestrator.dev.local_stack import MaskServiceProcess
+    from specmask.gpu_worker.actor import GpuWorker
+    from specmask.gpu_worker.config import WorkerConfig
+    from specmask.orchestrator.dev.local_stack import MaskServiceProcess
 
     vocab = SHAPES[pair.target]["vocab_size"]
     with tempfile.TemporaryDirectory(prefix=f"specmask-bench-gpu-{name}-") as tmp:

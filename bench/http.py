@@ -45,7 +45,7 @@ PROMPT = "Generate JSON for schema user:\n"
 
 
 async def _grpc_stream(stub: Any, max_tokens: int) -> tuple[float, float, int]:
-    from orchestrator.client import build_request
+    from specmask.orchestrator.client import build_request
 
     req = build_request(PROMPT, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     sent = time.perf_counter()
@@ -137,7 +137,7 @@ class Clients:
         import aiohttp
         import grpc
 
-        from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc
+        from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc
 
         self.args = args
         # One multiplexed HTTP/2 channel (how gRPC clients run), or one per stream
@@ -282,7 +282,7 @@ async def drive(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _drive(args: argparse.Namespace, target: str, draft: str | None) -> dict[str, Any]:
-    from orchestrator.dev.local_stack import StackConfig, running_stack
+    from specmask.orchestrator.dev.local_stack import StackConfig, running_stack
 
     stack = StackConfig(target_dir=target, draft_dir=draft, mask_replicas=1, num_workers=1)
     overrides = {"http_port": 0, "max_batch": max(args.concurrency), "default_max_tokens": args.max_tokens}

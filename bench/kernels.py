@@ -29,11 +29,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kernels.backend import Backend
-from kernels.bitmask import apply_token_bitmask_inplace
-from kernels.draft_sampling import sample_draft
-from kernels.rejection import rejection_sample
-from kernels.sampling_params import SamplingTensors
+from specmask.kernels.backend import Backend
+from specmask.kernels.bitmask import apply_token_bitmask_inplace
+from specmask.kernels.draft_sampling import sample_draft
+from specmask.kernels.rejection import rejection_sample
+from specmask.kernels.sampling_params import SamplingTensors
 
 FULL_GRID = dict(batch=(1, 8, 64), num_drafts=(0, 4, 8), vocab=(32000, 128256, 151936))
 CPU_GRID = dict(batch=(1, 8), num_drafts=(0, 4), vocab=(32000,))

@@ -37,8 +37,8 @@ LAYOUTS: dict[str, dict[str, bool]] = {
 
 def _model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     if args.model:
-        from gpu_worker.loading import load_causal_lm
-        from gpu_worker.models.registry import resolve_model
+        from specmask.gpu_worker.loading import load_causal_lm
+        from specmask.gpu_worker.models.registry import resolve_model
 
         path = resolve_model(args.model, progress=False)
         assert path is not None  # None only for no model
@@ -55,8 +55,8 @@ def _model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gpu_worker.kv_cache import SequenceKV
-    from gpu_worker.model_runner import ForwardItem, ModelRunner
+    from specmask.gpu_worker.kv_cache import SequenceKV
+    from specmask.gpu_worker.model_runner import ForwardItem, ModelRunner
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)

@@ -39,7 +39,7 @@ from typing import Any
 
 import jsonschema
 
-from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 
 PROMPTS = ("Generate JSON for schema user:\n", "x", "Answer:", "{", "0 1 2", "The value is ")
 WORDS = ("a", "b", "ok", "no", "yes", "red", "x1", "id", "n", "é", "日本", "q r")

@@ -36,9 +36,9 @@ from typing import Any
 import grpc
 
 from bench.lie_cases import Case, generate
-from orchestrator.client import StreamedResult
-from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
-from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc
+from specmask.orchestrator.client import StreamedResult
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ async def run_cases(address: str, cases: Sequence[Case], *, concurrency: int = 3
 
 
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
-    from orchestrator.dev.local_stack import StackConfig, ensure_toy_models, running_stack
+    from specmask.orchestrator.dev.local_stack import StackConfig, ensure_toy_models, running_stack
 
     if args.target is None:
         target, draft = ensure_toy_models(progress=False)

@@ -68,9 +68,9 @@ class _Replies:
     """Absorbs synthetic replies into a real RowTable, as the client does (both paths)."""
 
     def __init__(self, pool: list[np.ndarray], capacity: int) -> None:
-        from mask_service.row_table import RowTable
-        from mask_service.wire import encode_row, row_content_id
-        from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+        from specmask.mask_service.client.row_table import RowTable
+        from specmask.mask_service.wire import encode_row, row_content_id
+        from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
 
         width = pool[0].shape[0]
         self.table = RowTable(width, capacity)
@@ -138,13 +138,13 @@ class _IdsStep:
     """The worker's mask-row handling today: slots of the client table, one device-resident table."""
 
     def __init__(self, vocab: int, *, upload: bool) -> None:
-        from gpu_worker.mask_table import DeviceMaskTable
+        from specmask.gpu_worker.mask_table import DeviceMaskTable
 
         self.vocab = vocab
         self.mirror = DeviceMaskTable("cpu", zero_copy=not upload)
 
     def step(self, replies: list[tuple[Any, np.ndarray]], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        from mask_service.row_table import MaskRows
+        from specmask.mask_service.client.row_table import MaskRows
 
         *draft_replies, verify_reply = replies
         kept: list[list[Any]] = [[] for _ in tokens]

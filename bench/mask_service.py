@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from mask_service.client import DraftMaskItem, MaskServiceClient
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.tokenizer_id import tokenizer_id_for_path
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.common.tokenizer_id import tokenizer_id_for_path
+from specmask.mask_service.client.mask_client import DraftMaskItem, MaskServiceClient
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +55,9 @@ def _select_docs(args: argparse.Namespace, hf: Any, registry: Any, tid: str) -> 
     import llguidance
     import xgrammar as xgr
 
-    from mask_service.backends import BACKENDS
-    from mask_service.backends_routing import xgrammar_gap
-    from mask_service.errors import MaskError
+    from specmask.mask_service.errors import MaskError
+    from specmask.mask_service.grammar.backends import BACKENDS
+    from specmask.mask_service.grammar.backends_routing import xgrammar_gap
 
     backend = BACKENDS["xgrammar"]
     compiler = xgr.GrammarCompiler(registry.info(tid, None), max_threads=2, cache_enabled=False)
@@ -146,7 +146,7 @@ def run_serial(docs: list[Doc], steps: list[list[SlotStep]], k: int, w: int) -> 
     """vLLM-style: one Python loop over requests and positions, one matcher per request."""
     import xgrammar as xgr
 
-    from mask_service.draft_masks import walk_drafts
+    from specmask.mask_service.server.draft_masks import walk_drafts
 
     matchers: list[Any] = [None] * len(steps[0])
     times, outputs = [], []
@@ -173,7 +173,7 @@ def run_threads(docs: list[Doc], steps: list[list[SlotStep]], k: int, w: int, th
 
     import xgrammar as xgr
 
-    from mask_service.draft_masks import walk_drafts
+    from specmask.mask_service.server.draft_masks import walk_drafts
 
     pool = ThreadPoolExecutor(threads)
     matchers: list[Any] = [None] * len(steps[0])
@@ -279,7 +279,7 @@ def run_llguidance(
 def run_service(
     args: argparse.Namespace, docs: list[Doc], steps: list[list[SlotStep]], tid: str, serial_out: list[np.ndarray]
 ) -> dict[str, Any]:
-    from orchestrator.dev.local_stack import MaskServiceProcess
+    from specmask.orchestrator.dev.local_stack import MaskServiceProcess
 
     service = MaskServiceProcess(
         [args.tokenizer], extra_args=["--log-level", "WARNING", "--mask-threads", str(args.threads)]
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import PreTrainedTokenizerFast
 
-    from mask_service.tokenizers import TokenizerRegistry, TokenizerSource
+    from specmask.mask_service.server.tokenizers import TokenizerRegistry, TokenizerSource
 
     registry = TokenizerRegistry([TokenizerSource.parse(args.tokenizer)])
     tid = tokenizer_id_for_path(TokenizerSource.parse(args.tokenizer).path)

@@ -53,11 +53,11 @@ from typing import Any
 
 import grpc
 
-from mask_service.auth import CLIENT_METADATA_KEY
-from mask_service.memory import rss_bytes
-from orchestrator.client import OrchestratorClient, build_request
-from orchestrator.dev.local_stack import RunningStack, StackConfig, health_status, running_stack
-from proto.rpc_status import details_of
+from specmask.mask_service.auth import CLIENT_METADATA_KEY
+from specmask.mask_service.server.memory import rss_bytes
+from specmask.orchestrator.client import OrchestratorClient, build_request
+from specmask.orchestrator.dev.local_stack import RunningStack, StackConfig, health_status, running_stack
+from specmask.proto.rpc_status import details_of
 
 logger = logging.getLogger(__name__)
 

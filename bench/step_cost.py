@@ -62,10 +62,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.worker import tally_outputs
-from gpu_worker.drafting import Drafter
-from gpu_worker.proposers.base import DraftSlot, Proposal, Proposer
-from gpu_worker.step import StepRunner
-from gpu_worker.verify_width import _DECAY, WidthChooser
+from specmask.gpu_worker.drafting import Drafter
+from specmask.gpu_worker.proposers.base import DraftSlot, Proposal, Proposer
+from specmask.gpu_worker.step import StepRunner
+from specmask.gpu_worker.verify_width import _DECAY, WidthChooser
 
 logger = logging.getLogger(__name__)
 
@@ -399,7 +399,7 @@ def _register_replay() -> bool:
     """Make ``replay`` a proposer name requests may carry (explicit: no work at import).
     Returns whether this call added it (the caller then removes it when done: the registry is
     process-wide, and a run inside a test process must not leave ``replay`` behind)."""
-    from gpu_worker.proposers.registry import register, registered_names
+    from specmask.gpu_worker.proposers.registry import register, registered_names
 
     if ReplayProposer.name in registered_names():
         return False
@@ -408,17 +408,17 @@ def _register_replay() -> bool:
 
 
 def _resolve_models(args: argparse.Namespace) -> tuple[str, str | None]:
-    from gpu_worker.models.resolve import resolve_pair
+    from specmask.gpu_worker.models.resolve import resolve_pair
 
     target = args.target
     if target is None:
-        from gpu_worker.models.cache import cache_root
+        from specmask.gpu_worker.models.cache import cache_root
 
         cached = cache_root() / REAL_MODEL
         if cached.is_dir():
             target = REAL_MODEL
         else:
-            from gpu_worker.toy.build import DEFAULT_OUT_DIR, build_toy_models
+            from specmask.gpu_worker.toy.build import DEFAULT_OUT_DIR, build_toy_models
 
             toy = build_toy_models(DEFAULT_OUT_DIR, progress=False)
             return str(toy.target_dir), (str(toy.draft_dir) if args.draft != "none" else None)
@@ -429,8 +429,8 @@ def _resolve_models(args: argparse.Namespace) -> tuple[str, str | None]:
 def load_cases(args: argparse.Namespace, tokenizer: Any) -> list[tuple[str, Any, list[int]]]:
     """(name, schema, prompt ids): the toy schemas, or a dir of JSON Schemas; chat prompts when
     the tokenizer has a chat template (the schema in the system turn), else the toy prompt."""
-    from gpu_worker.toy.schemas import all_schemas, prompt_for, schema_json
-    from orchestrator.chat import schema_instruction
+    from specmask.common.schema_instruction import schema_instruction
+    from specmask.gpu_worker.toy.schemas import all_schemas, prompt_for, schema_json
 
     if args.schemas == "toy":
         schemas = dict(all_schemas())
@@ -489,19 +489,19 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     finally:
         if added_replay:
-            from gpu_worker.proposers.registry import unregister
+            from specmask.gpu_worker.proposers.registry import unregister
 
             unregister(ReplayProposer)
 
 
 def _run(args: argparse.Namespace) -> int:
     """Record and replay ``args.rounds`` times; print the table and RESULT."""
-    from gpu_worker.actor import GpuWorker
-    from gpu_worker.config import WorkerConfig
-    from gpu_worker.toy.schemas import schema_json
-    from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
-    from mask_service.grammar import GrammarKind, GrammarSpec
-    from orchestrator.dev.local_stack import MaskServiceProcess
+    from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+    from specmask.gpu_worker.actor import GpuWorker
+    from specmask.gpu_worker.config import WorkerConfig
+    from specmask.gpu_worker.toy.schemas import schema_json
+    from specmask.gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
+    from specmask.orchestrator.dev.local_stack import MaskServiceProcess
 
     target_dir, draft_dir = _resolve_models(args)
     if args.proposers:

@@ -77,12 +77,12 @@ class ModeResult:
 
 def _toy_dirs(args: argparse.Namespace) -> tuple[str, str]:
     if args.target_dir and args.draft_dir:
-        from gpu_worker.models.resolve import resolve_pair
+        from specmask.gpu_worker.models.resolve import resolve_pair
 
         target, draft = resolve_pair(args.target_dir, args.draft_dir)  # dirs or registered names
         assert draft is not None
         return target, draft
-    from gpu_worker.toy.build import DEFAULT_OUT_DIR, build_toy_models
+    from specmask.gpu_worker.toy.build import DEFAULT_OUT_DIR, build_toy_models
 
     result = build_toy_models(args.toy_dir or DEFAULT_OUT_DIR, progress=False)
     return str(result.target_dir), str(result.draft_dir)
@@ -91,7 +91,7 @@ def _toy_dirs(args: argparse.Namespace) -> tuple[str, str]:
 def tally_outputs(outs: Sequence[Any], into: Any) -> None:
     """Add one step's outputs (``StepOutput``s) to ``into``'s ``outputs``/``tokens``/``forwards``/
     ``proposed``/``accepted``; an output with an error ends the bench."""
-    from gpu_worker.types import FinishReason
+    from specmask.gpu_worker.types import FinishReason
 
     for out in outs:
         if out.error:
@@ -107,9 +107,9 @@ def tally_outputs(outs: Sequence[Any], into: Any) -> None:
 
 
 def run_mode(worker: Any, schemas: dict[str, Any], mode: str, args: argparse.Namespace) -> ModeResult:
-    from gpu_worker.toy.schemas import prompt_for, schema_json
-    from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
-    from mask_service.grammar import GrammarKind, GrammarSpec
+    from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+    from specmask.gpu_worker.toy.schemas import prompt_for, schema_json
+    from specmask.gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
 
     enabled, proposers, masking = MODES[mode]
     spec = SpeculationParams(enabled=enabled, k=args.k, proposers=proposers or ("draft_model",), draft_masking=masking)
@@ -156,12 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
-    from gpu_worker.actor import GpuWorker
-    from gpu_worker.config import WorkerConfig
-    from gpu_worker.toy.schemas import HELDOUT_SCHEMAS, TRAIN_SCHEMAS
-    from mask_service.config import MaskServiceConfig
-    from mask_service.server import build_service
-    from mask_service.tokenizers import TokenizerSource
+    from specmask.gpu_worker.actor import GpuWorker
+    from specmask.gpu_worker.config import WorkerConfig
+    from specmask.gpu_worker.toy.schemas import HELDOUT_SCHEMAS, TRAIN_SCHEMAS
+    from specmask.mask_service.server.config import MaskServiceConfig
+    from specmask.mask_service.server.server import build_service
+    from specmask.mask_service.server.tokenizers import TokenizerSource
 
     target_dir, draft_dir = _toy_dirs(args)
     modes = [m for m in args.modes.split(",") if m]

@@ -10,7 +10,7 @@ import torch
 # its own standard library at `import triton`; so the interpreter has to be on
 # before anything (e.g. transformers) imports triton. Without CUDA the Triton
 # code can only run interpreted; which backend each call uses is still chosen
-# per call (kernels/backend.py). With CUDA, Triton compiles for real.
+# per call (specmask/kernels/backend.py). With CUDA, Triton compiles for real.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

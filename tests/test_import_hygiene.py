@@ -30,24 +30,32 @@ for module in sys.argv[2].split(","):
 CASES = {
     # The gRPC client: grpcio + protobuf only (pip install specmask[client]).
     "client": (
-        ["orchestrator.client"],
+        ["specmask.orchestrator.client"],
         ["torch", "xgrammar", "transformers", "numpy", "ray", "aiohttp", "tokenizers", "xxhash", "jsonschema"]
         + ["grpc_status", "grpc_health", "grpc_reflection", "pydantic", "jinja2"],
     ),
     # The mask-service client side (worker and orchestrator use it): no grammar engine.
     "mask_client": (
-        ["mask_service.client", "mask_service.router", "mask_service.replicas", "mask_service.wire"],
+        [
+            "specmask.mask_service.client.mask_client",
+            "specmask.mask_service.client.router",
+            "specmask.mask_service.client.replicas",
+            "specmask.mask_service.wire",
+        ],
         ["torch", "xgrammar", "transformers", "llguidance"],
     ),
     # The worker's request types cross Ray into the orchestrator: no torch.
-    "worker_types": (["gpu_worker.types", "gpu_worker.config"], ["torch", "transformers", "xgrammar"]),
+    "worker_types": (
+        ["specmask.gpu_worker.types", "specmask.gpu_worker.config"],
+        ["torch", "transformers", "xgrammar"],
+    ),
     # The orchestrator and both its front doors: no model code.
     "orchestrator": (
         [
-            "orchestrator.engine",
-            "orchestrator.api.grpc_server",
-            "orchestrator.api.grpc_servicer",
-            "orchestrator.api.http.app",
+            "specmask.orchestrator.engine",
+            "specmask.orchestrator.api.grpc_server",
+            "specmask.orchestrator.api.grpc_servicer",
+            "specmask.orchestrator.api.http.app",
         ],
         ["torch", "transformers", "triton"],
     ),

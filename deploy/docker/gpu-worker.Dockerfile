@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1.7
 # GPU worker / Ray node image: the KubeRay head and GPU worker pods run it.
 #   docker build -f deploy/docker/gpu-worker.Dockerfile -t specmask/gpu-worker:0.1.0 .
-# specmask is installed so the GpuWorker Ray actor (gpu_worker.actor) is
+# specmask is installed so the GpuWorker Ray actor (specmask.gpu_worker.actor) is
 # importable on every node; the models come from a read-only volume.
 # torch 2.13.0 from PyPI is a CUDA 13 build that ships its own CUDA runtime
 # libraries (nvidia-* wheels), so the base only needs the driver-facing CUDA
@@ -26,16 +26,11 @@ RUN pip install --no-deps xgrammar==0.2.8
 RUN pip install setuptools==84.2.1 wheel==0.45.1
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY proto ./proto
-COPY mask_service ./mask_service
-COPY orchestrator ./orchestrator
-COPY gpu_worker ./gpu_worker
-COPY kernels ./kernels
-COPY bench ./bench
+COPY specmask ./specmask
 RUN pip install --no-deps --no-build-isolation . \
  && pip uninstall -y setuptools wheel \
  && specmask --help > /dev/null \
- && python -c "import gpu_worker, kernels, ray, torch, triton, xgrammar"
+ && python -c "import specmask.gpu_worker, specmask.kernels, ray, torch, triton, xgrammar"
 
 FROM ${CUDA_IMAGE} AS runtime
 ENV DEBIAN_FRONTEND=noninteractive
@@ -49,7 +44,7 @@ COPY --from=build /opt/venv /opt/venv
 RUN echo 'export PATH=/opt/venv/bin:$PATH' > /etc/profile.d/specmask-venv.sh
 # GRPC_ENABLE_FORK_SUPPORT=false: the Ray client server (head) forks its
 # per-client servers while gRPC threads run; with fork support on, the child runs
-# gRPC's fork handlers and can die at start (proto/__init__.py has the story).
+# gRPC's fork handlers and can die at start (specmask/proto/__init__.py has the story).
 ENV PATH=/opt/venv/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 \
     HOME=/home/ray HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 GRPC_ENABLE_FORK_SUPPORT=false
 RUN groupadd --system --gid 10001 ray \

@@ -33,7 +33,8 @@ SPECMASK_BASE = [
     "protobuf",
     "numpy",
     "prometheus-client",
-    "jsonschema[format-nongpl]",  # the format checkers the end check needs (mask_service/schema_check.py)
+    # The format checkers the end check needs (specmask/mask_service/grammar/schema_check.py).
+    "jsonschema[format-nongpl]",
     "tqdm",
     "xxhash",
 ]

@@ -23,12 +23,7 @@ RUN pip install --no-deps xgrammar==0.2.8
 RUN pip install setuptools==84.2.1 wheel==0.45.1
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY proto ./proto
-COPY mask_service ./mask_service
-COPY orchestrator ./orchestrator
-COPY gpu_worker ./gpu_worker
-COPY kernels ./kernels
-COPY bench ./bench
+COPY specmask ./specmask
 RUN pip install --no-deps --no-build-isolation . \
  && pip uninstall -y setuptools wheel \
  && specmask mask-service --help > /dev/null \

@@ -21,7 +21,7 @@ def test_step_cost_replays_the_constrained_run(tmp_path_factory, capsys, propose
     argv = ["--target", str(target), "--proposers", proposers, "--n", "3", "--max-tokens", "12", "--rounds", "2"]
     if "draft_model" in proposers:
         argv += ["--draft", str(draft)]
-    from gpu_worker.proposers.registry import registered_names
+    from specmask.gpu_worker.proposers.registry import registered_names
 
     before = registered_names()
     assert main(argv) == 0

@@ -549,7 +549,7 @@ class Cluster:
         timeout = float(spec.get("timeoutSeconds", 1))
         try:
             if "grpc" in spec:
-                from orchestrator.dev.local_stack import health_status
+                from specmask.orchestrator.dev.local_stack import health_status
 
                 g = spec["grpc"]
                 status = health_status(f"{pod.ip}:{g['port']}", service=g.get("service", ""), timeout_s=timeout)

@@ -222,8 +222,8 @@ def test_servers_bind_all_interfaces(suffix: str) -> None:
 
 @pytest.mark.parametrize("suffix", ["-mask", "-orchestrator"])
 def test_liveness_asks_the_process_readiness_the_dependencies(suffix: str) -> None:
-    """Startup/liveness name the servers' liveness service; readiness asks "" (proto/health.py)."""
-    from proto import health as health_names
+    """Startup/liveness name the servers' liveness service; readiness asks "" (specmask/proto/health.py)."""
+    from specmask.proto import health as health_names
 
     c = container(one(rendered("defaults"), "Deployment", suffix))
     assert c["startupProbe"]["grpc"]["service"] == health_names.LIVENESS
@@ -447,7 +447,7 @@ def test_inconsistent_bounds_refused(values: dict[str, Any], message: str) -> No
 @pytest.mark.parametrize("component, suffix", [("mask-service", "-mask"), ("orchestrator", "-orchestrator")])
 def test_rendered_args_parse_with_the_real_cli(component: str, suffix: str) -> None:
     """Contract with the service code: the chart's flags are the CLI's flags."""
-    cli = pytest.importorskip("orchestrator.cli")
+    cli = pytest.importorskip("specmask.orchestrator.cli")
     module_path = cli.SUBCOMMANDS[component][0]
     try:
         __import__(module_path)

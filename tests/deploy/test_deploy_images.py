@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import SUBCOMMANDS
+from specmask.orchestrator.cli import SUBCOMMANDS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCKER_DIR = REPO_ROOT / "deploy" / "docker"
@@ -72,7 +72,7 @@ def test_gpu_worker_runs_ray_and_has_specmask_installed() -> None:
     assert argv[0] == "ray" and argv[1] == "start", argv
     runs = " ".join(a for k, a in instructions("gpu-worker") if k == "RUN")
     assert re.search(r"pip install --no-deps (--no-build-isolation )?\.", runs), "specmask not installed"
-    assert "import gpu_worker" in runs
+    assert "import specmask.gpu_worker" in runs
     reqs = (DOCKER_DIR / "requirements" / "gpu-worker.txt").read_text()
     assert re.search(r"^ray\[default\]==", reqs, re.M) and re.search(r"^torch==\d+\.\d+\.\d+$", reqs, re.M)
 

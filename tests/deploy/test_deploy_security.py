@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.auth_keys import load_api_keys
+from specmask.orchestrator.auth_keys import load_api_keys
 from tests.deploy.test_deploy_chart import (
     ORCH_HTTP_PORT,
     ORCH_METRICS_PORT,
@@ -93,7 +93,7 @@ def test_orchestrator_network_policy_default_and_configured() -> None:
 
 
 def test_cors_and_cap_reach_the_real_cli() -> None:
-    cli = pytest.importorskip("orchestrator.cli")
+    cli = pytest.importorskip("specmask.orchestrator.cli")
     docs = render(
         {
             "orchestrator": {

@@ -111,7 +111,7 @@ def kuberay_default_probe(pod: Pod, cluster: Cluster) -> tuple[bool, str]:
 
 
 def generate(address: str, n: int) -> list[Any]:
-    from orchestrator.client import OrchestratorClient, build_request
+    from specmask.orchestrator.client import OrchestratorClient, build_request
 
     def one(i: int) -> Any:
         with OrchestratorClient(address) as client:
@@ -122,7 +122,7 @@ def generate(address: str, n: int) -> list[Any]:
 
 
 def assert_schema_valid(responses: list[Any]) -> None:
-    from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+    from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 
     for r in responses:
         assert r.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE, (r.finish_reason, r.error, r.text)

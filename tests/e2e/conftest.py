@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.dev.local_stack import StackConfig
+from specmask.orchestrator.dev.local_stack import StackConfig
 from tests.e2e.stack import MAX_BATCH, MAX_QUEUE, ThreadStack
 
 

@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from orchestrator.client import OrchestratorClient, StreamedResult
-from orchestrator.dev.local_stack import RunningStack, StackConfig, running_stack
-from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from specmask.orchestrator.client import OrchestratorClient, StreamedResult
+from specmask.orchestrator.dev.local_stack import RunningStack, StackConfig, running_stack
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TEST_DATA = REPO_ROOT / "tests" / "data" / "maskbench"
@@ -154,7 +154,7 @@ class ThreadStack:
 
     def mask_session_count(self) -> int:
         """Open sessions summed over the live mask-service replicas."""
-        from mask_service.client import MaskServiceClient
+        from specmask.mask_service.client.mask_client import MaskServiceClient
 
         assert self.running is not None
         total = 0
@@ -172,7 +172,7 @@ class ThreadStack:
 
     def assert_replicas_serving(self) -> None:
         """Every mask-service replica is alive and SERVING; otherwise fail with its exit status and log."""
-        from orchestrator.dev.local_stack import health_status
+        from specmask.orchestrator.dev.local_stack import health_status
 
         assert self.running is not None
         for i, proc in enumerate(self.running.mask_services):

@@ -14,8 +14,8 @@ import grpc
 import jsonschema
 import pytest
 
-from orchestrator.client import OrchestratorClient, build_request
-from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from specmask.orchestrator.client import OrchestratorClient, build_request
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from tests.e2e.stack import ThreadStack
 
 pytestmark = pytest.mark.slow
@@ -146,7 +146,7 @@ def test_http_extensions(stack: ThreadStack) -> None:
 def test_generate_cli_flags(stack: ThreadStack, tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from orchestrator import generate_cli
+    from specmask.orchestrator import generate_cli
 
     schema = tmp_path / "unique.json"
     schema.write_text(json.dumps(UNIQUE))

@@ -61,7 +61,7 @@ def _logged_port(log_path: Path, pattern: str, proc: subprocess.Popen) -> int:
 
 
 def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "orchestrator.cli", *args]
+    return [sys.executable, "-m", "specmask.orchestrator.cli", *args]
 
 
 def test_up_generate_and_ctrl_c(tiny_pair, tmp_path: Path) -> None:
@@ -163,9 +163,9 @@ def test_orchestrator_process_serves_and_stops_on_sigterm(tiny_pair, tmp_path: P
     """`specmask orchestrator` as its own process against a separate mask-service process."""
     import urllib.request
 
-    from orchestrator.client import OrchestratorClient, build_request
-    from orchestrator.dev.local_stack import MaskServiceProcess, wait_serving
-    from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+    from specmask.orchestrator.client import OrchestratorClient, build_request
+    from specmask.orchestrator.dev.local_stack import MaskServiceProcess, wait_serving
+    from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 
     target, draft = tiny_pair
     mask = MaskServiceProcess([str(target)], log_path=tmp_path / "mask.log").start()

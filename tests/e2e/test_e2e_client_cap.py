@@ -9,8 +9,8 @@ import dataclasses
 import grpc
 import pytest
 
-from mask_service.auth import CLIENT_METADATA_KEY
-from orchestrator.client import OrchestratorClient, build_request
+from specmask.mask_service.auth import CLIENT_METADATA_KEY
+from specmask.orchestrator.client import OrchestratorClient, build_request
 from tests.e2e.stack import LONG_MAX_TOKENS, LONG_SCHEMA, PROMPT, ThreadStack
 
 CAP = 2

@@ -9,9 +9,9 @@ import grpc
 import jsonschema
 import pytest
 
-from orchestrator.client import OrchestratorClient, build_request
-from orchestrator.dev.local_stack import health_status
-from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from specmask.orchestrator.client import OrchestratorClient, build_request
+from specmask.orchestrator.dev.local_stack import health_status
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from tests.e2e.stack import (
     LONG_MAX_TOKENS,
     LONG_SCHEMA,
@@ -76,7 +76,7 @@ def test_overload_is_refused_with_resource_exhausted(stack: ThreadStack) -> None
         # The replica test_replica_killed_mid_generation restarted comes back with an empty
         # grammar cache: the burst below then validates a schema that is compiling. The
         # orchestrator sends one ValidateGrammar per (schema, client) in flight
-        # (orchestrator/single_flight.py), so the burst costs the replica one compile waiter;
+        # (specmask/orchestrator/single_flight.py), so the burst costs the replica one compile waiter;
         # before, its requests past 12 got RESOURCE_EXHAUSTED "busy compiling" (this test was
         # flaky then), which this test must not count as admission refusing them.
         futures = [
@@ -136,7 +136,7 @@ def test_mask_service_down_fails_only_constrained_requests(stack: ThreadStack) -
             else:
                 assert r.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH), (i, r.error)
         _wait_health(stack.address, NOT_SERVING)
-        # LONG_SCHEMA's acceptance is kept (orchestrator/verdict_cache.py) but not trusted while
+        # LONG_SCHEMA's acceptance is kept (specmask/orchestrator/verdict_cache.py) but not trusted while
         # no replica answers: a new request for it still fails fast at admission.
         with OrchestratorClient(stack.address) as client, pytest.raises(grpc.RpcError) as down:
             client.generate(build_request(PROMPT, schema=LONG_SCHEMA, temperature=0.0, max_tokens=4))

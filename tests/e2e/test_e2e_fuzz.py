@@ -19,12 +19,12 @@ import grpc
 import pytest
 from google.protobuf.message import DecodeError
 
-from mask_service.client import RECONNECT_OPTIONS
-from orchestrator.dev.local_stack import health_status
-from proto.gen.specmask.mask.v1 import mask_service_pb2 as mpb
-from proto.gen.specmask.mask.v1 import mask_service_pb2_grpc as mpb_grpc
-from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
-from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc
+from specmask.mask_service.client.mask_client import RECONNECT_OPTIONS
+from specmask.orchestrator.dev.local_stack import health_status
+from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2 as mpb
+from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2_grpc as mpb_grpc
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc
 from tests.e2e.stack import ThreadStack
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from orchestrator.client import OrchestratorClient, build_request
-from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from specmask.orchestrator.client import OrchestratorClient, build_request
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from tests.e2e.stack import (
     BOUNDED_SCHEMA,
     ENDLESS_MAX_TOKENS,
@@ -227,8 +227,8 @@ def test_a_request_placed_on_an_idle_worker_goes_at_once(stack: ThreadStack) -> 
     """A request placed on an idle worker wakes its loop: it is sent (running) as soon as the
     loop runs, with nothing else to wait for; and it completes. (On a worker with a call in
     flight it waits for the next: test_adds_placed_during_a_step_wait_for_the_next_call.)"""
-    from gpu_worker.types import FinishReason
-    from orchestrator.convert import request_from_proto
+    from specmask.gpu_worker.types import FinishReason
+    from specmask.orchestrator.convert import request_from_proto
 
     engine = stack.running.server.engine
     msg = build_request(PROMPT, schema=BOUNDED_SCHEMA, temperature=0.0, max_tokens=64)
@@ -267,7 +267,7 @@ def test_adds_placed_during_a_step_wait_for_the_next_call(stack: ThreadStack) ->
     its end)."""
     import ray
 
-    from gpu_worker.types import FinishReason
+    from specmask.gpu_worker.types import FinishReason
 
     assert stack.running is not None
     engine = stack.running.server.engine
@@ -297,7 +297,7 @@ def test_a_request_waiting_for_a_lost_workers_step_goes_to_another_worker(stack:
     (another worker here) and completes. The loss is the engine's own handling of it
     (``_on_worker_failure``, what a dead or hung actor gets), called while the request waits;
     the worker is then probed back into placement."""
-    from gpu_worker.types import FinishReason
+    from specmask.gpu_worker.types import FinishReason
 
     assert stack.running is not None
     engine = stack.running.server.engine
@@ -335,7 +335,7 @@ async def _submit_until_waiting(engine, msg, prefix: str):
     """Submit copies of ``msg`` (its workers busy stepping) until one waits in ``to_add`` for
     the next call; return it, its slot and the attempt. Copies sent at once are cancelled and
     waited out."""
-    from orchestrator.convert import request_from_proto
+    from specmask.orchestrator.convert import request_from_proto
 
     for attempt in range(50):
         request = await engine.submit(request_from_proto(msg, f"{prefix}-{attempt}"))
@@ -381,8 +381,8 @@ def test_a_request_whose_iterate_call_ray_refuses_finishes_with_an_error(stack: 
     """If Ray refuses the iterate() call that carries a request's add, the request finishes with
     a SpecMask error at once (before, it was neither sent nor finished: its client waited out its
     deadline), the worker is taken out and recovered, and the next request completes."""
-    from gpu_worker.types import FinishReason
-    from orchestrator.convert import request_from_proto
+    from specmask.gpu_worker.types import FinishReason
+    from specmask.orchestrator.convert import request_from_proto
 
     engine = stack.running.server.engine
     stack.wait_idle()

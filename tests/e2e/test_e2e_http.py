@@ -130,7 +130,7 @@ def test_chat_json_schema_validates(client: openai.OpenAI, model: str, name: str
 
 
 def test_chat_gets_the_schema_instruction_on_request(stack: ThreadStack, client: openai.OpenAI, model: str) -> None:
-    """A plain JSON Schema chat goes through the engine's chat renderer (orchestrator/chat.py), which
+    """A plain JSON Schema chat goes through the engine's chat renderer (specmask/orchestrator/chat.py), which
     puts the schema in a system message only when asked (schema_instruction): the caller's messages
     are the prompt by default, and JSON mode never shows the model a schema to copy."""
     kwargs: dict[str, Any] = dict(

@@ -25,9 +25,9 @@ import httpx2 as httpx
 import jsonschema
 import pytest
 
-from orchestrator.client import OrchestratorClient, build_request
-from orchestrator.dev.local_stack import health_status
-from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from specmask.orchestrator.client import OrchestratorClient, build_request
+from specmask.orchestrator.dev.local_stack import health_status
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from tests.e2e.stack import BOUNDED_SCHEMA, PROMPT, ThreadStack
 
 pytestmark = pytest.mark.slow

@@ -29,7 +29,7 @@ HEAVY = ("torch", "xgrammar", "transformers", "numpy", "ray", "tokenizers", "aio
 
 CLIENT_SCRIPT = r"""
 import asyncio, json, sys
-from orchestrator.client import AsyncOrchestratorClient, OrchestratorClient, build_request
+from specmask.orchestrator.client import AsyncOrchestratorClient, OrchestratorClient, build_request
 
 address, tls_address, schema, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 roots = open(sys.argv[5], "rb").read()
@@ -78,8 +78,8 @@ def _self_signed(tmp: Path) -> tuple[bytes, bytes]:
 
 async def _tls_server(stack: ThreadStack, key: bytes, cert: bytes) -> tuple[grpc.aio.Server, int]:
     """A second gRPC server with TLS on the stack's loop, serving the stack's own engine."""
-    from orchestrator.api.grpc_server import SERVICE_NAME
-    from orchestrator.api.grpc_servicer import OrchestratorServicer, add_to_server
+    from specmask.orchestrator.api.grpc_server import SERVICE_NAME
+    from specmask.orchestrator.api.grpc_servicer import OrchestratorServicer, add_to_server
 
     assert stack.running is not None
     server = grpc.aio.server()
@@ -119,7 +119,7 @@ def test_client_installed_alone_in_a_fresh_venv(stack: ThreadStack, tmp_path: Pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert result["loaded_heavy"] == [] and result["torch_importable"] is False
-    from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+    from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 
     for key_name in ("sync", "tls"):
         text, finish = result[key_name]

@@ -173,7 +173,7 @@ def test_http_port_serves_metrics_version_tokenize_and_counts_statuses(
         return sample or 0.0
 
     ok_before, bad_before = count("/v1/chat/completions", 200), count("/v1/chat/completions", 400)
-    with caplog.at_level(logging.INFO, logger="orchestrator.api.http.access"):
+    with caplog.at_level(logging.INFO, logger="specmask.orchestrator.api.http.access"):
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], n=3)
@@ -181,7 +181,7 @@ def test_http_port_serves_metrics_version_tokenize_and_counts_statuses(
     assert count("/v1/chat/completions", 200) == ok_before + 1
     assert count("/v1/chat/completions", 400) == bad_before + 1
     assert count("unmatched", 404) >= 1
-    lines = [r.getMessage() for r in caplog.records if r.name == "orchestrator.api.http.access"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "specmask.orchestrator.api.http.access"]
     assert any('"POST /v1/chat/completions" 400' in line for line in lines)
     assert any('"GET /no/such/route" 404' in line for line in lines)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.client import OrchestratorClient, build_request
+from specmask.orchestrator.client import OrchestratorClient, build_request
 from tests.e2e.stack import BOUNDED_SCHEMA, PROMPT, ThreadStack
 
 pytestmark = pytest.mark.slow

@@ -12,8 +12,8 @@ import grpc
 import jsonschema
 import pytest
 
-from orchestrator.client import OrchestratorClient, build_request
-from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from specmask.orchestrator.client import OrchestratorClient, build_request
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from tests.e2e.stack import TEST_DATA, ThreadStack, load_schema_records
 from tests.fixtures.shared_data import shared_data_dir
 

@@ -17,7 +17,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
-from orchestrator.dev.serve import Speculative, parse_speculative_config
+from specmask.orchestrator.dev.serve import Speculative, parse_speculative_config
 from tests.e2e.test_e2e_cli import STOP_TIMEOUT_S, UP_TIMEOUT_S, _cli, _descendants
 from tests.fixtures.procs import exited
 
@@ -115,8 +115,8 @@ def test_api_key_and_fairness_flags_are_passed_on(monkeypatch: pytest.MonkeyPatc
     passes them to the orchestrator's config fields."""
     import argparse
 
-    from orchestrator import config as cfg
-    from orchestrator.dev.serve import add_arguments, orchestrator_overrides
+    from specmask.orchestrator import config as cfg
+    from specmask.orchestrator.dev.serve import add_arguments, orchestrator_overrides
 
     for name in ("SPECMASK_API_KEY", "SPECMASK_API_KEYS"):
         monkeypatch.delenv(name, raising=False)

@@ -12,9 +12,9 @@ import time
 import jsonschema
 import pytest
 
-from orchestrator.client import build_request
-from orchestrator.dev.local_stack import health_status
-from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from specmask.orchestrator.client import build_request
+from specmask.orchestrator.dev.local_stack import health_status
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from tests.e2e.stack import (
     ENDLESS_MAX_TOKENS,
     ENDLESS_SCHEMA,

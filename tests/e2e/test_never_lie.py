@@ -15,8 +15,8 @@ import pytest
 
 from bench.lie_cases import generate
 from bench.lies import run_cases
-from orchestrator.client import OrchestratorClient, build_request
-from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from specmask.orchestrator.client import OrchestratorClient, build_request
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from tests.e2e.stack import ThreadStack
 
 pytestmark = pytest.mark.slow
@@ -103,7 +103,7 @@ def test_wrong_output_is_a_violation_not_a_success(
 
 def test_checker_failure_fails_closed(stack: ThreadStack, monkeypatch: pytest.MonkeyPatch) -> None:
     """If the end check itself breaks, the request is not reported complete."""
-    from orchestrator.output_check import OutputCheckError
+    from specmask.orchestrator.output_check import OutputCheckError
 
     assert stack.running is not None
     checker = stack.running.server.engine.output_checker

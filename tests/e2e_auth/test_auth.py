@@ -18,10 +18,10 @@ import httpx2 as httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mask_service.auth import OWNER_SECRET_ENV, TOKEN_ENV, public_owner
-from mask_service.client import MaskServiceClient, MaskServiceError
-from orchestrator.client import OrchestratorClient, build_request
-from orchestrator.dev.local_stack import StackConfig
+from specmask.mask_service.auth import OWNER_SECRET_ENV, TOKEN_ENV, public_owner
+from specmask.mask_service.client.mask_client import MaskServiceClient, MaskServiceError
+from specmask.orchestrator.client import OrchestratorClient, build_request
+from specmask.orchestrator.dev.local_stack import StackConfig
 from tests.e2e.stack import LONG_MAX_TOKENS, LONG_SCHEMA, PROMPT, ThreadStack
 
 pytestmark = pytest.mark.slow

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from orchestrator.client import build_request
-from orchestrator.dev.local_stack import StackConfig
-from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from specmask.orchestrator.client import build_request
+from specmask.orchestrator.dev.local_stack import StackConfig
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from tests.e2e.stack import ENDLESS_MAX_TOKENS, ENDLESS_SCHEMA, PROMPT, ThreadStack, stream_concurrently
 
 pytestmark = pytest.mark.slow

@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from orchestrator.client import OrchestratorClient, build_request
-from orchestrator.dev.local_stack import StackConfig
-from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from specmask.orchestrator.client import OrchestratorClient, build_request
+from specmask.orchestrator.dev.local_stack import StackConfig
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from tests.e2e.stack import LONG_MAX_TOKENS, PROMPT, ThreadStack
 
 pytestmark = pytest.mark.slow

@@ -21,9 +21,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from orchestrator.client import OrchestratorClient, StreamedResult, build_request
-from orchestrator.dev.local_stack import StackConfig
-from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from specmask.orchestrator.client import OrchestratorClient, StreamedResult, build_request
+from specmask.orchestrator.dev.local_stack import StackConfig
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from tests.e2e.stack import BOUNDED_SCHEMA, PROMPT, RAY_CALL_TIMEOUT_S, ThreadStack
 
 pytestmark = pytest.mark.slow

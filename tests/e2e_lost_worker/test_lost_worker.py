@@ -12,10 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from orchestrator.client import build_request
-from orchestrator.dev.local_stack import StackConfig, health_status
-from proto import health as health_names
-from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from specmask.orchestrator.client import build_request
+from specmask.orchestrator.dev.local_stack import StackConfig, health_status
+from specmask.proto import health as health_names
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from tests.e2e.stack import (
     ENDLESS_MAX_TOKENS,
     ENDLESS_SCHEMA,
@@ -79,5 +79,5 @@ def test_worker_lost_for_good_releases_its_mask_sessions(stack: ThreadStack) -> 
     assert stack.running.server.engine.worker_health() == [False]
     assert health_status(stack.address) == NOT_SERVING
     # Readiness is down, liveness is not: a kubelet takes the pod out of the Service
-    # but does not restart it (proto/health.py).
+    # but does not restart it (specmask/proto/health.py).
     assert health_status(stack.address, service=health_names.LIVENESS) == SERVING

@@ -32,9 +32,9 @@ def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def mask_service(tiny_pair: tuple[Path, Path]) -> Iterator[Any]:
     """A real mask service serving the tiny pair's tokenizer."""
-    from mask_service.config import MaskServiceConfig
-    from mask_service.server import build_service
-    from mask_service.tokenizers import TokenizerSource
+    from specmask.mask_service.server.config import MaskServiceConfig
+    from specmask.mask_service.server.server import build_service
+    from specmask.mask_service.server.tokenizers import TokenizerSource
 
     config = MaskServiceConfig(
         tokenizers=(TokenizerSource(str(tiny_pair[0])),), host="127.0.0.1", port=0, mask_threads=1
@@ -53,8 +53,8 @@ def mask_address(mask_service: Any) -> str:
 @pytest.fixture()
 def make_worker(tiny_pair: tuple[Path, Path], mask_address: str) -> Iterator[Callable[..., Any]]:
     """make_worker(**WorkerConfig overrides) -> GpuWorker on the tiny pair; shut down after the test."""
-    from gpu_worker.actor import GpuWorker
-    from gpu_worker.config import WorkerConfig
+    from specmask.gpu_worker.actor import GpuWorker
+    from specmask.gpu_worker.config import WorkerConfig
 
     made: list[GpuWorker] = []
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from gpu_worker.types import FinishReason, StepOutput
+from specmask.gpu_worker.types import FinishReason, StepOutput
 
 
 @dataclass
@@ -67,9 +67,9 @@ def table_rows(dense: Any, table: Any = None) -> list[Any]:
     through the wire encoding (with allowed counts) exactly as the mask client does."""
     import numpy as np
 
-    from mask_service.row_table import RowTable
-    from mask_service.wire import encode_row, row_content_id
-    from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+    from specmask.mask_service.client.row_table import RowTable
+    from specmask.mask_service.wire import encode_row, row_content_id
+    from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
 
     dense = np.ascontiguousarray(np.asarray(dense, dtype=np.int32))
     width = dense.shape[1]
@@ -82,6 +82,6 @@ def table_rows(dense: Any, table: Any = None) -> list[Any]:
             new_rows.append(pb.NewRow(row_id=ids[-1], encoding=enc, payload=payload, allowed_count=allowed))
     slots = table.absorb(new_rows, ids)
     view = table.view()
-    from mask_service.row_table import MaskRow
+    from specmask.mask_service.client.row_table import MaskRow
 
     return [MaskRow(view, int(s)) for s in slots]

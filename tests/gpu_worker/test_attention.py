@@ -1,4 +1,4 @@
-"""gpu_worker/attention.py: masked GQA through SDPA's enable_gqa equals transformers' repeat-K/V path,
+"""specmask/gpu_worker/attention.py: masked GQA through SDPA's enable_gqa equals transformers' repeat-K/V path,
 and a packed query laid out on the pool rows equals attending row by row."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.attention import ATTENTION, PackedRows, RowSpan, gqa_sdpa_attention, register
+from specmask.gpu_worker.attention import ATTENTION, PackedRows, RowSpan, gqa_sdpa_attention, register
 
 
 class _Module(torch.nn.Module):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.actor import UnknownSequenceError
-from gpu_worker.types import FinishReason, NewSequence, SamplingParams, SessionWait, SpeculationParams
-from mask_service.grammar import GrammarKind, GrammarSpec
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.gpu_worker.actor import UnknownSequenceError
+from specmask.gpu_worker.types import FinishReason, NewSequence, SamplingParams, SessionWait, SpeculationParams
 from tests.gpu_worker.helpers import Finished, run_to_completion, wait_sessions_open
 
 GOOD_GRAMMAR = GrammarSpec(GrammarKind.REGEX, "(yes|no)")
@@ -100,9 +100,9 @@ def test_draft_model_request_on_a_worker_without_draft_runs_without_it(make_work
 
 
 def test_mask_service_dying_mid_generation_fails_grammar_sequences_only(make_worker, tiny_pair):
-    from mask_service.config import MaskServiceConfig
-    from mask_service.server import build_service
-    from mask_service.tokenizers import TokenizerSource
+    from specmask.mask_service.server.config import MaskServiceConfig
+    from specmask.mask_service.server.server import build_service
+    from specmask.mask_service.server.tokenizers import TokenizerSource
 
     handle = build_service(
         MaskServiceConfig(tokenizers=(TokenizerSource(str(tiny_pair[0])),), host="127.0.0.1", port=0, mask_threads=1)

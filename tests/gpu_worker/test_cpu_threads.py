@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from gpu_worker.config import WorkerConfig
-from gpu_worker.loading import MIN_PARAMS_FOR_THREADS, cpu_threads
+from specmask.gpu_worker.config import WorkerConfig
+from specmask.gpu_worker.loading import MIN_PARAMS_FOR_THREADS, cpu_threads
 
 REAL = 134_515_008  # SmolLM2-135M-Instruct's parameters
 

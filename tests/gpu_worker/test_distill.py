@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from gpu_worker.models.distill import DistillConfig, distill_draft
-from gpu_worker.models.sources import ModelSource, sha256_file
-from gpu_worker.types import SamplingParams, SpeculationParams
+from specmask.gpu_worker.models.distill import DistillConfig, distill_draft
+from specmask.gpu_worker.models.sources import ModelSource, sha256_file
+from specmask.gpu_worker.types import SamplingParams, SpeculationParams
 from tests.gpu_worker.helpers import torch_threads
 
 EOS = (0,)  # the tiny pair's <|eos|>
@@ -52,9 +52,9 @@ def mask_service(tiny_pair: tuple[Path, Path]) -> Iterator[Any]:
     """A real mask service for the tiny pair whose compile workers run at normal priority: at the
     default (nice 19, SCHED_IDLE) a saturated shared box starves them past the worker's deadline,
     and this module tests the draft's exactness, not compile scheduling."""
-    from mask_service.config import MaskServiceConfig
-    from mask_service.server import build_service
-    from mask_service.tokenizers import TokenizerSource
+    from specmask.mask_service.server.config import MaskServiceConfig
+    from specmask.mask_service.server.server import build_service
+    from specmask.mask_service.server.tokenizers import TokenizerSource
 
     config = MaskServiceConfig(
         tokenizers=(TokenizerSource(str(tiny_pair[0])),),
@@ -87,7 +87,7 @@ def test_build_is_a_smaller_draft_sharing_tokenizer_and_embedding(tiny_pair, dis
     import torch
     from transformers import AutoModelForCausalLM
 
-    from gpu_worker.models.resolve import check_same_tokenizer
+    from specmask.gpu_worker.models.resolve import check_same_tokenizer
 
     draft_dir, info = distilled
     target_dir = tiny_pair[0]
@@ -151,8 +151,8 @@ def _run_retrying_compiles(worker: Any, seqs: list[Any], deadline_s: float = 600
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_with_distilled_draft_matches_plain_constrained_decoding(make_worker, distilled, references, k) -> None:
-    from gpu_worker.types import NewSequence
-    from mask_service.grammar import GrammarKind, GrammarSpec
+    from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+    from specmask.gpu_worker.types import NewSequence
 
     worker = make_worker(draft_dir=str(distilled[0]))
     spec = SpeculationParams(k=k, proposers=("draft_model", "grammar_forced"), draft_masking=True)
@@ -191,10 +191,10 @@ class _CopiedDir(ModelSource):
 def test_cached_distilled_draft_is_the_default_and_is_never_built_implicitly(
     tiny_pair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gpu_worker.models import registry
-    from gpu_worker.models.cache import CACHE_ENV, ensure_model, read_manifest
-    from gpu_worker.models.resolve import default_draft, draft_hint, resolve_pair
-    from gpu_worker.models.sources import DistilledDraftSource
+    from specmask.gpu_worker.models import registry
+    from specmask.gpu_worker.models.cache import CACHE_ENV, ensure_model, read_manifest
+    from specmask.gpu_worker.models.resolve import default_draft, draft_hint, resolve_pair
+    from specmask.gpu_worker.models.sources import DistilledDraftSource
 
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setitem(registry.MODELS, "tiny", _CopiedDir(str(tiny_pair[0])))

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
-from mask_service.grammar import GrammarKind, GrammarSpec
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
 from tests.gpu_worker.helpers import run_to_completion, torch_threads
 from tests.gpu_worker.reference import compile_grammar, exact_distribution
 
@@ -20,7 +20,7 @@ scipy_stats = pytest.importorskip("scipy.stats")
 
 GRAMMAR = "root ::= [a-d] [a-d] [a-d]?"
 # After its first letter this grammar forces the text "status" (several tokens of the tiny
-# pair's BPE: st|at|u|s), so drafts come from forced continuations (mask_service/forced.py).
+# pair's BPE: st|at|u|s), so drafts come from forced continuations (specmask/mask_service/grammar/forced.py).
 FORCED_GRAMMAR = 'root ::= [a-d] "status" [a-d]?'
 PROMPT = [5, 6, 7]
 TEMPERATURE = 0.25  # sharpens the random-init models so p and q differ clearly
@@ -77,7 +77,7 @@ SPECS = {
 
 @pytest.mark.parametrize("mode", list(SPECS))
 def test_sampled_speculative_output_matches_exact_distribution(make_worker, exact, mode, monkeypatch):
-    import mask_service.draft_masks as draft_masks
+    import specmask.mask_service.server.draft_masks as draft_masks
 
     forced_runs = []  # the (in-process) mask service's non-empty forced continuations
     compute = draft_masks.forced_continuation

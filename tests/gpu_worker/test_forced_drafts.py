@@ -1,4 +1,4 @@
-"""Forced-continuation drafts (gpu_worker/drafting.py + mask_service/forced.py) on the tiny pair.
+"""Forced-continuation drafts (gpu_worker/drafting.py + mask_service/grammar/forced.py) on the tiny pair.
 
 The grammars force multi-token text (JSON keys, a regex literal) that no single
 row pins to one token, so these drafts come only from the forced continuations
@@ -13,8 +13,8 @@ import json
 
 import pytest
 
-from gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
-from mask_service.grammar import GrammarKind, GrammarSpec
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
 from tests.gpu_worker.helpers import run_to_completion
 from tests.gpu_worker.reference import compile_grammar
 
@@ -42,7 +42,7 @@ SPEC = SpeculationParams(k=4, proposers=("grammar_forced",), draft_masking=False
 
 def _run(make_worker, monkeypatch, *, forced: bool, temperature: float = 0.0):
     """Run every grammar (greedy, or sampled with seeds); returns (results, forced runs proposed)."""
-    import mask_service.draft_masks as draft_masks
+    import specmask.mask_service.server.draft_masks as draft_masks
 
     runs: list[list[int]] = []
     compute = draft_masks.forced_continuation
@@ -128,7 +128,7 @@ def test_ngram_lookahead_cuts_round_trips_and_keeps_output(tiny_pair, make_worke
     """Grammar-forced + n-gram drafting sends its n-gram lookahead with each draft-side request
     (drafting.py "Lookahead"): fewer mask round trips per step than asking position by
     position, the same greedy output, every token inside the grammar."""
-    import gpu_worker.drafting as drafting
+    import specmask.gpu_worker.drafting as drafting
 
     grammars = {"keys": GRAMMARS["keys"], "ab": (GrammarKind.REGEX, r"[ab]{24}")}
     with_lookahead, calls_on = _run_counting_calls(make_worker, grammars)
@@ -145,7 +145,7 @@ def test_forced_run_where_the_lookahead_is_refused_saves_the_re_ask(tiny_pair, m
     forced continuation of that state (``forced_up_to``): no second round trip for it. Against
     the re-ask an older service needs (requests without ``forced_up_to``): fewer round trips,
     the same greedy output, every token inside the grammar."""
-    import gpu_worker.drafting as drafting
+    import specmask.gpu_worker.drafting as drafting
 
     grammars = {"keys": GRAMMARS["keys"], "regex": GRAMMARS["regex"], "ab": (GrammarKind.REGEX, r"([ab]{3}-){6}")}
     at_stop, calls_at_stop = _run_counting_calls(make_worker, grammars)

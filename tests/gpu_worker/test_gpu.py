@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
-from mask_service.grammar import GrammarKind, GrammarSpec
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
 from tests.gpu_worker.helpers import run_to_completion, torch_threads
 from tests.gpu_worker.reference import compile_grammar, greedy_constrained
 

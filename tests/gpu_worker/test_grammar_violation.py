@@ -9,8 +9,8 @@ import math
 
 import torch
 
-from gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
-from mask_service.grammar import GrammarKind, GrammarSpec
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
 from tests.gpu_worker.helpers import run_to_completion
 
 

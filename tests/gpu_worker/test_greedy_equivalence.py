@@ -12,8 +12,8 @@ import json
 
 import pytest
 
-from gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
-from mask_service.grammar import GrammarKind, GrammarSpec
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
 from tests.gpu_worker.helpers import run_to_completion, torch_threads
 from tests.gpu_worker.reference import compile_grammar, greedy_constrained
 
@@ -138,10 +138,10 @@ def test_greedy_matches_with_prompts_prefilled_in_chunks(make_worker, references
     """Prompts longer than the prefill chunk are cached chunk by chunk (actor.PREFILL_CHUNK_TOKENS, the
     most one prefill forward takes):
     with 2-token chunks every prompt here spans several forwards, and the tokens stay the reference's."""
-    import gpu_worker.actor
+    from specmask.gpu_worker import actor
 
     assert max(len(p) for p, _ in references.values()) > 2 * 2
-    monkeypatch.setattr(gpu_worker.actor, "PREFILL_CHUNK_TOKENS", 2)
+    monkeypatch.setattr(actor, "PREFILL_CHUNK_TOKENS", 2)
     _check(_run(make_worker, references, SpeculationParams(k=4), step_prefill_tokens=1), references)
 
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from gpu_worker.config import WorkerConfig
-from gpu_worker.model_runner import ForwardItem
-from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
+from specmask.gpu_worker.config import WorkerConfig
+from specmask.gpu_worker.model_runner import ForwardItem
+from specmask.gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
 from tests.gpu_worker.helpers import wait_sessions_open
 
 BUDGET = 24
@@ -101,7 +101,7 @@ def test_the_budget_must_hold_a_full_batch(tiny_pair: Any) -> None:
 def test_the_default_budget_follows_the_device() -> None:
     """0 = by device: a GPU's forward of 512 tokens takes milliseconds, a CPU's grows with them;
     an explicit budget is kept, and the automatic one never drops below a full batch."""
-    from gpu_worker.config import CPU_ITERATION_TOKENS, GPU_ITERATION_TOKENS, iteration_budget
+    from specmask.gpu_worker.config import CPU_ITERATION_TOKENS, GPU_ITERATION_TOKENS, iteration_budget
 
     auto = WorkerConfig(target_dir="/m", max_batch=8)
     assert auto.max_iteration_tokens == 0

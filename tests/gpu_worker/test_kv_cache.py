@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from gpu_worker.kv_cache import SequenceKV, SlotPool
+from specmask.gpu_worker.kv_cache import SequenceKV, SlotPool
 
 LAYERS, HEADS, DIM = 3, 2, 4
 

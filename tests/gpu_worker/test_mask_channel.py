@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from mask_service.client import DraftMaskItem
-from mask_service.grammar import GrammarKind, GrammarSpec
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.client.mask_client import DraftMaskItem
 
 SCHEMA = GrammarSpec(
     GrammarKind.JSON_SCHEMA,
@@ -62,9 +62,9 @@ class RecordingRouter:
 def channel(tiny_pair, mask_address):
     from transformers import AutoConfig
 
-    from gpu_worker.masks import MaskChannel
-    from mask_service.router import MaskRouter
-    from mask_service.tokenizer_id import tokenizer_id_for_path
+    from specmask.common.tokenizer_id import tokenizer_id_for_path
+    from specmask.gpu_worker.masks import MaskChannel
+    from specmask.mask_service.client.router import MaskRouter
 
     vocab_size = AutoConfig.from_pretrained(str(tiny_pair[0])).vocab_size
     router = RecordingRouter(MaskRouter([mask_address], deadline_s=20.0))

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.mask_table import DeviceMaskTable
-from gpu_worker.types import SpeculationParams
-from kernels.backend import Backend
-from kernels.bitmask import apply_token_bitmask_indirect_inplace, apply_token_bitmask_inplace
-from kernels.rejection import rejection_sample
-from mask_service.row_table import RowTable
+from specmask.gpu_worker.mask_table import DeviceMaskTable
+from specmask.gpu_worker.types import SpeculationParams
+from specmask.kernels.backend import Backend
+from specmask.kernels.bitmask import apply_token_bitmask_indirect_inplace, apply_token_bitmask_inplace
+from specmask.kernels.rejection import rejection_sample
+from specmask.mask_service.client.row_table import RowTable
 from tests.gpu_worker import test_greedy_equivalence
 from tests.gpu_worker.helpers import table_rows
 from tests.gpu_worker.test_greedy_equivalence import _check, _run
@@ -110,12 +110,10 @@ def test_mirror_refresh_across_epochs():
 def test_worker_outputs_exact_when_the_client_table_clears_mid_run(make_worker, references, monkeypatch):
     """Greedy worker output equals plain constrained decoding with a client row table so small
     that it clears during the run, mirrored through the upload path (as on a GPU)."""
-    import mask_service.router
-    from mask_service.client import MaskServiceClient
+    from specmask.mask_service.client import router
+    from specmask.mask_service.client.mask_client import MaskServiceClient
 
-    monkeypatch.setattr(
-        mask_service.router, "MaskServiceClient", functools.partial(MaskServiceClient, table_capacity=24)
-    )
+    monkeypatch.setattr(router, "MaskServiceClient", functools.partial(MaskServiceClient, table_capacity=24))
     worker = make_worker()
     worker.mask_table.zero_copy = False
     spec = SpeculationParams(k=4, proposers=("draft_model", "grammar_forced"), draft_masking=True)
@@ -134,9 +132,9 @@ def test_mirror_is_keyed_on_the_table_epoch_not_the_dictionary_generation(tiny_p
     re-upload everything); a clear, which does change the rows, still re-uploads everything."""
     from transformers import AutoTokenizer
 
-    from mask_service.client import DraftMaskItem, MaskServiceClient
-    from mask_service.grammar import GrammarKind, GrammarSpec
-    from mask_service.tokenizer_id import tokenizer_id_for_path
+    from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+    from specmask.common.tokenizer_id import tokenizer_id_for_path
+    from specmask.mask_service.client.mask_client import DraftMaskItem, MaskServiceClient
 
     tok_id = tokenizer_id_for_path(tiny_pair[0])
     hf = AutoTokenizer.from_pretrained(str(tiny_pair[0]))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.kv_cache import SequenceKV
-from gpu_worker.model_runner import ForwardItem, ModelRunner
+from specmask.gpu_worker.kv_cache import SequenceKV
+from specmask.gpu_worker.model_runner import ForwardItem, ModelRunner
 
 VOCAB = 97  # odd on purpose
 ATOL = 1e-5  # float32: batched and unbatched differ only by summation order

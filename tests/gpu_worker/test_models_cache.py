@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_worker.models import registry
-from gpu_worker.models.cache import MANIFEST_NAME, ensure_model, verify
-from gpu_worker.models.errors import ModelError
-from gpu_worker.models.gguf_convert import convert_gguf
-from gpu_worker.models.sources import EarlyExitSource, GgufWheelSource, sha256_file
+from specmask.gpu_worker.models import registry
+from specmask.gpu_worker.models.cache import MANIFEST_NAME, ensure_model, verify
+from specmask.gpu_worker.models.errors import ModelError
+from specmask.gpu_worker.models.gguf_convert import convert_gguf
+from specmask.gpu_worker.models.sources import EarlyExitSource, GgufWheelSource, sha256_file
 from tests.fixtures.tiny_gguf import CHAT_TEMPLATE, write_tiny_llama_gguf, write_wheel
 
 WHEEL_NAME = "specmask-tiny-gguf"
@@ -164,7 +164,7 @@ def test_resolve_model_directory_name_and_unknown(tmp_path: Path) -> None:
 def test_draft_with_another_tokenizer_is_refused_before_start(tmp_path: Path) -> None:
     import shutil
 
-    from gpu_worker.models.resolve import NO_DRAFT, resolve_pair
+    from specmask.gpu_worker.models.resolve import NO_DRAFT, resolve_pair
     from tests.fixtures.tokenizers import build_bpe_tokenizer
 
     target = build_bpe_tokenizer(tmp_path / "target", vocab_size=300)
@@ -178,7 +178,7 @@ def test_draft_with_another_tokenizer_is_refused_before_start(tmp_path: Path) ->
 
 
 def test_cache_root_is_the_users_cache_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpu_worker.models.cache import CACHE_ENV, cache_root
+    from specmask.gpu_worker.models.cache import CACHE_ENV, cache_root
 
     monkeypatch.delenv(CACHE_ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker.models import registry
-from gpu_worker.models.errors import ModelError
-from gpu_worker.models.hub import cached_snapshot, looks_like_repo_id
+from specmask.gpu_worker.models import registry
+from specmask.gpu_worker.models.errors import ModelError
+from specmask.gpu_worker.models.hub import cached_snapshot, looks_like_repo_id
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.proposers.base import DraftSlot, ProposerResources
-from gpu_worker.proposers.grammar_forced import GrammarForcedProposer
-from gpu_worker.proposers.ngram import NgramProposer, lookup_next
-from gpu_worker.proposers.registry import build_proposers, order_names, registered_names
-from gpu_worker.sequence import SequenceState
-from gpu_worker.types import NewSequence
+from specmask.gpu_worker.proposers.base import DraftSlot, ProposerResources
+from specmask.gpu_worker.proposers.grammar_forced import GrammarForcedProposer
+from specmask.gpu_worker.proposers.ngram import NgramProposer, lookup_next
+from specmask.gpu_worker.proposers.registry import build_proposers, order_names, registered_names
+from specmask.gpu_worker.sequence import SequenceState
+from specmask.gpu_worker.types import NewSequence
 from tests.gpu_worker.helpers import table_rows
 
 V = 70  # W = 3 words, last one partial

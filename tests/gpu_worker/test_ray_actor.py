@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
-from mask_service.grammar import GrammarKind, GrammarSpec
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
 
 ray = pytest.importorskip("ray")
 
@@ -32,8 +32,8 @@ def ray_local():
 
 @pytest.mark.slow
 def test_worker_serves_as_a_ray_actor(ray_local, tiny_pair, mask_address):
-    from gpu_worker.actor import start_remote_worker
-    from gpu_worker.config import WorkerConfig
+    from specmask.gpu_worker.actor import start_remote_worker
+    from specmask.gpu_worker.config import WorkerConfig
 
     config = WorkerConfig(
         target_dir=str(tiny_pair[0]),
@@ -64,7 +64,7 @@ def test_worker_serves_as_a_ray_actor(ray_local, tiny_pair, mask_address):
                 break
         assert finished == {"a": FinishReason.GRAMMAR_COMPLETE}
         # The heartbeat answers on its own concurrency group; its count moved with the steps.
-        from gpu_worker.types import LIVENESS_GROUP
+        from specmask.gpu_worker.types import LIVENESS_GROUP
 
         beat = ray.get(actor.progress.options(concurrency_group=LIVENESS_GROUP).remote(), timeout=GET_TIMEOUT_S)
         assert beat.count >= 2 and beat.active == 0

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
-from mask_service.grammar import GrammarKind, GrammarSpec
-from orchestrator.chat import ChatMessage, ChatPrompt, ChatRenderer
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
+from specmask.orchestrator.chat import ChatMessage, ChatPrompt, ChatRenderer
 from tests.gpu_worker.helpers import run_to_completion, torch_threads
 from tests.gpu_worker.reference import compile_grammar, greedy_constrained
 
@@ -42,8 +42,8 @@ ASKS = {"user": "A user called Ada, aged 36.", "ticket": "File an urgent ticket 
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from gpu_worker.models.cache import MANIFEST_NAME, cache_root
-    from gpu_worker.models.registry import DEFAULT_MODEL
+    from specmask.gpu_worker.models.cache import MANIFEST_NAME, cache_root
+    from specmask.gpu_worker.models.registry import DEFAULT_MODEL
 
     root = cache_root()
     path = (root if root.is_absolute() else REPO_ROOT / root) / DEFAULT_MODEL
@@ -54,9 +54,9 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def mask_address(model_dir: Path) -> Iterator[str]:
-    from mask_service.config import MaskServiceConfig
-    from mask_service.server import build_service
-    from mask_service.tokenizers import TokenizerSource
+    from specmask.mask_service.server.config import MaskServiceConfig
+    from specmask.mask_service.server.server import build_service
+    from specmask.mask_service.server.tokenizers import TokenizerSource
 
     service = build_service(
         MaskServiceConfig(tokenizers=(TokenizerSource(str(model_dir)),), host="127.0.0.1", port=0, mask_threads=1)
@@ -68,8 +68,8 @@ def mask_address(model_dir: Path) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def worker(model_dir: Path, mask_address: str):
-    from gpu_worker.actor import GpuWorker
-    from gpu_worker.config import WorkerConfig
+    from specmask.gpu_worker.actor import GpuWorker
+    from specmask.gpu_worker.config import WorkerConfig
 
     w = GpuWorker(
         WorkerConfig(

@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
-from mask_service.grammar import GrammarKind, GrammarSpec
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
 from tests.gpu_worker.helpers import run_to_completion
 
 GRAMMAR = GrammarSpec(GrammarKind.REGEX, "[a-z]{1,8}")
@@ -56,9 +56,9 @@ def test_worker_process_with_log_level_emits_request_id_lines(tiny_pair) -> None
     makes the worker's INFO lines, with their request ids, reach its stderr."""
     script = textwrap.dedent(
         f"""
-        from gpu_worker.actor import GpuWorker
-        from gpu_worker.config import WorkerConfig
-        from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
+        from specmask.gpu_worker.actor import GpuWorker
+        from specmask.gpu_worker.config import WorkerConfig
+        from specmask.gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
 
         w = GpuWorker(WorkerConfig(target_dir={str(tiny_pair[0])!r}, device="cpu", torch_threads=1, log_level="INFO"))
         seq = NewSequence("s1", (5, 6), None, SamplingParams(max_tokens=2), SpeculationParams(k=0), request_id="rid-9")

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.mask_table import DeviceMaskTable
-from gpu_worker.row_index import RowIndexCache
-from gpu_worker.verifier import VerifyInput, verify
-from kernels.backend import Backend
-from kernels.bitmask import apply_token_bitmask_inplace
+from specmask.gpu_worker.mask_table import DeviceMaskTable
+from specmask.gpu_worker.row_index import RowIndexCache
+from specmask.gpu_worker.verifier import VerifyInput, verify
+from specmask.kernels.backend import Backend
+from specmask.kernels.bitmask import apply_token_bitmask_inplace
 from tests.gpu_worker.helpers import table_rows
 from tests.kernels.helpers import random_bitmask
 
@@ -85,7 +85,7 @@ def test_verify_on_cpu_matches_the_triton_kernel_path():
     """verify() on the CPU reference path (row ids) and through the Triton interpreter (packed
     kernel) give the same tokens for greedy requests whose masks decide the argmax."""
     pytest.importorskip("triton")
-    from kernels.backend import triton_interpret_enabled
+    from specmask.kernels.backend import triton_interpret_enabled
 
     if not triton_interpret_enabled():
         pytest.skip("TRITON_INTERPRET=1 not set")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.sequence import SequenceState
-from gpu_worker.types import FinishReason, NewSequence, SamplingParams
-from mask_service.grammar import GrammarKind, GrammarSpec
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.gpu_worker.sequence import SequenceState
+from specmask.gpu_worker.types import FinishReason, NewSequence, SamplingParams
 
 STOP = 0
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.kv_cache import SequenceKV
-from gpu_worker.model_runner import ForwardItem, ModelRunner
-from gpu_worker.static_forward import StaticForward, build, supports
+from specmask.gpu_worker.kv_cache import SequenceKV
+from specmask.gpu_worker.model_runner import ForwardItem, ModelRunner
+from specmask.gpu_worker.static_forward import StaticForward, build, supports
 
 VOCAB = 97
 ATOL = 1e-5

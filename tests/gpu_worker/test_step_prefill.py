@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.config import WorkerConfig
-from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
-from mask_service.grammar import GrammarKind, GrammarSpec
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.gpu_worker.config import WorkerConfig
+from specmask.gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
 from tests.gpu_worker.helpers import wait_sessions_open
 
 GRAMMAR = GrammarSpec(GrammarKind.REGEX, "(yes|no|maybe) [a-z]{1,12}")

@@ -12,10 +12,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from gpu_worker.toy import build as toy_build  # noqa: E402
-from gpu_worker.toy.build import ToyBuildConfig, build_toy_models  # noqa: E402
-from gpu_worker.toy.corpus import JSON_SEPARATORS, generate_examples  # noqa: E402
-from gpu_worker.toy.schemas import (  # noqa: E402
+from specmask.gpu_worker.toy import build as toy_build  # noqa: E402
+from specmask.gpu_worker.toy.build import ToyBuildConfig, build_toy_models  # noqa: E402
+from specmask.gpu_worker.toy.corpus import JSON_SEPARATORS, generate_examples  # noqa: E402
+from specmask.gpu_worker.toy.schemas import (  # noqa: E402
     HELDOUT_SCHEMAS,
     TRAIN_SCHEMAS,
     all_schemas,
@@ -167,7 +167,7 @@ def test_cache_hit_does_not_retrain_and_rebuilds_when_stale(tiny_build, monkeypa
 
 
 def test_cli_parses_and_dispatches(monkeypatch, tmp_path, capsys):
-    from orchestrator import cli
+    from specmask.orchestrator import cli
 
     calls = []
 

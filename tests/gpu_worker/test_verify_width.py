@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from gpu_worker.proposers.base import DraftSlot, Proposal
-from gpu_worker.sequence import SequenceState
-from gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
-from gpu_worker.verify_width import WidthChooser
+from specmask.gpu_worker.proposers.base import DraftSlot, Proposal
+from specmask.gpu_worker.sequence import SequenceState
+from specmask.gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
+from specmask.gpu_worker.verify_width import WidthChooser
 
 
 def _slot(sources: list[str]) -> DraftSlot:

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
-from mask_service.grammar import GrammarKind, GrammarSpec
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
 from tests.gpu_worker.helpers import run_to_completion, torch_threads, wait_sessions_open
 from tests.gpu_worker.reference import compile_grammar, greedy_constrained
 
@@ -112,7 +112,7 @@ def test_grammar_forced_drafts_are_always_accepted_and_valid(make_worker, tiny_p
     """With only single-allowed-token drafts, every draft has masked target probability 1.
     Forced continuations (multi-token forced text, test_forced_drafts.py) are off here: the
     target may spell forced text with other tokens, so those drafts can be rejected."""
-    import mask_service.draft_masks as draft_masks
+    import specmask.mask_service.server.draft_masks as draft_masks
 
     monkeypatch.setattr(draft_masks, "forced_continuation", lambda *args, **kwargs: [])
     worker = make_worker()

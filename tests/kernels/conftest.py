@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.backend import BACKEND_ENV
+from specmask.kernels.backend import BACKEND_ENV
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ import itertools
 
 import torch
 
-from kernels.sampling_params import SamplingTensors
+from specmask.kernels.sampling_params import SamplingTensors
 
 
 def cumulative(num_drafts: list[int]) -> torch.Tensor:  # [B] int32

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels.backend import BACKEND_ENV, Backend, resolve_backend
+from specmask.kernels.backend import BACKEND_ENV, Backend, resolve_backend
 
 
 def test_default_cpu_is_reference(monkeypatch):

@@ -4,8 +4,8 @@ import pytest
 import torch
 import xgrammar
 
-from kernels.backend import Backend
-from kernels.bitmask import apply_token_bitmask_indirect_inplace, apply_token_bitmask_inplace
+from specmask.kernels.backend import Backend
+from specmask.kernels.bitmask import apply_token_bitmask_indirect_inplace, apply_token_bitmask_inplace
 from tests.kernels.helpers import pack_bitmask, random_bitmask
 
 NEG_INF = float("-inf")

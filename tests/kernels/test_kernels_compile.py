@@ -20,7 +20,7 @@ COMPILE_ALL = r"""
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import triton
-from kernels import bitmask_triton, recovered_triton, rejection_triton, sampling_params_triton
+from specmask.kernels import bitmask_triton, recovered_triton, rejection_triton, sampling_params_triton
 
 target = GPUTarget("cuda", 90, 32)
 cases = [

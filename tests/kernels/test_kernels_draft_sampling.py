@@ -4,8 +4,8 @@ import numpy as np
 import scipy.stats
 import torch
 
-from kernels.backend import Backend
-from kernels.draft_sampling import sample_draft
+from specmask.kernels.backend import Backend
+from specmask.kernels.draft_sampling import sample_draft
 from tests.kernels.helpers import sampling
 
 P_MIN = 1e-4

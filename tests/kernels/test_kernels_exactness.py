@@ -17,10 +17,10 @@ import pytest
 import scipy.stats
 import torch
 
-from kernels.backend import Backend
-from kernels.bitmask import apply_token_bitmask_inplace
-from kernels.probs import logits_to_probs
-from kernels.rejection import rejection_sample
+from specmask.kernels.backend import Backend
+from specmask.kernels.bitmask import apply_token_bitmask_inplace
+from specmask.kernels.probs import logits_to_probs
+from specmask.kernels.rejection import rejection_sample
 from tests.kernels.helpers import cumulative, pack_bitmask, sampling
 
 P_MIN = 1e-4

@@ -5,10 +5,10 @@ token its mask row forbids (both backends, asserting which one ran)."""
 import pytest
 import torch
 
-from kernels.backend import Backend
-from kernels.bitmask import apply_token_bitmask_inplace
-from kernels.draft_sampling import sample_draft
-from kernels.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
+from specmask.kernels.backend import Backend
+from specmask.kernels.bitmask import apply_token_bitmask_inplace
+from specmask.kernels.draft_sampling import sample_draft
+from specmask.kernels.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
 from tests.kernels.helpers import cumulative, pack_bitmask, sampling
 from tests.kernels.test_kernels_rejection import make_batch
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kernels.backend import Backend
-from kernels.bitmask import apply_token_bitmask_inplace
-from kernels.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
+from specmask.kernels.backend import Backend
+from specmask.kernels.bitmask import apply_token_bitmask_inplace
+from specmask.kernels.rejection import PLACEHOLDER_TOKEN_ID, rejection_sample
 from tests.kernels.helpers import cumulative, pack_bitmask, sampling
 
 

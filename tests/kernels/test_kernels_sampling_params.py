@@ -2,9 +2,9 @@
 
 import torch
 
-from kernels.backend import Backend
-from kernels.probs import logits_to_probs
-from kernels.sampling_params import expand_sampling_params
+from specmask.kernels.backend import Backend
+from specmask.kernels.probs import logits_to_probs
+from specmask.kernels.sampling_params import expand_sampling_params
 from tests.kernels.helpers import cumulative, sampling
 
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from mask_service.client import MaskServiceClient
-from mask_service.server import MaskServiceHandle, build_service
-from mask_service.tokenizer_id import tokenizer_id_for_path
-from mask_service.tokenizers import TokenizerRegistry, TokenizerSource
+from specmask.common.tokenizer_id import tokenizer_id_for_path
+from specmask.mask_service.client.mask_client import MaskServiceClient
+from specmask.mask_service.server.server import MaskServiceHandle, build_service
+from specmask.mask_service.server.tokenizers import TokenizerRegistry, TokenizerSource
 from tests.fixtures.shared_data import shared_data_dir
 from tests.fixtures.tokenizers import build_bpe_tokenizer
 from tests.mask_service.service_config import make_config

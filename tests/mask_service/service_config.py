@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mask_service.config import MaskServiceConfig
-from mask_service.tokenizers import TokenizerSource
+from specmask.mask_service.server.config import MaskServiceConfig
+from specmask.mask_service.server.tokenizers import TokenizerSource
 
 
 def make_config(bpe_dir: Path, **overrides: object) -> MaskServiceConfig:

@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 
 from bench.coverage import Case, Checker, Tally, run_case, serializations
-from mask_service.backends import BACKENDS, SELECTION_ORDER, SelectedGrammar, SelectingBackend
-from mask_service.client import DraftMaskItem, MaskServiceClient, MaskServiceError
-from mask_service.draft_masks import walk_drafts
-from mask_service.errors import GrammarError
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.router import MaskRouter
-from mask_service.server import build_service
-from mask_service.tokenizers import TokenizerRegistry
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.client.mask_client import DraftMaskItem, MaskServiceClient, MaskServiceError
+from specmask.mask_service.client.router import MaskRouter
+from specmask.mask_service.errors import GrammarError
+from specmask.mask_service.grammar.backends import BACKENDS, SELECTION_ORDER, SelectedGrammar, SelectingBackend
+from specmask.mask_service.server.draft_masks import walk_drafts
+from specmask.mask_service.server.server import build_service
+from specmask.mask_service.server.tokenizers import TokenizerRegistry
 from tests.fixtures.shared_data import require
 from tests.mask_service.service_config import make_config
 
@@ -165,7 +165,7 @@ def test_rows_match_xgrammar_padded_vocab(registry: TokenizerRegistry, bpe_id: s
 @pytest.mark.slow
 @pytest.mark.shared_data
 def test_rows_match_xgrammar_llama3(shared_data: Path) -> None:
-    from mask_service.tokenizers import TokenizerSource
+    from specmask.mask_service.server.tokenizers import TokenizerSource
 
     reg = TokenizerRegistry([TokenizerSource(str(require(shared_data, "tokenizers", "llama3")))])
     tid = reg.ids()[0]

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from mask_service.log_format import configure_logging
+from specmask.common.log_format import configure_logging
 
 
 def test_json_lines_from_a_real_process() -> None:

@@ -17,15 +17,15 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from mask_service.client import DraftMaskItem, MaskServiceClient, MaskServiceError
-from mask_service.compile_pool import DEFAULT_WORKER_NICE, CompilePool, CompileQueueFull
-from mask_service.convert import grammar_to_proto
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.limits import GrammarLimits
-from mask_service.server import MaskServiceHandle, build_service
-from mask_service.servicer import CLIENT_METADATA_KEY
-from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
-from proto.gen.specmask.mask.v1 import mask_service_pb2_grpc as pb_grpc
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.client.mask_client import DraftMaskItem, MaskServiceClient, MaskServiceError
+from specmask.mask_service.convert import grammar_to_proto
+from specmask.mask_service.grammar.limits import GrammarLimits
+from specmask.mask_service.server.compile_pool import DEFAULT_WORKER_NICE, CompilePool, CompileQueueFull
+from specmask.mask_service.server.server import MaskServiceHandle, build_service
+from specmask.mask_service.server.servicer import CLIENT_METADATA_KEY
+from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2_grpc as pb_grpc
 from tests.mask_service.service_config import make_config
 
 BUDGET_S = 2.0  # CPU seconds
@@ -156,7 +156,7 @@ def test_compile_queue_is_bounded_and_fair(hostile, bpe_id) -> None:
 def test_serving_process_skips_prechecks_the_trial_ran(hostile, bpe_id, monkeypatch) -> None:
     """The worker's trial compile ran the pre-checks (a pure-Python metaschema walk, most of a small
     schema's compile): the serving process, whose GIL draft-mask calls need, does not run them again."""
-    from mask_service import grammar_checks
+    from specmask.mask_service.grammar import grammar_checks
 
     calls: list[str] = []
     inner = grammar_checks._precheck

@@ -20,12 +20,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mask_service.client import MaskServiceClient, MaskServiceError
-from mask_service.compile_pool import DEFAULT_WORKER_NICE
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.limits import GrammarLimits
-from mask_service.server import MaskServiceHandle, build_service
-from mask_service.tokenizers import TokenizerRegistry
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.client.mask_client import MaskServiceClient, MaskServiceError
+from specmask.mask_service.grammar.limits import GrammarLimits
+from specmask.mask_service.server.compile_pool import DEFAULT_WORKER_NICE
+from specmask.mask_service.server.server import MaskServiceHandle, build_service
+from specmask.mask_service.server.tokenizers import TokenizerRegistry
 from tests.mask_service.service_config import make_config
 
 BUDGET_S = 1.0  # CPU seconds: the schemas below need a small fraction of it

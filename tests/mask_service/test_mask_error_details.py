@@ -1,4 +1,4 @@
-"""Errors carry google.rpc.Status details a client can branch on (proto/rpc_status.py), over
+"""Errors carry google.rpc.Status details a client can branch on (specmask/proto/rpc_status.py), over
 real gRPC: a grammar over the compile budget is INVALID_ARGUMENT with ErrorInfo reason
 GRAMMAR_TOO_COMPLEX (never DEADLINE_EXCEEDED), a refused grammar names the field at fault,
 and the orchestrator's grammar check hands the reason on."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from mask_service.client import MaskServiceClient, MaskServiceError
-from mask_service.grammar import GrammarKind, GrammarSpec
-from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
-from proto.gen.specmask.mask.v1 import mask_service_pb2_grpc as pb_grpc
-from proto.rpc_status import DOMAIN, details_of
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.client.mask_client import MaskServiceClient, MaskServiceError
+from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2_grpc as pb_grpc
+from specmask.proto.rpc_status import DOMAIN, details_of
 
 BIG = GrammarSpec(GrammarKind.EBNF, "root ::= " + " | ".join(f'"w{i}x{i * 7}"' for i in range(3000)))
 
@@ -20,7 +20,7 @@ BIG = GrammarSpec(GrammarKind.EBNF, "root ::= " + " | ".join(f'"w{i}x{i * 7}"' f
 @pytest.fixture
 def tight_server(bpe_dir, registry):
     """A replica whose compile budget no grammar of size meets."""
-    from mask_service.server import build_service
+    from specmask.mask_service.server.server import build_service
     from tests.mask_service.service_config import make_config
 
     handle = build_service(make_config(bpe_dir, compile_timeout_s=1e-6), registry)
@@ -30,7 +30,7 @@ def tight_server(bpe_dir, registry):
 
 
 def _raw_validate(address: str, bpe_id: str, spec: GrammarSpec) -> grpc.RpcError:
-    from mask_service.convert import grammar_to_proto
+    from specmask.mask_service.convert import grammar_to_proto
 
     with grpc.insecure_channel(address) as channel:
         stub = pb_grpc.MaskServiceStub(channel)
@@ -64,8 +64,8 @@ def test_refused_grammar_names_the_field(tight_server: str, bpe_id: str) -> None
 
 
 def test_orchestrator_grammar_check_keeps_the_reason(tight_server: str, bpe_id: str) -> None:
-    from orchestrator.errors import ErrorCode, InvalidRequest
-    from orchestrator.grammar_check import MaskServiceGrammarChecker
+    from specmask.orchestrator.errors import ErrorCode, InvalidRequest
+    from specmask.orchestrator.grammar_check import MaskServiceGrammarChecker
 
     checker = MaskServiceGrammarChecker(
         (tight_server,), tokenizer_id=bpe_id, vocab_size=0, deadline_s=20.0, max_retries=0

@@ -7,10 +7,10 @@ import json
 import grpc
 import pytest
 
-from mask_service.client import DraftMaskItem, MaskServiceClient, MaskServiceError
-from mask_service.grammar import GrammarKind, GrammarSpec
-from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
-from proto.gen.specmask.mask.v1 import mask_service_pb2_grpc as pb_grpc
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.client.mask_client import DraftMaskItem, MaskServiceClient, MaskServiceError
+from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2_grpc as pb_grpc
 
 OK = GrammarSpec(GrammarKind.REGEX, "[a-z]+")
 BAD_GRAMMARS = [
@@ -146,7 +146,7 @@ def test_health_and_reflection(service) -> None:
 
 
 def test_compile_timeout_then_serving(bpe_dir, registry, bpe_id) -> None:
-    from mask_service.server import build_service
+    from specmask.mask_service.server.server import build_service
     from tests.mask_service.service_config import make_config
 
     handle = build_service(make_config(bpe_dir, compile_timeout_s=1e-6), registry)

@@ -1,4 +1,4 @@
-"""Forced continuations in DraftMasks replies (mask_service/forced.py), both engines, real gRPC.
+"""Forced continuations in DraftMasks replies (specmask/mask_service/grammar/forced.py), both engines, real gRPC.
 
 Checked: forced tokens spell a prefix of the text the grammar forces, every one is
 accepted by the grammar (committing them succeeds), asking for them never changes
@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mask_service.client import DraftMaskItem, MaskServiceClient
-from mask_service.forced import single_allowed
-from mask_service.grammar import GrammarKind, GrammarSpec
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.client.mask_client import DraftMaskItem, MaskServiceClient
+from specmask.mask_service.grammar.forced import single_allowed
 
 SCHEMA = {
     "type": "object",
@@ -138,7 +138,7 @@ def test_open_session_warms_the_forced_view_off_the_request_path(bpe_dir: Any, r
     built with no DraftMasks call, built once, and the first forced request then uses it."""
     import time
 
-    from mask_service.server import build_service
+    from specmask.mask_service.server.server import build_service
     from tests.mask_service.service_config import make_config
 
     handle = build_service(make_config(bpe_dir, max_sessions=20, max_batch=8, max_k=8), registry)
@@ -164,7 +164,7 @@ def test_open_session_warms_the_forced_view_off_the_request_path(bpe_dir: Any, r
 
 def test_tokenizer_views_build_each_key_once(registry: Any, bpe_id: str) -> None:
     """A get() while warm() is building waits for that build; a failed build raises and is retried."""
-    from mask_service.forced import TokenizerViews
+    from specmask.mask_service.grammar.forced import TokenizerViews
 
     views = TokenizerViews(registry)
     info = registry.info(bpe_id, None)

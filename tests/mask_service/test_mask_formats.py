@@ -9,12 +9,12 @@ from typing import Any
 import jsonschema
 import pytest
 
-from mask_service.backends import BACKENDS
-from mask_service.errors import GrammarError
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.schema_check import ASSERTED_FORMATS, verifiable_formats
-from mask_service.tokenizers import TokenizerRegistry
-from orchestrator.output_check import OutputChecker, OutputCheckError
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.errors import GrammarError
+from specmask.mask_service.grammar.backends import BACKENDS
+from specmask.mask_service.grammar.schema_check import ASSERTED_FORMATS, verifiable_formats
+from specmask.mask_service.server.tokenizers import TokenizerRegistry
+from specmask.orchestrator.output_check import OutputChecker, OutputCheckError
 
 ENGINES = ("xgrammar", "llguidance")
 

@@ -15,11 +15,11 @@ from typing import Any
 import grpc
 import pytest
 
-from mask_service.client import DraftMaskItem, MaskServiceClient
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.server import MaskServiceHandle
-from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
-from proto.gen.specmask.mask.v1 import mask_service_pb2_grpc as pb_grpc
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.client.mask_client import DraftMaskItem, MaskServiceClient
+from specmask.mask_service.server.server import MaskServiceHandle
+from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2_grpc as pb_grpc
 
 HEALTHY = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "array", "items": {"type": "integer"}}))
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.limits import GrammarLimitError, GrammarLimits, check_limits
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.grammar.limits import GrammarLimitError, GrammarLimits, check_limits
 
 SMALL = GrammarLimits(max_schema_bytes=4096, max_properties=10, max_nesting_depth=8, max_enum_values=5)
 

@@ -23,7 +23,7 @@ def test_process_sigterm(bpe_dir) -> None:
         [
             sys.executable,
             "-m",
-            "orchestrator.cli",
+            "specmask.orchestrator.cli",
             "mask-service",
             "--host",
             "127.0.0.1",

@@ -18,13 +18,13 @@ import grpc
 import jsonschema
 import pytest
 
-from mask_service.backends import BACKENDS, XGrammarBackend
-from mask_service.client import MaskServiceClient, MaskServiceError
-from mask_service.errors import GrammarError
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.grammar_checks import engine_message
-from orchestrator.errors import InvalidRequest
-from orchestrator.grammar_check import MaskServiceGrammarChecker
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.client.mask_client import MaskServiceClient, MaskServiceError
+from specmask.mask_service.errors import GrammarError
+from specmask.mask_service.grammar.backends import BACKENDS, XGrammarBackend
+from specmask.mask_service.grammar.grammar_checks import engine_message
+from specmask.orchestrator.errors import InvalidRequest
+from specmask.orchestrator.grammar_check import MaskServiceGrammarChecker
 
 J = GrammarKind.JSON_SCHEMA
 # The schema: every key's value must be a string ("a" declared, the rest by pattern).

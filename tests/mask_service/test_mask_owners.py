@@ -8,10 +8,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mask_service.client import MaskServiceClient, MaskServiceError
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.memory import MemoryGuard, rss_bytes
-from mask_service.server import MaskServiceHandle, build_service
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.client.mask_client import MaskServiceClient, MaskServiceError
+from specmask.mask_service.server.memory import MemoryGuard, rss_bytes
+from specmask.mask_service.server.server import MaskServiceHandle, build_service
 from tests.mask_service.service_config import make_config
 
 SPEC = GrammarSpec(GrammarKind.REGEX, "[0-9]+")

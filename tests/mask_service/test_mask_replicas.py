@@ -8,12 +8,12 @@ import json
 import grpc
 import pytest
 
-from mask_service.client import DraftMaskItem, MaskServiceError
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.replicas import ReplicaSet, join_host_port, resolve_all, split_host_port
-from mask_service.router import MaskRouter
-from mask_service.server import build_service
-from proto import health as health_names
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.client.mask_client import DraftMaskItem, MaskServiceError
+from specmask.mask_service.client.replicas import ReplicaSet, join_host_port, resolve_all, split_host_port
+from specmask.mask_service.client.router import MaskRouter
+from specmask.mask_service.server.server import build_service
+from specmask.proto import health as health_names
 from tests.mask_service.service_config import make_config
 
 SCHEMA = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}}))
@@ -40,10 +40,10 @@ def test_server_binds_ipv6_any(bpe_dir, registry) -> None:
     handle.server.start()
     try:
         assert handle.port > 0
-        from orchestrator.dev.local_stack import health_status
+        from specmask.orchestrator.dev.local_stack import health_status
 
         assert health_status(f"[::1]:{handle.port}", timeout_s=10.0) == 1
-        # The liveness name the chart's startup/liveness probes ask (proto/health.py).
+        # The liveness name the chart's startup/liveness probes ask (specmask/proto/health.py).
         assert health_status(f"[::1]:{handle.port}", service=health_names.LIVENESS, timeout_s=10.0) == 1
     finally:
         handle.stop(grace_s=0)
@@ -103,7 +103,7 @@ def test_a_replica_dns_answers_after_the_last_lookup_is_tried_before_giving_up(
     "no mask-service replica reachable". (The lookup is replaced: no DNS server to change here.)"""
     import socket
 
-    import mask_service.replicas as replicas
+    import specmask.mask_service.client.replicas as replicas
 
     with socket.socket() as s:  # a port nothing listens on: the dead pod
         s.bind(("127.0.0.1", 0))

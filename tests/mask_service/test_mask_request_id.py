@@ -7,8 +7,8 @@ import logging
 import grpc
 import pytest
 
-from mask_service.client import MaskServiceClient, MaskServiceError
-from mask_service.grammar import GrammarKind, GrammarSpec
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.client.mask_client import MaskServiceClient, MaskServiceError
 
 SPEC = GrammarSpec(GrammarKind.REGEX, "[0-9]+")
 

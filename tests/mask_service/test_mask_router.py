@@ -9,10 +9,10 @@ import grpc
 import numpy as np
 import pytest
 
-from mask_service.client import DraftMaskItem, MaskServiceClient, MaskServiceError
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.router import MaskRouter
-from mask_service.server import build_service
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.client.mask_client import DraftMaskItem, MaskServiceClient, MaskServiceError
+from specmask.mask_service.client.router import MaskRouter
+from specmask.mask_service.server.server import build_service
 from tests.mask_service.service_config import make_config
 
 SCHEMA = GrammarSpec(
@@ -208,7 +208,7 @@ def test_own_connection_sees_a_restarted_replica_at_once(bpe_dir, registry) -> N
     the process; while that connection is in reconnect backoff each call fails at once with its
     last error, past the new client's retries (0.35 s). A probe (the e2e stack's session count
     after restarting replicas: a CI flake) must see the replica as it is now: ``own_connection``."""
-    from orchestrator.dev.local_stack import free_port
+    from specmask.orchestrator.dev.local_stack import free_port
 
     port = free_port()
     address = f"127.0.0.1:{port}"

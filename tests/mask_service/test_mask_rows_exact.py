@@ -10,10 +10,10 @@ import pytest
 import xgrammar as xgr
 from mask_reference import reference_rows, reference_walk
 
-from mask_service.backends import XGrammarBackend, any_json_ebnf
-from mask_service.client import DraftMaskItem, MaskServiceClient
-from mask_service.draft_masks import MIN_ROWS_PER_CHUNK
-from mask_service.grammar import GrammarKind, GrammarSpec
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.client.mask_client import DraftMaskItem, MaskServiceClient
+from specmask.mask_service.grammar.backends import XGrammarBackend, any_json_ebnf
+from specmask.mask_service.server.draft_masks import MIN_ROWS_PER_CHUNK
 
 SCHEMAS = [
     {

@@ -21,11 +21,11 @@ import jsonschema
 import numpy as np
 import pytest
 
-from mask_service.backends import XGrammarBackend
-from mask_service.client import MaskServiceClient, MaskServiceError
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.json_regex import json_safe_pattern
-from mask_service.schema_rewrite import FORMAT_PATTERNS, needs_ebnf_repair, repair_ebnf, rewrite_schema
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.client.mask_client import MaskServiceClient, MaskServiceError
+from specmask.mask_service.grammar.backends import XGrammarBackend
+from specmask.mask_service.grammar.json_regex import json_safe_pattern
+from specmask.mask_service.grammar.schema_rewrite import FORMAT_PATTERNS, needs_ebnf_repair, repair_ebnf, rewrite_schema
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "maskbench"
 _ALLOF_NOTYPE = json.loads((DATA / "Handwritten---test.NoType.json").read_text())["schema"]

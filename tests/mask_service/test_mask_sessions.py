@@ -10,9 +10,9 @@ import grpc
 import numpy as np
 import pytest
 
-from mask_service.client import DraftMaskItem, MaskServiceClient, MaskServiceError
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.server import build_service
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.client.mask_client import DraftMaskItem, MaskServiceClient, MaskServiceError
+from specmask.mask_service.server.server import build_service
 from tests.mask_service.service_config import make_config
 
 SCHEMA = GrammarSpec(

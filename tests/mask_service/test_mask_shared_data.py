@@ -10,12 +10,12 @@ import pytest
 import xgrammar as xgr
 from mask_reference import reference_walk
 
-from mask_service.backends import XGrammarBackend
-from mask_service.client import DraftMaskItem, MaskServiceClient, MaskServiceError
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.server import build_service
-from mask_service.tokenizer_id import tokenizer_id_for_path
-from mask_service.tokenizers import TokenizerRegistry, TokenizerSource
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.common.tokenizer_id import tokenizer_id_for_path
+from specmask.mask_service.client.mask_client import DraftMaskItem, MaskServiceClient, MaskServiceError
+from specmask.mask_service.grammar.backends import XGrammarBackend
+from specmask.mask_service.server.server import build_service
+from specmask.mask_service.server.tokenizers import TokenizerRegistry, TokenizerSource
 from tests.fixtures.shared_data import require
 from tests.mask_service.service_config import make_config
 

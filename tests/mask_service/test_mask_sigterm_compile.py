@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from mask_service.client import MaskServiceClient, MaskServiceError
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.tokenizer_id import tokenizer_id_for_path
-from orchestrator.dev.local_stack import MaskServiceProcess
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.common.tokenizer_id import tokenizer_id_for_path
+from specmask.mask_service.client.mask_client import MaskServiceClient, MaskServiceError
+from specmask.orchestrator.dev.local_stack import MaskServiceProcess
 
 HUGE = GrammarSpec(
     GrammarKind.JSON_SCHEMA,

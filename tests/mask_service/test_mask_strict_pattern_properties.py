@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from mask_service.backends import BACKENDS
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.tokenizers import TokenizerRegistry
-from orchestrator.output_check import OutputChecker
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.grammar.backends import BACKENDS
+from specmask.mask_service.server.tokenizers import TokenizerRegistry
+from specmask.orchestrator.output_check import OutputChecker
 
 SCHEMA = {
     "type": "object",

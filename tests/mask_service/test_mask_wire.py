@@ -9,11 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from mask_service.client import DraftMaskItem, MaskServiceClient
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.row_table import RowTable
-from mask_service.server import build_service
-from mask_service.wire import (
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.client.mask_client import DraftMaskItem, MaskServiceClient
+from specmask.mask_service.client.row_table import RowTable
+from specmask.mask_service.server.server import build_service
+from specmask.mask_service.wire import (
     ALL_ONES_ID,
     ClientBeliefs,
     RowInterner,
@@ -22,7 +22,7 @@ from mask_service.wire import (
     encode_row,
     row_content_id,
 )
-from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
 from tests.mask_service.service_config import make_config
 
 SCHEMA = GrammarSpec(
@@ -278,9 +278,9 @@ def test_row_table_maps_reply_ids_to_slots_vectorised() -> None:
     repeats, ids added across replies and after a clear; an id not held is MissingRow."""
     import numpy as np
 
-    from mask_service.row_table import RowTable
-    from mask_service.wire import MissingRow
-    from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+    from specmask.mask_service.client.row_table import RowTable
+    from specmask.mask_service.wire import MissingRow
+    from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
 
     def row(i: int) -> pb.NewRow:
         payload = np.array([i], dtype="<u4").tobytes()
@@ -309,8 +309,8 @@ def test_row_table_words_come_from_the_installed_host_allocator() -> None:
     created or grown afterwards uses it, and decoding into it is unchanged."""
     import numpy as np
 
-    from mask_service import row_table
-    from proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+    from specmask.mask_service.client import row_table
+    from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
 
     made: list[np.ndarray] = []
 

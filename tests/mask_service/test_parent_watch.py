@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mask_service.parent_watch import PARENT_PID_ENV
-from orchestrator.dev.local_stack import MaskServiceProcess
+from specmask.common.parent_watch import PARENT_PID_ENV
+from specmask.orchestrator.dev.local_stack import MaskServiceProcess
 from tests.fixtures.procs import exited
 
 # Set by the test below: where a fork-time hook in this process leaves its mark.

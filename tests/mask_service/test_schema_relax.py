@@ -13,11 +13,11 @@ from typing import Any
 import jsonschema
 import pytest
 
-from mask_service.backends import SelectingBackend
-from mask_service.errors import GrammarError
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.schema_relax import RELAXATIONS, relax_schema
-from mask_service.tokenizers import TokenizerRegistry
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.errors import GrammarError
+from specmask.mask_service.grammar.backends import SelectingBackend
+from specmask.mask_service.grammar.schema_relax import RELAXATIONS, relax_schema
+from specmask.mask_service.server.tokenizers import TokenizerRegistry
 
 # rule -> (schema, instances to try); the instances mix ones the original accepts and rejects.
 CASES: dict[str, tuple[Any, list[Any]]] = {

@@ -34,9 +34,9 @@ def bpe_tokenizer(bpe_dir: Path):
 @pytest.fixture(scope="session")
 def mask_service_address(bpe_dir: Path) -> Iterator[str]:
     """A real mask service (in-process gRPC server on 127.0.0.1:0) serving the BPE tokenizer."""
-    from mask_service.config import MaskServiceConfig
-    from mask_service.server import build_service
-    from mask_service.tokenizers import TokenizerSource
+    from specmask.mask_service.server.config import MaskServiceConfig
+    from specmask.mask_service.server.server import build_service
+    from specmask.mask_service.server.tokenizers import TokenizerSource
 
     handle = build_service(
         MaskServiceConfig(tokenizers=(TokenizerSource(str(bpe_dir)),), host="127.0.0.1", port=0, mask_threads=1)

@@ -7,8 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.auth_keys import ApiKeyError, ApiKeys, add_api_key_arguments, api_keys_from_args, load_api_keys
-from orchestrator.config import OrchestratorConfig
+from specmask.orchestrator.auth_keys import (
+    ApiKeyError,
+    ApiKeys,
+    add_api_key_arguments,
+    api_keys_from_args,
+    load_api_keys,
+)
+from specmask.orchestrator.config import OrchestratorConfig
 
 
 def test_keys_from_every_source_each_once(tmp_path: Path) -> None:

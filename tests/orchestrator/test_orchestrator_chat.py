@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker.types import WorkerInfo
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.tokenizer_id import tokenizer_id_for_path
-from orchestrator.chat import DEFAULT_SCHEMA_INSTRUCTION, ChatError, ChatMessage, ChatPrompt, ChatRenderer
-from orchestrator.convert import request_from_proto, request_to_proto
-from orchestrator.errors import InvalidRequest
-from orchestrator.grammar_check import MaskServiceGrammarChecker
-from orchestrator.types import GenerationRequest
-from orchestrator.validation import RequestValidator, ServingDefaults
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.common.tokenizer_id import tokenizer_id_for_path
+from specmask.gpu_worker.types import WorkerInfo
+from specmask.orchestrator.chat import DEFAULT_SCHEMA_INSTRUCTION, ChatError, ChatMessage, ChatPrompt, ChatRenderer
+from specmask.orchestrator.convert import request_from_proto, request_to_proto
+from specmask.orchestrator.errors import InvalidRequest
+from specmask.orchestrator.grammar_check import MaskServiceGrammarChecker
+from specmask.orchestrator.types import GenerationRequest
+from specmask.orchestrator.validation import RequestValidator, ServingDefaults
 from tests.fixtures.tokenizers import build_bpe_tokenizer
 
 TEMPLATE = (
@@ -59,9 +59,9 @@ def renderer(chat_dir: Path) -> ChatRenderer:
 
 @pytest.fixture(scope="module")
 def validator(chat_dir: Path, tokenizer, renderer: ChatRenderer) -> Iterator[RequestValidator]:
-    from mask_service.config import MaskServiceConfig
-    from mask_service.server import build_service
-    from mask_service.tokenizers import TokenizerSource
+    from specmask.mask_service.server.config import MaskServiceConfig
+    from specmask.mask_service.server.server import build_service
+    from specmask.mask_service.server.tokenizers import TokenizerSource
 
     service = build_service(
         MaskServiceConfig(tokenizers=(TokenizerSource(str(chat_dir)),), host="127.0.0.1", port=0, mask_threads=1)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mask_service.startup import EXIT_USAGE
-from orchestrator import cli
+from specmask.common.startup import EXIT_USAGE
+from specmask.orchestrator import cli
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def test_orchestrator_bad_mask_service_address(models, capsys: pytest.CaptureFix
 def test_orchestrator_metrics_off_convention() -> None:
     import argparse
 
-    from orchestrator.main import add_arguments, config_from_args
+    from specmask.orchestrator.main import add_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -151,14 +151,25 @@ def test_orchestrator_metrics_off_convention() -> None:
 
 
 def test_version() -> None:
-    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "--version"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "specmask.orchestrator.cli", "--version"], capture_output=True, text=True
+    )
     assert out.returncode == 0 and out.stdout.startswith("specmask "), out
 
 
 def test_console_script_exit_status_and_no_traceback() -> None:
     """The real process: exit status 2 and one line, nothing else on stderr."""
     out = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "mask-service", "--tokenizer", "/nonexistent", "--port", "0"],
+        [
+            sys.executable,
+            "-m",
+            "specmask.orchestrator.cli",
+            "mask-service",
+            "--tokenizer",
+            "/nonexistent",
+            "--port",
+            "0",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

@@ -16,16 +16,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpu_worker.types import WorkerInfo
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.limits import GrammarLimits
-from mask_service.server import MaskServiceHandle, build_service
-from mask_service.tokenizer_id import tokenizer_id_for_path
-from orchestrator.client_identity import client_identity
-from orchestrator.errors import Overloaded, RequestError
-from orchestrator.grammar_check import MaskServiceGrammarChecker
-from orchestrator.types import GenerationRequest
-from orchestrator.validation import RequestValidator, ServingDefaults
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.common.tokenizer_id import tokenizer_id_for_path
+from specmask.gpu_worker.types import WorkerInfo
+from specmask.mask_service.grammar.limits import GrammarLimits
+from specmask.mask_service.server.server import MaskServiceHandle, build_service
+from specmask.orchestrator.client_identity import client_identity
+from specmask.orchestrator.errors import Overloaded, RequestError
+from specmask.orchestrator.grammar_check import MaskServiceGrammarChecker
+from specmask.orchestrator.types import GenerationRequest
+from specmask.orchestrator.validation import RequestValidator, ServingDefaults
 from tests.mask_service.service_config import make_config
 
 BUDGET_S = 2.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config import OrchestratorConfig
+from specmask.orchestrator.config import OrchestratorConfig
 
 
 def test_mask_service_targets_are_checked() -> None:

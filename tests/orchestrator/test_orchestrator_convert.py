@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.types import FinishReason
-from mask_service.grammar import GrammarKind, GrammarSpec
-from orchestrator import convert
-from orchestrator.errors import InvalidRequest
-from orchestrator.types import (
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.gpu_worker.types import FinishReason
+from specmask.orchestrator import convert
+from specmask.orchestrator.errors import InvalidRequest
+from specmask.orchestrator.types import (
     GenerationRequest,
     GenerationResult,
     RequestOutput,
@@ -16,7 +16,7 @@ from orchestrator.types import (
     SpeculationOptions,
     Usage,
 )
-from proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 
 
 @pytest.mark.parametrize(
@@ -89,7 +89,7 @@ def test_responses() -> None:
 
 def test_backend_checked_mode_and_grammar_report() -> None:
     """Issue 13's fields: engine choice, checked mode, max_attempts in; the GrammarReport out."""
-    from orchestrator.types import GrammarReport
+    from specmask.orchestrator.types import GrammarReport
 
     spec = GrammarSpec(GrammarKind.JSON_SCHEMA, '{"uniqueItems":true}', backend="llguidance", checked=True)
     req = GenerationRequest(request_id="abc", prompt="hi", grammar=spec, max_attempts=5)

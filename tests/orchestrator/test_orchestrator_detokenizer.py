@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from orchestrator.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from specmask.orchestrator.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from tests.fixtures.shared_data import require
 
 TEXTS = [

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from gpu_worker.types import FinishReason
-from orchestrator.metrics import MIN_TOKENS_FOR_RATE, OrchestratorMetrics
-from orchestrator.types import Usage
+from specmask.gpu_worker.types import FinishReason
+from specmask.orchestrator.metrics import MIN_TOKENS_FOR_RATE, OrchestratorMetrics
+from specmask.orchestrator.types import Usage
 
 
 def _rated(metrics: OrchestratorMetrics) -> tuple[float, float]:
@@ -28,7 +28,7 @@ def test_outputs_of_requests_no_longer_running_are_not_counted_as_emitted() -> N
     """A step in flight when its request was cancelled (or finished by a stop string) still
     returns that sequence's output; the engine drops it, and the token counters skip it. The
     step itself (latency, batch size, mask wait) counts whole."""
-    from gpu_worker.types import SessionWait, StepOutput
+    from specmask.gpu_worker.types import SessionWait, StepOutput
 
     m = OrchestratorMetrics()
     kept = StepOutput("kept", [1, 2, 3], drafts_proposed=3, drafts_accepted=2, target_forwards=1, mask_time_s=0.002)

@@ -7,7 +7,7 @@ import json
 import jsonschema
 import pytest
 
-from orchestrator.output_budget import longest_token_chars, min_json_chars, min_tokens
+from specmask.orchestrator.output_budget import longest_token_chars, min_json_chars, min_tokens
 
 # (schema, a shortest valid document): the bound must never exceed the document's length.
 SHORTEST = [

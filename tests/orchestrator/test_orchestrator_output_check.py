@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from mask_service.grammar import GrammarKind, GrammarSpec
-from orchestrator.output_check import OutputChecker, OutputCheckError, strict_schema
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.orchestrator.output_check import OutputChecker, OutputCheckError, strict_schema
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
 
@@ -178,7 +178,7 @@ def test_validate_decimal_is_jsonschema_validate_with_decimal_multiples() -> Non
     """The bench and demo judges: the schema is checked first, then the instance."""
     import jsonschema
 
-    from orchestrator.output_check import validate_decimal
+    from specmask.orchestrator.output_check import validate_decimal
 
     validate_decimal(10000.89, {"type": "number", "multipleOf": 0.01})
     with pytest.raises(jsonschema.ValidationError):

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from mask_service.replicas import join_host_port
-from mask_service.server import build_service
-from mask_service.tokenizers import TokenizerRegistry, TokenizerSource
-from orchestrator.dev.local_stack import free_port
-from orchestrator.readiness import MaskTierProbe, Readiness
+from specmask.mask_service.client.replicas import join_host_port
+from specmask.mask_service.server.server import build_service
+from specmask.mask_service.server.tokenizers import TokenizerRegistry, TokenizerSource
+from specmask.orchestrator.dev.local_stack import free_port
+from specmask.orchestrator.readiness import MaskTierProbe, Readiness
 from tests.fixtures.tokenizers import build_bpe_tokenizer
 from tests.mask_service.service_config import make_config
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from gpu_worker.types import FinishReason, NewSequence, StepOutput
-from orchestrator.request import Request
+from specmask.gpu_worker.types import FinishReason, NewSequence, StepOutput
+from specmask.orchestrator.request import Request
 
 
 def _seq(prompt=(1, 2, 3)) -> NewSequence:
@@ -94,7 +94,7 @@ def test_result(bpe_tokenizer) -> None:
 
 
 def _checked_request(tokenizer, max_attempts: int = 3) -> Request:
-    from orchestrator.types import GrammarReport
+    from specmask.orchestrator.types import GrammarReport
 
     report = GrammarReport("checked", "xgrammar", relaxed=("uniqueItems",))
     return Request(_seq(), tokenizer=tokenizer, grammar=report, max_attempts=max_attempts)

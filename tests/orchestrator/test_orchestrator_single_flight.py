@@ -1,4 +1,4 @@
-"""One grammar check per (schema, client) in flight (orchestrator/single_flight.py, issue 14).
+"""One grammar check per (schema, client) in flight (specmask/orchestrator/single_flight.py, issue 14).
 
 A burst of requests with one schema the replica has not compiled yet must cost the
 replica one compile waiter, not one per request: the replica bounds waiters per
@@ -16,12 +16,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.server import MaskServiceHandle, build_service
-from mask_service.tokenizer_id import tokenizer_id_for_path
-from orchestrator.errors import InvalidRequest
-from orchestrator.grammar_check import MaskServiceGrammarChecker
-from orchestrator.single_flight import SingleFlight
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.common.tokenizer_id import tokenizer_id_for_path
+from specmask.mask_service.server.server import MaskServiceHandle, build_service
+from specmask.orchestrator.errors import InvalidRequest
+from specmask.orchestrator.grammar_check import MaskServiceGrammarChecker
+from specmask.orchestrator.single_flight import SingleFlight
 from tests.mask_service.service_config import make_config
 
 BURST = 24

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.stop_strings import StopStringMatcher
+from specmask.orchestrator.stop_strings import StopStringMatcher
 
 
 def _run(stops: list[str], deltas: list[str]) -> tuple[str, bool, str]:

@@ -8,13 +8,13 @@ import math
 
 import pytest
 
-from gpu_worker.types import WorkerInfo
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.tokenizer_id import tokenizer_id_for_path
-from orchestrator.errors import ErrorCode, InvalidRequest, Unavailable
-from orchestrator.grammar_check import MaskServiceGrammarChecker
-from orchestrator.types import GenerationRequest, SamplingOptions, SpeculationOptions
-from orchestrator.validation import MAX_STOP_STRINGS, RequestValidator, ServingDefaults
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.common.tokenizer_id import tokenizer_id_for_path
+from specmask.gpu_worker.types import WorkerInfo
+from specmask.orchestrator.errors import ErrorCode, InvalidRequest, Unavailable
+from specmask.orchestrator.grammar_check import MaskServiceGrammarChecker
+from specmask.orchestrator.types import GenerationRequest, SamplingOptions, SpeculationOptions
+from specmask.orchestrator.validation import MAX_STOP_STRINGS, RequestValidator, ServingDefaults
 
 MAX_MODEL_LEN = 64
 MAX_K = 6
@@ -177,7 +177,7 @@ def test_grammar_kinds_accepted(validator, spec: GrammarSpec) -> None:
 
 
 def test_unreachable_mask_service_is_unavailable(bpe_tokenizer, info) -> None:
-    from orchestrator.dev.local_stack import free_port
+    from specmask.orchestrator.dev.local_stack import free_port
 
     checker = MaskServiceGrammarChecker(
         (f"127.0.0.1:{free_port()}",),

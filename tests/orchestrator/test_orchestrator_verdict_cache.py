@@ -1,4 +1,4 @@
-"""The orchestrator keeps the mask tier's verdicts on grammars (orchestrator/verdict_cache.py).
+"""The orchestrator keeps the mask tier's verdicts on grammars (specmask/orchestrator/verdict_cache.py).
 
 A grammar the tier judged recently costs a request no ValidateGrammar round trip; a
 refusal for the grammar's own sake is answered again word for word without sending the
@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 
-from mask_service.grammar import GrammarKind, GrammarSpec
-from mask_service.limits import GrammarLimits
-from mask_service.server import MaskServiceHandle, build_service
-from mask_service.tokenizer_id import tokenizer_id_for_path
-from orchestrator.errors import InvalidRequest, Unavailable
-from orchestrator.grammar_check import MaskServiceGrammarChecker
-from orchestrator.types import GrammarReport
-from orchestrator.verdict_cache import VerdictCache
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.common.tokenizer_id import tokenizer_id_for_path
+from specmask.mask_service.grammar.limits import GrammarLimits
+from specmask.mask_service.server.server import MaskServiceHandle, build_service
+from specmask.orchestrator.errors import InvalidRequest, Unavailable
+from specmask.orchestrator.grammar_check import MaskServiceGrammarChecker
+from specmask.orchestrator.types import GrammarReport
+from specmask.orchestrator.verdict_cache import VerdictCache
 from tests.mask_service.service_config import make_config
 
 OK = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}}))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.config import OrchestratorConfig
-from orchestrator.errors import ErrorCode, Overloaded
-from orchestrator.token_admission import PromptTokenBounds
+from specmask.orchestrator.config import OrchestratorConfig
+from specmask.orchestrator.errors import ErrorCode, Overloaded
+from specmask.orchestrator.token_admission import PromptTokenBounds
 
 
 def test_the_queue_refuses_past_its_token_bound_with_a_retry_hint() -> None:

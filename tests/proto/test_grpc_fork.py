@@ -1,4 +1,4 @@
-"""Children forked from a process that uses gRPC survive (see proto/__init__.py).
+"""Children forked from a process that uses gRPC survive (see specmask/proto/__init__.py).
 
 With gRPC's fork support on, a child started with ``preexec_fn`` (as Ray starts
 its processes) runs gRPC's fork handlers before exec and, now and then, aborts
@@ -20,7 +20,7 @@ import pytest
 
 SCRIPT = textwrap.dedent(
     """
-    import proto  # the product's import order: stubs before any gRPC use
+    import specmask.proto as proto  # the product's import order: stubs before any gRPC use
     import subprocess, sys, threading, time
     from concurrent import futures
     import grpc

@@ -1,4 +1,4 @@
-"""proto/rpc_status.py round trip through a real gRPC server: ErrorInfo, BadRequest and
+"""specmask/proto/rpc_status.py round trip through a real gRPC server: ErrorInfo, BadRequest and
 RetryInfo come back as sent, extra trailers survive, and plain errors read as no details."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from proto.rpc_status import DOMAIN, ErrorDetails, details_of, reason_from_class, status_for
+from specmask.proto.rpc_status import DOMAIN, ErrorDetails, details_of, reason_from_class, status_for
 
 
 class CompileQueueFull(Exception):

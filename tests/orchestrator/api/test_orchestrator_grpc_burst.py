@@ -14,7 +14,7 @@ import collections
 
 import grpc
 
-from orchestrator.api.grpc_server import server_options
+from specmask.orchestrator.api.grpc_server import server_options
 
 BURST = 1500  # past core's default pending limit of 1,000; a few seconds on a 2-core box
 HOLD_S = 1.0  # each handler holds its call, so the burst is concurrent

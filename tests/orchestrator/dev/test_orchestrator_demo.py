@@ -6,8 +6,8 @@ from __future__ import annotations
 import jsonschema
 import pytest
 
-from mask_service.schema_check import check_schema
-from orchestrator.dev.demo import REAL_CASES, _check, real_cases
+from specmask.mask_service.grammar.schema_check import check_schema
+from specmask.orchestrator.dev.demo import REAL_CASES, _check, real_cases
 
 
 @pytest.mark.parametrize(("name", "ask", "schema"), REAL_CASES, ids=[c[0] for c in REAL_CASES])

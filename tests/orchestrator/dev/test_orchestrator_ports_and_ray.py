@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from orchestrator.api.grpc_server import server_options
+from specmask.orchestrator.api.grpc_server import server_options
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -48,7 +48,7 @@ def test_up_refuses_a_taken_port_in_one_line_before_ray() -> None:
         port = held.getsockname()[1]
         t0 = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, "-m", "orchestrator.cli", "up", "--port", str(port), "--metrics-port", "-1"],
+            [sys.executable, "-m", "specmask.orchestrator.cli", "up", "--port", str(port), "--metrics-port", "-1"],
             capture_output=True,
             text=True,
             timeout=300,
@@ -66,7 +66,7 @@ _PROBE = """
 import json, os, time
 import psutil
 import ray.exceptions  # as the engine does: ray imported before the stack connects
-from orchestrator.worker_pool import connect_ray
+from specmask.orchestrator.worker_pool import connect_ray
 
 assert connect_ray("local", log_to_driver=False)
 import ray
@@ -100,8 +100,8 @@ def test_local_ray_listens_on_loopback_only() -> None:
 
 def test_up_refuses_an_unreadable_key_file_in_one_line(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-keys"
-    cmd = [sys.executable, "-m", "orchestrator.cli", "up", "--port", "0", "--metrics-port", "-1", "--http-port", "-1",
-           "--api-key-file", str(missing)]  # fmt: skip
+    cmd = [sys.executable, "-m", "specmask.orchestrator.cli", "up", "--port", "0", "--metrics-port", "-1",
+           "--http-port", "-1", "--api-key-file", str(missing)]  # fmt: skip
     proc = subprocess.run(
         cmd,
         capture_output=True,

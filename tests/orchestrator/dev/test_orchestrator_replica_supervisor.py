@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.dev.local_stack import MaskServiceProcess, health_status
-from orchestrator.dev.replica_supervisor import ReplicaSupervisor
+from specmask.orchestrator.dev.local_stack import MaskServiceProcess, health_status
+from specmask.orchestrator.dev.replica_supervisor import ReplicaSupervisor
 from tests.fixtures.tokenizers import build_bpe_tokenizer
 
 SERVING = 1

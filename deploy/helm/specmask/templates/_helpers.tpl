@@ -170,7 +170,7 @@ YAML numbers as float64 (100000000 -> "1e+08"), so integers go through int64. */
 {{- end }}
 
 {{/* gRPC health service name for startup/liveness probes: the process alone
-(proto/health.py LIVENESS); readiness probes ask "" (dependencies). */}}
+(specmask/proto/health.py LIVENESS); readiness probes ask "" (dependencies). */}}
 {{- define "specmask.livenessService" -}}
 specmask.liveness
 {{- end }}

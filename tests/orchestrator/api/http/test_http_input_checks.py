@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from orchestrator.api.http.errors import ApiError
-from orchestrator.api.http.input_checks import find_lone_surrogate, refuse_lone_surrogates
+from specmask.orchestrator.api.http.errors import ApiError
+from specmask.orchestrator.api.http.input_checks import find_lone_surrogate, refuse_lone_surrogates
 
 
 def test_lone_surrogates_are_found_with_their_path() -> None:

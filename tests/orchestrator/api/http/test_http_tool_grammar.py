@@ -10,14 +10,14 @@ import logging
 import pytest
 from prometheus_client import CollectorRegistry
 
-from mask_service.grammar import GrammarKind
-from orchestrator.api.http import translate
-from orchestrator.api.http.lenient import MAX_NAMED_FIELDS, OTHER, UnknownFieldLog, unknown_fields
-from orchestrator.api.http.prompting import TranscriptPrompter
-from orchestrator.api.http.protocol import ChatCompletionRequest, Tool
-from orchestrator.api.http.tool_grammar import CALL_CLOSE, CALL_OPEN, auto_tools, is_call_output, parse_calls
-from orchestrator.metrics import OrchestratorMetrics
-from orchestrator.output_check import OutputChecker
+from specmask.common.grammar_spec import GrammarKind
+from specmask.orchestrator.api.http import translate
+from specmask.orchestrator.api.http.lenient import MAX_NAMED_FIELDS, OTHER, UnknownFieldLog, unknown_fields
+from specmask.orchestrator.api.http.prompting import TranscriptPrompter
+from specmask.orchestrator.api.http.protocol import ChatCompletionRequest, Tool
+from specmask.orchestrator.api.http.tool_grammar import CALL_CLOSE, CALL_OPEN, auto_tools, is_call_output, parse_calls
+from specmask.orchestrator.metrics import OrchestratorMetrics
+from specmask.orchestrator.output_check import OutputChecker
 
 WEATHER = {
     "type": "object",
@@ -125,7 +125,7 @@ def test_unknown_fields_are_ignored_logged_once_and_counted(caplog: pytest.LogCa
     assert sorted(unknown_fields(body)) == ["messages[].annotations", "prompt_cache_key", "reasoning_effort"]
     metrics = OrchestratorMetrics(CollectorRegistry())
     log = UnknownFieldLog(metrics.http_unknown_fields)
-    with caplog.at_level(logging.WARNING, logger="orchestrator.api.http.lenient"):
+    with caplog.at_level(logging.WARNING, logger="specmask.orchestrator.api.http.lenient"):
         log.note(body, "r1")
         log.note(body, "r2")
     assert sum("reasoning_effort" in r.getMessage() for r in caplog.records) == 1
@@ -139,7 +139,7 @@ def test_unknown_fields_are_ignored_logged_once_and_counted(caplog: pytest.LogCa
 
 
 def test_auto_refuses_a_tool_schema_the_mask_service_refuses() -> None:
-    from orchestrator.api.http.errors import ApiError
+    from specmask.orchestrator.api.http.errors import ApiError
 
     bad = Tool.model_validate(
         {"type": "function", "function": {"name": "bad", "parameters": {"type": "object", "minProperties": "two"}}}
@@ -150,7 +150,7 @@ def test_auto_refuses_a_tool_schema_the_mask_service_refuses() -> None:
 
 
 def test_stream_split_decides_once_on_the_first_text() -> None:
-    from orchestrator.api.http.tool_grammar import StreamSplit
+    from specmask.orchestrator.api.http.tool_grammar import StreamSplit
 
     text = StreamSplit(tool_call=False, auto=True)
     assert [text.holds(t) for t in ("Hi", " <b>", "<tool_call>")] == [False, False, False] and not text.calls

@@ -8,14 +8,14 @@ from typing import Any
 import jsonschema
 import pytest
 
-from gpu_worker.types import FinishReason
-from mask_service.grammar import GrammarKind
-from orchestrator.api.http import tools, translate
-from orchestrator.api.http.errors import ApiError
-from orchestrator.api.http.prompting import TemplatePrompter, TranscriptPrompter, load_prompter
-from orchestrator.api.http.protocol import ChatCompletionRequest, CompletionRequest, Tool
-from orchestrator.api.http.responses import finish_error
-from orchestrator.chat import ChatMessage, ChatPrompt
+from specmask.common.grammar_spec import GrammarKind
+from specmask.gpu_worker.types import FinishReason
+from specmask.orchestrator.api.http import tools, translate
+from specmask.orchestrator.api.http.errors import ApiError
+from specmask.orchestrator.api.http.prompting import TemplatePrompter, TranscriptPrompter, load_prompter
+from specmask.orchestrator.api.http.protocol import ChatCompletionRequest, CompletionRequest, Tool
+from specmask.orchestrator.api.http.responses import finish_error
+from specmask.orchestrator.chat import ChatMessage, ChatPrompt
 
 PROMPTER = TranscriptPrompter()
 
@@ -186,8 +186,8 @@ def test_only_successful_finishes_are_successes() -> None:
 
 @pytest.mark.parametrize("text", ["", "plain", 'quote " and \\ slash', "ünïcödé \u2028 \n\t", "\x00\x1f"])
 def test_delta_encoder_matches_full_serialisation(text: str) -> None:
-    from orchestrator.api.http import responses
-    from orchestrator.api.http.sse import DeltaEncoder, _encode
+    from specmask.orchestrator.api.http import responses
+    from specmask.orchestrator.api.http.sse import DeltaEncoder, _encode
 
     env = responses.Envelope(id="chatcmpl-1", model='m"odel', created=7)
     chat = DeltaEncoder(responses.chat_chunk(env, {"content": DeltaEncoder.PLACEHOLDER}))
@@ -197,7 +197,7 @@ def test_delta_encoder_matches_full_serialisation(text: str) -> None:
 
 
 def test_domain_errors_map_to_openai_statuses() -> None:
-    from orchestrator import errors
+    from specmask.orchestrator import errors
 
     cases = [
         (errors.InvalidRequest("bad"), 400, None),

@@ -1,3 +1,0 @@
-"""Orchestrator: the gRPC API clients call, admission, continuous batching, the step loop."""
-
-import proto  # noqa: F401  (before any gRPC use: turns gRPC fork support off; see proto/__init__.py)

@@ -1,0 +1,1 @@
+"""SpecMask: grammar-constrained speculative decoding, built as services that scale apart."""

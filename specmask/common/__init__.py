@@ -1,0 +1,1 @@
+"""Types and process plumbing every SpecMask process shares (no engine, no torch)."""

@@ -1,0 +1,624 @@
+"""``GpuWorker``: owns the target and draft models, the sequences, and the step loop.
+
+A plain class, so tests can use it in-process; ``ray.remote(GpuWorker)`` (or
+``start_remote_worker``) makes it the per-GPU Ray actor. Ray runs an actor's
+methods one at a time, so no locking is needed around sequence state.
+
+Errors: a bad sequence never takes the worker down. ``add`` returns an error
+message per refused sequence; ``step`` reports a failed sequence as
+``FinishReason.ERROR`` with ``StepOutput.error`` and frees it; ``remove`` of an
+unknown id raises ``UnknownSequenceError`` after removing the known ones.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import math
+import os
+import random
+import time
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as futures_wait
+from typing import Any
+
+import torch
+
+from specmask.gpu_worker.config import WorkerConfig, iteration_budget
+from specmask.gpu_worker.kv_cache import SequenceKV
+from specmask.gpu_worker.loading import (
+    cpu_threads,
+    eos_token_ids,
+    has_tokenizer,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+)
+from specmask.gpu_worker.mask_errors import MASK_TIER_UNAVAILABLE, describe_mask_failure
+from specmask.gpu_worker.mask_table import DeviceMaskTable
+from specmask.gpu_worker.masks import MaskChannel
+from specmask.gpu_worker.model_runner import ForwardItem, ModelRunner
+from specmask.gpu_worker.proposers.base import ProposerResources
+from specmask.gpu_worker.proposers.registry import build_proposers, order_names
+from specmask.gpu_worker.sequence import SequenceState
+from specmask.gpu_worker.step import StepRunner, uncached
+from specmask.gpu_worker.types import (
+    LIVENESS_GROUP,
+    FinishReason,
+    Iteration,
+    NewSequence,
+    SessionWait,
+    StepOutput,
+    UnknownSequenceError,
+    WorkerInfo,
+    WorkerProgress,
+)
+from specmask.mask_service.auth import owner_tag
+
+logger = logging.getLogger(__name__)
+
+_SEED_BITS = 63  # kernels take int64 seeds; keep them non-negative
+# Prompt tokens per prefill forward. A forward over the slot pool attends with an
+# explicit [rows, 1, new_tokens, keys] mask, which SDPA without a fused kernel (CPU)
+# materialises per head: nine 3,000-token chat prompts prefilled in one forward took
+# > 5 GB and over two minutes on 2 cores. One sequence at a time, in chunks of this
+# many tokens, keeps a prefill forward at O(chunk x prompt) memory.
+PREFILL_CHUNK_TOKENS = 512
+
+
+class GpuWorker:
+    def __init__(self, config: WorkerConfig, *, target_model: Any = None, draft_model: Any = None) -> None:
+        """``target_model`` / ``draft_model``: causal LMs already built on the config's device and
+        dtype (bench.gpu builds random-initialised ones at real shapes, with no weights on disk);
+        None loads them from ``config.target_dir`` / ``config.draft_dir``, the normal path. The
+        tokenizer is always read from the dirs."""
+        from specmask.common.tokenizer_id import tokenizer_id_for_path
+
+        self.config = config
+        if config.log_level is not None:
+            from specmask.common.log_format import configure_logging
+
+            configure_logging(config.log_level, config.log_format)
+        self.device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype)
+        self.tokenizer = load_tokenizer(config.target_dir)
+        if target_model is None:
+            target_model = load_causal_lm(config.target_dir, dtype, self.device)
+        threads = cpu_threads(config.torch_threads, self.device, sum(p.numel() for p in target_model.parameters()))
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.target = ModelRunner(
+            target_model, batched=config.batched_forward, name="target", static=config.static_forward
+        )
+        self.draft: ModelRunner | None = None
+        if config.draft_dir is not None:
+            self._check_shared_tokenizer(config.draft_dir)
+            if draft_model is None:
+                draft_model = load_causal_lm(config.draft_dir, dtype, self.device)
+            self.draft = ModelRunner(
+                draft_model, batched=config.batched_forward, name="draft", static=config.static_forward
+            )
+        self.vocab_size = self.target.vocab_size  # V: logits width
+        self.max_model_len = self.target.max_model_len
+        if config.max_model_len is not None:
+            self.max_model_len = min(self.max_model_len, config.max_model_len)
+        self.tokenizer_id = tokenizer_id_for_path(config.target_dir)
+        self.eos_token_ids = eos_token_ids(config.target_dir, self.tokenizer)
+        self.masks: MaskChannel | None = None
+        self.session_owner = _session_owner() if config.mask_service_addresses else ""
+        if config.mask_service_addresses:
+            self.masks = MaskChannel.connect(
+                config.mask_service_addresses,
+                tokenizer_id=self.tokenizer_id,
+                vocab_size=self.vocab_size,
+                deadline_s=config.mask_deadline_s,
+                owner=self.session_owner,
+                compile_wait_s=config.compile_wait_s,
+            )
+        # A session open waits for its grammar's compile (the replica answers when it is
+        # ready): a sequence still opening is failed only past this, not past a mask call's
+        # deadline, so a slow compile on a busy box is waited for, not refused.
+        self._open_timeout_s = max(config.compile_wait_s, config.mask_deadline_s * 4)
+        # Mask rows resident on the device: one mirror for the draft-side masking and the verifier.
+        self.mask_table = DeviceMaskTable(self.device)
+        self.proposers = build_proposers(
+            ProposerResources(
+                vocab_size=self.vocab_size,
+                draft_runner=self.draft,
+                ngram_min=config.ngram_min,
+                ngram_max=config.ngram_max,
+                mask_table=self.mask_table,
+            )
+        )
+        self.stepper = StepRunner(
+            self.target,
+            self.proposers,
+            self.masks,
+            max_model_len=self.max_model_len,
+            draft_max_len=self.draft.max_model_len if self.draft is not None else None,
+            mask_timeout_s=config.mask_deadline_s * 4,
+            mask_table=self.mask_table,
+        )
+        self._seqs: dict[str, SequenceState] = {}  # insertion order = batch order
+        # Prompt tokens the first step feeds (WorkerConfig.step_prefill_tokens), capped so that a
+        # new sequence's first step fits the iteration budget with room for others.
+        self.iteration_budget = iteration_budget(config, self.device.type)
+        self._step_tail = max(1, min(config.step_prefill_tokens, self.iteration_budget // 2))
+        # Forwards (prefill chunks) and steps finished: the heartbeat's progress (``progress``).
+        self.progress_count = 0
+        self._rng = random.Random(config.seed)
+        logger.info(
+            "worker ready: target=%s draft=%s device=%s V=%d max_len=%d proposers=%s",
+            config.target_dir,
+            config.draft_dir,
+            self.device,
+            self.vocab_size,
+            self.max_model_len,
+            sorted(self.proposers),
+        )
+        if _session_owner():
+            # A Ray actor process of its own: keep what loading left (torch, transformers, the
+            # models' modules, the tokenizer: ~200k objects, a ~100 ms full GC pass) out of full
+            # GC passes between steps, as the orchestrator and mask-service mains do. Not in a
+            # process that merely builds a worker (tests, benches): it would freeze theirs.
+            gc.collect()
+            gc.freeze()
+
+    def _check_shared_tokenizer(self, draft_dir: str) -> None:
+        """Draft tokens are fed to the target as ids: both must use the same vocabulary."""
+        if not has_tokenizer(draft_dir):
+            return  # a draft dir without tokenizer files is taken to share the target's
+        if load_tokenizer(draft_dir).get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(f"draft tokenizer in {draft_dir} differs from the target's")
+
+    # -- public API -----------------------------------------------------------
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            tokenizer_id=self.tokenizer_id,
+            eos_token_ids=self.eos_token_ids,
+            device=str(self.device),
+            has_draft_model=self.draft is not None,
+            max_k=self.config.max_k,
+            pid=os.getpid(),
+            session_owner=self.session_owner,
+            torch_threads=torch.get_num_threads(),
+        )
+
+    def num_active(self) -> int:
+        return len(self._seqs)
+
+    def active_ids(self) -> list[str]:
+        return list(self._seqs)
+
+    def add(self, seqs: Sequence[NewSequence], *, wait_for_sessions: bool = False) -> list[str | None]:
+        """Validate and start opening mask sessions. Returns per sequence None or an error
+        message. A session the mask service refuses is reported by add() if it had answered by
+        then, else by the sequence's next step (an ERROR output). add() runs no forward: long
+        prompts are prefilled in chunks by the following iterations, within their token budget
+        (``step``), so an add() of any size returns at once.
+
+        ``wait_for_sessions`` waits for every answer, so add() reports them all, and prefills
+        every prompt now, so the first steps' batches depend neither on how fast the opens
+        answer nor on the iteration budget (benchmarks, whose timed steps must be decode steps;
+        seeded replays)."""
+        errors: list[str | None] = [None] * len(seqs)
+        accepted: list[tuple[int, SequenceState]] = []
+        seen: set[str] = set()
+        for i, req in enumerate(seqs):
+            try:
+                state = self._admit(req, seen, len(accepted))
+            except (ValueError, TypeError) as exc:
+                errors[i] = str(exc)
+                rid = getattr(req, "request_id", "") or getattr(req, "seq_id", "?")
+                logger.warning("[request_id=%s] seq %s refused: %s", rid, getattr(req, "seq_id", "?"), exc)
+                continue
+            seen.add(req.seq_id)
+            accepted.append((i, state))
+
+        # Sessions open on the mask control threads (gpu_worker.masks), and add() does not
+        # wait for them: a session is first needed by the sequence's first step, and add and
+        # step share the actor's thread, so waiting here stalled every running sequence for a
+        # round trip (~5 ms per add while a flood of new grammars kept the mask service busy,
+        # issue 14). The orchestrator sends add() as soon as it places a request, so the open
+        # runs while the orchestrator handles the current step's outputs. A sequence whose
+        # session is still opening when a step starts sits it out (``_settle_sessions``).
+        for _, state in accepted:
+            grammar = state.request.grammar
+            if grammar is not None:
+                assert self.masks is not None  # _admit refuses a grammar without a mask service
+                state.session_opening = self.masks.open_session_async(grammar, request_id=state.request_id)
+                state.opening_since = time.monotonic()
+        for _, state in accepted:
+            # Cached by the iterations' prefill chunks (``_prefill_some``), within their token
+            # budget; the first step feeds the tail (WorkerConfig.step_prefill_tokens).
+            state.prefill_to = max(0, len(state.token_ids) - self._step_tail)
+        if wait_for_sessions:
+            try:
+                self._prefill([s for _, s in accepted])
+            except Exception as exc:
+                logger.exception("prefill of %d sequences failed", len(accepted))
+                for i, state in accepted:
+                    errors[i] = f"prefill failed: {exc}"
+                    self._free(state)
+                return errors
+            opening = [s.session_opening for _, s in accepted if s.session_opening is not None]
+            futures_wait(opening, timeout=self._open_timeout_s)
+        for i, state in accepted:
+            # Settled now if the open already answered (e.g. during a long prefill): a refusal
+            # is then add()'s answer; later, it is the sequence's step output.
+            failure = self._settle_session(state)
+            if failure is not None:
+                errors[i] = failure
+                self._free(state)
+                continue
+            self._seqs[state.seq_id] = state
+            logger.info(
+                "[request_id=%s] seq %s added: prompt=%d grammar=%s mask_session=%s k=%d proposers=%s",
+                state.request_id,
+                state.seq_id,
+                state.prompt_len,
+                state.has_grammar,
+                "opening" if state.session_opening is not None else state.session_id,
+                state.k,
+                state.proposers,
+            )
+        return errors
+
+    def step(self) -> list[StepOutput]:
+        """One iteration within ``iteration_budget`` target tokens: a decoding step for the
+        sequences ``_step_batch`` picks (running ones first), then prefill chunks of prompts not
+        yet cached with what is left (``_prefill_some``); finished sequences are freed. A
+        sequence whose session is still opening when the step starts joins it late if the open
+        answers while the drafts are proposed (``join_late``) and its tail fits; otherwise it
+        sits this step out (no output for it). If nobody could step and no prompt is being
+        prefilled, the step waits for an open to answer."""
+        refused = self._settle_sessions(wait=False)
+        prefilling = any(s.prefilling for s in self._seqs.values())
+        batch = self._step_batch(prefilling)
+        if not batch and self._seqs and not prefilling:
+            refused += self._settle_sessions(wait=True)
+            batch = self._step_batch(prefilling)
+        budget = self.iteration_budget
+        before = self.target.num_positions
+        if not batch:
+            return refused + self._prefill_some(budget)
+        outputs = self._step(batch, refused, budget - (budget // 4 if prefilling else 0))
+        used = self.target.num_positions - before
+        return refused + outputs + self._prefill_some(budget - used)
+
+    def _step_batch(self, prefilling: bool) -> list[SequenceState]:
+        """The sequences this iteration's step takes: every running one (one uncached token
+        each, plus drafts the step trims to the budget), then new ones whose prompt is cached
+        up to its tail, in arrival order, while their tails fit. A quarter of the budget is
+        kept for prefill chunks while any prompt is being prefilled, so a stream of running
+        sequences cannot starve them."""
+        budget = self.iteration_budget - (self.iteration_budget // 4 if prefilling else 0)
+        ready = [s for s in self._seqs.values() if s.session_opening is None and not s.prefilling]
+        batch = [s for s in ready if uncached(s) == 1]
+        used = len(batch)
+        for s in ready:
+            cost = uncached(s)
+            if cost > 1 and (used + cost <= budget or not batch):
+                batch.append(s)
+                used += cost
+        return batch
+
+    def _step(self, batch: list[SequenceState], refused: list[StepOutput], budget: int) -> list[StepOutput]:
+        """One decoding step of ``batch`` within ``budget`` target tokens (late joiners included)."""
+        joined: list[SequenceState] = []
+        in_batch = {s.seq_id for s in batch}
+        # A lower bound on what the step leaves of the budget: drafts are trimmed to fit it, and
+        # proposers may propose fewer than planned.
+        room = budget - min(budget, sum(uncached(s) + self.stepper.plan_k(s) for s in batch))
+
+        def join_late() -> list[SequenceState]:
+            # Nearly every new grammar sequence used to sit its first step out: the step after its
+            # add() begins a Ray call later, before the open's round trip to the mask service has
+            # answered (issue 14 soak: 41% of steps had a sequence sitting out, 3,841 in all, each
+            # 0.4-3.7 ms (p10-p90) into its open). The proposal phase (draft forwards, draft-mask
+            # round trips) gives the open that time; joining then saves the sequence an iteration.
+            nonlocal room
+            refused.extend(self._settle_sessions(wait=False))
+            for s in self._seqs.values():
+                fits = uncached(s) <= room
+                if s.session_opening is None and not s.prefilling and s.seq_id not in in_batch and fits:
+                    room -= uncached(s)
+                    joined.append(s)
+            return joined
+
+        try:
+            outputs = self.stepper.run(batch, joiners=join_late, token_budget=budget)
+        except Exception as exc:
+            logger.exception("step failed for %d sequences", len(batch) + len(joined))
+            outputs = [
+                StepOutput(s.seq_id, [], FinishReason.ERROR, error=f"step failed: {exc}") for s in batch + joined
+            ]
+        self._note_session_waits(in_batch, joined, outputs)
+        for out in outputs:
+            if out.finish_reason is not None:
+                state = self._seqs.pop(out.seq_id)
+                state.finished = out.finish_reason
+                self._free(state)
+                logger.info(
+                    "[request_id=%s] seq %s finished: %s after %d output tokens%s",
+                    state.request_id,
+                    out.seq_id,
+                    out.finish_reason.name,
+                    state.num_output,
+                    f" ({out.error})" if out.error else "",
+                )
+        self.progress_count += 1
+        return outputs
+
+    def _note_session_waits(self, in_batch: set[str], joined: list[SequenceState], outputs: list[StepOutput]) -> None:
+        """Count this step against the sequences still waiting for their sessions, and put
+        how each grammar sequence's wait ended on its first output (``SessionWait``)."""
+        joined_ids = {s.seq_id for s in joined}
+        for waiting in self._seqs.values():
+            if waiting.seq_id in joined_ids:
+                waiting.joined_late = True
+            elif waiting.seq_id not in in_batch:
+                waiting.steps_sat_out += 1  # still opening (or opened after the join point)
+        for out in outputs:
+            state = self._seqs.get(out.seq_id)
+            if state is None or not state.has_grammar or state.session_wait_reported:
+                continue
+            state.session_wait_reported = True
+            out.steps_sat_out = state.steps_sat_out
+            if state.joined_late:
+                out.session_wait = SessionWait.JOINED_LATE
+            else:
+                out.session_wait = SessionWait.SAT_OUT if state.steps_sat_out else SessionWait.READY
+
+    def iterate(self, removes: Sequence[str] = (), adds: Sequence[NewSequence] = ()) -> Iteration:
+        """``remove(removes)``, ``add(adds)``, then ``step()``: one Ray call for what the
+        orchestrator's step loop does each iteration (each call costs both processes ~0.4 ms
+        of CPU here; three a step under a flood of short requests). Removes go first: the
+        slots they free may be the ones the adds take. Ids this worker does not hold are
+        reported, not raised."""
+        unknown = self._remove(removes)
+        add_errors = self.add(adds) if adds else []
+        return Iteration(add_errors, self.step() if self._seqs else [], unknown)
+
+    def remove(self, seq_ids: Sequence[str]) -> None:
+        """Cancel sequences: free KV caches, close mask sessions."""
+        unknown = self._remove(seq_ids)
+        if unknown:
+            raise UnknownSequenceError(f"unknown sequence id(s): {unknown}")
+
+    def _remove(self, seq_ids: Sequence[str]) -> list[str]:
+        """Cancel the sequences this worker holds; returns the ids it does not."""
+        unknown = []
+        for seq_id in seq_ids:
+            state = self._seqs.pop(seq_id, None)
+            if state is None:
+                unknown.append(seq_id)
+                continue
+            state.finished = FinishReason.CANCELLED
+            self._free(state)
+            logger.info(
+                "[request_id=%s] seq %s cancelled after %d output tokens", state.request_id, seq_id, state.num_output
+            )
+        return unknown
+
+    def reset(self) -> int:
+        """Free every sequence (KV caches, mask sessions); returns how many there were.
+
+        For a caller that lost track of this worker (a step timed out): whatever it
+        still holds belongs to requests that have already been failed."""
+        states = list(self._seqs.values())
+        self._seqs.clear()
+        for state in states:
+            state.finished = FinishReason.CANCELLED
+            self._free(state)
+        if states:
+            logger.warning("reset: freed %d sequences", len(states))
+        return len(states)
+
+    def shutdown(self) -> None:
+        """Free everything and close the mask-service connection."""
+        for state in list(self._seqs.values()):
+            self._free(state)
+        self._seqs.clear()
+        if self.masks is not None:
+            self.masks.close()
+
+    # -- internals --------------------------------------------------------------
+    def _admit(self, req: Any, seen: set[str], num_accepted: int) -> SequenceState:
+        """Check one request and build its state (raises ValueError/TypeError with a clear message)."""
+        if not isinstance(req, NewSequence):
+            raise TypeError(f"expected NewSequence, got {type(req).__name__}")
+        if not isinstance(req.seq_id, str) or not req.seq_id:
+            raise ValueError("seq_id must be a non-empty string")
+        if req.seq_id in self._seqs or req.seq_id in seen:
+            raise ValueError(f"duplicate seq_id {req.seq_id!r}")
+        if len(self._seqs) + num_accepted >= self.config.max_batch:
+            raise ValueError(f"worker is full ({self.config.max_batch} active sequences)")
+        prompt = list(req.prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty")
+        self._check_ids(prompt, "prompt")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt)} tokens leaves no room below max_model_len {self.max_model_len}")
+        p = req.sampling
+        if not (math.isfinite(p.temperature) and p.temperature >= 0):
+            raise ValueError(f"temperature must be finite and >= 0, got {p.temperature}")
+        if not 0 < p.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p.top_p}")
+        if p.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {p.top_k}")
+        if p.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
+        spec = req.speculation
+        if not 0 <= spec.k <= self.config.max_k:
+            raise ValueError(f"speculation k must be in [0, {self.config.max_k}], got {spec.k}")
+        proposers: tuple[str, ...] = ()
+        if spec.enabled and spec.k > 0:
+            proposers = tuple(n for n in order_names(spec.proposers) if n in self.proposers)
+        if req.grammar is not None and self.masks is None:
+            raise ValueError("sequence has a grammar but the worker has no mask service configured")
+        stop_ids = self.eos_token_ids if req.stop_token_ids is None else tuple(req.stop_token_ids)
+        self._check_ids(stop_ids, "stop")
+        if "draft_model" in proposers:
+            assert self.draft is not None
+            if max(prompt) >= self.draft.vocab_size:
+                raise ValueError(f"prompt token id {max(prompt)} is outside the draft vocabulary")
+        seed = p.seed if p.seed is not None else self._rng.getrandbits(_SEED_BITS)
+        return SequenceState(
+            request=req,
+            stop_token_ids=frozenset(stop_ids),
+            proposers=proposers,
+            k=spec.k if proposers else 0,
+            seed=seed & ((1 << _SEED_BITS) - 1),
+            token_ids=prompt,
+            draft_kv=SequenceKV() if "draft_model" in proposers else None,
+        )
+
+    def _check_ids(self, ids: Sequence[int], what: str) -> None:
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"{what} token id {t!r} outside [0, {self.vocab_size})")
+
+    def _prefill(self, states: Sequence[SequenceState]) -> None:
+        """Cache each prompt up to its tail now, sequence by sequence, PREFILL_CHUNK_TOKENS at a
+        time (``add(wait_for_sessions=True)``: benchmarks and replays; serving prefills within
+        the iterations' budget instead, ``_prefill_some``)."""
+        for s in states:
+            while s.prefilling:
+                self._prefill_chunk(s, PREFILL_CHUNK_TOKENS)
+
+    def _prefill_some(self, budget: int) -> list[StepOutput]:
+        """Prefill chunks of the prompts not yet cached, oldest first, until ``budget`` target
+        tokens are used; one sequence per forward, at most PREFILL_CHUNK_TOKENS each (see there
+        why). A sequence whose prefill fails is freed and reported as an ERROR output."""
+        failed: list[StepOutput] = []
+        for s in [s for s in self._seqs.values() if s.prefilling]:
+            if budget <= 0:
+                break
+            try:
+                budget -= self._prefill_chunk(s, min(budget, PREFILL_CHUNK_TOKENS))
+            except Exception as exc:
+                logger.exception("[request_id=%s] seq %s: prefill failed", s.request_id, s.seq_id)
+                del self._seqs[s.seq_id]
+                s.finished = FinishReason.ERROR
+                self._free(s)
+                failed.append(StepOutput(s.seq_id, [], FinishReason.ERROR, error=f"prefill failed: {exc}"))
+        return failed
+
+    def _prefill_chunk(self, s: SequenceState, most: int) -> int:
+        """Forward the next at most ``most`` uncached prompt tokens of ``s`` through the target
+        (and the draft, which keeps pace); returns how many."""
+        lo = s.target_kv.length
+        chunk = s.token_ids[lo : min(s.prefill_to, lo + most)]
+        self.target.forward([ForwardItem(s.target_kv, chunk, 0)])
+        if s.draft_kv is not None:
+            assert self.draft is not None
+            self.draft.forward([ForwardItem(s.draft_kv, s.token_ids[s.draft_kv.length : lo + len(chunk)], 0)])
+        self.progress_count += 1
+        return len(chunk)
+
+    def progress(self) -> WorkerProgress:
+        """The heartbeat: how many forwards and steps this worker has finished. Answered on its
+        own thread (the ``liveness`` concurrency group, ``start_remote_worker``), so it answers
+        while an iteration runs; the orchestrator reads a count that moves as a worker that
+        is slow, not stuck."""
+        return WorkerProgress(count=self.progress_count, active=len(self._seqs))
+
+    def _settle_session(self, state: SequenceState) -> str | None:
+        """If ``state``'s session open has answered, take its session id, or return why it
+        failed. Still opening past the mask timeout is a failure too (the router's own
+        deadlines end a call well before). None: open, or still opening."""
+        opening = state.session_opening
+        if opening is None:
+            return None
+        if not opening.done():
+            waited = time.monotonic() - state.opening_since
+            if waited <= self._open_timeout_s:
+                return None
+            return f"{MASK_TIER_UNAVAILABLE}: opening the grammar session took over {waited:.0f} s; retry"
+        state.session_opening = None
+        try:
+            state.session_id = opening.result()
+        except Exception as exc:
+            logger.warning(
+                "[request_id=%s] seq %s: opening mask session failed: %s", state.request_id, state.seq_id, exc
+            )
+            return describe_mask_failure(exc, "opening the grammar session")
+        return None
+
+    def _settle_sessions(self, *, wait: bool) -> list[StepOutput]:
+        """Settle every opening session (``wait``: first block until one answers, up to the mask
+        timeout); a sequence whose open failed is freed and reported as an ERROR output."""
+        opening = [s for s in self._seqs.values() if s.session_opening is not None]
+        if wait and opening:
+            futures_wait(
+                [s.session_opening for s in opening if s.session_opening is not None],
+                timeout=self.stepper.mask_timeout_s,
+                return_when=FIRST_COMPLETED,
+            )
+        failed = []
+        for state in opening:
+            failure = self._settle_session(state)
+            if failure is not None:
+                del self._seqs[state.seq_id]
+                state.finished = FinishReason.ERROR
+                self._free(state)
+                failed.append(StepOutput(state.seq_id, [], FinishReason.ERROR, error=failure))
+        return failed
+
+    def _free(self, state: SequenceState) -> None:
+        state.target_kv.free()
+        if state.draft_kv is not None:
+            state.draft_kv.free()
+        if state.session_opening is not None:
+            # Freed before its session opened: close it once it does, so none is left open.
+            opening, state.session_opening = state.session_opening, None
+            opening.add_done_callback(functools.partial(self._close_late, state.seq_id, state.request_id))
+        if state.session_id is not None and self.masks is not None:
+            self.masks.close_session_later(state.session_id, state.seq_id, request_id=state.request_id)
+            state.session_id = None
+
+    def _close_late(self, seq_id: str, request_id: str, opening: Future[str]) -> None:
+        if self.masks is None or opening.cancelled() or opening.exception() is not None:
+            return
+        try:
+            self.masks.close_session_later(opening.result(), seq_id, request_id=request_id)
+        except RuntimeError as exc:  # the channel is closed (shutdown): the service's TTL reclaims it
+            logger.warning("[request_id=%s] seq %s: mask session left to expire: %s", request_id, seq_id, exc)
+
+
+def _session_owner() -> str:
+    """The Ray actor id, which a restarted actor keeps: its sessions name it, so a restart
+    releases what the crashed process left open. Outside an actor: no owner. Tagged with a
+    secret (mask_service.auth.owner_tag): the actor id alone, which Ray's logs show, does
+    not release this worker's sessions."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            actor_id = ray.get_runtime_context().get_actor_id()
+            if actor_id:
+                return owner_tag(f"gpu-worker-{actor_id}")
+    except Exception as exc:  # an owner is an optimisation; never fail start-up over it
+        logger.warning("no session owner (ray runtime context unavailable: %s)", exc)
+    return ""
+
+
+def start_remote_worker(config: WorkerConfig, *, num_gpus: float | None = None, **ray_options: Any) -> Any:
+    """Start ``GpuWorker`` as a Ray actor; returns the actor handle.
+
+    ``num_gpus=None`` asks for one GPU when the Ray cluster has any, else none
+    (the CPU fallback). An actor asking for a GPU that no node has pends forever,
+    so callers should always put timeouts on ``ray.get``.
+    """
+    import ray
+
+    if num_gpus is None:
+        num_gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+    ray_options.setdefault("concurrency_groups", {LIVENESS_GROUP: 1})
+    return ray.remote(num_gpus=num_gpus, **ray_options)(GpuWorker).remote(config)

@@ -1,0 +1,354 @@
+"""The proposal phase of a step: d_1..d_k per sequence, position by position,
+with the draft-side mask traffic kept off the critical path (DESIGN.md step 1).
+
+A grammar sequence that drafts with masks (draft-side masking, or grammar-forced
+drafts) needs, at draft position i, the row M_{i-1}: tokens allowed after its
+committed tokens and d_1..d_{i-1}. That request depends on exactly the inputs of
+the draft forward for position i, so the two run at the same time:
+
+    position i:  send mask request (I/O thread) ──────────────┐
+                 draft forward over d_{i-1} (this thread) ─────┴─ wait -> mask logits, sample d_i
+
+and the step waits for the masks only once the draft logits exist, as the
+verify path does with the target forward. A grammar-forced position (M_{i-1}
+allows one token) cannot be recognised before its row arrives, so the forward
+also runs for slots that turn out forced: a wasted row in a batched forward,
+in exchange for never serialising a round trip in front of the forward. Its
+logits are dropped; the tokens it fed stay cached (they are context either way).
+
+Position 1 is cheaper still: M_0 is the mask after the committed tokens, so it
+can be requested as soon as the previous step has committed. ``prefetch_first``
+sends it then (carrying the commit, which the step's later requests repeat as
+no-ops), and it arrives while the orchestrator handles the step's outputs; a
+sequence it does not cover (just added) sends its own position-1 request, in
+flight with the forward like any other position. With M_0 in hand, forced
+first positions skip the draft forward outright.
+
+Forced continuations (issue 15.3): for a sequence with grammar-forced drafts,
+every draft-side request also asks the service for the grammar's forced
+continuation after its drafts (``forced_up_to``). A reply with f_1..f_m
+makes them the next drafts at once, q = 1 (one-hot) like any grammar-forced
+draft: no draft forward and no round trip for those positions. The row the reply
+carried is then stale (it is for the state before the run), so the slot asks
+again, with the run among its drafts, for the position after it; at position 1
+that second request is the position's own. Rows for the forced positions are not
+requested on the draft side: the verify path asks such a sequence for all k+1
+rows (one request, in flight with the target forward), and the target verifies
+forced drafts exactly like any other.
+
+Lookahead (issue 15, step cost). A sequence drafting with grammar-forced and n-gram
+drafts only has no draft forward for a position's round trip to hide behind, so
+each position's request was a wait on the critical path (~5 round trips and ~6 ms
+per step on SmolLM2, CPU). Its drafts need no model, though: the n-gram lookup
+can run ahead of the grammar. So its request carries the n-gram continuation
+c_1..c_m of its context (``NgramProposer.chain``) after its drafts, and asks for
+every row along it; on the reply the slot walks the chain exactly as the
+proposers would, position by position: the grammar-forced token where a row
+allows a single token, else c_j if its row allows it. One round trip then covers
+a whole run of n-gram drafts. The walk leaves the chain (and the next position
+asks again) where a forced token differs from c_j, and where c_j is refused: the
+forced continuation a reply carries is for the state after the whole chain, so
+that state is asked again without a lookahead, for its own (position-by-position
+drafting would have had it; with nothing forced there, drafting stops). The
+position-1 request sent after the commit carries the lookahead too, and when the
+walk ends with every row M_0..M_k known the verify path asks for nothing. The
+drafts differ from position-by-position drafting only where the grammar forces a
+multi-token text at a state the chain passes through with an allowed token (the
+chain's spelling is kept); exactness never depends on the drafts.
+
+Where the chain meets a refused n-gram token, the service's walk stops at that state
+and (``forced_up_to``, issue 15.3) sends the forced continuation there in the same
+reply: the slot takes that run at once instead of asking that state again (the
+re-ask was ~1 exposed round trip per step on SmolLM2); with nothing forced there,
+the proposers see that state's row, as they would have after a re-ask. The drafts are
+those the re-ask gave (a row there that allows one token is still taken on its own by
+the walk, and the next lookahead starts after it). A sequence that takes no forced
+drafts asks for no run (``forced_at_stop`` false) and still gets the re-ask.
+
+Sequences without a grammar, or whose proposers need no masks, never wait on a
+position's mask request: their whole position (cheap proposers, forward,
+sampling) completes before the wait. (Position 1 waits for the prefetched rows
+first, so that forced first positions are known before the one batched forward;
+those rows were sent a whole inter-step gap earlier.) Sequences with speculation
+off never reach this phase (k_r = 0) and are never prefetched for.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from specmask.gpu_worker.masks import MaskChannel, MaskReply, PendingMasks, mask_item
+from specmask.gpu_worker.proposers.base import DraftSlot, Proposal, Proposer
+from specmask.gpu_worker.sequence import SequenceState
+
+if TYPE_CHECKING:
+    from specmask.mask_service.client.mask_client import DraftMaskItem
+    from specmask.mask_service.client.row_table import MaskRow
+
+# The proposer whose sequences also take the grammar's forced continuations.
+FORCED_PROPOSER = "grammar_forced"
+# DraftSlot.sources name for drafts taken from the service's forced continuation.
+FORCED_CONTINUATION = "forced_continuation"
+NGRAM_PROPOSER = "ngram"
+# Sequences drafting with these proposers only (no model) send their n-gram lookahead
+# with each draft-side request (see "Lookahead" in the module note).
+LOOKAHEAD_PROPOSERS = frozenset({FORCED_PROPOSER, NGRAM_PROPOSER})
+
+
+class ChainWalk(enum.Enum):
+    """Where ``Drafter._walk`` left a slot on its lookahead."""
+
+    WHOLE = enum.auto()  # took every chain token; slot.mask_row = the row after them
+    LEFT = enum.auto()  # left the chain with a token of its own; the next row is not known
+    REFUSED = enum.auto()  # stopped where the service's walk did (its n-gram token refused)
+    CLOSED = enum.auto()  # drafting ended for this step (a stop token, or a row never filled)
+
+
+class Drafter:
+    """Fills ``DraftSlot.drafts`` for a batch; owns the draft-side mask requests."""
+
+    def __init__(self, proposers: dict[str, Proposer], masks: MaskChannel | None, *, mask_timeout_s: float) -> None:
+        self.proposers = proposers  # name -> instance, for the proposers this worker can run
+        ordered = sorted(proposers.values(), key=lambda p: (p.priority, p.name))
+        # Proposers up to the first one that prepares can run before any forward; the
+        # rest run after it (priority order is kept either way).
+        split = next((i for i, p in enumerate(ordered) if p.prepares), len(ordered))
+        self._ordered = ordered
+        self._before_forward = ordered[:split]
+        self._from_forward = ordered[split:]
+        self._preparing = [p for p in ordered if p.prepares]
+        self.masks = masks
+        self.mask_timeout_s = mask_timeout_s
+        # M_0 request sent after the previous step's commit (see prefetch_first).
+        self._first: PendingMasks | None = None
+        # session_id -> the lookahead that request carries (its drafts start at d_1).
+        self._first_chains: dict[str, list[int]] = {}
+        # id(slot) of slots whose next request goes without a lookahead (see _walk).
+        self._plain: set[int] = set()
+
+    def wants_masks(self, seq: SequenceState) -> bool:
+        """Whether proposal for ``seq`` needs its grammar mask row at each draft position."""
+        if not seq.has_grammar or self.masks is None or not seq.proposers:
+            return False
+        if seq.request.speculation.draft_masking and "draft_model" in seq.proposers:
+            return True
+        return any(self.proposers[n].needs_masks for n in seq.proposers if n in self.proposers)
+
+    def prefetch_first(self, seqs: Sequence[SequenceState]) -> None:
+        """Request M_0 for the next step of ``seqs`` (those that will draft) right after
+        their commit; the next ``propose`` uses it for position 1. Replaces any earlier one."""
+        wanted = [seq for seq in seqs if self.wants_masks(seq)]
+        self._first = None
+        self._first_chains = {}
+        if wanted:
+            assert self.masks is not None
+            items = []
+            for seq in wanted:
+                chain = self._lookahead(seq, seq.token_ids, seq.k)
+                if chain:
+                    self._first_chains[seq.mask_session] = chain
+                items.append(self._item(seq, (), seq.k, chain))
+            self._first = self.masks.request(items, timeout_s=self.mask_timeout_s)
+
+    def settle_prefetch(self) -> None:
+        """Block until the position-1 request ``prefetch_first`` sent has been answered,
+        leaving its reply for the next ``propose`` (whose wait then counts only what is
+        left). For benches that model the gap a served worker spends between steps."""
+        if self._first is not None:
+            self._first.settle()
+
+    def propose(self, slots: Sequence[DraftSlot], errors: dict[str, str]) -> float:
+        """Fill slot.drafts position by position; failed sequences go to ``errors``
+        (seq_id -> message). Returns seconds spent waiting on masks."""
+        first, self._first = self._first, None
+        first_chains, self._first_chains = self._first_chains, {}
+        self._plain = set()
+        waited = 0.0
+        max_k = max((s.k for s in slots), default=0)
+        for position in range(1, max_k + 1):
+            open_slots = [s for s in slots if s.open and len(s.drafts) < s.k and s.seq.seq_id not in errors]
+            if not open_slots:
+                break
+            masked = [s for s in open_slots if self.wants_masks(s.seq)]
+            chains: dict[int, tuple[int, list[int]]]
+            if position == 1 and first is not None:
+                covered = [s for s in masked if s.seq.session_id in first.session_ids]
+                if covered:
+                    chains = {id(s): (0, first_chains.get(s.seq.mask_session, [])) for s in covered}
+                    waited += self._apply(first.wait(), covered, errors, chains)
+            fetch = [
+                s
+                for s in masked
+                if s.open and s.mask_row is None and len(s.drafts) < s.k and s.seq.seq_id not in errors
+            ]
+            pending = None
+            chains = {}  # id(slot) -> (drafts before, lookahead)
+            if fetch:
+                assert self.masks is not None
+                items = []
+                for s in fetch:
+                    plain = id(s) in self._plain
+                    self._plain.discard(id(s))
+                    chain = [] if plain else self._lookahead(s.seq, s.context(), s.k - len(s.drafts))
+                    chains[id(s)] = (len(s.drafts), chain)
+                    items.append(self._item(s.seq, s.drafts, s.k, chain))
+                pending = self.masks.request(items, timeout_s=self.mask_timeout_s)
+            fetching = {id(s) for s in fetch}
+            ready = [s for s in open_slots if s.open and id(s) not in fetching and s.seq.seq_id not in errors]
+
+            # While the masks are in flight: cheap proposers for slots whose row is known
+            # (or not needed), then one batched forward for every slot that may need it.
+            ready = self._fill(ready, position, self._before_forward)
+            for proposer in self._preparing:
+                asking = [s for s in fetch + ready if proposer.name in s.seq.proposers]
+                if asking:
+                    proposer.prepare(asking, position)
+            # Slots that needed no mask finish before the wait.
+            unfilled = self._fill(ready, position, self._from_forward)
+
+            if pending is not None:
+                waited += self._apply(pending.wait(), fetch, errors, chains)
+                # A slot that just took a forced run waits for the next position's row.
+                live = [s for s in fetch if s.open and s.mask_row is not None and s.seq.seq_id not in errors]
+                unfilled += self._fill(live, position, self._ordered)
+            for s in unfilled:
+                s.open = False  # no proposer had anything for this position
+            for s in open_slots:
+                s.mask_row = None
+                s.prepared.clear()
+        return waited
+
+    def _lookahead(self, seq: SequenceState, context: Sequence[int], limit: int) -> list[int]:
+        """The n-gram continuation of ``context`` to send with ``seq``'s draft-side request:
+        [] unless ``seq`` drafts with grammar-forced and n-gram drafts only."""
+        ngram = self.proposers.get(NGRAM_PROPOSER)
+        if ngram is None or limit <= 0 or NGRAM_PROPOSER not in seq.proposers:
+            return []
+        if not LOOKAHEAD_PROPOSERS.issuperset(seq.proposers):
+            return []
+        return ngram.chain(context, limit)  # type: ignore[attr-defined]  # the n-gram proposer, found by name
+
+    @staticmethod
+    def _item(seq: SequenceState, drafts: Sequence[int], k: int, chain: Sequence[int] = ()) -> DraftMaskItem:
+        """The draft-side request for the row after ``drafts`` (and, with a lookahead
+        ``chain``, every row along it), asking for the forced continuation after them (up
+        to the drafts ``k`` still allows) when ``seq`` takes them."""
+        forcing = FORCED_PROPOSER in seq.proposers
+        up_to = k if forcing else 0  # where the service's walk stops, drafts up to k in all
+        if chain:
+            return mask_item(seq, [*drafts, *chain], last_row_only=False, forced_up_to=up_to)
+        return mask_item(seq, drafts, last_row_only=True, forced_up_to=up_to)
+
+    def _apply(
+        self,
+        reply: MaskReply,
+        slots: Sequence[DraftSlot],
+        errors: dict[str, str],
+        chains: dict[int, tuple[int, list[int]]] | None = None,
+    ) -> float:
+        """Give each slot its row from ``reply`` (or its error), walk its lookahead if it sent
+        one, then take the forced run if the reply has one for where the slot stands (the
+        row is then stale: cleared);
+        returns the wait. ``chains``: id(slot) -> (drafts it held when the request went out,
+        the lookahead sent after them)."""
+        for s in slots:
+            session_id = s.seq.mask_session  # every slot here sent a request
+            if session_id in reply.errors:
+                errors[s.seq.seq_id] = reply.errors[session_id]
+                continue
+            res = reply.results.get(session_id)
+            base, chain = (chains or {}).get(id(s), (len(s.drafts), []))
+            if res is None or res.terminated or res.num_grammar_accepted < base or len(s.drafts) != base:
+                # Terminated: nothing may follow. A grammar-rejected draft cannot
+                # happen (drafts are checked in _fill); stop drafting either way.
+                s.open = False
+                continue
+            rows = list(res.rows)[base:] if chain else [res.rows[-1]]  # M_base.. along the lookahead
+            s.mask_row = rows[0]  # a slot of the client's row table: state after d_1..d_{i-1}
+            if len(s.grammar_rows) == len(s.drafts):  # M_0..M_{i-1} with no gap (none after a forced run)
+                s.grammar_rows.append(s.mask_row)
+            if chain:
+                walked = self._walk(s, chain, rows, res.num_grammar_accepted - base)
+                if walked is ChainWalk.REFUSED and not res.forced_at_stop:
+                    # No forced run was asked for (no forced drafts): ask this state again, without
+                    # a lookahead (if nothing is forced there, drafting stops then).
+                    s.mask_row = None
+                    self._plain.add(id(s))
+                    continue
+                if walked is ChainWalk.LEFT or walked is ChainWalk.CLOSED:
+                    continue  # left the lookahead (or stopped): the reply's forced run is not for here
+            forced = res.forced_tokens[: s.k - len(s.drafts)] if FORCED_PROPOSER in s.seq.proposers else ()
+            for token in forced:
+                s.add(Proposal(token), FORCED_CONTINUATION)  # q = 1; every forced token is grammar-accepted
+            if forced or len(s.drafts) >= s.k:
+                s.mask_row = None
+        return reply.wait_s
+
+    def _walk(self, slot: DraftSlot, chain: Sequence[int], rows: Sequence[MaskRow], accepted: int) -> ChainWalk:
+        """Draft along ``chain`` with its rows (rows[j] = the mask before chain[j]), as the
+        proposers would position by position: the grammar-forced token where a row allows
+        one token, else the n-gram token if its row allows it. ``accepted``: how many chain
+        tokens the service's walk accepted; rows past that state were not filled (all-ones)
+        and are never read. A row that forces one token is followed as position by position
+        drafting would, also where the service's walk stopped (the chain's token was refused
+        there): the next request's lookahead then starts after it. Returns how the slot left
+        the chain (ChainWalk); at REFUSED slot.mask_row is the row of that state."""
+        forcing = FORCED_PROPOSER in slot.seq.proposers and FORCED_PROPOSER in self.proposers
+        vocab_size = getattr(self.proposers.get(FORCED_PROPOSER), "vocab_size", None)
+        for j, candidate in enumerate(chain):
+            if j > accepted:
+                # Not reached by the service's walk; cannot happen (at j == accepted the
+                # walk below leaves the chain or stops), but never read an unfilled row.
+                slot.open = False
+                return ChainWalk.CLOSED
+            row = rows[j]
+            if len(slot.drafts) >= slot.k:
+                slot.mask_row = None
+                return ChainWalk.LEFT
+            forced = row.forced_token(vocab_size) if forcing and vocab_size is not None else None
+            if forced is not None:
+                token, source = forced, FORCED_PROPOSER
+            elif j < accepted and row.allows(candidate):
+                token, source = candidate, NGRAM_PROPOSER
+            else:
+                # The n-gram token is refused here (j == accepted): the service's walk stopped
+                # at this state, and the caller takes the forced run the reply has for it.
+                slot.mask_row = row
+                return ChainWalk.REFUSED
+            slot.add(Proposal(token), source)
+            if token in slot.seq.stop_token_ids:
+                slot.open = False  # nothing valid follows a stop token
+                return ChainWalk.CLOSED
+            if token != candidate or j + 1 >= len(rows):
+                slot.mask_row = None  # off the lookahead: the row after this token was not asked for
+                return ChainWalk.LEFT
+            slot.mask_row = rows[j + 1]
+            if len(slot.grammar_rows) == len(slot.drafts):
+                slot.grammar_rows.append(slot.mask_row)
+        return ChainWalk.WHOLE
+
+    @staticmethod
+    def _fill(slots: Sequence[DraftSlot], position: int, proposers: Sequence[Proposer]) -> list[DraftSlot]:
+        """Ask ``proposers`` in order for d_position; the first proposal wins. Returns
+        the slots still open that none of them filled."""
+        pending = list(slots)
+        for proposer in proposers:
+            asking = [s for s in pending if proposer.name in s.seq.proposers]
+            if not asking:
+                continue
+            filled = set()
+            for slot, proposal in zip(asking, proposer.propose(asking, position)):
+                if proposal is None:
+                    continue
+                filled.add(id(slot))
+                if slot.mask_row is not None and not slot.mask_row.allows(proposal.token_id):
+                    # The target would reject it for certain (its mask bit is 0): stop here.
+                    slot.open = False
+                    continue
+                slot.add(proposal, proposer.name)
+                if proposal.token_id in slot.seq.stop_token_ids:
+                    slot.open = False  # nothing valid follows a stop token
+            pending = [s for s in pending if id(s) not in filled]
+        return pending

@@ -1,0 +1,90 @@
+"""Load models and tokenizers from local HuggingFace directories (never the hub)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    """ "auto" -> cuda when present, else cpu. Called at load time, never at import."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+# Below this many target parameters a CPU worker keeps one torch thread. Per-op work is then
+# too small to split, and OpenMP's second thread spin-waits between regions: with the tiny
+# test pair at 2 threads, bench.soak's worker used 1.36 cores at a 16 ms step (0.73 at one
+# thread; steady p50 112 vs 106 ms): the spin takes the cores the mask service and orchestrator share.
+# SmolLM2-135M at 2 threads on the same box: bench.e2e 1.38x faster with speculation.
+MIN_PARAMS_FOR_THREADS = 20_000_000
+
+
+def cpu_threads(requested: int | None, device: torch.device, num_params: int) -> int | None:
+    """torch intra-op threads for WorkerConfig.torch_threads. None = leave the process's setting;
+    0 = every CPU this process may run on, when ``device`` is the CPU and the model (of
+    ``num_params`` parameters) is large enough to use them (else 1); a GPU worker is left alone."""
+    if requested != 0:
+        return requested
+    if device.type != "cpu":
+        return None
+    if num_params < MIN_PARAMS_FOR_THREADS:
+        return 1
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must name a torch floating dtype (float32, bfloat16, ...), got {name!r}")
+    return dtype
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device) -> Any:
+    """AutoModelForCausalLM from a local dir, in eval mode on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"model dir does not exist: {path}")
+    from specmask.gpu_worker.attention import register
+
+    # SDPA with native grouped-query attention under the runner's masks (specmask/gpu_worker/attention.py).
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, local_files_only=True, attn_implementation=register()
+    )
+    model.to(device)  # type: ignore[arg-type]  # transformers types .to() through a decorator that hides self
+    model.eval()
+    return model
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def has_tokenizer(path: str) -> bool:
+    return (Path(path) / "tokenizer.json").is_file() or (Path(path) / "tokenizer.model").is_file()
+
+
+def eos_token_ids(path: str, tokenizer: Any) -> tuple[int, ...]:
+    """The default stop set: the tokenizer's EOS plus generation_config.json's eos_token_id(s)."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen = Path(path) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list):
+            ids.update(int(x) for x in eos)
+    return tuple(sorted(ids))

@@ -1,0 +1,215 @@
+"""The mask service client's interned row tables, resident on the worker's device.
+
+Mask rows reach the worker as slots of the client's ``RowTable``
+(mask_service.row_table). This module keeps a device mirror of each such table
+and turns rows into what both bitmask kernels take: one ``mask_table`` and a
+``row_ids`` vector (``apply_token_bitmask_indirect_inplace`` on the draft side
+and on the verify path, then ``rejection_sample(mask_table=, mask_row_ids=)``).
+A row is uploaded once, when it first appears, and never gathered into a dense
+per-request tensor (issue 15.2: "mask rows in one form").
+
+Refresh rule, per client table (``TableView.source``):
+* same epoch, more rows: upload only rows [mirrored, num_rows) (the table
+  appends within an epoch, so the mirrored rows are still exact);
+* newer epoch (the client cleared its table): upload everything again;
+* an older epoch than the mirror (rows a step obtained before a clear that a
+  later reply of the same step caused): those few rows are gathered on the host
+  from their own view, which is still intact, and appended after the mirror.
+So a row id is never read from a table that was cleared or overwritten.
+
+The key is the epoch, not the client's row-dictionary generation
+(``MaskServiceClient.dict_generation``): the generation bumps on every resync
+with the server (a lost or reordered reply, a server restart), and a resync clears
+the table only when it is out of room. Without a clear every slot keeps its row, so
+keying on the generation would re-upload the whole table for nothing; a clear
+always bumps the epoch, so keying on it misses no change.
+
+On a CPU device the mirror is the client's numpy table itself (zero copy):
+a view's rows never change, so sharing its memory is safe.
+
+On a CUDA device the client's tables live in page-locked host memory
+(``use_pinned_rows``, installed when the mirror is built): the mask-reply
+thread decodes each new row straight into it, and the launching thread's
+upload of new rows is one asynchronous copy per refresh, never a per-row step
+or a host synchronisation. The source rows are kept referenced until their
+copy's event has completed, since a cleared table's arrays may otherwise be
+freed and reused while the copy still reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specmask.gpu_worker.row_index import RowIndexCache
+from specmask.mask_service.client.row_table import MaskRow, TableView, set_host_allocator
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {np.dtype(np.int32): torch.int32}
+
+
+def _pinned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """A numpy array over page-locked memory (the tensor stays alive as the array's base)."""
+    return torch.empty(shape, dtype=_TORCH_DTYPES[dtype], pin_memory=True).numpy()
+
+
+def use_pinned_rows() -> None:
+    """Allocate the mask client's row tables in page-locked memory from now on (CUDA hosts)."""
+    set_host_allocator(_pinned_empty)
+
+
+# Client tables mirrored at once: one per mask-service replica the worker's router
+# talks to (and row width). Beyond it the least recently used mirror is dropped.
+MAX_MIRRORS = 16
+
+
+@dataclass
+class _Mirror:
+    epoch: int
+    num_rows: int  # rows [0, num_rows) are on the device and exact
+    rows: torch.Tensor  # [capacity, W] int32 on the device (on CPU: the client's table itself)
+
+
+class DeviceMaskTable:
+    """Device mirrors of the client row tables, and row ids into them."""
+
+    def __init__(self, device: torch.device | str, *, zero_copy: bool | None = None) -> None:
+        """``zero_copy``: share the client's numpy table instead of copying rows (None = on a
+        CPU device; False on CPU runs the accelerator's upload path, which tests use)."""
+        self.device = torch.device(device)
+        self.zero_copy = self.device.type == "cpu" if zero_copy is None else zero_copy
+        self._async = self.device.type == "cuda"
+        if self._async:
+            use_pinned_rows()
+        # Uploads still in flight: (their CUDA event, the host rows they read).
+        self._inflight: list[tuple[torch.cuda.Event, np.ndarray]] = []
+        self._mirrors: OrderedDict[int, _Mirror] = OrderedDict()  # TableView.source -> mirror
+        # Counters (tests, benches): rows copied host -> device, full re-uploads, stale rows gathered.
+        self.rows_uploaded = 0
+        self.full_uploads = 0
+        self.stale_rows = 0
+        # The same rows as token ids, for masking CPU logits without unpacking bits (the
+        # verifier's CPU reference path); filled on first use of a row, empty on a GPU.
+        self.row_index = RowIndexCache()
+
+    def _upload(self, dst: torch.Tensor, src: np.ndarray) -> None:
+        """Copy host rows ``src`` into device rows ``dst``: asynchronous from pinned memory on a
+        GPU (``src`` held until the copy is done), a plain copy elsewhere."""
+        if not self._async:
+            dst.copy_(torch.from_numpy(src))
+            return
+        self._inflight = [(e, a) for e, a in self._inflight if not e.query()]
+        dst.copy_(torch.from_numpy(src), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._inflight.append((event, src))
+
+    def _refresh(self, view: TableView) -> _Mirror:
+        """Bring the mirror of ``view.source`` up to ``view`` (same or newer epoch)."""
+        mirror = self._mirrors.get(view.source)
+        n = view.num_rows
+        if self.zero_copy:
+            # Zero copy: the view's rows never change, so the mirror may share them.
+            if mirror is None or view.epoch != mirror.epoch or n > mirror.num_rows:
+                if mirror is None or view.epoch != mirror.epoch:
+                    self.full_uploads += 1
+                mirror = _Mirror(view.epoch, n, torch.from_numpy(view.words))
+        elif mirror is None or view.epoch != mirror.epoch:
+            rows = torch.empty((max(n, 64), view.num_mask_words), dtype=torch.int32, device=self.device)
+            self._upload(rows[:n], view.words)
+            mirror = _Mirror(view.epoch, n, rows)
+            self.full_uploads += 1
+            self.rows_uploaded += n
+        elif n > mirror.num_rows:
+            if n > mirror.rows.shape[0]:
+                grown = torch.empty(
+                    (max(n, 2 * mirror.rows.shape[0]), view.num_mask_words), dtype=torch.int32, device=self.device
+                )
+                grown[: mirror.num_rows].copy_(mirror.rows[: mirror.num_rows])
+                mirror.rows = grown
+            self._upload(mirror.rows[mirror.num_rows : n], view.words[mirror.num_rows : n])
+            self.rows_uploaded += n - mirror.num_rows
+            mirror.num_rows = n
+        self._mirrors[view.source] = mirror
+        self._mirrors.move_to_end(view.source)
+        while len(self._mirrors) > MAX_MIRRORS:
+            self._mirrors.popitem(last=False)
+        return mirror
+
+    def resolve(self, rows: Sequence[MaskRow | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows -> (mask_table [num_table_rows, W] int32, row_ids [len(rows)] int32), on the device.
+
+        ``None`` stands for the all-ones row (a sequence without a grammar). At least
+        one row must be a ``MaskRow``. The table is a mirror itself when every row
+        comes from one client table's current epoch (the usual case: no copy).
+        """
+        # The newest view per source decides its mirror's epoch and length.
+        newest: dict[int, TableView] = {}
+        for row in rows:
+            if row is None:
+                continue
+            v = row.view
+            cur = newest.get(v.source)
+            if cur is None or (v.epoch, v.num_rows) > (cur.epoch, cur.num_rows):
+                newest[v.source] = v
+        if not newest:
+            raise ValueError("resolve() needs at least one mask row")
+        offsets: dict[int, int] = {}
+        parts: list[torch.Tensor] = []
+        epochs: dict[int, int] = {}
+        total = 0
+        for source, view in newest.items():
+            mirror = self._mirrors.get(source)
+            if mirror is not None and view.epoch < mirror.epoch:
+                continue  # every row of this source is stale: gathered below
+            mirror = self._refresh(view)
+            offsets[source] = total
+            epochs[source] = mirror.epoch
+            parts.append(mirror.rows[: mirror.num_rows])
+            total += mirror.num_rows
+        # Rows of an epoch the mirror has moved past: gather them from their own views.
+        stale: dict[tuple[int, int, int], int] = {}  # (source, epoch, slot) -> table row
+        stale_rows: list[np.ndarray] = []
+        ids: list[int] = []
+        ones = next(iter(offsets.values()), None)  # slot 0 of any mirror is all-ones
+        for row in rows:
+            if row is None:
+                if ones is None:
+                    key = (0, 0, -1)
+                    if key not in stale:
+                        stale[key] = total + len(stale_rows)
+                        stale_rows.append(np.full(_width(rows), -1, dtype=np.int32))
+                    ids.append(stale[key])
+                else:
+                    ids.append(ones)
+                continue
+            v = row.view
+            if epochs.get(v.source) == v.epoch:
+                ids.append(offsets[v.source] + row.slot)
+                continue
+            key = (v.source, v.epoch, row.slot)
+            if key not in stale:
+                stale[key] = total + len(stale_rows)
+                stale_rows.append(row.words)
+            ids.append(stale[key])
+        if stale_rows:
+            self.stale_rows += len(stale_rows)
+            logger.debug("mask table: %d rows from a cleared epoch gathered on the host", len(stale_rows))
+            parts.append(torch.from_numpy(np.stack(stale_rows)).to(self.device))
+        table = parts[0] if len(parts) == 1 else torch.cat(parts)
+        row_ids = torch.tensor(ids, dtype=torch.int32)  # [len(rows)]
+        if self._async:  # from the caching pinned allocator: no host synchronisation
+            row_ids = row_ids.pin_memory().to(self.device, non_blocking=True)
+        else:
+            row_ids = row_ids.to(self.device)
+        return table, row_ids
+
+
+def _width(rows: Sequence[MaskRow | None]) -> int:
+    return next(r.view.num_mask_words for r in rows if r is not None)

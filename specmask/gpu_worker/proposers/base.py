@@ -1,0 +1,122 @@
+"""The proposer interface: one draft token per sequence per draft position.
+
+A step builds drafts position by position (i = 1..K). At each position every
+still-open sequence asks the enabled proposers, in registry priority order, for
+d_i; the first proposal wins. Proposing per position is what lets cheap
+proposers (grammar-forced, n-gram) fill some positions and the draft model the
+rest, and what lets draft-side masks use the grammar state after d_1..d_{i-1}.
+
+A proposer with work that needs no mask (a model forward) splits it out into
+``prepare``: the step runs it while the position's mask request is in flight,
+and ``propose`` finishes from the prepared result once the mask row is known.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+if TYPE_CHECKING:
+    from specmask.gpu_worker.mask_table import DeviceMaskTable
+    from specmask.gpu_worker.model_runner import ModelRunner
+    from specmask.gpu_worker.sequence import SequenceState
+    from specmask.kernels.backend import Backend
+    from specmask.mask_service.client.row_table import MaskRow
+
+
+@dataclass(frozen=True)
+class Proposal:
+    token_id: int
+    # [V] float32: the normalised distribution d_i was drawn from (after any draft
+    # mask, temperature, top-k/top-p). None = no distribution: q = 1 at token_id
+    # (one-hot), which kernels.rejection_sample treats exactly like a one-hot row.
+    q: torch.Tensor | None = None
+
+
+@dataclass
+class DraftSlot:
+    """One sequence's drafts under construction during this step's proposal phase."""
+
+    seq: SequenceState
+    k: int  # k_r: the most drafts this sequence may get this step
+    drafts: list[int] = field(default_factory=list)  # d_1..d_i so far
+    q_rows: list[torch.Tensor | None] = field(default_factory=list)  # per draft: [V] float32 or None (one-hot)
+    # Per draft: where it came from (a proposer name, or FORCED_CONTINUATION), for the
+    # verify-width choice's per-source acceptance (gpu_worker.verify_width).
+    sources: list[str] = field(default_factory=list)
+    # Grammar mask for the position being proposed, after d_1..d_{i-1}: a slot of the
+    # mask client's interned table (with its allowed count); None when this sequence
+    # has no grammar or no proposer asked for masks.
+    mask_row: MaskRow | None = None
+    # Every row the draft-side mask requests returned, in order: row j is M_j, the
+    # mask after d_1..d_j. The verify path reuses them rather than ask again.
+    grammar_rows: list[MaskRow] = field(default_factory=list)
+    # Proposer.prepare results for the position being proposed, keyed by proposer
+    # name (e.g. the draft model's [V] float32 logits); cleared after each position.
+    prepared: dict[str, Any] = field(default_factory=dict)
+    open: bool = True  # False once drafting stopped for this sequence this step
+
+    def context(self) -> list[int]:
+        """Committed tokens followed by the drafts so far."""
+        return self.seq.token_ids + self.drafts
+
+    def add(self, proposal: Proposal, source: str = "") -> None:
+        self.drafts.append(proposal.token_id)
+        self.q_rows.append(proposal.q)
+        self.sources.append(source)
+
+    def trim(self, keep: int) -> int:
+        """Keep the first ``keep`` drafts (and the mask rows M_0..M_keep); returns how many went."""
+        dropped = len(self.drafts) - keep
+        if dropped <= 0:
+            return 0
+        del self.drafts[keep:], self.q_rows[keep:], self.sources[keep:]
+        del self.grammar_rows[keep + 1 :]  # rows past M_keep are for dropped drafts
+        return dropped
+
+
+@dataclass(frozen=True)
+class ProposerResources:
+    """What a worker can lend to proposers."""
+
+    vocab_size: int  # V: target logits width; every q row has this width
+    draft_runner: ModelRunner | None  # None = worker has no draft model
+    ngram_min: int
+    ngram_max: int
+    kernel_backend: Backend | None = None  # None = resolve by device
+    mask_table: DeviceMaskTable | None = None  # device mirror of the mask rows (None: a private one)
+
+
+class Proposer(ABC):
+    """Proposes d_i for a batch of slots at one draft position."""
+
+    name: ClassVar[str]
+    # Lower runs first. Cheap, certain sources go before the draft model so its
+    # forward is skipped at positions they fill (where their inputs, e.g. the
+    # mask row, are known before the forward would start).
+    priority: ClassVar[int]
+    # True if this proposer needs DraftSlot.mask_row at every position (the step
+    # then fetches masks for grammar sequences that enable it).
+    needs_masks: ClassVar[bool] = False
+    # True if prepare() does work: the step then calls it for every slot that may
+    # reach this proposer, before the position's masks arrive.
+    prepares: ClassVar[bool] = False
+
+    @classmethod
+    def create(cls, resources: ProposerResources) -> Proposer | None:
+        """Build from worker resources; None when the worker cannot run this proposer."""
+        return cls()
+
+    @abstractmethod
+    def propose(self, slots: Sequence[DraftSlot], position: int) -> list[Proposal | None]:
+        """Propose d_position (1-based) for each slot; None leaves the slot to the next proposer."""
+
+    def prepare(self, slots: Sequence[DraftSlot], position: int) -> None:  # noqa: B027 - optional hook
+        """Optional first half of ``propose`` that must not read ``slot.mask_row``:
+        store per-slot results in ``slot.prepared[self.name]``. ``propose`` must give
+        the same proposals whether or not this ran first (up to float rounding of a
+        differently batched forward), and must not rely on every slot being prepared."""

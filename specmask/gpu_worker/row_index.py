@@ -1,0 +1,108 @@
+"""Grammar masking of CPU logits by token ids, cached per interned mask row.
+
+The packed-bitmask kernels (kernels.bitmask) unpack every row's 32*W bits and
+rewrite all V logits of every masked row, every step. On a GPU that is one
+cheap pass; on the CPU path (the reference backend) it was ~1.7 ms of a ~170 ms
+SmolLM2 step (V = 49,152, ~40 rows), all of it grammar overhead.
+
+A mask row is interned (mask_service.row_table: a slot of the client's table,
+unchanged for its epoch's life) and real grammars reuse few distinct rows, so
+this module unpacks a row once, on its first use, into the token ids that the
+masking has to touch, and keeps them:
+
+* sparse rows (at most V/2 allowed): the allowed ids. The logits row is filled
+  with -inf and the allowed entries are written back (a memset plus a gather /
+  scatter of the few allowed entries);
+* dense rows: the disallowed ids, set to -inf;
+* rows that allow every id < V (all-ones rows, rows past a stop): nothing.
+
+The result is bit-identical to ``apply_token_bitmask_inplace`` (-inf exactly
+where a bit is 0, every other entry untouched; rows must have >= V bits, as the
+verifier checks: W = ceil(V / 32)). It only changes how the logits are masked; the sampler still
+checks every emitted token against the packed row (kernels.rejection).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from specmask.mask_service.client.row_table import MaskRow
+
+# Bound on the token ids kept, over all cached rows (int64: 8 bytes each). A sparse or
+# dense row keeps at most V/2 ids, so this holds >= 160 rows of a 128k vocabulary and,
+# for real grammars (rows with a handful of allowed or disallowed ids), far more.
+MAX_CACHED_IDS = 1 << 23
+# The least recently used rows go first once the bound is passed.
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    sparse: bool  # True: ``ids`` are the allowed ids; False: the disallowed ids
+    ids: torch.Tensor  # [n] int64 token ids < V (n = 0: the row allows every id < V)
+
+
+class RowIndexCache:
+    """Per interned row, the token ids masking must touch; masks CPU logits with them."""
+
+    def __init__(self, max_ids: int = MAX_CACHED_IDS) -> None:
+        self.max_ids = max_ids
+        # (TableView.source, epoch, slot, V) -> entry: a slot's row never changes within its epoch.
+        self._entries: OrderedDict[tuple[int, int, int, int], _Entry] = OrderedDict()
+        self._num_ids = 0
+        self.rows_unpacked = 0  # counter (tests): rows turned into ids, i.e. cache misses
+
+    def _entry(self, row: MaskRow, vocab_size: int) -> _Entry:
+        key = (row.view.source, row.view.epoch, row.slot, vocab_size)
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            return entry
+        words = np.ascontiguousarray(row.words)  # [W] int32, little-endian (DESIGN.md wire format)
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little").view(np.bool_)  # [32 * W]
+        if bits.shape[0] < vocab_size:
+            raise ValueError(f"a mask row of {bits.shape[0]} bits cannot mask {vocab_size} logits")
+        bits = bits[:vocab_size]  # bits >= V stand for no token
+        allowed = np.flatnonzero(bits)
+        if allowed.shape[0] * 2 <= vocab_size:
+            entry = _Entry(True, torch.from_numpy(allowed.astype(np.int64)))
+        else:
+            entry = _Entry(False, torch.from_numpy(np.flatnonzero(~bits).astype(np.int64)))
+        self._entries[key] = entry
+        self._num_ids += entry.ids.shape[0]
+        self.rows_unpacked += 1
+        while self._num_ids > self.max_ids and len(self._entries) > 1:
+            _, old = self._entries.popitem(last=False)
+            self._num_ids -= old.ids.shape[0]
+        return entry
+
+    def mask_(self, logits: torch.Tensor, rows: Sequence[MaskRow | None]) -> None:
+        """Mask ``logits`` [len(rows), V] (contiguous, on the CPU) in place: row i by
+        ``rows[i]``; ``None`` = no grammar (left untouched)."""
+        num_rows, vocab_size = logits.shape
+        if num_rows != len(rows) or not logits.is_contiguous() or logits.device.type != "cpu":
+            raise ValueError(f"need contiguous CPU logits [{len(rows)}, V], got {tuple(logits.shape)} {logits.device}")
+        keep: list[torch.Tensor] = []  # flat ids (row * V + token) of allowed entries in sparse rows
+        blank: list[int] = []  # sparse rows: filled with -inf, then ``keep`` written back
+        drop: list[torch.Tensor] = []  # flat ids of disallowed entries in dense rows
+        for i, row in enumerate(rows):
+            if row is None:
+                continue
+            entry = self._entry(row, vocab_size)
+            if entry.sparse:
+                blank.append(i)
+                keep.append(entry.ids + i * vocab_size)
+            elif entry.ids.shape[0]:
+                drop.append(entry.ids + i * vocab_size)
+        flat = logits.view(-1)  # [num_rows * V]
+        if blank:
+            kept_ids = torch.cat(keep)  # [Σ allowed]
+            kept = flat.index_select(0, kept_ids)
+            logits.index_fill_(0, torch.tensor(blank, dtype=torch.int64), float("-inf"))
+            flat.index_copy_(0, kept_ids, kept)
+        if drop:
+            flat.index_fill_(0, torch.cat(drop), float("-inf"))

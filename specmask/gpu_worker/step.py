@@ -1,0 +1,283 @@
+"""One decoding step for a batch of sequences (DESIGN.md "One decoding step").
+
+    plan k_r -> propose d_1..d_k (drafting.py) -> send verify masks (async) ->
+    target forward over [uncached committed tokens, d_1..d_k] -> wait for masks
+    -> mask + rejection sample -> commit: append tokens, crop KV caches, finish
+    -> send the next step's position-1 draft masks (carrying this commit).
+
+Mask-service traffic per step: one batched request on the verify path, in
+flight while the target forward runs. With draft-side masking or grammar-forced
+drafts, proposal adds one batched request per draft position, each in flight
+while that position's draft forward runs (drafting.py), except position 1, whose
+rows were requested right after the previous step's commit. Those requests
+already returned M_0..M_{k-1}, so the verify request asks such a sequence only
+for M_k (last_row_only), and the mask service never computes a row twice.
+Every request carries the sequence's pending (commit_tokens, commit_seq); the
+first to arrive applies it, the rest are no-ops, so there is no separate commit
+round trip.
+
+Mask rows stay in one form from the reply to the kernels: slots of the mask
+client's interned table (``DraftMaskResult.rows``), turned into row ids into
+the device-resident mirror (``gpu_worker.mask_table``) by the draft-side masking
+and by the verifier.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from specmask.gpu_worker.drafting import Drafter
+from specmask.gpu_worker.mask_table import DeviceMaskTable
+from specmask.gpu_worker.masks import MaskChannel, mask_item
+from specmask.gpu_worker.model_runner import ForwardItem, ModelRunner
+from specmask.gpu_worker.proposers.base import DraftSlot, Proposer
+from specmask.gpu_worker.sequence import SequenceState
+from specmask.gpu_worker.types import FinishReason, StepOutput
+from specmask.gpu_worker.verifier import VerifyInput, verify
+from specmask.gpu_worker.verify_width import WidthChooser
+from specmask.kernels.backend import Backend
+
+if TYPE_CHECKING:
+    from specmask.mask_service.client.mask_client import DraftMaskResult
+
+logger = logging.getLogger(__name__)
+
+# Seconds to wait for a mask-service answer beyond the router's own deadline
+# and retries, before the step gives up on the grammar sequences of the batch.
+_MASK_WAIT_SLACK_S = 5.0
+
+
+class StepRunner:
+    """Runs steps; owns no sequences (the actor does)."""
+
+    def __init__(
+        self,
+        target: ModelRunner,
+        proposers: dict[str, Proposer],
+        masks: MaskChannel | None,
+        *,
+        max_model_len: int,
+        draft_max_len: int | None,
+        mask_timeout_s: float,
+        kernel_backend: Backend | None = None,
+        mask_table: DeviceMaskTable | None = None,
+        width: WidthChooser | None = None,
+    ) -> None:
+        self.target = target
+        # Picks each slot's verify width (drafts kept) after proposal; each runner learns its own
+        # acceptance rates unless given a chooser (benchmarks replaying recorded widths).
+        self.width: WidthChooser = width if width is not None else WidthChooser()
+        # The device mirror of the mask rows, shared with the draft-side masking.
+        self.mask_table = mask_table if mask_table is not None else DeviceMaskTable(target.device)
+        self.masks = masks
+        self.max_model_len = max_model_len
+        self.draft_max_len = draft_max_len
+        self.mask_timeout_s = mask_timeout_s + _MASK_WAIT_SLACK_S
+        self.kernel_backend = kernel_backend
+        self.drafter = Drafter(proposers, masks, mask_timeout_s=self.mask_timeout_s)
+
+    # -- planning -----------------------------------------------------------
+    def plan_k(self, seq: SequenceState) -> int:
+        """k_r for this step: 0 when speculation is off, or when x + K would pass a
+        model's maximum length (the sequence then decodes plainly in the same batch).
+        Also capped at the remaining output budget minus one: drafts past max_tokens
+        would be truncated anyway (exactness is unaffected by any k_r)."""
+        if seq.k == 0 or not seq.proposers:
+            return 0
+        limit = self.max_model_len
+        if "draft_model" in seq.proposers and self.draft_max_len is not None:
+            limit = min(limit, self.draft_max_len)
+        if len(seq.token_ids) + seq.k > limit:
+            return 0
+        remaining = seq.request.sampling.max_tokens - seq.num_output
+        return max(0, min(seq.k, remaining - 1))
+
+    # -- the step ---------------------------------------------------------------
+    def run(
+        self,
+        seqs: Sequence[SequenceState],
+        joiners: Callable[[], Sequence[SequenceState]] | None = None,
+        *,
+        token_budget: int | None = None,
+    ) -> list[StepOutput]:
+        """One step for every sequence in ``seqs`` (each must be unfinished), and for those
+        ``joiners`` returns once the drafts are proposed: sequences that became ready to step
+        meanwhile (the actor's newly added ones whose mask session has just opened). They join
+        the verify forward without drafts (k_r = 0): the forward feeds their prompt and they
+        emit one token, instead of sitting the whole step out.
+
+        ``token_budget``: the most tokens the target forward of ``seqs`` may take (the worker's
+        iteration budget less what it keeps for prefill); drafts are trimmed, widest rows
+        first, until the rows' uncached tokens plus their drafts fit (``trim_to_budget``).
+        Joiners are the caller's to fit into what is left."""
+        errors: dict[str, str] = {}
+        ks = [self.plan_k(seq) for seq in seqs]
+        if token_budget is not None:
+            ks = trim_to_budget([uncached(seq) for seq in seqs], ks, token_budget)
+        slots = [DraftSlot(seq, k=k) for seq, k in zip(seqs, ks, strict=True)]
+        mask_wait = self.drafter.propose(slots, errors)
+        self.width.trim([s for s in slots if s.seq.seq_id not in errors])
+        if joiners is not None:
+            slots.extend(DraftSlot(seq, k=0) for seq in joiners())
+
+        # Verify-path masks M_0..M_k: in flight while the target forward runs. Rows the
+        # proposal phase already received are not computed again: a sequence drafted
+        # with masks asks only for M_k, and one that already holds all k_r + 1 rows
+        # (drafting stopped after its last mask) asks for nothing.
+        grammar_slots = [s for s in slots if s.seq.has_grammar and s.seq.seq_id not in errors]
+        asking = [s for s in grammar_slots if len(s.grammar_rows) <= len(s.drafts)]
+        pending = None
+        if asking:
+            assert self.masks is not None
+            items = [mask_item(s.seq, s.drafts, last_row_only=_needs_last_row_only(s)) for s in asking]
+            pending = self.masks.request(items, timeout_s=self.mask_timeout_s)
+
+        live = [s for s in slots if s.seq.seq_id not in errors]
+        forward_items = []
+        for s in live:
+            context = s.context()
+            forward_items.append(
+                ForwardItem(s.seq.target_kv, context[s.seq.target_kv.length :], num_logits=len(s.drafts) + 1)
+            )
+        logits = self.target.forward(forward_items)  # per slot [k_r + 1, V] float32
+
+        mask_results: dict[str, DraftMaskResult] = {}  # session_id -> its rows
+        if pending is not None:
+            reply = pending.wait()
+            mask_wait += reply.wait_s
+            for s in asking:
+                if s.seq.session_id in reply.errors:
+                    errors[s.seq.seq_id] = reply.errors[s.seq.session_id]
+            mask_results = reply.results
+
+        outputs: dict[str, StepOutput] = {}
+        to_verify: list[tuple[DraftSlot, VerifyInput]] = []
+        for s, slot_logits in zip(live, logits):
+            seq = s.seq
+            if seq.seq_id in errors:
+                continue
+            mask = None  # [k_r + 1] rows M_0..M_k (slots of the client's row table); None = no grammar
+            if seq.has_grammar and seq.session_id not in mask_results:
+                # Every row came with the draft-side masks (which also say the
+                # committed state is not terminated: they were handed out).
+                mask = s.grammar_rows
+            elif seq.has_grammar:
+                res = mask_results[seq.mask_session]
+                if res.terminated:
+                    # Committed state already complete (e.g. a grammar stop token outside
+                    # our stop set ended it last step): nothing more may be emitted.
+                    outputs[seq.seq_id] = StepOutput(seq.seq_id, [], FinishReason.GRAMMAR_COMPLETE, target_forwards=1)
+                    continue
+                mask = list(res.rows)  # M_0..M_k, or [M_k] after the reused rows
+                if _needs_last_row_only(s):
+                    mask = [*s.grammar_rows, *mask]
+            p = seq.request.sampling
+            to_verify.append(
+                (
+                    s,
+                    VerifyInput(
+                        drafts=s.drafts,
+                        q_rows=s.q_rows,
+                        logits=slot_logits,
+                        mask=mask,
+                        temperature=p.temperature,
+                        top_k=p.top_k,
+                        top_p=p.top_p,
+                        seed=seq.seed,
+                        step=seq.step,
+                    ),
+                )
+            )
+        verified = verify(
+            [v for _, v in to_verify],
+            vocab_size=self.target.vocab_size,
+            num_mask_words=(self.target.vocab_size + 31) // 32,
+            kernel_backend=self.kernel_backend,
+            mask_table=self.mask_table,
+        )
+        for (s, _), result in zip(to_verify, verified):
+            if result.violation is not None:
+                # Never commit or return the token (issue 9): only this sequence fails.
+                logger.error(
+                    "[request_id=%s] seq %s: grammar violation caught on device: %s",
+                    s.seq.request_id,
+                    s.seq.seq_id,
+                    result.violation,
+                )
+                outputs[s.seq.seq_id] = StepOutput(
+                    s.seq.seq_id,
+                    [],
+                    FinishReason.GRAMMAR_VIOLATION,
+                    error=f"grammar violation: {result.violation}",
+                    drafts_proposed=len(s.drafts),
+                    target_forwards=1,
+                )
+                continue
+            self.width.record(s, result.num_accepted)
+            outputs[s.seq.seq_id] = self._commit(s, result.emitted, result.num_accepted)
+        for seq_id, message in errors.items():
+            outputs[seq_id] = StepOutput(seq_id, [], FinishReason.ERROR, error=message)
+        for out in outputs.values():
+            out.mask_time_s = mask_wait
+        # Position-1 masks of the next step depend only on this commit: send them now,
+        # so they are computed while the caller handles this step's outputs.
+        self.drafter.prefetch_first(
+            [s.seq for s in slots if outputs[s.seq.seq_id].finish_reason is None and self.plan_k(s.seq) > 0]
+        )
+        return [outputs[s.seq.seq_id] for s in slots]
+
+    def _commit(self, slot: DraftSlot, emitted: list[int], num_accepted: int) -> StepOutput:
+        seq = slot.seq
+        old_len = len(seq.token_ids)
+        kept, reason = seq.commit(emitted, max_model_len=self.max_model_len)
+        # Cache entries past the accepted drafts (or past the kept tokens, after a
+        # truncation) hold rejected tokens: roll both caches back. The newest committed
+        # token is never cached; the next step feeds it.
+        valid = min(old_len + min(num_accepted, len(kept)), len(seq.token_ids) - 1)
+        for kv in (seq.target_kv, seq.draft_kv):
+            if kv is not None and kv.length > valid:
+                kv.crop(valid)
+        logger.debug(
+            "seq %s: k=%d accepted=%d emitted=%s kept=%d finish=%s",
+            seq.seq_id,
+            len(slot.drafts),
+            num_accepted,
+            emitted,
+            len(kept),
+            reason,
+        )
+        return StepOutput(
+            seq.seq_id,
+            kept,
+            reason,
+            drafts_proposed=len(slot.drafts),
+            drafts_accepted=num_accepted,
+            target_forwards=1,
+        )
+
+
+def uncached(seq: SequenceState) -> int:
+    """Committed tokens the target has not cached: what the sequence's next forward feeds
+    before its drafts (1 after a step; a new sequence's prompt tail before its first)."""
+    return len(seq.token_ids) - seq.target_kv.length
+
+
+def trim_to_budget(base: Sequence[int], ks: Sequence[int], budget: int) -> list[int]:
+    """Per-row draft counts ``ks`` cut so that ``sum(base) + sum(ks) <= budget`` where possible:
+    one draft at a time from the row with the most, so every row keeps an equal share. Rows'
+    ``base`` tokens are never cut (a row that steps feeds at least its uncached tokens)."""
+    out = list(ks)
+    excess = sum(base) + sum(out) - budget
+    while excess > 0 and any(out):
+        widest = max(range(len(out)), key=out.__getitem__)
+        out[widest] -= 1
+        excess -= 1
+    return out
+
+
+def _needs_last_row_only(slot: DraftSlot) -> bool:
+    """Whether the verify path needs only M_k for ``slot``: the draft-side requests
+    returned M_0..M_{k-1} (with k = 0, M_0 is the only row either way)."""
+    return len(slot.grammar_rows) == len(slot.drafts)

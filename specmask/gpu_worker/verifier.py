@@ -1,0 +1,156 @@
+"""Verification: grammar-mask the target rows, then rejection-sample (DESIGN.md steps 3-4).
+
+Layout follows kernels.rejection: request r owns k_r + 1 consecutive target
+rows; drafts are flattened in request order with cumulative counts
+``cu_num_draft_tokens``. Mask rows arrive as slots of the mask client's interned
+table; ``DeviceMaskTable`` turns them into row ids into its device-resident
+mirror (sequences without a grammar use the all-ones slot 0), and the indirect
+kernel masks the logits with them: no per-step table is built. On the CPU
+reference path the logits are masked from token ids cached per row instead
+(``gpu_worker.row_index``: same result, without unpacking every row each step).
+
+The same table and row ids go to the rejection sampler, which checks every
+emitted token against its row (issue 9, one bit read per token): a sequence
+whose emitted token breaks its mask gets ``VerifyResult.violation`` (a message)
+and no tokens, and the step finishes only that sequence with
+``FinishReason.GRAMMAR_VIOLATION``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specmask.gpu_worker.mask_table import DeviceMaskTable
+from specmask.kernels.backend import Backend, resolve_backend
+from specmask.mask_service.client.row_table import MaskRow
+
+
+@dataclass(frozen=True)
+class VerifyInput:
+    """One sequence's share of the verify step."""
+
+    drafts: Sequence[int]  # [k_r] d_1..d_k
+    q_rows: Sequence[torch.Tensor | None]  # [k_r] each [V] float32, or None = one-hot at the draft
+    logits: torch.Tensor  # [k_r + 1, V] float32 target logits, not yet grammar-masked (not modified)
+    mask: Sequence[MaskRow] | None  # [k_r + 1] grammar rows M_0..M_k (table slots); None = no grammar
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    step: int
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    emitted: list[int]  # accepted drafts + one recovered or bonus token; [] on a violation
+    num_accepted: int
+    violation: str | None = None  # set when an emitted token broke its mask row (nothing emitted)
+
+
+def verify(
+    inputs: Sequence[VerifyInput],
+    *,
+    vocab_size: int,
+    num_mask_words: int,
+    kernel_backend: Backend | None = None,
+    mask_table: DeviceMaskTable | None = None,
+) -> list[VerifyResult]:
+    """Mask and rejection-sample a batch; returns per sequence the emitted tokens.
+
+    ``mask_table``: the worker's device mirror of the mask rows (None: a private one)."""
+    from specmask.kernels.bitmask import apply_token_bitmask_indirect_inplace
+    from specmask.kernels.rejection import rejection_sample
+    from specmask.kernels.sampling_params import SamplingTensors
+
+    if not inputs:
+        return []
+    for inp in inputs:
+        k = len(inp.drafts)
+        if inp.logits.shape != (k + 1, vocab_size):
+            raise ValueError(f"logits {tuple(inp.logits.shape)} != ({k + 1}, {vocab_size})")
+        if inp.mask is not None:
+            widths = {row.view.num_mask_words for row in inp.mask}
+            if len(inp.mask) != k + 1 or widths - {num_mask_words}:
+                raise ValueError(
+                    f"mask has {len(inp.mask)} rows of widths {sorted(widths)} != ({k + 1}, {num_mask_words})"
+                )
+    logits = torch.cat([inp.logits for inp in inputs], dim=0)  # [num_tokens, V]
+    device = logits.device
+
+    table = row_ids = None  # [num_table_rows, W] int32, [num_tokens] int32
+    if any(inp.mask is not None for inp in inputs):
+        rows: list[MaskRow | None] = []
+        for inp in inputs:
+            rows.extend(inp.mask if inp.mask is not None else [None] * (len(inp.drafts) + 1))
+        if mask_table is None:
+            mask_table = DeviceMaskTable(device)
+        table, row_ids = mask_table.resolve(rows)
+        if device.type == "cpu" and resolve_backend(kernel_backend, device) is Backend.REFERENCE:
+            # Same result as the kernel below, from token ids cached per interned row
+            # (gpu_worker.row_index): the reference kernel unpacks every row every step.
+            mask_table.row_index.mask_(logits, rows)
+        else:
+            apply_token_bitmask_indirect_inplace(logits, table, row_ids, backend=kernel_backend)
+
+    flat_drafts = [t for inp in inputs for t in inp.drafts]
+    draft_token_ids = torch.tensor(flat_drafts, dtype=torch.int64, device=device)  # [num_draft_tokens]
+    cu = torch.tensor(
+        [sum(len(inp.drafts) for inp in inputs[: r + 1]) for r in range(len(inputs))],
+        dtype=torch.int32,
+        device=device,
+    )  # [B]
+    # q rows matter only for random requests whose proposer gave a distribution;
+    # otherwise None (= one-hot everywhere) avoids a [num_draft_tokens, V] tensor.
+    needs_q = any(inp.temperature > 0 and any(q is not None for q in inp.q_rows) for inp in inputs)
+    draft_probs = None
+    if needs_q and flat_drafts:
+        draft_probs = torch.zeros(
+            len(flat_drafts), vocab_size, dtype=torch.float32, device=device
+        )  # [num_draft_tokens, V]
+        row = 0
+        for inp in inputs:
+            for tok, q in zip(inp.drafts, inp.q_rows):
+                if q is None:
+                    draft_probs[row, tok] = 1.0
+                else:
+                    draft_probs[row] = q
+                row += 1
+    sampling = SamplingTensors.from_lists(
+        temperature=[inp.temperature for inp in inputs],
+        top_k=[inp.top_k for inp in inputs],
+        top_p=[inp.top_p for inp in inputs],
+        seeds=[inp.seed for inp in inputs],
+        step=[inp.step for inp in inputs],
+        device=device,
+    )
+    out = rejection_sample(
+        draft_token_ids,
+        cu,
+        draft_probs,
+        logits,
+        sampling,
+        mask_table=table,
+        mask_row_ids=row_ids,
+        backend=kernel_backend,
+    )
+    tokens = out.output_token_ids.tolist()  # [B, K+1]
+    emitted = out.num_emitted.tolist()  # [B]
+    accepted = out.num_accepted.tolist()  # [B]
+    violation = out.violation.tolist()  # [B]
+    return [
+        VerifyResult(tokens[r][: emitted[r]], accepted[r])
+        if not violation[r]
+        else VerifyResult(
+            [],
+            0,
+            violation=(
+                f"the sampler produced a token outside the grammar mask ({out.backend.value} backend, "
+                f"temperature={inputs[r].temperature}, top_k={inputs[r].top_k}, top_p={inputs[r].top_p}, "
+                f"k={len(inputs[r].drafts)}); it was not emitted"
+            ),
+        )
+        for r in range(len(inputs))
+    ]

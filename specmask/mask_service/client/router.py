@@ -1,0 +1,377 @@
+"""Spread sessions over mask-service replicas, and survive losing one.
+
+Sessions are placed by rendezvous (highest-random-weight) hashing of the
+router's own session id over the live replicas, so placement is stable and
+adding a replica moves only new sessions. The router keeps, per session, the
+grammar spec and every committed token; when a replica is unreachable
+(UNAVAILABLE / DEADLINE_EXCEEDED after the client's own retries) or answers
+NOT_FOUND for a session it should hold (restart, TTL), the router reopens the
+session on a live replica, replays the committed tokens as one commit, and
+retries the call. This is correct because mask-service state is a pure
+function of (grammar, committed tokens) and commits are idempotent by seq.
+
+Targets are ``host:port`` replicas or ``dns:///name:port`` sets of them
+(mask_service.replicas: e.g. a headless Service, one address per ready pod,
+looked up again every few seconds); clients are made per resolved address on
+first use.
+
+Errors leave with the router's session ids only: a replica's session id means
+nothing to the caller (and changes on failover), so ``MaskServiceError.session_id``
+is translated back, or cleared when the failure concerns no one session.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
+
+import grpc
+
+from specmask.common.grammar_spec import GrammarSpec
+from specmask.mask_service.auth import public_owner
+from specmask.mask_service.client.mask_client import (
+    DEFAULT_COMPILE_WAIT_S,
+    DraftMaskItem,
+    DraftMaskResult,
+    MaskServiceClient,
+    MaskServiceError,
+)
+from specmask.mask_service.client.replicas import ReplicaSet
+from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+_FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# A replica that failed is skipped for new placements for this long, then tried again.
+DEAD_REPLICA_COOLDOWN_S = 5.0
+# Concurrent per-replica calls of one batch.
+_MAX_FANOUT = 8
+
+
+@dataclass
+class _SessionRecord:
+    tokenizer_id: str
+    spec: GrammarSpec
+    vocab_size: int | None
+    request_id: str = ""  # the orchestrator request it serves, sent again on every (re)open
+    address: str = ""
+    remote_id: str = ""
+    committed: list[int] = field(default_factory=list)
+    last_seq: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _weight(session_id: str, address: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{session_id}|{address}".encode(), digest_size=8).digest(), "little")
+
+
+class MaskRouter:
+    """Same method surface as MaskServiceClient; session ids are the router's own."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        deadline_s: float = 5.0,
+        max_retries: int = 1,
+        owner: str = "",
+        compile_wait_s: float = DEFAULT_COMPILE_WAIT_S,
+    ) -> None:
+        """``owner``: tags every session this router opens, on any replica (see release_owner).
+        ``compile_wait_s``: how long ValidateGrammar / OpenSession wait for a grammar's compile."""
+        if not addresses:
+            raise ValueError("MaskRouter needs at least one address")
+        self.owner = owner
+        self._replicas = ReplicaSet(addresses)
+        self._deadline_s = deadline_s
+        self._compile_wait_s = compile_wait_s
+        self._max_retries = max_retries
+        self._clients: dict[str, MaskServiceClient] = {}  # every address used so far
+        self._dead_until: dict[str, float] = {}
+        self._sessions: dict[str, _SessionRecord] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=_MAX_FANOUT, thread_name_prefix="router")
+
+    def _client(self, address: str) -> MaskServiceClient:
+        with self._lock:
+            client = self._clients.get(address)
+            if client is None:
+                client = MaskServiceClient(
+                    address,
+                    deadline_s=self._deadline_s,
+                    max_retries=self._max_retries,
+                    compile_wait_s=self._compile_wait_s,
+                )
+                self._clients[address] = client
+            return client
+
+    # -- placement ----------------------------------------------------------
+    def _live(self) -> list[str]:
+        now = time.monotonic()
+        current = self._replicas.addresses()
+        if not current:  # a DNS set that resolved to nothing (yet): look again, soon
+            self._replicas.refresh()
+        live = [a for a in current if self._dead_until.get(a, 0.0) <= now]
+        return live or current  # all marked dead: try them all again
+
+    def _attempts(self) -> int:
+        """Failovers one call may go through: one per replica, at least one."""
+        return max(1, len(self._replicas.addresses()))
+
+    def _mark_dead(self, address: str) -> None:
+        logger.warning("mask replica %s unreachable; failing over", address)
+        self._dead_until[address] = time.monotonic() + DEAD_REPLICA_COOLDOWN_S
+        self._replicas.refresh()  # a pod that left is dropped from a DNS set sooner
+
+    def _ranked(self, key: str, addresses: Sequence[str] | None = None) -> list[str]:
+        """``addresses`` (default: the live replicas) in ``key``'s placement order."""
+        return sorted(self._live() if addresses is None else addresses, key=lambda a: _weight(key, a), reverse=True)
+
+    def _candidates(self, key: str, avoid: str | None = None) -> Iterator[str]:
+        """Replicas to try for ``key``, each once, best first: the live ones (but ``avoid``,
+        unless it is the only one), then, once every one has failed, those a DNS lookup made
+        now adds. The periodic lookup runs every 10 s, so a router that last looked while only
+        one pod was ready would otherwise fail every call once that pod dies, though the name
+        already answers another (seen as "no mask-service replica reachable" naming the dead pod)."""
+        ranked = self._ranked(key)
+        tried = {avoid} if avoid is not None and len(ranked) > 1 else set()
+        while ranked:
+            for address in ranked:
+                if address not in tried:
+                    tried.add(address)
+                    yield address
+            if not self._replicas.has_dns:
+                return
+            ranked = self._ranked(key, [a for a in self._replicas.resolve_now() if a not in tried])
+
+    def _record(self, session_id: str) -> _SessionRecord:
+        rec = self._sessions.get(session_id)
+        if rec is None:
+            raise MaskServiceError(grpc.StatusCode.NOT_FOUND, f"unknown router session {session_id!r}", session_id)
+        return rec
+
+    def _place(self, session_id: str, rec: _SessionRecord, avoid: str | None = None) -> None:
+        """(Re)open the session on the best live replica and replay its committed tokens."""
+        last_exc: MaskServiceError | None = None
+        for address in self._candidates(session_id, avoid):
+            client = self._client(address)
+            try:
+                remote = client.open_session(
+                    rec.tokenizer_id, rec.spec, rec.vocab_size, owner=self.owner, request_id=rec.request_id
+                )
+                if rec.committed:
+                    client.commit(remote, rec.last_seq, rec.committed)
+            except MaskServiceError as exc:
+                if exc.code in _FAILOVER_CODES:
+                    self._mark_dead(address)
+                    last_exc = exc
+                    continue
+                raise
+            if rec.remote_id:
+                logger.info(
+                    "session %s moved %s -> %s (%d tokens replayed)",
+                    session_id,
+                    rec.address,
+                    address,
+                    len(rec.committed),
+                )
+            rec.address, rec.remote_id = address, remote
+            return
+        raise last_exc or MaskServiceError(grpc.StatusCode.UNAVAILABLE, "no mask-service replica reachable")
+
+    # -- API ----------------------------------------------------------------
+    def validate_grammar(
+        self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None, *, client: str = ""
+    ) -> pb.ValidateGrammarResponse:
+        for address in self._candidates(spec.cache_key()):
+            try:
+                return self._client(address).validate_grammar(tokenizer_id, spec, vocab_size, client=client)
+            except MaskServiceError as exc:
+                if exc.code not in _FAILOVER_CODES:
+                    raise
+                self._mark_dead(address)
+        raise MaskServiceError(grpc.StatusCode.UNAVAILABLE, "no mask-service replica reachable")
+
+    def open_session(
+        self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None, *, request_id: str = ""
+    ) -> str:
+        session_id = uuid.uuid4().hex
+        rec = _SessionRecord(tokenizer_id, spec, vocab_size, request_id)
+        try:
+            self._place(session_id, rec)
+        except MaskServiceError as exc:
+            exc.session_id = None  # the id was never handed out: there is nothing to attribute to
+            raise
+        with self._lock:
+            self._sessions[session_id] = rec
+        return session_id
+
+    def _recover(self, session_id: str, rec: _SessionRecord, exc: MaskServiceError) -> None:
+        failed = rec.address
+        if exc.code in _FAILOVER_CODES:
+            self._mark_dead(failed)
+            self._place(session_id, rec, avoid=failed)
+        else:  # NOT_FOUND: the replica lost it (restart/TTL); reopen wherever hashing says
+            self._place(session_id, rec)
+
+    def commit(self, session_id: str, seq: int, tokens: Sequence[int]) -> bool:
+        rec = self._record(session_id)
+        with rec.lock:
+            try:
+                attempts = self._attempts()
+                for attempt in range(attempts + 1):
+                    try:
+                        terminated = self._client(rec.address).commit(rec.remote_id, seq, tokens)
+                        break
+                    except MaskServiceError as exc:
+                        if attempt == attempts or exc.code not in (
+                            *_FAILOVER_CODES,
+                            grpc.StatusCode.NOT_FOUND,
+                        ):
+                            raise
+                        self._recover(session_id, rec, exc)
+            except MaskServiceError as exc:
+                # Whatever failed (the commit, or reopening/replaying on another
+                # replica), it failed for this one session.
+                exc.session_id = session_id
+                raise
+            if tokens and seq > rec.last_seq:
+                rec.committed.extend(int(t) for t in tokens)
+                rec.last_seq = seq
+            return terminated
+
+    def draft_masks(self, items: Sequence[DraftMaskItem]) -> list[DraftMaskResult]:
+        """Like MaskServiceClient.draft_masks; a per-item error names the router session id.
+
+        As with one replica, commits of the other items may already be applied
+        when an item fails: resend the batch without it (seen seqs are no-ops).
+        """
+        recs = [self._record(it.session_id) for it in items]
+        results: list[DraftMaskResult | None] = [None] * len(items)
+        pending = list(range(len(items)))
+        attempts = self._attempts()
+        for attempt in range(attempts + 2):
+            groups: dict[str, list[int]] = {}
+            for i in pending:
+                groups.setdefault(recs[i].address, []).append(i)
+            futs = self._run_groups(groups, items, recs)
+            pending = []
+            for address, fut in futs.items():
+                try:
+                    for i, res in zip(groups[address], fut.result()):
+                        results[i] = res
+                except MaskServiceError as exc:
+                    retryable = exc.code in _FAILOVER_CODES or exc.code == grpc.StatusCode.NOT_FOUND
+                    if not retryable or attempt == attempts + 1:
+                        raise
+                    if exc.code == grpc.StatusCode.NOT_FOUND:
+                        lost = [i for i in groups[address] if items[i].session_id == exc.session_id] or groups[address]
+                    else:
+                        lost = groups[address]
+                    for i in sorted(set(lost), key=lambda j: items[j].session_id):
+                        with recs[i].lock:
+                            if recs[i].address == address:
+                                try:
+                                    self._recover(items[i].session_id, recs[i], exc)
+                                except MaskServiceError as place_exc:
+                                    # No replica reachable is the whole batch's failure; anything
+                                    # else (e.g. the replay refused) is this session's.
+                                    unreachable = place_exc.code in _FAILOVER_CODES
+                                    place_exc.session_id = None if unreachable else items[i].session_id
+                                    raise
+                    pending.extend(groups[address])
+            if not pending:
+                break
+        for it, rec in zip(items, recs):
+            if it.commit_tokens and it.commit_seq > rec.last_seq:
+                with rec.lock:
+                    rec.committed.extend(int(t) for t in it.commit_tokens)
+                    rec.last_seq = it.commit_seq
+        return [r for r in results if r is not None]
+
+    def _run_groups(
+        self, groups: dict[str, list[int]], items: Sequence[DraftMaskItem], recs: list[_SessionRecord]
+    ) -> dict[str, Future[list[DraftMaskResult]]]:
+        """One call per replica group, every one finished when this returns (so no call of
+        the batch is still running against a client when the caller resends it)."""
+        if len(groups) == 1:
+            # One replica (the usual case): call it on this thread. A hop through the pool
+            # cost ~0.2 ms per round trip on a loaded 2-core host, on the step's critical
+            # path whenever the worker has nothing to overlap the round trip with.
+            ((address, idx),) = groups.items()
+            fut: Future[list[DraftMaskResult]] = Future()
+            try:
+                fut.set_result(self._group_call(address, idx, items, recs))
+            except Exception as exc:  # handed to the caller exactly as a pooled call's would be
+                fut.set_exception(exc)
+            return {address: fut}
+        futs = {a: self._pool.submit(self._group_call, a, idx, items, recs) for a, idx in groups.items()}
+        wait(futs.values())
+        return futs
+
+    def _group_call(
+        self, address: str, idx: list[int], items: Sequence[DraftMaskItem], recs: list[_SessionRecord]
+    ) -> list[DraftMaskResult]:
+        remote_items = [replace(items[i], session_id=recs[i].remote_id) for i in idx]
+        try:
+            return self._client(address).draft_masks(remote_items)
+        except MaskServiceError as exc:
+            # Map the replica's id back by position (ids of both kinds are uuid hex, so
+            # never by looks); an id we did not send (none: batch-level error) maps to None.
+            own = {r.session_id: items[i].session_id for i, r in zip(idx, remote_items)}
+            exc.session_id = own.get(exc.session_id or "")
+            raise
+
+    def close_session(self, session_id: str) -> None:
+        with self._lock:
+            rec = self._sessions.pop(session_id, None)
+        if rec is None:
+            return
+        try:
+            self._client(rec.address).close_session(rec.remote_id)
+        except MaskServiceError as exc:
+            logger.info(
+                "close of session %s on %s failed (%s); the replica's TTL reclaims it",
+                session_id,
+                rec.address,
+                exc.code.name,
+            )
+
+    def release_owner(self, owner: str | None = None) -> int:
+        """Close, on every reachable replica, the sessions opened under ``owner`` (default:
+        this router's), by any process; returns how many. Releasing this router's own
+        owner forgets its sessions too. An unreachable replica is skipped: its sessions
+        die with it or expire by TTL."""
+        owner = self.owner if owner is None else owner
+        if not owner:
+            raise ValueError("release_owner needs an owner (or a router created with one)")
+        if owner == self.owner:
+            with self._lock:
+                self._sessions.clear()
+        closed = 0
+        for address in self._replicas.addresses():
+            try:
+                closed += self._client(address).release_owner(owner)
+            except MaskServiceError as exc:
+                if exc.code not in _FAILOVER_CODES:
+                    raise
+                logger.warning("release of owner %s on %s skipped: %s", public_owner(owner), address, exc.code.name)
+        return closed
+
+    def session_count(self) -> int:
+        """Sessions this router holds (replica-side counts may include other routers' sessions)."""
+        return len(self._sessions)
+
+    def close(self) -> None:
+        self._replicas.close()
+        with self._lock:
+            clients = list(self._clients.values())
+        for c in clients:
+            c.close()
+        self._pool.shutdown(wait=False)

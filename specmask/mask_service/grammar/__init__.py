@@ -1,0 +1,1 @@
+"""Grammar policy: engines, what is refused, what is rewritten, forced continuations."""

@@ -1,0 +1,300 @@
+"""The hot path: k+1 bitmask rows per request, exactly as DESIGN.md step 2.
+
+For each request: commit its emitted tokens first (idempotent by seq), then
+fill M_0, try d_1, fill M_1, ... stopping at the first draft the grammar
+rejects or when the matcher terminates; rows past the stop stay all-ones (an
+all-zero row would turn softmax into NaN). A request that asks for it
+(``max_forced_tokens``) also gets the grammar's forced continuation after its
+last row's state (forced.py), computed before the rollback and undone with it;
+one that asks with ``forced_up_to`` gets it where the walk stops, also at a
+refused draft (a worker's n-gram lookahead then needs no second round trip to
+learn what is forced where its chain left the grammar).
+Finally roll the matcher back, so computing masks never changes committed state.
+
+Parallelism: requests are independent, so a batch is cut into contiguous
+chunks run on a thread pool, one chunk inline on the calling thread.
+xgrammar's ``fill_next_token_bitmask`` / ``accept_token`` run in C++ through
+tvm-ffi, and row hashing (hashlib) releases the GIL for large buffers, so the
+per-row work overlaps across cores; the per-call Python wrapper still holds the
+GIL, so cheap rows gain less. Measured with bench/mask_service.py --strategies
+(Llama-3 vocab, B=32, k=4, 48 real schemas, 2-core shared box): step p50
+serial loop 6.5 ms, per-request chunks on 2 threads 3.3 ms, xgrammar
+``BatchGrammarMatcher`` (one batched call per draft position, synchronising
+all requests at every position) 4.3 ms; on a heavily loaded box threads and
+serial tie. ``traverse_draft_tree`` was slower still in a probe (per-request
+tensor set-up dominates for a linear chain) and is not used.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from specmask.mask_service.errors import InternalItemError, InvalidArgument, MaskError
+from specmask.mask_service.grammar.backends import ENGINES, engine_name
+from specmask.mask_service.grammar.forced import TokenizerViews, forced_continuation
+from specmask.mask_service.protocols import GrammarMatcher
+from specmask.mask_service.server.sessions import Session, SessionStore
+from specmask.mask_service.wire import InternedRow, RowInterner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    session_id: str
+    draft_tokens: Sequence[int]
+    commit_tokens: Sequence[int] = ()
+    commit_seq: int = 0
+    last_row_only: bool = False
+    max_forced_tokens: int = 0  # forced continuation after the last row's state (forced.py); 0 = none
+    # Forced continuation where the walk stops, also at a refused draft, filling drafts up to
+    # this many in all (forced_up_to - num_grammar_accepted tokens at most); 0 = as above.
+    forced_up_to: int = 0
+
+    @property
+    def num_rows(self) -> int:
+        return 1 if self.last_row_only else len(self.draft_tokens) + 1
+
+
+@dataclass
+class DraftOutcome:
+    num_rows: int = 0
+    num_grammar_accepted: int = 0
+    terminated: bool = False
+    rows: list[InternedRow | None] = field(default_factory=list)  # None = all-ones
+    forced_tokens: list[int] = field(default_factory=list)  # grammar-accepted, committed state unchanged
+    forced_at_stop: bool = False  # forced_tokens are for the state after num_grammar_accepted drafts
+    error: MaskError | None = None
+
+
+def walk_drafts(
+    matcher: GrammarMatcher,
+    drafts: Sequence[int],
+    out: np.ndarray,
+    last_row_only: bool,
+    *,
+    terminated: bool | None = None,
+    at_stop: Callable[[GrammarMatcher, np.ndarray | None, int, bool], None] | None = None,
+) -> tuple[int, list[bool]]:
+    """Fill mask rows for one request; leave ``matcher`` as it was.
+
+    out: [k+1, W] int32 (or [1, W] when last_row_only). Rows not filled are left
+    untouched; they mean all-ones, so a caller that reads them pre-fills -1.
+    ``terminated``: whether the matcher's committed state is terminated, when the
+    caller already asked (saves a second engine call per request on the hot path).
+    ``at_stop(matcher, row, accepted, refused)``: called, before the rollback, at the
+    state where the walk stops unless that state is terminated: after every draft
+    (refused False), or after the ``accepted`` drafts before the first the grammar
+    refuses (refused True). ``row``: that state's filled [W] row (None when not
+    filled: last_row_only with a refused draft). It must leave the matcher as it
+    found it.
+    Returns (number of drafts the grammar accepts, which rows were filled).
+    """
+    m = matcher
+    k = len(drafts)
+    filled = [False] * out.shape[0]
+    accepted = 0
+    refused = False
+    stopped = m.is_terminated() if terminated is None else terminated
+    if not stopped and not last_row_only:
+        m.fill_next_token_bitmask(out, 0)
+        filled[0] = True
+    for i in range(k):
+        if stopped:
+            break
+        if not m.accept_token(int(drafts[i])):
+            stopped = refused = True
+            break
+        accepted += 1
+        if m.is_terminated():
+            stopped = True
+            break
+        if not last_row_only:
+            m.fill_next_token_bitmask(out, i + 1)
+            filled[i + 1] = True
+    if last_row_only and not stopped:
+        m.fill_next_token_bitmask(out, 0)
+        filled[0] = True
+    try:
+        if at_stop is not None and (refused or not stopped):
+            row = out[-1] if not stopped else (out[accepted] if not last_row_only and filled[accepted] else None)
+            at_stop(m, row, accepted, refused)
+    finally:  # a failing hook must not leave the drafts accepted in committed state
+        if accepted:
+            m.rollback(accepted)
+    return accepted, filled
+
+
+# Rows a call must give each thread before it is split over the pool (see run()).
+MIN_ROWS_PER_CHUNK = 32
+
+
+class DraftMaskEngine:
+    def __init__(
+        self,
+        sessions: SessionStore,
+        interner: RowInterner,
+        *,
+        num_threads: int,
+        max_batch: int,
+        max_k: int,
+        tokenizers: Any = None,
+    ) -> None:
+        """``tokenizers``: the TokenizerRegistry, for forced continuations (None = never computed)."""
+        self._sessions = sessions
+        self._views = TokenizerViews(tokenizers) if tokenizers is not None else None
+        self._interner = interner
+        self._threads = max(1, num_threads)
+        self._pool = (
+            ThreadPoolExecutor(max_workers=self._threads - 1, thread_name_prefix="masks") if self._threads > 1 else None
+        )
+        self.max_batch = max_batch
+        self.max_k = max_k
+        self._local = threading.local()
+
+    def _scratch(self, rows: int, width: int) -> np.ndarray:
+        """A [rows, W] int32 buffer owned by the calling thread, contents undefined.
+
+        Only filled rows are read (and copied out by interning before ``run``
+        returns), so the buffer is reused across calls: no 2.5 MB allocation,
+        page faults and -1 fill per Llama-3 batch on the hot path.
+        """
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.shape[1] != width or buf.shape[0] < rows:
+            buf = np.empty((1 << max(rows - 1, 0).bit_length(), width), dtype=np.int32)  # grows by doubling
+            self._local.buf = buf
+        return buf[:rows]
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._views is not None:
+            self._views.shutdown()
+
+    @property
+    def forced_views(self) -> TokenizerViews | None:
+        """The per-tokenizer views forced continuations use (None: never computed)."""
+        return self._views
+
+    def warm_forced(self, tokenizer_id: str, tokenizer_info: Any) -> None:
+        """Start building the forced-continuation view for a tokenizer in the background
+        (OpenSession calls it), so the session's first forced request does not pay for it."""
+        if self._views is not None:
+            self._views.warm(tokenizer_id, tokenizer_info)
+
+    def _one(self, req: DraftRequest, session: Session, out: np.ndarray) -> DraftOutcome:
+        res = DraftOutcome()
+        try:
+            with session.lock:
+                session.commit_locked(req.commit_seq, req.commit_tokens)
+                session.check_tokens(req.draft_tokens, "draft")
+                res.terminated = bool(session.matcher.is_terminated())
+                res.num_grammar_accepted, filled = walk_drafts(
+                    session.matcher,
+                    req.draft_tokens,
+                    out,
+                    req.last_row_only,
+                    terminated=res.terminated,
+                    at_stop=self._forcing(req, session, res),
+                )
+        except MaskError as exc:
+            res.error = exc
+            return res
+        except Exception as exc:
+            # An engine or walk failure in one item is that item's request's failure, never
+            # the call's: the other items of the batch belong to other users.
+            logger.exception("DraftMasks item for session %s failed", req.session_id)
+            return DraftOutcome(error=InternalItemError(f"internal error computing masks ({type(exc).__name__})"))
+        res.num_rows = out.shape[0]
+        res.rows = self._interner.intern_rows(out, filled, session.num_mask_words)
+        return res
+
+    def _forcing(
+        self, req: DraftRequest, session: Session, res: DraftOutcome
+    ) -> Callable[[GrammarMatcher, np.ndarray | None, int, bool], None] | None:
+        """The walk's hook that puts the forced continuation in ``res`` (None when not asked)."""
+        at_stop = req.forced_up_to > 0
+        if (not at_stop and req.max_forced_tokens <= 0) or self._views is None:
+            return None
+        entry = session.entry
+        view = self._views.get(entry.key[0], entry.compiled.tokenizer_info)
+        forced_bytes = ENGINES[engine_name(entry.compiled, entry.backend)].forced_bytes
+        res.forced_at_stop = at_stop
+
+        def hook(matcher: GrammarMatcher, row: np.ndarray | None, accepted: int, refused: bool) -> None:
+            if refused and not at_stop:
+                return  # the older contract: only after every draft
+            cap = min(req.forced_up_to - accepted if at_stop else req.max_forced_tokens, self.max_k)
+            if cap > 0:
+                res.forced_tokens = forced_continuation(
+                    matcher, forced_bytes, view, cap, last_row=row, vocab_size=session.vocab_size
+                )
+
+        return hook
+
+    def _chunk(
+        self, jobs: list[tuple[int, DraftRequest, Session | MaskError, np.ndarray]], results: list[DraftOutcome]
+    ) -> None:
+        for idx, req, session, out in jobs:
+            if isinstance(session, MaskError):
+                results[idx] = DraftOutcome(error=session)
+            else:
+                results[idx] = self._one(req, session, out)
+
+    def run(self, requests: Sequence[DraftRequest]) -> tuple[list[DraftOutcome], int]:
+        """Compute outcomes for a batch. Returns (outcomes in request order, W).
+
+        Batch-level problems (size, k, mixed vocab widths) raise InvalidArgument;
+        per-request problems (unknown session, rejected commit) land in
+        ``DraftOutcome.error`` so one bad request does not fail the others.
+        """
+        if len(requests) > self.max_batch:
+            raise InvalidArgument(f"batch of {len(requests)} exceeds max_batch {self.max_batch}")
+        sessions: list[Session | MaskError] = []
+        width = 0
+        for req in requests:
+            if len(req.draft_tokens) > self.max_k:
+                raise InvalidArgument(f"session {req.session_id}: k={len(req.draft_tokens)} exceeds max_k {self.max_k}")
+            try:
+                s = self._sessions.get(req.session_id)
+            except MaskError as exc:
+                sessions.append(exc)
+                continue
+            if width and s.num_mask_words != width:
+                raise InvalidArgument("all sessions in one DraftMasks call must share a vocab width")
+            width = s.num_mask_words
+            sessions.append(s)
+        total = sum(r.num_rows for r in requests)
+        buf = self._scratch(total, max(width, 1))  # [num_rows_total, W]
+        jobs: list[tuple[int, DraftRequest, Session | MaskError, np.ndarray]] = []
+        offset = 0
+        for i, (req, target) in enumerate(zip(requests, sessions)):
+            jobs.append((i, req, target, buf[offset : offset + req.num_rows]))
+            offset += req.num_rows
+        results: list[DraftOutcome] = [DraftOutcome()] * len(requests)
+        # A chunk on another thread is worth its hop only with enough rows: on a 2-core host
+        # shared with a client, splitting cost more than it saved up to ~80 rows a call
+        # (bench.mask_service, Llama-3: p50 3.0 -> 4.3 ms at 19 rows, 2.9 -> 5.0 at 38,
+        # 4.1 -> 4.8 at 78; 8.2 -> 7.1 ms at 155), and the serving path's calls are mostly
+        # smaller still (draft-side calls ask one row per sequence).
+        n_chunks = min(self._threads, len(jobs), max(1, total // MIN_ROWS_PER_CHUNK))
+        if n_chunks <= 1 or self._pool is None:
+            self._chunk(jobs, results)
+        else:
+            # Balance by rows, not by requests: k varies per request.
+            bounds = np.searchsorted(
+                np.cumsum([j[3].shape[0] for j in jobs]), np.linspace(0, total, n_chunks + 1)[1:-1], side="left"
+            )
+            pieces = np.split(np.arange(len(jobs)), bounds + 1)
+            futs = [self._pool.submit(self._chunk, [jobs[j] for j in p], results) for p in pieces[1:] if len(p)]
+            self._chunk([jobs[j] for j in pieces[0]], results)
+            for f in futs:
+                f.result()
+        return results, width

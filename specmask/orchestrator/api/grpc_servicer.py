@@ -1,0 +1,105 @@
+"""gRPC servicer: proto <-> domain translation and error -> status mapping, nothing else.
+
+Request messages arrive as bytes and are decoded here, so a malformed message
+gets INVALID_ARGUMENT (gRPC's own deserializer would answer UNKNOWN); the
+handlers are registered by ``add_to_server`` for that reason.
+
+Cancellation: grpc.aio cancels the handler task when the client cancels the
+RPC or its deadline expires; the handler then cancels the request in the
+engine, which frees its KV cache and mask session on the worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from specmask.orchestrator import convert
+from specmask.orchestrator.client_identity import client_identity
+from specmask.orchestrator.engine import Engine
+from specmask.orchestrator.errors import ErrorCode, RequestError
+from specmask.orchestrator.metrics import OrchestratorMetrics
+from specmask.orchestrator.request import Request
+from specmask.orchestrator.validation import RequestValidator
+from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+from specmask.proto.rpc_status import reason_from_class, status_for
+
+logger = logging.getLogger(__name__)
+
+_STATUS: dict[ErrorCode, grpc.StatusCode] = {code: getattr(grpc.StatusCode, code.name) for code in ErrorCode}
+
+
+class OrchestratorServicer:
+    def __init__(self, engine: Engine, metrics: OrchestratorMetrics) -> None:
+        self._engine = engine
+        self._metrics = metrics
+
+    async def _decode(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.GenerateRequest:
+        try:
+            return pb.GenerateRequest.FromString(raw)
+        except DecodeError:
+            self._metrics.rejected.labels(code=ErrorCode.INVALID_ARGUMENT.name).inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed GenerateRequest message")
+            raise  # unreachable: abort raises
+
+    async def _admit(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Request:
+        try:
+            request_id = RequestValidator.request_id(msg.request_id)
+            req = convert.request_from_proto(msg, request_id)
+            # The end client, for the mask service's per-owner compile fairness (issue 14).
+            client = client_identity(context.invocation_metadata() or (), context.peer() or "")
+            return await self._engine.submit(dataclasses.replace(req, client=client))
+        except RequestError as exc:
+            self._metrics.rejected.labels(code=exc.code.name).inc()
+            logger.info("[request_id=%s] refused (%s): %s", msg.request_id or "-", exc.code.name, exc.message)
+            status = status_for(
+                _STATUS[exc.code],
+                exc.message,
+                reason=exc.reason or reason_from_class(exc),
+                bad_fields=((exc.field, exc.message),) if exc.field else (),
+                retry_after_s=exc.retry_after_s if exc.code is ErrorCode.RESOURCE_EXHAUSTED else None,
+            )
+            await context.abort(status.code, status.details, status.trailing_metadata)
+            raise  # unreachable: abort raises
+        except Exception:
+            # A bug, not the client's fault: log it here, never send a traceback.
+            logger.exception("[request_id=%s] admission failed", msg.request_id or "-")
+            self._metrics.rejected.labels(code=ErrorCode.INTERNAL.name).inc()
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+            raise
+
+    async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        admitted = await self._admit(await self._decode(raw, context), context)
+        try:
+            return convert.result_to_proto(await admitted.result())
+        finally:
+            # A no-op for finished requests; frees worker state after a client
+            # cancel or deadline (CancelledError lands here).
+            self._engine.cancel(admitted.request_id)
+
+    async def GenerateStream(
+        self, raw: bytes, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        admitted = await self._admit(await self._decode(raw, context), context)
+        try:
+            async for out in admitted.events():
+                yield convert.output_to_proto(out)
+        finally:
+            self._engine.cancel(admitted.request_id)
+
+
+def add_to_server(servicer: OrchestratorServicer, server: grpc.aio.Server, service_name: str) -> None:
+    """Register the API like the generated ``add_OrchestratorServiceServicer_to_server``, minus request decoding."""
+    handlers = {
+        "Generate": grpc.unary_unary_rpc_method_handler(
+            servicer.Generate, response_serializer=pb.GenerateResponse.SerializeToString
+        ),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(
+            servicer.GenerateStream, response_serializer=pb.GenerateStreamResponse.SerializeToString
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))

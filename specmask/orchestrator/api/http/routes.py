@@ -1,0 +1,333 @@
+"""HTTP handlers: parse, translate, submit to the engine, answer (JSON or SSE). No generation logic.
+
+Every request goes through ``Engine.submit`` like a gRPC one (same admission
+bound, validation, batching) and ends with ``Engine.cancel`` in a ``finally``:
+a no-op for a finished request, and the cancellation path when the client goes
+away (aiohttp cancels the handler on disconnect, ``handler_cancellation=True``),
+which frees the request's KV cache and mask session on its worker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+from specmask.gpu_worker.types import FinishReason
+from specmask.orchestrator.api.http import responses as rsp
+from specmask.orchestrator.api.http import tool_grammar, tools, translate
+from specmask.orchestrator.api.http.errors import GRAMMAR_VIOLATION, NOT_FOUND, ApiError
+from specmask.orchestrator.api.http.input_checks import check_content_type, refuse_lone_surrogates
+from specmask.orchestrator.api.http.lenient import UnknownFieldLog
+from specmask.orchestrator.api.http.prompting import ChatPrompter
+from specmask.orchestrator.api.http.protocol import ChatCompletionRequest, CompletionRequest
+from specmask.orchestrator.api.http.sse import DeltaEncoder, EventStream
+from specmask.orchestrator.client_identity import client_identity
+from specmask.orchestrator.engine import Engine
+from specmask.orchestrator.errors import RequestError
+from specmask.orchestrator.metrics import OrchestratorMetrics
+from specmask.orchestrator.output_check import OutputChecker
+from specmask.orchestrator.request import Request
+from specmask.orchestrator.types import GenerationResult, GrammarReport, Usage
+from specmask.orchestrator.validation import RequestValidator
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+TOO_DEEP = "request body nests too deeply"
+_MAX_ERRORS_SHOWN = 5
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def parse_body(request: web.Request, model: type[Body]) -> Body:
+    check_content_type(request)
+    raw = await request.read()
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError.invalid(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError.invalid(TOO_DEEP) from None
+    if not isinstance(data, dict):
+        raise ApiError.invalid("request body must be a JSON object")
+    refuse_lone_surrogates(data)
+    try:
+        return model.model_validate(data, strict=True)
+    except RecursionError:
+        raise ApiError.invalid(TOO_DEEP) from None
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        parts = [f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in errors[:_MAX_ERRORS_SHOWN]]
+        more = f" (and {len(errors) - _MAX_ERRORS_SHOWN} more)" if len(errors) > _MAX_ERRORS_SHOWN else ""
+        param = ".".join(str(p) for p in errors[0]["loc"]) if errors and errors[0]["loc"] else None
+        raise ApiError.invalid("invalid request: " + "; ".join(parts) + more, param=param) from None
+
+
+class OpenAIRoutes:
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: OrchestratorMetrics,
+        prompter: ChatPrompter,
+        *,
+        model_name: str,
+        max_model_len: int,
+        ready: Callable[[], bool] | None = None,
+    ) -> None:
+        """``ready``: readiness as gRPC health reports it (None: the engine's worker health alone)."""
+        self._engine = engine
+        self._ready = ready if ready is not None else (lambda: engine.healthy)
+        self._metrics = metrics
+        self._prompter = prompter
+        self._model = model_name
+        self._max_model_len = max_model_len
+        self._created = int(time.time())
+        self._checker = OutputChecker()  # tool calls' arguments against their own tool's schema
+        self._unknown = UnknownFieldLog(metrics.http_unknown_fields)
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{model:.+}", self.get_model)
+        app.router.add_get("/health", self.health)
+
+    # ---- metadata --------------------------------------------------------
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self._model,
+            "object": "model",
+            "created": self._created,
+            "owned_by": "specmask",
+            "max_model_len": self._max_model_len,
+        }
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        self._check_model(request.match_info["model"])
+        return web.json_response(self._model_card())
+
+    async def health(self, request: web.Request) -> web.Response:
+        """Readiness, the same state as gRPC health: 200 while a GPU worker is healthy and a mask
+        replica answers, 503 otherwise (docs/api-errors.md)."""
+        if self._ready():
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "unavailable"}, status=503)
+
+    def _check_model(self, name: str) -> None:
+        if name != self._model:
+            raise ApiError(NOT_FOUND, f"model {name!r} does not exist; this server serves {self._model!r}")
+
+    # ---- generation ------------------------------------------------------
+
+    def _request_id(self, request: web.Request) -> str:
+        try:
+            return RequestValidator.request_id(request.headers.get(REQUEST_ID_HEADER, ""))
+        except RequestError as exc:
+            raise ApiError.invalid(f"{REQUEST_ID_HEADER}: {exc.message}") from None
+
+    async def _submit(self, translated: translate.Translated, http: web.Request) -> Request:
+        # The end client, for the mask service's per-owner compile fairness (issue 14).
+        client = client_identity(http.headers.items(), http.remote or "")
+        try:
+            return await self._engine.submit(dataclasses.replace(translated.request, client=client))
+        except RequestError as exc:
+            self._metrics.rejected.labels(code=exc.code.name).inc()
+            logger.info("[request_id=%s] refused (%s): %s", translated.request.request_id, exc.code.name, exc.message)
+            raise ApiError.from_request_error(exc) from None
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await parse_body(request, ChatCompletionRequest)
+        self._check_model(body.model)
+        request_id = self._request_id(request)
+        self._unknown.note(body, request_id)
+        translated = _guard_depth(translate.chat_request, body, request_id, self._prompter)
+        admitted = await self._submit(translated, request)
+        env = rsp.Envelope(id=f"chatcmpl-{request_id}", model=self._model)
+        headers = {REQUEST_ID_HEADER: request_id}
+        try:
+            if body.stream:
+                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                return await self._stream_chat(request, admitted, env, headers, translated, include_usage)
+            result = await admitted.result()
+            _raise_for_finish(result.finish_reason, result.error)
+            if translated.auto_tools is not None:
+                message, finish = self._auto_message(result.text, result.finish_reason, translated.auto_tools)
+            else:
+                message, finish = _chat_message(result.text, result.finish_reason, translated.tool_call)
+            return web.json_response(
+                rsp.chat_completion(env, message, finish, result.usage, result.grammar), headers=headers
+            )
+        finally:
+            self._engine.cancel(admitted.request_id)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await parse_body(request, CompletionRequest)
+        self._check_model(body.model)
+        request_id = self._request_id(request)
+        self._unknown.note(body, request_id)
+        translated = _guard_depth(translate.completion_request, body, request_id)
+        admitted = await self._submit(translated, request)
+        env = rsp.Envelope(id=f"cmpl-{request_id}", model=self._model)
+        headers = {REQUEST_ID_HEADER: request_id}
+        try:
+            if body.stream:
+                include_usage = body.stream_options is not None and body.stream_options.include_usage
+                return await self._stream_completion(request, admitted, env, headers, include_usage)
+            result: GenerationResult = await admitted.result()
+            _raise_for_finish(result.finish_reason, result.error)
+            finish = rsp.FINISH_REASONS[result.finish_reason]
+            return web.json_response(
+                rsp.completion(env, result.text, finish, result.usage, result.grammar), headers=headers
+            )
+        finally:
+            self._engine.cancel(admitted.request_id)
+
+    def _auto_message(
+        self, text: str, reason: FinishReason, auto: tool_grammar.AutoTools
+    ) -> tuple[dict[str, Any], str]:
+        """``tool_choice: "auto"``: text is content; complete calls are ``tool_calls``, each checked
+        against its tool's schema (a failure is an error, never a success)."""
+        if reason is FinishReason.GRAMMAR_COMPLETE and tool_grammar.is_call_output(text):
+            try:
+                calls = tool_grammar.parse_calls(text, auto, self._checker)
+            except ValueError as exc:
+                raise ApiError(
+                    GRAMMAR_VIOLATION, f"grammar violation: the generated tool call is not valid: {exc}"
+                ) from None
+            return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+        return {"role": "assistant", "content": text}, rsp.FINISH_REASONS[reason]
+
+    # ---- streaming -------------------------------------------------------
+
+    async def _stream_chat(
+        self,
+        request: web.Request,
+        admitted: Request,
+        env: rsp.Envelope,
+        headers: dict[str, str],
+        translated: translate.Translated,
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        stream = await EventStream.open(request, headers)
+        deltas = DeltaEncoder(rsp.chat_chunk(env, {"content": DeltaEncoder.PLACEHOLDER}))
+        auto = translated.auto_tools
+        # A tool call is sent whole, once it is complete and parsed; text is streamed.
+        split = tool_grammar.StreamSplit(translated.tool_call, auto is not None)
+        try:
+            await stream.send(rsp.chat_chunk(env, {"role": "assistant", "content": ""}))
+            held: list[str] = []
+            async for out in admitted.events():
+                if out.text:
+                    if split.holds(out.text):
+                        held.append(out.text)
+                    else:
+                        await stream.send_raw(deltas.encode(out.text))
+                if not out.finished:
+                    continue
+                assert out.finish_reason is not None and out.usage is not None
+                error = rsp.finish_error(out.finish_reason, out.error)
+                if error is not None:
+                    await stream.error(error)
+                    return stream.response
+                if split.calls:
+                    try:
+                        if auto is not None:
+                            message, finish = self._auto_message("".join(held), out.finish_reason, auto)
+                        else:
+                            message, finish = _chat_message("".join(held), out.finish_reason, True)
+                    except ApiError as exc:
+                        await stream.error(exc)
+                        return stream.response
+                    delta = {k: v for k, v in message.items() if k != "role"}
+                    if "tool_calls" in delta:
+                        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
+                    await stream.send(rsp.chat_chunk(env, delta))
+                else:
+                    finish = rsp.FINISH_REASONS[out.finish_reason]
+                await stream.send(rsp.chat_chunk(env, {}, finish))
+                await self._finish_stream(stream, env, "chat.completion.chunk", out.usage, include_usage, out.grammar)
+        except ConnectionResetError:
+            logger.info("[request_id=%s] client went away mid-stream", admitted.request_id)
+        return stream.response
+
+    async def _stream_completion(
+        self,
+        request: web.Request,
+        admitted: Request,
+        env: rsp.Envelope,
+        headers: dict[str, str],
+        include_usage: bool,
+    ) -> web.StreamResponse:
+        stream = await EventStream.open(request, headers)
+        deltas = DeltaEncoder(rsp.completion_chunk(env, DeltaEncoder.PLACEHOLDER))
+        try:
+            async for out in admitted.events():
+                if out.finished:
+                    assert out.finish_reason is not None and out.usage is not None
+                    error = rsp.finish_error(out.finish_reason, out.error)
+                    if error is not None:
+                        await stream.error(error)
+                        return stream.response
+                    finish = rsp.FINISH_REASONS[out.finish_reason]
+                    await stream.send(rsp.completion_chunk(env, out.text, finish))
+                    await self._finish_stream(stream, env, "text_completion", out.usage, include_usage, out.grammar)
+                elif out.text:
+                    await stream.send_raw(deltas.encode(out.text))
+        except ConnectionResetError:
+            logger.info("[request_id=%s] client went away mid-stream", admitted.request_id)
+        return stream.response
+
+    @staticmethod
+    async def _finish_stream(
+        stream: EventStream,
+        env: rsp.Envelope,
+        obj: str,
+        usage: Usage,
+        include: bool,
+        grammar: GrammarReport | None = None,
+    ) -> None:
+        if include:
+            await stream.send(rsp.usage_chunk(env, obj, usage, grammar))
+        await stream.done()
+
+
+def _guard_depth(translate_fn: Callable[..., translate.Translated], *args: Any) -> translate.Translated:
+    """Translation serialises schemas again; a body nested near the recursion limit is a 400."""
+    try:
+        return translate_fn(*args)
+    except RecursionError:
+        raise ApiError.invalid(TOO_DEEP) from None
+
+
+def _raise_for_finish(reason: FinishReason, error: str | None) -> None:
+    exc = rsp.finish_error(reason, error)
+    if exc is not None:
+        raise exc
+
+
+def _chat_message(text: str, reason: FinishReason, tool_call: bool) -> tuple[dict[str, Any], str]:
+    """The assistant message and finish_reason of a successful finish.
+
+    A tool call is returned as ``tool_calls`` only when its grammar completed;
+    cut short (length, stop string) it is plain content with that finish reason.
+    """
+    if tool_call and reason is FinishReason.GRAMMAR_COMPLETE:
+        try:
+            call = tools.parse_call(text)
+        except ValueError as exc:  # a complete grammar that does not parse: never a success
+            raise ApiError(
+                GRAMMAR_VIOLATION, f"grammar violation: the generated tool call does not parse: {exc}"
+            ) from None
+        return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
+    return {"role": "assistant", "content": text}, rsp.FINISH_REASONS[reason]

@@ -1,0 +1,321 @@
+"""End-of-request check: a grammar request's final text must satisfy the caller's grammar.
+
+Issue 9: the sampler and the masks are *supposed* to make every output valid, and
+three bugs showed that "supposed to" is not enough. So before a request is reported
+complete (``GRAMMAR_COMPLETE``), the orchestrator checks the text the client gets,
+independently of the mask path, and a failure finishes the request with
+``FinishReason.GRAMMAR_VIOLATION`` instead (engine.py). The check fails closed: an
+exception inside it is a violation, never a pass.
+
+What "the caller's grammar" means, per kind (a registry, not an if-chain):
+
+* ``JSON_SCHEMA``: the text parses as strict JSON (no duplicate keys, no NaN or
+  Infinity) and a compiled ``jsonschema`` validator for the caller's ORIGINAL schema
+  (not the mask service's rewrite) accepts it, with ``format`` asserted. ``strict``
+  (the default) is part of what the caller asked for, checked by a second validator
+  (the document must pass the schema as written too: see ``_json_schema_checker``): it means
+  what the engine that masked the output enforced for it (``STRICT_READINGS``). For
+  xgrammar, its ``strict_mode``: an object schema that lists ``properties`` or
+  ``patternProperties`` and says nothing about ``additionalProperties`` allows no
+  other keys, and ``prefixItems`` without ``items`` allows no further items; for
+  llguidance, the service's strict rewrite, which leaves intersections open. Those
+  defaults are written into the schema before validating; nothing else changes.
+  Validators are cached by the spec's cache key (schema text + options) and the engine.
+* ``ANY_JSON``: strict JSON, as above.
+* ``REGEX`` / ``EBNF`` / ``LARK``: the grammar is written in xgrammar's dialect, so
+  a *fresh* xgrammar matcher (no tokenizer: it parses bytes) must accept the whole
+  UTF-8 text and be able to end there. Python's ``re`` is a different dialect and is
+  not used. Compiled grammars are cached by cache key.
+
+Formatting options (separators, whitespace) are not checked: they change how a
+document is written, not whether it satisfies the grammar.
+
+``multipleOf`` is checked in decimal, on each number's shortest round-trip spelling:
+jsonschema divides floats (10000.89 / 0.01 = 1000088.9999999999) and so failed a
+valid ``10000.89`` against ``multipleOf: 0.01`` (bench.e2e, Github_easy---o46379).
+"""
+
+from __future__ import annotations
+
+import collections
+import decimal
+import functools
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.grammar.llguidance_check import strict_schema as llguidance_strict
+from specmask.mask_service.grammar.schema_check import unverifiable_formats
+
+__all__ = ["OutputCheckError", "OutputChecker", "Verdict", "exact_multiples", "strict_schema", "validate_decimal"]
+
+# Compiled checkers kept (LRU). A compiled jsonschema validator or a byte-level
+# xgrammar grammar is small; 512 covers a serving mix of distinct grammars.
+MAX_CACHED_CHECKERS = 512
+
+# Subschema locations (JSON Schema 2020-12 and draft 4-7 spellings) the strict
+# defaults are pushed into.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_VALUES = (
+    "additionalProperties",
+    "items",
+    "additionalItems",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
+
+
+class OutputCheckError(Exception):
+    """The checker itself could not run (bad schema, engine error): treated as a violation."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    ok: bool
+    reason: str = ""  # why not, for the typed error and the log line
+
+
+def strict_schema(schema: Any) -> Any:
+    """A copy of ``schema`` with xgrammar's ``strict_mode`` defaults made explicit."""
+    if isinstance(schema, list):
+        return [strict_schema(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: strict_schema(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [strict_schema(sub) for sub in value]
+        elif key in _SCHEMA_VALUES:
+            out[key] = strict_schema(value)
+        else:
+            out[key] = value
+    lists_properties = "properties" in schema or "patternProperties" in schema
+    if lists_properties and "additionalProperties" not in schema and "unevaluatedProperties" not in schema:
+        out["additionalProperties"] = False
+    if "prefixItems" in schema and "items" not in schema and "unevaluatedItems" not in schema:
+        out["items"] = False
+    if isinstance(schema.get("items"), list) and "additionalItems" not in schema:  # draft 4-7 tuples
+        out["additionalItems"] = False
+    return out
+
+
+# What ``strict`` means, per engine that can mask a JSON schema. xgrammar's strict_mode
+# closes every object that lists properties; llguidance's strict rewrite
+# (mask_service.llguidance_check) leaves open an object that is one side of an intersection
+# (allOf branches, properties beside anyOf/oneOf/$ref) or requires an undeclared name, where
+# additionalProperties: false would also forbid the other side's keys. Checking an
+# llguidance-masked output against xgrammar's reading failed valid answers: root
+# "properties": {} beside a oneOf of {"status": ...} branches (Github_trivial---o42156)
+# closed the root, so no document could pass. The schema as written is checked either way.
+STRICT_READINGS: dict[str, Callable[[Any], Any]] = {"xgrammar": strict_schema, "llguidance": llguidance_strict}
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"duplicate key {key!r}")
+        seen[key] = value
+    return seen
+
+
+def parse_strict_json(text: str) -> Any:
+    """RFC 8259 JSON: no duplicate object keys, no NaN/Infinity; raises ValueError."""
+    return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+
+
+class OutputChecker:
+    """Thread-safe; ``check`` may run on the engine's executor threads."""
+
+    def __init__(self, max_cached: int = MAX_CACHED_CHECKERS) -> None:
+        self._max_cached = max_cached
+        self._cache: collections.OrderedDict[str, Callable[[str], Verdict]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._builders: dict[GrammarKind, Callable[[GrammarSpec, str], Callable[[str], Verdict]]] = {
+            GrammarKind.JSON_SCHEMA: _json_schema_checker,
+            GrammarKind.ANY_JSON: lambda _spec, _engine: _any_json_check,
+            GrammarKind.REGEX: _xgrammar_checker,
+            GrammarKind.EBNF: _xgrammar_checker,
+            GrammarKind.LARK: _xgrammar_checker,
+        }
+
+    def check(self, spec: GrammarSpec, text: str, engine: str = "") -> Verdict:
+        """Whether ``text`` is a complete document of ``spec``; raises OutputCheckError if it cannot tell.
+
+        ``engine``: the engine that masked the output (the mask service's GrammarReport). It
+        picks what ``strict`` means for a JSON schema (see ``_json_schema_checker``); "" or
+        an unknown name takes xgrammar's reading, the stricter one."""
+        # One name per reading, so "" and "xgrammar" share a cached validator.
+        if spec.kind is not GrammarKind.JSON_SCHEMA:
+            engine = ""
+        elif engine not in STRICT_READINGS:
+            engine = "xgrammar"
+        try:
+            return self._checker(spec, engine)(text)
+        except OutputCheckError:
+            raise
+        except Exception as exc:  # an engine or library failure must not pass as valid
+            raise OutputCheckError(f"{type(exc).__name__}: {exc}") from exc
+
+    def _checker(self, spec: GrammarSpec, engine: str = "") -> Callable[[str], Verdict]:
+        key = f"{spec.cache_key()}|{engine}"
+        with self._lock:
+            found = self._cache.get(key)
+            if found is not None:
+                self._cache.move_to_end(key)
+                return found
+        built = self._builders[spec.kind](spec, engine)  # compile outside the lock
+        with self._lock:
+            self._cache[key] = built
+            while len(self._cache) > self._max_cached:
+                self._cache.popitem(last=False)
+        return built
+
+
+def _any_json_check(text: str) -> Verdict:
+    try:
+        parse_strict_json(text)
+    except ValueError as exc:
+        return Verdict(False, f"output is not valid JSON: {exc}")
+    return Verdict(True)
+
+
+def _json_schema_checker(spec: GrammarSpec, engine: str) -> Callable[[str], Verdict]:
+    import jsonschema
+
+    try:
+        schema = json.loads(spec.text)
+    except ValueError as exc:
+        raise OutputCheckError(f"schema is not JSON: {exc}") from exc
+    missing = unverifiable_formats(schema)
+    if missing:  # jsonschema skips a format it has no checker for: that would pass anything
+        raise OutputCheckError(f"format {', '.join(missing)} cannot be verified (checker not installed)")
+    cls = exact_multiples(jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator))
+    # The schema as written, always: strict defaults pushed into a condition or a negation
+    # (``if``, ``not``, a ``oneOf`` branch) would make the check LOOSER (a document the
+    # strict ``if`` no longer matches skips its ``then``), so strict mode only adds a
+    # second validator; a document must pass both.
+    validators = [cls(schema, format_checker=cls.FORMAT_CHECKER)]
+    if spec.strict:
+        strict = STRICT_READINGS.get(engine, strict_schema)(schema)
+        validators.append(cls(strict, format_checker=cls.FORMAT_CHECKER))
+    if isinstance(schema, dict) and "$schema" not in schema and _uses_keyword(schema, "dependencies"):
+        # No declared draft, and a keyword only drafts 4-7 define (2020-12 ignores it): the mask
+        # service took the schema under any draft, so the output must satisfy draft 7's reading too.
+        draft7 = exact_multiples(jsonschema.Draft7Validator)
+        validators.append(draft7(schema, format_checker=draft7.FORMAT_CHECKER))
+
+    def check(text: str) -> Verdict:
+        try:
+            doc = parse_strict_json(text)
+        except ValueError as exc:
+            return Verdict(False, f"output is not valid JSON: {exc}")
+        for validator in validators:
+            error = jsonschema.exceptions.best_match(validator.iter_errors(doc))
+            if error is not None:
+                where = "/".join(str(p) for p in error.absolute_path) or "(root)"
+                return Verdict(False, f"output breaks the schema at {where}: {error.message}")
+        return Verdict(True)
+
+    return check
+
+
+# Digits enough for any float64 quotient (exponents span about 10^-324 .. 10^308).
+_DECIMAL = decimal.Context(prec=700, traps=[decimal.InvalidOperation])
+
+
+def _exact_multiple_of(validator: Any, divisor: Any, instance: Any, schema: Any) -> Any:
+    """``multipleOf`` in decimal: each float as its shortest round-trip spelling, which is
+    the number a JSON reader gets from the text. An error here is a violation (fails closed)."""
+    import jsonschema
+
+    if not validator.is_type(instance, "number"):
+        return
+    if isinstance(divisor, float) or isinstance(instance, float):
+        remainder = _DECIMAL.remainder(decimal.Decimal(repr(instance)), decimal.Decimal(repr(divisor)))
+        ok = remainder == 0
+    else:
+        ok = instance % divisor == 0
+    if not ok:
+        yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {divisor!r}")
+
+
+@functools.cache
+def exact_multiples(cls: Any) -> Any:
+    """``cls`` with ``multipleOf`` checked by ``_exact_multiple_of`` (one subclass per draft)."""
+    import jsonschema
+
+    return jsonschema.validators.extend(cls, {"multipleOf": _exact_multiple_of})
+
+
+def validate_decimal(instance: Any, schema: Any, **kwargs: Any) -> None:
+    """``jsonschema.validate`` (schema checked first, the best-matching error raised) with
+    ``multipleOf`` in decimal: the validity judges of bench.e2e and the demo."""
+    import jsonschema
+
+    cls = exact_multiples(jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator))
+    cls.check_schema(schema)
+    error = jsonschema.exceptions.best_match(cls(schema, **kwargs).iter_errors(instance))
+    if error is not None:
+        raise error
+
+
+def _uses_keyword(node: Any, keyword: str) -> bool:
+    """Whether ``keyword`` appears at a schema position anywhere in ``node`` (not inside data)."""
+    if isinstance(node, list):
+        return any(_uses_keyword(sub, keyword) for sub in node)
+    if not isinstance(node, dict):
+        return False
+    if keyword in node:
+        return True
+    return any(
+        _uses_keyword(v, keyword)
+        if k not in ("const", "enum", "default", "examples", "properties")
+        else (k == "properties" and isinstance(v, dict) and any(_uses_keyword(sub, keyword) for sub in v.values()))
+        for k, v in node.items()
+    )
+
+
+def _xgrammar_checker(spec: GrammarSpec, _engine: str = "") -> Callable[[str], Verdict]:
+    import xgrammar as xgr
+
+    parse: dict[GrammarKind, Callable[[str], xgr.Grammar]] = {
+        GrammarKind.REGEX: xgr.Grammar.from_regex,
+        GrammarKind.EBNF: xgr.Grammar.from_ebnf,
+    }
+    # No vocabulary: the matcher parses bytes, and compiling costs no mask precomputation.
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([]), max_threads=1, cache_enabled=False)
+    try:
+        compiled = compiler.compile_grammar(parse.get(spec.kind, xgr.Grammar.from_lark)(spec.text))
+    except Exception as exc:
+        raise OutputCheckError(f"cannot compile the grammar to check the output: {exc}") from exc
+
+    def check(text: str) -> Verdict:
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        if not matcher.accept_string(text.encode("utf-8")):
+            return Verdict(False, f"the grammar rejects the output {_preview(text)}")
+        if not matcher.is_terminated():
+            return Verdict(False, f"the output {_preview(text)} is an incomplete document of the grammar")
+        return Verdict(True)
+
+    return check
+
+
+def _preview(text: str, limit: int = 80) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")

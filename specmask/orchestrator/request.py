@@ -1,0 +1,244 @@
+"""Per-request state: what one client is waiting for, apart from engine state.
+
+A ``Request`` turns the worker's per-step ``StepOutput`` into client-facing
+``RequestOutput`` events: it accumulates token ids and usage, detokenizes
+incrementally, applies stop strings, and queues deltas for the servicer. The
+engine decides *when* a request runs; the request decides *what* the client
+sees.
+
+Checked mode (issue 13): a request whose grammar is enforced by a relaxation
+(``GrammarReport.checked``) *holds* its output: nothing is streamed until the
+engine's end check passes (``release`` then sends the whole text as one
+delta), because an attempt that fails the check is discarded and regenerated
+(``restart``). A held request that fails returns no text at all.
+
+A grammar request that is not held still never streams the text of the step the
+worker calls complete before the end check passed (``_unchecked``): a client of a
+request that ends in a violation holds no complete-looking document.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from specmask.gpu_worker.types import FinishReason, NewSequence, StepOutput
+from specmask.orchestrator.detokenizer import Decoder, IncrementalDetokenizer
+from specmask.orchestrator.stop_strings import StopStringMatcher
+from specmask.orchestrator.types import GenerationResult, GrammarReport, RequestOutput, Usage
+
+logger = logging.getLogger(__name__)
+# Finish reasons on which a held (checked-mode) request's output is released to the client.
+_HELD_SUCCESSES = frozenset({FinishReason.STOP, FinishReason.LENGTH, FinishReason.GRAMMAR_COMPLETE})
+
+
+class RequestLog(logging.LoggerAdapter):
+    """Prefixes every line with the request id (STYLE.md: the id in every log line)."""
+
+    def process(self, msg, kwargs):
+        assert self.extra is not None  # always built with {"request_id": ...}
+        return f"[request_id={self.extra['request_id']}] {msg}", kwargs
+
+
+class Request:
+    """One admitted request, from admission to its final event."""
+
+    def __init__(
+        self,
+        seq: NewSequence,
+        *,
+        tokenizer: Decoder,
+        stop: tuple[str, ...] = (),
+        arrival_time: float | None = None,
+        grammar: GrammarReport | None = None,
+        max_attempts: int = 1,
+        stop_may_end: Callable[[str], bool] | None = None,
+    ) -> None:
+        """``stop_may_end``: whether a stop string may end the output after this text (grammar
+        requests: the end check; see stop_strings.py); None = any stop match ends it."""
+        self.seq = seq
+        self.grammar = grammar  # how the grammar is enforced (None: no grammar)
+        self.max_attempts = max_attempts  # generations the engine may run (checked mode)
+        self.attempts = 1
+        self._hold = grammar is not None and grammar.checked  # no deltas until the end check passes
+        self._held_ids: list[int] = []
+        self._held_text: list[str] = []
+        self._tokenizer = tokenizer
+        self._stop_strings = stop
+        self._stop_may_end = stop_may_end
+        # The last step's delta of a grammar request the worker called complete, sent once
+        # the end check passed (finish) and dropped if it failed.
+        self._unchecked: tuple[tuple[int, ...], str] | None = None
+        self.log = RequestLog(logger, {"request_id": seq.seq_id})
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.admitted_time: float | None = None  # validated and queued (Engine.submit)
+        self.scheduled_time: float | None = None  # sent to a worker with an iterate() call (Engine._iterate)
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.usage = Usage(prompt_tokens=len(seq.prompt_token_ids))
+        self.token_ids: list[int] = []
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+        self._text_parts: list[str] = []
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._stop = StopStringMatcher(stop, stop_may_end)
+        self._events: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.seq_id
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text_parts)
+
+    def apply_step(self, out: StepOutput) -> bool:
+        """Fold one step's output in and queue the delta; return True on a stop-string hit.
+
+        The caller finishes the request (``finish``) when this returns True or
+        when ``out.finish_reason`` is set.
+        """
+        if self.finished:
+            return False
+        self.usage.target_forwards += out.target_forwards
+        self.usage.drafts_proposed += out.drafts_proposed
+        self.usage.drafts_accepted += out.drafts_accepted
+        self.usage.mask_time_s += out.mask_time_s
+        if not out.new_token_ids:
+            return False
+        if self.first_token_time is None and not self._hold:
+            self.first_token_time = time.monotonic()
+        new_ids = tuple(int(t) for t in out.new_token_ids)
+        self.token_ids.extend(new_ids)
+        self.usage.completion_tokens += len(new_ids)
+        text, stopped = self._stop.feed(self._detokenizer.push(new_ids))
+        if out.finish_reason is FinishReason.GRAMMAR_COMPLETE and self.seq.grammar is not None and not self._hold:
+            self._unchecked = (new_ids, text)
+        else:
+            self._emit(new_ids, text)
+        return stopped
+
+    @property
+    def stop_text(self) -> str:
+        """The output a stop string ended (the text before the match)."""
+        return self._stop.text_before_match
+
+    @property
+    def may_resample(self) -> bool:
+        """Checked mode with attempts left (the validator gives greedy and exact requests one)."""
+        return self.grammar is not None and self.grammar.checked and self.attempts < self.max_attempts
+
+    def restart(self, seq: NewSequence) -> None:
+        """Discard the current (held, never sent) attempt and start another with ``seq``."""
+        assert self._hold and not self.finished
+        self.seq = seq
+        self.attempts += 1
+        self.token_ids = []
+        self._held_ids, self._held_text = [], []
+        self.usage.completion_tokens = 0  # the returned output's tokens; forwards and drafts stay cumulative
+        self._detokenizer = IncrementalDetokenizer(self._tokenizer)
+        self._stop = StopStringMatcher(self._stop_strings, self._stop_may_end)
+
+    def _report(self) -> GrammarReport | None:
+        return None if self.grammar is None else dataclasses.replace(self.grammar, attempts=self.attempts)
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        """Queue the final event (remaining text, finish reason, usage). Idempotent.
+
+        A held (checked) request's text is released on a success (STOP, LENGTH,
+        GRAMMAR_COMPLETE) and dropped on anything else: a failed attempt is never returned."""
+        if self.finished:
+            return
+        held_success = self._hold and reason in _HELD_SUCCESSES
+        unchecked, self._unchecked = self._unchecked, None
+        if unchecked is not None and reason in _HELD_SUCCESSES:
+            self._emit(*unchecked)
+        discard = self._hold and not held_success
+        self.finish_reason = reason
+        self.error = error
+        self.finish_time = time.monotonic()
+        tail = ""
+        if self._stop.matched is None:
+            # Text held for an incomplete character or a possible stop-string
+            # prefix is released now: it will never be completed.
+            tail, stopped = self._stop.feed(self._detokenizer.flush())
+            if not stopped:
+                tail += self._stop.flush()
+        if discard:
+            tail = ""
+            self.token_ids = []
+            self._held_ids, self._held_text = [], []
+        elif held_success:
+            self._release()
+        if tail:
+            self._text_parts.append(tail)
+        if error:
+            self.log.warning("finished with %s: %s", reason.name, error)
+        else:
+            self.log.info(
+                "finished with %s: %d prompt + %d completion tokens, %d target forwards, %.2f tokens/forward",
+                reason.name,
+                self.usage.prompt_tokens,
+                self.usage.completion_tokens,
+                self.usage.target_forwards,
+                self.usage.tokens_per_target_forward,
+            )
+        self._events.put_nowait(
+            RequestOutput(
+                request_id=self.request_id,
+                token_ids=(),
+                text=tail,
+                finish_reason=reason,
+                error=error,
+                usage=dataclasses.replace(self.usage),
+                grammar=self._report(),
+            )
+        )
+
+    def _release(self) -> None:
+        """Send what a held request generated, as one delta (the end check passed)."""
+        self._hold = False
+        ids, text = tuple(self._held_ids), "".join(self._held_text)
+        self._held_ids, self._held_text = [], []
+        if ids or text:
+            self.first_token_time = time.monotonic()  # what the client sees first
+            self._emit(ids, text)
+
+    def _emit(self, token_ids: tuple[int, ...], text: str) -> None:
+        if self._hold:
+            self._held_ids.extend(token_ids)
+            self._held_text.append(text)
+            return
+        if text:
+            self._text_parts.append(text)
+        self._events.put_nowait(RequestOutput(request_id=self.request_id, token_ids=token_ids, text=text))
+
+    async def events(self) -> AsyncIterator[RequestOutput]:
+        """The request's output events, ending with the final one."""
+        while True:
+            event = await self._events.get()
+            yield event
+            if event.finished:
+                return
+
+    async def result(self) -> GenerationResult:
+        """Wait for the request to finish and return the whole output."""
+        async for _ in self.events():
+            pass
+        assert self.finish_reason is not None  # events() ends only after finish()
+        return GenerationResult(
+            request_id=self.request_id,
+            text=self.text,
+            token_ids=tuple(self.token_ids),
+            finish_reason=self.finish_reason,
+            error=self.error,
+            usage=dataclasses.replace(self.usage),
+            grammar=self._report(),
+        )

@@ -1,0 +1,121 @@
+"""Domain values of the API: what a client asked for and what it gets back.
+
+These mirror the protobuf messages in proto/src/specmask/orchestrator/v1 but
+carry no protobuf types, so validation, the engine and tests work on plain
+values. ``convert.py`` translates between the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from specmask.common.grammar_spec import GrammarSpec
+from specmask.gpu_worker.types import FinishReason
+from specmask.orchestrator.chat import ChatPrompt
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Sampling as the client sent it; ``None`` = use the server default."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class SpeculationOptions:
+    """Speculation as the client sent it; ``None`` = use the server default."""
+
+    enabled: bool = True
+    k: int | None = None
+    proposers: tuple[str, ...] | None = None  # names from the worker's proposer registry
+    draft_masking: bool = True
+
+
+@dataclass(frozen=True)
+class GrammarReport:
+    """How a grammar request's output was constrained (the mask service's answer + attempts)."""
+
+    enforcement: str  # "exact", or "checked" (a relaxation masked it; the output passed the end check)
+    backend: str  # the engine that masked it ("xgrammar" / "llguidance"; "" if the service did not say)
+    attempts: int = 1  # generations run: 1 + resamples (checked mode)
+    relaxed: tuple[str, ...] = ()  # checked: the relaxation rules applied
+
+    @property
+    def checked(self) -> bool:
+        return self.enforcement == "checked"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One client request, before validation against the model and grammar engine."""
+
+    request_id: str
+    prompt: str | tuple[int, ...] | ChatPrompt  # text, token ids, or chat messages (specmask/orchestrator/chat.py)
+    grammar: GrammarSpec | None = None
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    speculation: SpeculationOptions = field(default_factory=SpeculationOptions)
+    # Checked mode (grammar.checked): generations to try; None = the server default.
+    max_attempts: int | None = None
+    # Who sent it (orchestrator.client_identity): the mask service's compile queue is fair by it.
+    client: str = ""
+
+
+@dataclass
+class Usage:
+    """Per-request token and speculation accounting (accumulated over steps)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    target_forwards: int = 0
+    drafts_proposed: int = 0
+    drafts_accepted: int = 0
+    mask_time_s: float = 0.0
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        return self.completion_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.drafts_accepted / self.drafts_proposed if self.drafts_proposed else 0.0
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One event on a request's output stream.
+
+    Deltas: ``text`` of all events concatenates to the final text, ``token_ids``
+    to the final token ids. The last event has ``finish_reason`` set and a
+    snapshot of ``usage``.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    usage: Usage | None = None
+    grammar: GrammarReport | None = None  # final event of a grammar request
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """A finished request, as the unary API returns it."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    error: str | None
+    usage: Usage
+    grammar: GrammarReport | None = None  # grammar requests: enforcement, engine, attempts

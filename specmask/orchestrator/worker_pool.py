@@ -1,0 +1,139 @@
+"""Ray connection and GPU worker actors: start them, wait for them, stop them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+from specmask.gpu_worker.types import WorkerInfo
+from specmask.orchestrator.config import OrchestratorConfig
+from specmask.orchestrator.engine import WorkerSlot
+
+logger = logging.getLogger(__name__)
+
+# A local Ray on a shared small box: bind to 127.0.0.1, no auth prompts, no
+# usage-stats phone-home (shared/data/README.md). Only set when unset.
+_LOCAL_RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    # Ray starts workers at nice 15 (it expects spare cores). Locally the GpuWorker actor
+    # is the process doing the model work, and on a small shared box nice 15 starved it
+    # behind the mask service and the orchestrator (the demo ran several times slower).
+    "RAY_worker_niceness": "0",
+}
+# Step outputs are a few hundred bytes; the default store (30% of RAM) would
+# only take memory from the models.
+_LOCAL_OBJECT_STORE_BYTES = 100 * 1024**2
+# GpuWorker.shutdown closes its mask sessions: a few RPCs.
+_SHUTDOWN_TIMEOUT_S = 10.0
+
+
+def _local_ray_on_loopback() -> None:
+    """A local Ray's servers (GCS, raylet, workers) listen on 127.0.0.1 only.
+
+    Ray binds loopback when it is told it runs no cluster (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0,
+    set above for the processes it starts), but this process's ray_constants read that
+    variable once, when ray was first imported (the engine imports ray.exceptions), so the
+    constant is set here too. Without it every Ray port listened on all interfaces."""
+    from ray._private import ray_constants
+
+    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
+        ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def connect_ray(address: str, *, log_to_driver: bool = True) -> bool:
+    """Join Ray; ``"local"`` starts an in-process cluster. Returns True if this call started Ray.
+
+    Call it from the main thread: Ray installs its signal handlers there.
+    ``log_to_driver=False`` keeps worker output out of this process's terminal.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address == "local":
+        for key, value in _LOCAL_RAY_ENV.items():
+            os.environ.setdefault(key, value)
+        _local_ray_on_loopback()
+        # address="local": always a new cluster, never one that happens to be
+        # running on this machine (ray.init() without an address would join it).
+        ray.init(
+            address="local",
+            num_cpus=os.cpu_count() or 1,
+            include_dashboard=False,
+            object_store_memory=_LOCAL_OBJECT_STORE_BYTES,
+            logging_level=logging.WARNING,
+            log_to_driver=log_to_driver,
+        )
+    else:
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=log_to_driver)
+    return True
+
+
+async def start_workers(config: OrchestratorConfig) -> list[WorkerSlot]:
+    """Create ``num_workers`` GpuWorker actors and wait (bounded) until all have loaded."""
+    from specmask.gpu_worker.actor import start_remote_worker
+
+    worker_config = config.worker_config()
+    # num_gpus=None: one GPU per worker when the Ray cluster has GPUs (asked of
+    # the cluster, not of this process: the orchestrator may run on a CPU node).
+    # max_task_retries=0: a step is never replayed on a restarted actor (its
+    # sequences are gone); the engine fails that batch and re-admits the worker.
+    # enable_task_events=False: every step/add/remove is a Ray task, ~100 a second per
+    # worker, and each one's events were kept by the GCS (up to 100,000 tasks): its RSS
+    # grew ~12 MB/min under bench.soak (issue 14). Nothing reads them.
+    actors = [
+        start_remote_worker(
+            worker_config,
+            num_gpus=config.worker_num_gpus,
+            max_restarts=config.worker_max_restarts,
+            max_task_retries=0,
+            enable_task_events=False,
+        )
+        for _ in range(config.num_workers)
+    ]
+    try:
+        infos: list[WorkerInfo] = await asyncio.wait_for(
+            asyncio.gather(*(asyncio.wrap_future(a.info.remote().future()) for a in actors)),
+            config.worker_start_timeout_s,
+        )
+    except BaseException as exc:
+        stop_workers(actors)
+        if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+            raise RuntimeError(
+                f"GPU workers did not start within {config.worker_start_timeout_s:.0f} s "
+                "(an actor asking for a GPU the cluster lacks waits forever; see --worker-num-gpus)"
+            ) from None
+        raise
+    first = infos[0]
+    for i, info in enumerate(infos):
+        if not info.serves_same_model(first):
+            stop_workers(actors)
+            raise RuntimeError(f"worker {i} loaded a different model than worker 0: {info} vs {first}")
+        logger.info(
+            "worker %d ready on %s: vocab %d, max_model_len %d", i, info.device, info.vocab_size, info.max_model_len
+        )
+    return [
+        WorkerSlot(index=i, actor=actor, info=info, capacity=config.max_batch)
+        for i, (actor, info) in enumerate(zip(actors, infos))
+    ]
+
+
+def stop_workers(actors: list[Any]) -> None:
+    """Ask workers to free sequences and close mask sessions (bounded), then kill them."""
+    import ray
+
+    if not actors:
+        return
+    refs = [actor.shutdown.remote() for actor in actors]
+    _ready, pending = ray.wait(refs, num_returns=len(refs), timeout=_SHUTDOWN_TIMEOUT_S)
+    if pending:
+        logger.warning("%d worker(s) did not shut down within %.0f s; killing them", len(pending), _SHUTDOWN_TIMEOUT_S)
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception as exc:
+            logger.warning("could not kill worker actor: %r", exc)
