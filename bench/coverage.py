@@ -4,7 +4,7 @@
         [--subsets Github_medium,Glaiveai2K] [--backend auto|xgrammar|llguidance] [--limit N]
     python -m bench.coverage --test-suite ../shared/data/json-schema-test-suite/draft2020-12 \\
         --tokenizer ../shared/data/tokenizers/llama3 --table
-    python -m bench.coverage --schemas ... --checked    # also count checked mode (issue 13) apart
+    python -m bench.coverage --schemas ... --checked    # also count checked mode apart
 
 Every schema is compiled through the service's own path (``backends.BACKENDS``,
 the code ``compiler_cache`` runs, in-process). For every accepted schema each

@@ -8,7 +8,7 @@ against the bytes the op *must* move (not what an implementation happens to
 move), so the numbers compare across implementations:
 * bitmask apply: read the mask (4 B per word) + write -inf to each disallowed logit;
 * rejection_sample: read the target logits and the draft probabilities once;
-* rejection_checked: the same with the on-device mask check (issue 9), which
+* rejection_checked: the same with the on-device mask check, which
   adds one mask word and one row id per emitted token (``mask_check_overhead``
   in the RESULT: checked / plain - 1 per shape);
 * sample_draft: read the draft logits, write the q rows.
@@ -135,7 +135,7 @@ def run(grid: dict, device: torch.device, reps: int) -> list[Row]:
                 lambda: rejection_sample(draft_ids, cu, draft_probs, logits, sampling, backend=backend), device, reps
             )
             add("rejection_sample", name, ms, reject_bytes)
-            # Issue 9's on-device mask check: one mask word (+ its row id) read per emitted token.
+            # The on-device never-lie mask check: one mask word (+ its row id) read per emitted token.
             ms = _timeit(
                 lambda: rejection_sample(
                     draft_ids,

@@ -1,6 +1,6 @@
 """Random grammars and requests for the lie hunter, and the independent output checks.
 
-Issue 9: "never lie" must hold for *any* input, so `bench.lies` and
+"Never lie" must hold for *any* input, so `bench.lies` and
 tests/e2e/test_never_lie.py throw seeded random requests at the real stack and
 check every completed output with code that shares nothing with the serving path
 (no xgrammar, no orchestrator.output_check): ``jsonschema`` for JSON Schemas,

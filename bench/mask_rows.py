@@ -1,4 +1,4 @@
-"""Host time per step of the worker's mask-row data path: dense rows vs row ids (issue 15.2).
+"""Host time per step of the worker's mask-row data path: dense rows vs row ids.
 
     python -m bench.mask_rows                      # B in {8, 32, 64}, k = 4, V in {49,152, 128,256}
     python -m bench.mask_rows --batches 32 --steps 200
@@ -14,7 +14,7 @@ sequences drafting k positions with draft-side masks and grammar-forced drafts
   a ``MaskRow.allows`` check of each proposal;
 * verify: the k + 1 rows of every sequence as one table + row ids.
 
-``dense`` is the form before issue 15.2 (commit a25f1fd): the client gathered
+``dense`` is the earlier form (before commit a25f1fd): the client gathered
 every reply's rows into a dense array under its lock, wrapped each request's
 rows as a torch tensor, the drafter kept per-position [W] rows, grammar-forced
 detection popcounted the stacked rows, the draft proposer stacked a table per
@@ -88,7 +88,7 @@ class _Replies:
 
 
 class _DenseStep:
-    """The worker's mask-row handling before issue 15.2 (see the module docstring)."""
+    """The worker's mask-row handling before commit a25f1fd (see the module docstring)."""
 
     def __init__(self, vocab: int) -> None:
         self.vocab = vocab

@@ -1,4 +1,4 @@
-"""Soak the local stack with hostile traffic and measure whether steady traffic survives it (issue 14).
+"""Soak the local stack with hostile traffic and measure whether steady traffic survives it.
 
     python -m bench.soak --baseline-s 30 --flood-s 60
 
@@ -75,7 +75,7 @@ STEADY_SCHEMAS: list[dict[str, Any]] = [
 
 
 def pathological_schemas() -> list[dict[str, Any]]:
-    """The shapes issue 14 measured stalling the stack, plus ones just inside the default limits."""
+    """The shapes once measured stalling the stack, plus ones just inside the default limits."""
     deep: dict[str, Any] = {"type": "integer"}
     for _ in range(300):
         deep = {"type": "object", "properties": {"a": deep}}

@@ -1,4 +1,4 @@
-"""Each role imports only what it runs: the seams of issue 11's light install.
+"""Each role imports only what it runs: the seams of the light installs.
 
 Every check runs in a fresh interpreter with the named packages blocked (an
 import of one raises ImportError), so a stray top-level import anywhere in the

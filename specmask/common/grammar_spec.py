@@ -37,7 +37,7 @@ class GrammarSpec:
     separators: tuple[str, str] | None = None  # JSON: (item sep, key sep), e.g. (",", ":")
     strict: bool = True  # JSON schema: no additional properties unless the schema allows them
     backend: str = ""  # grammar engine to use ("xgrammar", "llguidance"); "" = the service picks (backends.py)
-    # JSON schema, opt-in checked mode (issue 13): where no engine enforces the schema exactly only
+    # JSON schema, opt-in checked mode: where no engine enforces the schema exactly only
     # because of keywords ``schema_relax`` can relax, compile that relaxation (a superset) instead of
     # refusing; the caller must then check every output against this spec's schema (orchestrator does).
     checked: bool = False

@@ -223,9 +223,9 @@ class GpuWorker:
         # Sessions open on the mask control threads (gpu_worker.masks), and add() does not
         # wait for them: a session is first needed by the sequence's first step, and add and
         # step share the actor's thread, so waiting here stalled every running sequence for a
-        # round trip (~5 ms per add while a flood of new grammars kept the mask service busy,
-        # issue 14). The orchestrator sends add() as soon as it places a request, so the open
-        # runs while the orchestrator handles the current step's outputs. A sequence whose
+        # round trip while a flood of new grammars kept the mask service busy. The orchestrator
+        # sends add() as soon as it places a request, so the open runs while the orchestrator
+        # handles the current step's outputs. A sequence whose
         # session is still opening when a step starts sits it out (``_settle_sessions``).
         for _, state in accepted:
             grammar = state.request.grammar
@@ -317,10 +317,9 @@ class GpuWorker:
         room = budget - min(budget, sum(uncached(s) + self.stepper.plan_k(s) for s in batch))
 
         def join_late() -> list[SequenceState]:
-            # Nearly every new grammar sequence used to sit its first step out: the step after its
+            # A new grammar sequence would otherwise sit its first step out: the step after its
             # add() begins a Ray call later, before the open's round trip to the mask service has
-            # answered (issue 14 soak: 41% of steps had a sequence sitting out, 3,841 in all, each
-            # 0.4-3.7 ms (p10-p90) into its open). The proposal phase (draft forwards, draft-mask
+            # answered (milliseconds into its open). The proposal phase (draft forwards, draft-mask
             # round trips) gives the open that time; joining then saves the sequence an iteration.
             nonlocal room
             refused.extend(self._settle_sessions(wait=False))

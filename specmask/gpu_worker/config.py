@@ -1,4 +1,4 @@
-"""The worker's one frozen configuration object (STYLE.md: one config per process)."""
+"""The worker's one frozen configuration object (one config per process)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ DEFAULT_NGRAM_MAX = 4
 # forwards, instead of a prefill forward of their own in add() (mixed prefill and
 # decode, as chunked prefill does). A separate prefill costs one target and one draft
 # forward per sequence on the worker's one thread, and every running sequence waits
-# for it: under a flood of short requests that was 20% of the worker's time (issue 14).
+# for it: under a flood of short requests that was 20% of the worker's time.
 # Inside the step those tokens only widen the packed forwards the step runs anyway.
 # Longer prompts are prefilled in chunks (within the iteration budget below) up to their
 # last this-many tokens, capped at half the budget; the value matches

@@ -1,5 +1,5 @@
 """The proposal phase of a step: d_1..d_k per sequence, position by position,
-with the draft-side mask traffic kept off the critical path (DESIGN.md step 1).
+with the draft-side mask traffic kept off the critical path (docs/design.md step 1).
 
 A grammar sequence that drafts with masks (draft-side masking, or grammar-forced
 drafts) needs, at draft position i, the row M_{i-1}: tokens allowed after its
@@ -24,7 +24,7 @@ sequence it does not cover (just added) sends its own position-1 request, in
 flight with the forward like any other position. With M_0 in hand, forced
 first positions skip the draft forward outright.
 
-Forced continuations (issue 15.3): for a sequence with grammar-forced drafts,
+Forced continuations: for a sequence with grammar-forced drafts,
 every draft-side request also asks the service for the grammar's forced
 continuation after its drafts (``forced_up_to``). A reply with f_1..f_m
 makes them the next drafts at once, q = 1 (one-hot) like any grammar-forced
@@ -36,7 +36,7 @@ requested on the draft side: the verify path asks such a sequence for all k+1
 rows (one request, in flight with the target forward), and the target verifies
 forced drafts exactly like any other.
 
-Lookahead (issue 15, step cost). A sequence drafting with grammar-forced and n-gram
+Lookahead (step cost). A sequence drafting with grammar-forced and n-gram
 drafts only has no draft forward for a position's round trip to hide behind, so
 each position's request was a wait on the critical path (~5 round trips and ~6 ms
 per step on SmolLM2, CPU). Its drafts need no model, though: the n-gram lookup
@@ -57,7 +57,7 @@ multi-token text at a state the chain passes through with an allowed token (the
 chain's spelling is kept); exactness never depends on the drafts.
 
 Where the chain meets a refused n-gram token, the service's walk stops at that state
-and (``forced_up_to``, issue 15.3) sends the forced continuation there in the same
+and (``forced_up_to``) sends the forced continuation there in the same
 reply: the slot takes that run at once instead of asking that state again (the
 re-ask was ~1 exposed round trip per step on SmolLM2); with nothing forced there,
 the proposers see that state's row, as they would have after a re-ask. The drafts are

@@ -6,7 +6,7 @@ and turns rows into what both bitmask kernels take: one ``mask_table`` and a
 ``row_ids`` vector (``apply_token_bitmask_indirect_inplace`` on the draft side
 and on the verify path, then ``rejection_sample(mask_table=, mask_row_ids=)``).
 A row is uploaded once, when it first appears, and never gathered into a dense
-per-request tensor (issue 15.2: "mask rows in one form").
+per-request tensor ("mask rows in one form").
 
 Refresh rule, per client table (``TableView.source``):
 * same epoch, more rows: upload only rows [mirrored, num_rows) (the table

@@ -10,7 +10,7 @@ into them in place (``_slot_cache``: one indexed write per layer).
 tokens, all rows' concatenated into one ``[1, N]`` sequence, N = Σ T_r, with
 each token's true position id. On a CPU the linear layers are most of a
 forward's cost and scale with the positions they compute, so a verify batch of
-rows 1..5 wide pays for Σ T_r positions, not R · T_max (issue 10). Attention
+rows 1..5 wide pays for Σ T_r positions, not R · T_max. Attention
 still runs over the pool rows: each layer's cache write scatters the N new
 keys/values to (slot, position), and the attention function
 (gpu_worker.attention, told the layout through the ``packed_rows`` keyword)

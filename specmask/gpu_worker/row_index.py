@@ -62,7 +62,7 @@ class RowIndexCache:
         if entry is not None:
             self._entries.move_to_end(key)
             return entry
-        words = np.ascontiguousarray(row.words)  # [W] int32, little-endian (DESIGN.md wire format)
+        words = np.ascontiguousarray(row.words)  # [W] int32, little-endian (docs/design.md wire format)
         bits = np.unpackbits(words.view(np.uint8), bitorder="little").view(np.bool_)  # [32 * W]
         if bits.shape[0] < vocab_size:
             raise ValueError(f"a mask row of {bits.shape[0]} bits cannot mask {vocab_size} logits")

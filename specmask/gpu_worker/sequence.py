@@ -40,7 +40,7 @@ class SequenceState:
     joined_late: bool = False
     session_wait_reported: bool = False
     # Emitted tokens the mask service has not seen yet: they ride, as commit_tokens,
-    # on the next draft-mask request (DESIGN.md "commit can ride on the next request").
+    # on the next draft-mask request (docs/design.md "commit can ride on the next request").
     pending_commit: list[int] = field(default_factory=list)
     commit_seq: int = 0  # sequence number of the latest commit handed to the mask service (>= 1 once used)
     step: int = 0  # steps taken; mixed into the sampling seed so every step draws fresh randomness
@@ -55,7 +55,7 @@ class SequenceState:
 
     @property
     def request_id(self) -> str:
-        """The orchestrator's request id (STYLE.md: named in every log line about the sequence)."""
+        """The orchestrator's request id (named in every log line about the sequence)."""
         return self.request.log_request_id
 
     @property

@@ -1,4 +1,4 @@
-"""One decoding step for a batch of sequences (DESIGN.md "One decoding step").
+"""One decoding step for a batch of sequences (docs/design.md "One decoding step").
 
     plan k_r -> propose d_1..d_k (drafting.py) -> send verify masks (async) ->
     target forward over [uncached committed tokens, d_1..d_k] -> wait for masks
@@ -199,7 +199,7 @@ class StepRunner:
         )
         for (s, _), result in zip(to_verify, verified):
             if result.violation is not None:
-                # Never commit or return the token (issue 9): only this sequence fails.
+                # Never commit or return the token: only this sequence fails.
                 logger.error(
                     "[request_id=%s] seq %s: grammar violation caught on device: %s",
                     s.seq.request_id,

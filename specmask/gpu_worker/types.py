@@ -30,7 +30,7 @@ class FinishReason(enum.Enum):
       the budget) or prompt + output reached the model's maximum length.
     * ``CANCELLED``: removed by ``remove()`` (never reported by ``step()``).
     * ``ERROR``: the sequence failed (message in ``StepOutput.error``); it is freed.
-    * ``GRAMMAR_VIOLATION``: output that breaks the grammar was caught (issue 9) —
+    * ``GRAMMAR_VIOLATION``: output that breaks the grammar was caught —
       by the rejection sampler's mask check (the offending token is never emitted)
       or by the orchestrator's end-of-request check; never a success. Message in
       ``StepOutput.error``; the sequence is freed.

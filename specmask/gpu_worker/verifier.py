@@ -1,4 +1,4 @@
-"""Verification: grammar-mask the target rows, then rejection-sample (DESIGN.md steps 3-4).
+"""Verification: grammar-mask the target rows, then rejection-sample (docs/design.md steps 3-4).
 
 Layout follows kernels.rejection: request r owns k_r + 1 consecutive target
 rows; drafts are flattened in request order with cumulative counts
@@ -10,7 +10,7 @@ reference path the logits are masked from token ids cached per row instead
 (``gpu_worker.row_index``: same result, without unpacking every row each step).
 
 The same table and row ids go to the rejection sampler, which checks every
-emitted token against its row (issue 9, one bit read per token): a sequence
+emitted token against its row (one bit read per token): a sequence
 whose emitted token breaks its mask gets ``VerifyResult.violation`` (a message)
 and no tokens, and the step finishes only that sequence with
 ``FinishReason.GRAMMAR_VIOLATION``.

@@ -20,7 +20,7 @@ a draft is kept while its gain exceeds the ratio E / cost of what is kept so
 far (adding a unit-cost item raises a ratio exactly when its gain exceeds it).
 Every row keeps at least its first draft, so depth 1 keeps being measured.
 Trimming drafts never changes an output: verification with fewer drafts is
-speculative decoding with a smaller k_r, exact for any k_r (DESIGN.md), so this
+speculative decoding with a smaller k_r, exact for any k_r (docs/design.md), so this
 is a pure cost choice.
 """
 

@@ -4,7 +4,7 @@ Every op in `kernels/` takes `backend: Backend | None = None` and returns (or
 carries) the backend that actually ran, so tests can assert it instead of
 trusting the environment.
 
-Resolution of `None` (DESIGN.md, kernels/):
+Resolution of `None` (docs/design.md, kernels/):
 * tensors on CUDA                                  -> Triton (compiled);
 * tensors on CPU, `SPECMASK_KERNEL_BACKEND=triton`  -> Triton (interpreted; needs
   `TRITON_INTERPRET=1`, which is how CI tests the Triton code);
@@ -18,7 +18,7 @@ function is decorated, and that includes Triton's own standard library
 is made per call: most CPU tests want the fast reference, kernel tests want
 the interpreted Triton code.
 
-Nothing here touches CUDA or imports Triton at import time (STYLE.md): the
+Nothing here touches CUDA or imports Triton at import time: the
 Triton modules are imported lazily by each op, *after* the environment is read,
 because Triton decides between compiling and interpreting when a kernel is
 decorated.

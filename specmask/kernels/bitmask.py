@@ -1,6 +1,6 @@
-"""Apply a packed grammar bitmask to logits in place (DESIGN.md step 3).
+"""Apply a packed grammar bitmask to logits in place (docs/design.md step 3).
 
-Bitmask wire format (DESIGN.md): row-major int32, `num_mask_words = W =
+Bitmask wire format (docs/design.md): row-major int32, `num_mask_words = W =
 ceil(V_mask / 32)` words per row, bit j of word w stands for token 32*w + j,
 1 = allowed. This is xgrammar's and llguidance's layout, so masks from the mask
 service are used as they arrive.

@@ -1,4 +1,4 @@
-"""Draft-side sampling (DESIGN.md step 1): one draft token per request plus the
+"""Draft-side sampling (docs/design.md step 1): one draft token per request plus the
 full q row that rejection sampling needs.
 
 q must be the distribution the token was *actually* drawn from (Leviathan et

@@ -2,7 +2,7 @@
 
 This is the "p" (and, on the draft side, "q") of Leviathan et al. 2023: the
 distributions rejection sampling compares are the *processed* ones, so the
-target and the draft go through this same function (DESIGN.md step 4).
+target and the draft go through this same function (docs/design.md step 4).
 
 Deliberately one PyTorch implementation shared by both backends, as in vLLM's
 sampler (`apply_top_k_top_p`): top-p needs a sort, which a Triton kernel would
@@ -59,7 +59,7 @@ def _finite_or_masked_argmax(
 ) -> torch.Tensor:  # [num_rows, V] float32, every row finite and summing to 1
     """Rows whose processed distribution is not finite become one-hot at the masked argmax.
 
-    Issue 9, finding 2: a denormal temperature (1e-40) turns logits / T into +-inf,
+    A denormal temperature (1e-40) turns logits / T into +-inf,
     softmax into NaN, and the exponential race then picks token 0 (often EOS)
     *whatever the mask says*. The T -> 0 limit of softmax(l / T) is the argmax, so
     the fallback is also the right distribution. NaN logits are skipped (-inf) so

@@ -1,4 +1,4 @@
-"""Exact rejection sampling for a ragged batch of speculative drafts (DESIGN.md step 4).
+"""Exact rejection sampling for a ragged batch of speculative drafts (docs/design.md step 4).
 
 Leviathan et al. 2023 (arXiv 2211.17192), Algorithm 1, per request r with
 drafts d_1..d_k (k = k_r, possibly 0), draft distributions q_i and target
@@ -16,7 +16,7 @@ the masked target (greedy: identical to sequential argmax). A grammar-masked
 token has p = 0, so a forbidden draft is always rejected and recovered/bonus
 tokens are always allowed: every emitted token satisfies its position's mask.
 
-That argument holds only while every stage is correct (issue 9: a denormal
+That argument holds only while every stage is correct (a denormal
 temperature made NaN probabilities emit EOS outside the mask). So, given the
 mask rows, the accept stage also *checks* it: one bit read per emitted token
 (accepted drafts, recovered, bonus, stop tokens alike). A request with an

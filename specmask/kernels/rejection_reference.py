@@ -73,7 +73,7 @@ def _emitted_outside_mask(
     mask_table: torch.Tensor,  # [num_table_rows, W] int32
     mask_row_ids: torch.Tensor,  # [num_tokens]
 ) -> torch.Tensor:  # [B] bool: some emitted token is not allowed by its position's mask row
-    """One bit read per emitted token (issue 9: the structural on-device guarantee)."""
+    """One bit read per emitted token (the structural on-device guarantee)."""
     batch, slots = out.shape
     num_words = mask_table.shape[1]
     pos = torch.arange(slots, device=out.device)  # [K+1]

@@ -4,7 +4,7 @@ drafts in order and stops at the first rejection (vLLM's
 `rejection_random_sample_kernel`, greedy and random in one kernel). All vocab-
 wide work happened in `kernels.recovered`; this kernel only reads k_r + 1
 scalars per request, plus, with a mask table, one mask word per emitted token
-(the structural guarantee of issue 9: an emitted token its mask row forbids
+(the structural never-lie guarantee: an emitted token its mask row forbids
 turns the request's output into placeholders and sets its violation flag).
 """
 

@@ -1,4 +1,4 @@
-"""Per-request sampling parameters and their expansion to target rows (DESIGN.md step 4).
+"""Per-request sampling parameters and their expansion to target rows (docs/design.md step 4).
 
 A request r owns k_r + 1 consecutive target rows (its drafts' positions plus the
 bonus position), starting at row cu[r-1] + r, where cu = cu_num_draft_tokens

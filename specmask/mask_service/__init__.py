@@ -43,8 +43,8 @@ U+0000-U+001F (xgrammar admits them raw; escapes stay unavailable there).
 Lark IS supported (xgrammar Grammar.from_lark). Known gaps, not refused: xgrammar
 relaxes a oneOf it cannot prove disjoint to anyOf (logged by xgrammar).
 
-Never-lie checks on every grammar, whichever engine compiles it (issue 9;
-grammar_checks, code_points, ebnf_classes): a JSON Schema must be valid against its
+Never-lie checks on every grammar, whichever engine compiles it
+(grammar_checks, code_points, ebnf_classes): a JSON Schema must be valid against its
 draft's metaschema and hold no lone surrogate, non-finite number (1e400) or nesting
 beyond schema_check.MAX_SCHEMA_DEPTH; regex/EBNF/Lark text may not name a surrogate
 or a code point above U+10FFFF; a compiled grammar whose first mask allows no token

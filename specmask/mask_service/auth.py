@@ -1,4 +1,4 @@
-"""Shared-token authentication between the mask service and its callers (issue 14).
+"""Shared-token authentication between the mask service and its callers.
 
 Without it, any client that reached a replica could fill its session table in
 about a second. Every MaskService RPC must carry ``authorization: Bearer

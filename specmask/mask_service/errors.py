@@ -45,7 +45,7 @@ class GrammarError(InvalidArgument):
 
 
 class GrammarTooComplex(GrammarError):
-    """The compile passed its time budget or memory cap and was killed (issue 14).
+    """The compile passed its time budget or memory cap and was killed.
 
     INVALID_ARGUMENT, not DEADLINE_EXCEEDED: the same grammar would exceed the
     same budget on any replica, so neither a client retry nor the router's

@@ -1,4 +1,4 @@
-"""Who an API request comes from, for fairness at the mask service's compile queue (issue 14).
+"""Who an API request comes from, for fairness at the mask service's compile queue.
 
 The mask service serves compiles round-robin by owner. Without an identity
 every grammar the orchestrator validates would count as one owner, so one

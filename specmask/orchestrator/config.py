@@ -28,7 +28,7 @@ AUTO_INFLIGHT_PER_CLIENT = -1  # max_inflight_per_client: derived (OrchestratorC
 # (vLLM's and OpenAI's default: a long answer is not cut at an arbitrary length).
 DEFAULT_MAX_TOKENS: int | None = None
 # Drafts per step when a request names none. k=4 sits near the knee of
-# (1 - a^(k+1)) / (1 - a) for acceptance rates 0.6-0.8 (DESIGN.md).
+# (1 - a^(k+1)) / (1 - a) for acceptance rates 0.6-0.8 (docs/design.md).
 DEFAULT_K = 4
 # The liveness limit. A worker iteration is bounded by its token budget
 # (--max-iteration-tokens): milliseconds on a GPU, about a second for the real model on a
@@ -57,7 +57,7 @@ DEFAULT_WORKER_MAX_RESTARTS = -1
 # the CPU (Ray would give an actor without num_cpus one: it sets OMP_NUM_THREADS=1).
 # GPU workers keep their default. See WorkerConfig.torch_threads for the figures.
 DEFAULT_WORKER_TORCH_THREADS = 0
-# Checked mode (issue 13): the most generations (1 + resamples) a request may ask for.
+# Checked mode: the most generations (1 + resamples) a request may ask for.
 DEFAULT_CHECKED_MAX_ATTEMPTS = validation.DEFAULT_CHECKED_MAX_ATTEMPTS
 DEFAULT_MAX_QUEUED_PROMPT_TOKENS = token_admission.DEFAULT_MAX_QUEUED_PROMPT_TOKENS
 DEFAULT_MAX_WORKER_PROMPT_TOKENS = token_admission.DEFAULT_MAX_WORKER_PROMPT_TOKENS

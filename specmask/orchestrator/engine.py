@@ -30,7 +30,7 @@ call returned) it is reset, checked to serve the same model, and put back.
 Meanwhile the mask sessions it held are released by owner on every replica,
 so a worker that never comes back leaks none.
 
-Never lie (issue 9): a grammar request the worker reports GRAMMAR_COMPLETE is
+Never lie: a grammar request the worker reports GRAMMAR_COMPLETE is
 finished only after ``output_check`` accepts its final text against the caller's
 grammar (on the executor, off the loop); otherwise, or if the check itself fails,
 it finishes with GRAMMAR_VIOLATION and a typed error, counted in
@@ -80,7 +80,7 @@ logger = logging.getLogger(__name__)
 _DRAIN_POLL_S = 0.05
 # End-of-request output checks (short CPU work) have threads of their own: on the
 # validation pool they queued behind validations blocked for seconds on a grammar
-# compile, so a flood of new schemas delayed every request's completion (issue 14).
+# compile, so a flood of new schemas delayed every request's completion.
 _OUTPUT_CHECK_THREADS = 2
 
 # On shutdown, remove() frees what the workers still hold: fast (KV caches,
@@ -113,7 +113,7 @@ class EngineConfig:
     step_timeout_s: float
     validation_threads: int
     # Requests one end client (GenerationRequest.client) may have in flight; 0 = no cap. Bounds
-    # one client's share of the batches, so its flood is its own queueing (issue 14).
+    # one client's share of the batches, so its flood is its own queueing.
     max_inflight_per_client: int = 0
     # Place the oldest request of the client holding the fewest batch slots (Engine._next_waiting);
     # False: strict arrival order (bench.fairness's control).
@@ -204,7 +204,7 @@ class Engine:
             self._tasks.append(asyncio.create_task(self._run_worker(slot), name=f"worker-{slot.index}-loop"))
 
     async def drain(self, grace_s: float) -> int:
-        """Graceful shutdown, first half (issue 14): refuse new requests, let live ones
+        """Graceful shutdown, first half: refuse new requests, let live ones
         finish for up to ``grace_s``, then end each one left with ERROR and a message
         saying why, so every stream gets a final message instead of a bare UNAVAILABLE.
         Returns how many were ended early."""
@@ -446,7 +446,7 @@ class Engine:
 
         Adds placed while a step runs wait for the next call: the worker could not take them
         sooner (an actor runs one call at a time), and each Ray call costs both processes
-        ~0.4 ms of CPU; sent one per placement, a flood of short requests (issue 14's soak,
+        ~0.4 ms of CPU; sent one per placement, a flood of short requests (bench.soak,
         ~2 arrivals a step) made each iteration three calls. The worker starts their
         mask-session opens in the call and steps at once: a sequence whose open answers while
         the drafts are proposed joins that step, else it sits the step out."""
@@ -608,7 +608,7 @@ class Engine:
                     self._metrics.checked_attempts.labels(outcome="passed").inc()
                 self._finish(request, reason)
                 return
-            if checked:  # checked mode (issue 13): the relaxation allowed it; the end check caught it
+            if checked:  # checked mode: the relaxation allowed it; the end check caught it
                 if request.may_resample:
                     self._metrics.checked_attempts.labels(outcome="resampled").inc()
                     self._resample(request, verdict.reason)
@@ -663,7 +663,7 @@ class Engine:
             "worker %d %s; taking it out of placement", slot.index, "timed out" if timed_out else f"failed: {exc!r}"
         )
         # The client gets what happened in SpecMask's words; Ray's exception text
-        # ("ActorUnavailableError ... recvmsg") stays in the log above (issue 14).
+        # ("ActorUnavailableError ... recvmsg") stays in the log above.
         what = (
             f"stopped answering (no heartbeat or no progress within {self._config.step_timeout_s:g} s)"
             if timed_out

@@ -140,7 +140,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--checked-max-attempts",
         type=int,
         default=cfg.DEFAULT_CHECKED_MAX_ATTEMPTS,
-        help="checked mode (issue 13): most generations one request may ask for (Grammar.max_attempts)",
+        help="checked mode: most generations one request may ask for (Grammar.max_attempts)",
     )
     parser.add_argument(
         "--schema-instruction",

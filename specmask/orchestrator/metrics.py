@@ -132,7 +132,7 @@ class OrchestratorMetrics:
         self.grammar_requests = Counter(
             "specmask_grammar_requests",
             "Grammar requests finished, by enforcement: exact (masked by the caller's grammar) or checked "
-            "(masked by a relaxation, checked at the end; issue 13)",
+            "(masked by a relaxation, checked at the end)",
             ["enforcement"],
             registry=r,
         )
@@ -236,6 +236,6 @@ class OrchestratorMetrics:
             self.vllm_time_to_first_token.observe(first_token - arrival)
             # Tokens arrive in bursts of up to k+1 per step, so over a request of a few
             # tokens (finish - first_token) may span no step at all: 2 tokens of one burst
-            # read as >5,000 tok/s (issue 14). Shorter requests are not rated.
+            # read as >5,000 tok/s. Shorter requests are not rated.
             if finish > first_token and usage.completion_tokens >= MIN_TOKENS_FOR_RATE:
                 self.request_tokens_per_second.observe((usage.completion_tokens - 1) / (finish - first_token))

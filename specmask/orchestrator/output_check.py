@@ -1,6 +1,6 @@
 """End-of-request check: a grammar request's final text must satisfy the caller's grammar.
 
-Issue 9: the sampler and the masks are *supposed* to make every output valid, and
+The sampler and the masks are *supposed* to make every output valid, and
 three bugs showed that "supposed to" is not enough. So before a request is reported
 complete (``GRAMMAR_COMPLETE``), the orchestrator checks the text the client gets,
 independently of the mask path, and a failure finishes the request with

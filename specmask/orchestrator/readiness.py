@@ -1,4 +1,4 @@
-"""What the orchestrator's readiness reports: can it serve a constrained request right now? (issue 14)
+"""What the orchestrator's readiness reports: can it serve a constrained request right now?
 
 Ready means both:
 

@@ -6,7 +6,7 @@ incrementally, applies stop strings, and queues deltas for the servicer. The
 engine decides *when* a request runs; the request decides *what* the client
 sees.
 
-Checked mode (issue 13): a request whose grammar is enforced by a relaxation
+Checked mode: a request whose grammar is enforced by a relaxation
 (``GrammarReport.checked``) *holds* its output: nothing is streamed until the
 engine's end check passes (``release`` then sends the whole text as one
 delta), because an attempt that fails the check is discarded and regenerated
@@ -36,7 +36,7 @@ _HELD_SUCCESSES = frozenset({FinishReason.STOP, FinishReason.LENGTH, FinishReaso
 
 
 class RequestLog(logging.LoggerAdapter):
-    """Prefixes every line with the request id (STYLE.md: the id in every log line)."""
+    """Prefixes every line with the request id (the id in every log line)."""
 
     def process(self, msg, kwargs):
         assert self.extra is not None  # always built with {"request_id": ...}

@@ -1,4 +1,4 @@
-"""Single flight: concurrent callers with the same key share one call (issue 14).
+"""Single flight: concurrent callers with the same key share one call.
 
 A client that sends a burst of requests with one schema the mask tier has not
 compiled yet made each request a ValidateGrammar call, and each call a waiter on

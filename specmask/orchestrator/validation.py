@@ -37,7 +37,7 @@ MAX_TEMPERATURE = 100.0
 # softmax(l / T) with T < 1e-5 differs from the argmax only among logits within
 # ~1e-4 of the maximum, i.e. within the rounding noise of float32/bf16 logits, and
 # T -> 0 is the argmax anyway; below ~1e-38 logits / T overflows float32 to inf and
-# the softmax to NaN (issue 9: temperature 1e-40 emitted EOS outside the grammar).
+# the softmax to NaN (temperature 1e-40 emitted EOS outside the grammar).
 GREEDY_TEMPERATURE_FLOOR = 1e-5
 # Stop strings are searched on every delta and the longest one sets how much
 # streamed text is held back; bound both.
@@ -55,7 +55,7 @@ KNOWN_PROPOSERS = frozenset({"draft_model", "grammar_forced", "ngram"})
 DRAFTLESS_PROPOSERS = ("grammar_forced", "ngram")
 # Longest plausible token, in characters (used only to bound tokenizer work).
 MAX_CHARS_PER_TOKEN = 64
-# Checked mode (issue 13): generations a request gets when it names no max_attempts, and the
+# Checked mode: generations a request gets when it names no max_attempts, and the
 # default server cap (--checked-max-attempts).
 DEFAULT_CHECKED_ATTEMPTS = 4
 DEFAULT_CHECKED_MAX_ATTEMPTS = 8

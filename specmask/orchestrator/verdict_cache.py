@@ -1,4 +1,4 @@
-"""The mask tier's recent verdicts on grammars, kept by the orchestrator (issue 14).
+"""The mask tier's recent verdicts on grammars, kept by the orchestrator.
 
 Every grammar request used to cost a ValidateGrammar round trip to the mask
 tier before placement, even for a schema the tier had accepted a moment ago: on

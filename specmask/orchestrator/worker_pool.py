@@ -84,7 +84,7 @@ async def start_workers(config: OrchestratorConfig) -> list[WorkerSlot]:
     # sequences are gone); the engine fails that batch and re-admits the worker.
     # enable_task_events=False: every step/add/remove is a Ray task, ~100 a second per
     # worker, and each one's events were kept by the GCS (up to 100,000 tasks): its RSS
-    # grew ~12 MB/min under bench.soak (issue 14). Nothing reads them.
+    # grew ~12 MB/min under bench.soak. Nothing reads them.
     actors = [
         start_remote_worker(
             worker_config,

@@ -1,4 +1,4 @@
-"""bench.soak, short and with small limits (issue 14): under a flood of pathological and distinct
+"""bench.soak, short and with small limits: under a flood of pathological and distinct
 schemas plus random cancels, the steady constrained stream keeps succeeding, the pathological
 schemas are refused, no mask session leaks and every replica answers health throughout."""
 

@@ -1,4 +1,4 @@
-"""Checked mode and engine choice through the whole stack (issue 13).
+"""Checked mode and engine choice through the whole stack.
 
 A schema no engine enforces exactly (``uniqueItems``) is refused unless the
 request opts in; opted in, it is generated under its relaxation, checked at the

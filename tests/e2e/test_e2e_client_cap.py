@@ -1,4 +1,4 @@
-"""The per-client in-flight cap (issue 14): one end client's flood queues behind its own cap,
+"""The per-client in-flight cap: one end client's flood queues behind its own cap,
 another client is still admitted. Real stack (tests/e2e/stack.py), real gRPC; the client is
 named by the ``specmask-client`` metadata (orchestrator.client_identity)."""
 

@@ -107,7 +107,7 @@ def test_overload_is_refused_with_resource_exhausted(stack: ThreadStack) -> None
 def test_mask_service_down_fails_only_constrained_requests(stack: ThreadStack) -> None:
     """All replicas die mid-generation: grammar requests finish with ERROR (the worker reports it
     per sequence), unconstrained neighbours in the same batch finish normally, readiness turns
-    NOT_SERVING (issue 14: it used to stay SERVING while every grammar request failed), and once a
+    NOT_SERVING (it used to stay SERVING while every grammar request failed), and once a
     replica is back readiness returns and grammar requests work again."""
     assert stack.running is not None
     replicas = stack.running.mask_services

@@ -43,7 +43,7 @@ def client(stack: ThreadStack):
     ],
 )
 def test_greedy_speculation_equals_plain_decoding(client: OrchestratorClient, label: str, grammar: dict) -> None:
-    """DESIGN.md: greedy output with speculation equals plain (constrained) greedy decoding, token for token."""
+    """docs/design.md: greedy output with speculation equals plain (constrained) greedy decoding, token for token."""
     common = dict(temperature=0.0, max_tokens=LONG_MAX_TOKENS, **grammar)
     plain = client.generate(build_request(PROMPT, speculation=False, **common))
     assert plain.finish_reason != pb.FINISH_REASON_ERROR, plain.error

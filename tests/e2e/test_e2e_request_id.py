@@ -1,4 +1,4 @@
-"""One request followed through all three processes' logs by its request id (issue 12)."""
+"""One request followed through all three processes' logs by its request id."""
 
 from __future__ import annotations
 

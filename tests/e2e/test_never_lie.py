@@ -1,4 +1,4 @@
-"""Never lie (issue 9), through the whole stack: random grammars and sampling never return
+"""Never lie, through the whole stack: random grammars and sampling never return
 an invalid output as complete, tiny temperatures stay in the grammar, and the
 end-of-request check fails closed (a wrong output or a broken checker is a
 GRAMMAR_VIOLATION, never a success)."""
@@ -150,7 +150,7 @@ def _finding_cases() -> list[tuple[str, pb.Grammar, dict, object]]:
 def test_finding_inputs_never_return_an_invalid_output_as_complete(
     stack: ThreadStack, label: str, grammar: pb.Grammar, sampling: dict, truth: object
 ) -> None:
-    """Issue 9 findings 1 and 3 (their compile-side fixes are H9a's: refusals with a reason):
+    """Outputs that once broke their grammar (the compile-side fixes are refusals with a reason):
     whatever the grammar side does, the caller never gets an invalid output as a success.
     Allowed: refused (INVALID_ARGUMENT), GRAMMAR_VIOLATION, LENGTH, or a complete output that
     an independent check accepts."""

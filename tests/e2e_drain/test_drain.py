@@ -1,4 +1,4 @@
-"""Graceful shutdown ends every stream with a final message (issue 14).
+"""Graceful shutdown ends every stream with a final message.
 
 SIGTERM used to cut each stream that needed more than the 5 s grace with a bare
 UNAVAILABLE "Cancelling all calls". Now the engine drains: streams get

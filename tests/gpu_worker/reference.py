@@ -2,7 +2,7 @@
 
 One full (uncached) HF forward per token, xgrammar's own matcher and its own
 ``apply_token_bitmask_inplace``, argmax. This is the ground truth the
-speculative worker must reproduce token for token (DESIGN.md).
+speculative worker must reproduce token for token (docs/design.md).
 """
 
 from __future__ import annotations

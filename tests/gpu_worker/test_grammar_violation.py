@@ -1,4 +1,4 @@
-"""Issue 9 through a real worker: a target model that produces NaN logits (a broken
+"""Never lie through a real worker: a target model that produces NaN logits (a broken
 checkpoint) makes the sampler pick a token the grammar forbids; the rejection
 sampler's mask check fails that sequence with GRAMMAR_VIOLATION and commits nothing,
 and the other sequences of the batch carry on."""

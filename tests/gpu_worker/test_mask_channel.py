@@ -1,6 +1,6 @@
 """The worker's mask channel (gpu_worker.masks): DraftMasks calls on their own thread, never
 queued behind session opens or closes, and a close never overtaking a call that names its
-session (issue 14). Real mask service over loopback gRPC, real MaskRouter; the router is
+session. Real mask service over loopback gRPC, real MaskRouter; the router is
 wrapped only to record which thread ran each call and to hold a call at a gate (a slow
 answer from a busy service)."""
 

@@ -1,4 +1,4 @@
-"""The orchestrator's request id follows a sequence into the worker's and the mask service's logs (issue 12)."""
+"""The orchestrator's request id follows a sequence into the worker's and the mask service's logs."""
 
 from __future__ import annotations
 

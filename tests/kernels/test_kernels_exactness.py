@@ -34,7 +34,7 @@ def position_model(num_positions: int, seed: int, *, masked: bool):
     logits = torch.randn(num_positions, VOCAB, generator=gen)
     if masked:
         allowed = torch.rand(num_positions, VOCAB, generator=gen) < 0.6
-        allowed[:, 0] = True  # never an empty row (DESIGN.md step 2)
+        allowed[:, 0] = True  # never an empty row (docs/design.md step 2)
         apply_token_bitmask_inplace(logits, pack_bitmask(allowed), backend=Backend.REFERENCE)
     # The draft model ignores the grammar: it proposes forbidden tokens too.
     q = torch.softmax(torch.randn(num_positions, VOCAB, generator=gen), dim=-1)

@@ -1,4 +1,4 @@
-"""Issue 9 on the device: tiny temperatures and non-finite rows stay inside the mask,
+"""Never lie on the device: tiny temperatures and non-finite rows stay inside the mask,
 and the rejection sampler's mask check fails a request loudly instead of emitting a
 token its mask row forbids (both backends, asserting which one ran)."""
 

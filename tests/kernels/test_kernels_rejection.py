@@ -17,7 +17,7 @@ def make_batch(num_drafts, vocab, seed, *, with_q=True, mask_density=None, tempe
     bitmask = None
     if mask_density is not None:
         allowed = torch.rand(num_draft_tokens + batch, vocab, generator=gen) < mask_density
-        # DESIGN.md step 2: a row that is used never allows nothing (that would be softmax NaN).
+        # docs/design.md step 2: a row that is used never allows nothing (that would be softmax NaN).
         allowed[torch.arange(len(allowed)), torch.randint(vocab, (len(allowed),), generator=gen)] = True
         bitmask = pack_bitmask(allowed)
         apply_token_bitmask_inplace(target_logits, bitmask, backend=Backend.REFERENCE)

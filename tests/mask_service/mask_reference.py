@@ -1,4 +1,4 @@
-"""Independent reference for draft-position masks: xgrammar called directly, DESIGN.md step 2."""
+"""Independent reference for draft-position masks: xgrammar called directly, docs/design.md step 2."""
 
 from __future__ import annotations
 

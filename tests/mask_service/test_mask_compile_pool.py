@@ -1,4 +1,4 @@
-"""Hostile grammars (issue 14): killable compiles within a CPU budget, a retryable wall-clock
+"""Hostile grammars: killable compiles within a CPU budget, a retryable wall-clock
 backstop for starved compiles, cached refusals, a fair bounded queue that lends idle places.
 
 Real xgrammar in real worker processes, real gRPC on 127.0.0.1.

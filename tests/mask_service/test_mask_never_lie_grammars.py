@@ -1,4 +1,4 @@
-"""Issue 9, grammar side: grammars that used to let "complete" output break them are refused or enforced.
+"""Never lie, grammar side: grammars that used to let "complete" output break them are refused or enforced.
 
 Each finding is reproduced through the real mask service over loopback gRPC
 (real xgrammar, and llguidance where the service picks it): a refusal is

@@ -1,4 +1,4 @@
-"""Sessions belong to owners (issue 14): per-owner limits, memory shedding, the shared token."""
+"""Sessions belong to owners: per-owner limits, memory shedding, the shared token."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The request id a session is opened with is named in the service's log lines about it (issue 12)."""
+"""The request id a session is opened with is named in the service's log lines about it."""
 
 from __future__ import annotations
 

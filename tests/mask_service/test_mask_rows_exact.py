@@ -1,4 +1,4 @@
-"""Every row over gRPC is bit-identical to xgrammar called directly (DESIGN.md step 2)."""
+"""Every row over gRPC is bit-identical to xgrammar called directly (docs/design.md step 2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A replica honours SIGTERM while a hostile grammar compiles (issue 14: it used to ignore it):
+"""A replica honours SIGTERM while a hostile grammar compiles (it used to ignore it):
 it exits promptly and takes its compile workers with it. A real `specmask mask-service` process."""
 
 from __future__ import annotations

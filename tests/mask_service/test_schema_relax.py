@@ -1,4 +1,4 @@
-"""Checked mode's relaxation (issue 13): every rule only widens, and only an opt-in request gets it.
+"""Checked mode's relaxation: every rule only widens, and only an opt-in request gets it.
 
 Widening is checked on instances: each rule comes with instances the original
 schema accepts (all must pass the relaxed schema) and at least one it rejects

@@ -1,4 +1,4 @@
-"""Per-end-client compile fairness through the orchestrator (issue 14).
+"""Per-end-client compile fairness through the orchestrator.
 
 The orchestrator names the API client behind each ValidateGrammar
 (``specmask-client`` metadata), so the replica's per-owner compile queue is fair

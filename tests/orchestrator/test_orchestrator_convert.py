@@ -88,7 +88,7 @@ def test_responses() -> None:
 
 
 def test_backend_checked_mode_and_grammar_report() -> None:
-    """Issue 13's fields: engine choice, checked mode, max_attempts in; the GrammarReport out."""
+    """The grammar-engine fields: engine choice, checked mode, max_attempts in; the GrammarReport out."""
     from specmask.orchestrator.types import GrammarReport
 
     spec = GrammarSpec(GrammarKind.JSON_SCHEMA, '{"uniqueItems":true}', backend="llguidance", checked=True)

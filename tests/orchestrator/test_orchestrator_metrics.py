@@ -1,4 +1,4 @@
-"""Orchestrator metrics: what the histograms rate and what the counters count (issue 14)."""
+"""Orchestrator metrics: what the histograms rate and what the counters count."""
 
 from __future__ import annotations
 

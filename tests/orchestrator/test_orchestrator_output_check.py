@@ -1,4 +1,4 @@
-"""The end-of-request check (issue 9): independent of the mask path, fails closed."""
+"""The end-of-request check: independent of the mask path, fails closed."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ def test_compiled_checkers_are_cached(checker: OutputChecker) -> None:
 
 
 def test_strict_defaults_never_loosen_conditions() -> None:
-    """Checked mode (issue 13) reaches the end check with if/not/oneOf: strict defaults pushed into
+    """Checked mode reaches the end check with if/not/oneOf: strict defaults pushed into
     a condition must not let a document skip its ``then`` (found by bench.coverage --checked)."""
     schema = {
         "type": "object",

@@ -1,4 +1,4 @@
-"""Readiness tells the truth about the mask tier (issue 14): NOT_SERVING when the last
+"""Readiness tells the truth about the mask tier: NOT_SERVING when the last
 replica dies, SERVING again when it returns. Real mask services over gRPC on 127.0.0.1."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One grammar check per (schema, client) in flight (specmask/orchestrator/single_flight.py, issue 14).
+"""One grammar check per (schema, client) in flight (specmask/orchestrator/single_flight.py).
 
 A burst of requests with one schema the replica has not compiled yet must cost the
 replica one compile waiter, not one per request: the replica bounds waiters per

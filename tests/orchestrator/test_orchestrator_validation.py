@@ -63,7 +63,7 @@ SCHEMA = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps({"type": "object", "pro
 def test_valid_request_becomes_a_sequence(validator, bpe_tokenizer) -> None:
     seq = validator.validate(_req("hello", SCHEMA, temperature=0.7, top_k=10**9, seed=2**64 - 1, stop=("x",)))
     assert seq.seq_id == "r1"
-    assert seq.request_id == "r1"  # travels to the worker and its mask session (issue 12: one id in all logs)
+    assert seq.request_id == "r1"  # travels to the worker and its mask session (one id in all logs)
     assert seq.prompt_token_ids == tuple(bpe_tokenizer.encode("hello").ids)
     assert seq.grammar == SCHEMA
     assert seq.sampling.temperature == pytest.approx(0.7)
@@ -77,7 +77,7 @@ def test_valid_request_becomes_a_sequence(validator, bpe_tokenizer) -> None:
     ("temperature", "expected"), [(1e-40, 0.0), (5e-324, 0.0), (1e-38, 0.0), (9.9e-6, 0.0), (1e-5, 1e-5), (0.0, 0.0)]
 )
 def test_tiny_temperature_is_greedy(validator, temperature: float, expected: float) -> None:
-    """Issue 9, finding 2: below GREEDY_TEMPERATURE_FLOOR the request is greedy (denormal
+    """Below GREEDY_TEMPERATURE_FLOOR the request is greedy (denormal
     temperatures made the logits infinite and let EOS through outside the grammar)."""
     assert validator.validate(_req(temperature=temperature)).sampling.temperature == expected
 
@@ -210,7 +210,7 @@ UNIQUE = {"type": "array", "items": {"enum": [1, 2]}, "minItems": 2, "maxItems":
 
 
 def test_backend_and_checked_mode(validator) -> None:
-    """Issue 13: engine choice and checked mode through validation; bad values are typed errors."""
+    """Engine choice and checked mode through validation; bad values are typed errors."""
     exact = validator.validate_request(_req(grammar=SCHEMA, temperature=1.0))
     assert (exact.grammar.enforcement, exact.grammar.backend, exact.max_attempts) == ("exact", "xgrammar", 1)
     named = validator.validate_request(_req(grammar=dataclasses.replace(SCHEMA, backend="llguidance")))

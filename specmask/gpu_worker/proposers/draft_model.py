@@ -5,7 +5,7 @@ Each slot feeds the draft model the tokens its draft cache has not seen yet
 draft forward, or after a step with k_r = 0), so the cache always catches up
 exactly. With ``SpeculationParams.draft_masking`` the logits are masked with the
 grammar state after d_1..d_{i-1} before sampling, and q is then the masked,
-renormalised draft distribution (DESIGN.md step 1). Greedy requests take the
+renormalised draft distribution (docs/design.md step 1). Greedy requests take the
 argmax and return no q (one-hot).
 
 The forward needs only d_1..d_{i-1}, like the mask request for position i, so it

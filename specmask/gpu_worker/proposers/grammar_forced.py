@@ -1,7 +1,7 @@
 """Grammar-forced drafts: where the grammar allows exactly one token, propose it.
 
 No model runs for such a position and q = 1 (one-hot). This stays exact because
-the target still verifies the token like any other draft (DESIGN.md step 1);
+the target still verifies the token like any other draft (docs/design.md step 1);
 under greedy decoding a forced token is accepted iff the masked target's argmax
 is that token, which it always is when the mask row has a single allowed token.
 Detected from the row's allowed-token count, which the mask service sends with

@@ -1,4 +1,4 @@
-"""Name -> proposer class. A plug-in point (STYLE.md), not an if-chain."""
+"""Name -> proposer class. A plug-in point, not an if-chain."""
 
 from __future__ import annotations
 

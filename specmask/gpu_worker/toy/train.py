@@ -189,7 +189,7 @@ def acceptance(
 ) -> dict[str, float]:
     """Grammar-blind draft-vs-target agreement over document positions (incl. EOS):
     `greedy_agreement` = P[argmax q == argmax p], `alpha` = mean Σ_v min(p, q)
-    (the per-position rejection-sampling acceptance rate, DESIGN.md), and
+    (the per-position rejection-sampling acceptance rate, docs/design.md), and
     `target_accuracy` = P[argmax p == true next token]."""
     target.eval()
     draft.eval()

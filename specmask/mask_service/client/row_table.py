@@ -5,7 +5,7 @@ Every mask row the service sends is decoded once into a slot of a ``RowTable``
 row by its slot: the worker's grammar-forced and draft checks read the per-slot
 allowed count, and the bitmask kernels index a device mirror of the same table
 (``gpu_worker.mask_table.DeviceMaskTable``), so a row is never copied into a
-dense per-request tensor on the way from the reply to the kernel (issue 15.2).
+dense per-request tensor on the way from the reply to the kernel.
 
 Lifetime rule that makes this safe across threads: within an *epoch* a table
 only appends (slot s, once written, never changes), and ``clear`` starts the

@@ -111,7 +111,7 @@ class XGrammarBackend:
             strict_mode=spec.strict,
         )
         ebnf = str(grammar)
-        fixed = exclude_surrogates(repair_ebnf(ebnf) if needs_ebnf_repair(ebnf) else ebnf)  # no ED A0..BF (issue 9)
+        fixed = exclude_surrogates(repair_ebnf(ebnf) if needs_ebnf_repair(ebnf) else ebnf)  # no ED A0..BF
         return compiler.compile_grammar(fixed if fixed != ebnf else grammar)
 
     @staticmethod
@@ -125,7 +125,7 @@ class XGrammarBackend:
 
     @staticmethod
     def _text_grammar(compiler: Any, spec: GrammarSpec) -> Any:
-        """Regex, EBNF or Lark, compiled from its printed grammar with surrogate-free classes (issue 9)."""
+        """Regex, EBNF or Lark, compiled from its printed grammar with surrogate-free classes."""
         import xgrammar as xgr
 
         problem = unfaithful_print(spec.text)
@@ -143,7 +143,7 @@ class XGrammarBackend:
             raise GrammarError(f"backend {self.name} does not support {spec.kind.value}")
         if spec.kind is not GrammarKind.ANY_JSON and not spec.text:
             raise GrammarError(f"{spec.kind.value} grammar text is empty")
-        precheck(spec)  # metaschema, Unicode, depth (issue 9; memoised, so "auto" checks once)
+        precheck(spec)  # metaschema, Unicode, depth (memoised, so "auto" checks once)
         try:
             compiled = fn(compiler, spec)
         except GrammarError:
@@ -154,7 +154,7 @@ class XGrammarBackend:
             # xgrammar reports parse/convert failures as RuntimeError with a
             # "[time] file.cc:line: message" prefix; keep only the message.
             raise GrammarError(f"{spec.kind.value} grammar rejected: {engine_message(exc)}") from exc
-        check_language(self.new_matcher(compiled), compiled.tokenizer_info, spec)  # not empty, not only "" (issue 9)
+        check_language(self.new_matcher(compiled), compiled.tokenizer_info, spec)  # not empty, not only ""
         return compiled
 
     def new_matcher(self, compiled: Any) -> GrammarMatcher:
@@ -248,7 +248,7 @@ class SelectingBackend:
         return EngineCompilers(tokenizer_info, max_threads)
 
     def compile(self, compilers: EngineCompilers, spec: GrammarSpec) -> SelectedGrammar:
-        precheck(spec)  # issue 9: refusals no engine changes (metaschema, Unicode, depth), said once
+        precheck(spec)  # refusals no engine changes (metaschema, Unicode, depth), said once
         if spec.backend and spec.backend not in ENGINES:  # never relaxed: a caller's typo
             raise GrammarError(f"unknown grammar backend {spec.backend!r}; known: {', '.join(sorted(ENGINES))}")
         try:

@@ -274,7 +274,7 @@ class LLGuidanceBackend:
     def compile(self, compiler: LLCompiler, spec: GrammarSpec) -> LLCompiled:
         from llguidance import LLMatcher
 
-        precheck(spec)  # issue 9, as for xgrammar: metaschema, Unicode, depth, finite numbers
+        precheck(spec)  # as for xgrammar: metaschema, Unicode, depth, finite numbers
         grammar = grammar_for_spec(spec)
         validate_grammar(grammar, compiler.tokenizer, spec.kind)
         template = LLMatcher(compiler.tokenizer, grammar, log_level=0)

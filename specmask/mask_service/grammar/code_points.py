@@ -1,4 +1,4 @@
-"""Code points a grammar may name: Unicode scalar values only (issue 9).
+"""Code points a grammar may name: Unicode scalar values only.
 
 A lone surrogate (U+D800-U+DFFF) is not a character and has no UTF-8 form;
 xgrammar 0.2.8 compiles ``root ::= "\\uD800"`` into the bytes ED A0 80 anyway,

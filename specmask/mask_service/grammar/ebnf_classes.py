@@ -1,4 +1,4 @@
-"""Character classes in xgrammar's printed EBNF narrowed to Unicode scalar values (issue 9).
+"""Character classes in xgrammar's printed EBNF narrowed to Unicode scalar values.
 
 xgrammar 0.2.8 matches a character class over code points and encodes each as
 UTF-8 bytes without excluding the surrogates U+D800-U+DFFF, so a negated class

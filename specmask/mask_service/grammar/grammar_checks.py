@@ -1,4 +1,4 @@
-"""Checks every grammar passes, whichever engine compiles it (issue 9).
+"""Checks every grammar passes, whichever engine compiles it.
 
 Before compiling, ``precheck``: a JSON Schema must parse, be a valid document
 of its draft (its metaschema), and hold no lone surrogate, non-finite number or
@@ -76,7 +76,7 @@ def precheck(spec: GrammarSpec) -> None:
 
 def mark_prechecked(spec: GrammarSpec) -> None:
     """Remember that ``spec`` passed ``precheck``, run elsewhere on the same text by the same code
-    (a compile worker's trial compile, issue 14): the metaschema walk is pure Python, ~80% of a
+    (a compile worker's trial compile): the metaschema walk is pure Python, ~80% of a
     small schema's compile, and in the serving process it would hold the GIL from draft-mask calls."""
     key = spec.cache_key()
     with _passed_lock:

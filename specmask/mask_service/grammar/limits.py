@@ -1,4 +1,4 @@
-"""Cheap structural limits on a grammar, checked before anything is compiled (issue 14).
+"""Cheap structural limits on a grammar, checked before anything is compiled.
 
 xgrammar's compile cost grows much faster than a schema's size: an object with
 10,000 optional integer properties (~300 KB) compiled for ~11 minutes and

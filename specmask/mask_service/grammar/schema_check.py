@@ -50,7 +50,7 @@ through these same checks, and an end-of-request check against the original.
 Annotation-only keywords (``title``, ``description``, ``examples``,
 ``default``, unknown ``format`` values) are not validation and are allowed.
 
-Before any of that (``check_document``, issue 9), the schema must be a valid
+Before any of that (``check_document``), the schema must be a valid
 document of its own draft (``$schema``, default 2020-12): it is checked against
 that draft's metaschema (``{"maxLength": -1}`` has no meaning, and xgrammar
 would compile it into a grammar whose output breaks it). It may not nest deeper
@@ -58,7 +58,7 @@ than ``MAX_SCHEMA_DEPTH`` (the checks here recurse), hold a lone surrogate in
 any string (not a character: the engine would emit invalid UTF-8 or fail in
 C++) or a number that is not a finite double (``1e400`` parses as infinity).
 
-Objects (issue 9): xgrammar lets a key that matches a ``patternProperties``
+Objects: xgrammar lets a key that matches a ``patternProperties``
 pattern, a ``propertyNames`` schema or an ``additionalProperties`` schema also
 be a declared property name, and gives a key that matches two patterns the
 schema of either. Refused, because the output could then repeat a declared key
@@ -110,7 +110,7 @@ logger = logging.getLogger(__name__)
 # this limit that still exhausts the stack (deep ``items`` chains in the
 # metaschema check) is refused with the same reason, never with Python's
 # "maximum recursion depth exceeded". The service's configurable structural
-# limits (issue 14) are checked before this and may be lower.
+# limits are checked before this and may be lower.
 MAX_SCHEMA_DEPTH = 128
 NESTING_TOO_DEEP = f"schema nesting too deep (limit {MAX_SCHEMA_DEPTH} nested objects/arrays)"
 

@@ -1,4 +1,4 @@
-"""Checked mode (issue 13): the closest enforceable SUPERSET of a JSON Schema no engine enforces exactly.
+"""Checked mode: the closest enforceable SUPERSET of a JSON Schema no engine enforces exactly.
 
 A request that opts in (``GrammarSpec.checked``) and whose schema every engine
 refuses is compiled from a *relaxation* of it: a schema whose language contains

@@ -264,7 +264,7 @@ def _close_keys(out: dict[str, Any]) -> None:
     xgrammar's non-strict grammar for such an object lets an extra key take any
     name (a pattern's, or a declared property's) with any value, so
     ``{"a": "x", "a": 5}`` or a pattern key with a value of the wrong type came
-    out (issue 9). With the explicit ``false`` it builds the strict grammar,
+    out. With the explicit ``false`` it builds the strict grammar,
     where extra keys are the pattern keys with the pattern's schema: stricter
     than "any extra key", never looser. A schema whose own
     ``additionalProperties`` is false stays false; one with a schema or ``true``

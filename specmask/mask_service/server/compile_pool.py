@@ -1,4 +1,4 @@
-"""Killable compile workers behind a bounded, per-owner fair queue (issue 14).
+"""Killable compile workers behind a bounded, per-owner fair queue.
 
 Each worker is a child process (mask_service.compile_worker) driven by one
 dispatcher thread. A job runs under three limits, all watched from here every

@@ -1,7 +1,7 @@
 """The compile-worker process: compiles one grammar at a time for its parent (mask_service.compile_pool).
 
 Why a process: a grammar engine's compile cannot be cancelled, and a hostile
-schema can run for minutes and take gigabytes (issue 14). In a child it can be
+schema can run for minutes and take gigabytes. In a child it can be
 killed at its time budget or memory cap without touching the serving process,
 whose draft-mask calls, commits and health keep their latency.
 

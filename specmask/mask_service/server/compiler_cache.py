@@ -1,4 +1,4 @@
-"""Compiled-grammar cache: byte-bounded LRU in front of a bounded, killable compile path (issue 14).
+"""Compiled-grammar cache: byte-bounded LRU in front of a bounded, killable compile path.
 
 Keyed by (tokenizer id, vocab size, grammar cache key). A miss goes through:
 

@@ -1,4 +1,4 @@
-"""The hot path: k+1 bitmask rows per request, exactly as DESIGN.md step 2.
+"""The hot path: k+1 bitmask rows per request, exactly as docs/design.md step 2.
 
 For each request: commit its emitted tokens first (idempotent by seq), then
 fill M_0, try d_1, fill M_1, ... stopping at the first draft the grammar

@@ -5,7 +5,7 @@ serving process and of its compile workers (they share the pod's memory). The
 guard refuses new sessions (RESOURCE_EXHAUSTED) once that total passes a limit
 set below the point where the kernel's OOM killer would act, so a replica
 under memory pressure degrades into fast refusals instead of being killed with
-every session it holds (issue 14).
+every session it holds.
 """
 
 from __future__ import annotations

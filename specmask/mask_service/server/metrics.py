@@ -19,11 +19,11 @@ RPC_ERRORS = Counter("specmask_mask_errors_total", "Requests failed, by status c
 SESSIONS_OPENED = Counter("specmask_mask_sessions_opened_total", "Sessions opened")
 GRAMMAR_VALIDATIONS = Counter(
     "specmask_mask_grammar_validations_total",
-    "ValidateGrammar answers, by engine and enforcement (exact, or checked: a relaxation; issue 13)",
+    "ValidateGrammar answers, by engine and enforcement (exact, or checked: a relaxation)",
     ["backend", "enforcement"],
 )
 
-# Replica figures (issue 14), read when scraped from the latest service built in this process.
+# Replica figures, read when scraped from the latest service built in this process.
 SESSIONS = Gauge("specmask_mask_sessions", "Open sessions")
 GRAMMAR_CACHE_BYTES = Gauge("specmask_mask_grammar_cache_bytes", "Compiled grammars held (engine's size estimate)")
 GRAMMAR_REFUSALS = Gauge("specmask_mask_grammar_refusals_cached", "Refused grammars remembered by hash")

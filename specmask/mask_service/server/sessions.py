@@ -46,7 +46,7 @@ class Session:
 
     @property
     def log_prefix(self) -> str:
-        """``[request_id=...] `` for this session's log lines (STYLE.md: the request id in
+        """``[request_id=...] `` for this session's log lines (the request id in
         every line; DraftMasks batches many requests, so lines about one session use this)."""
         return f"[request_id={self.request_id}] " if self.request_id else ""
 
@@ -92,7 +92,7 @@ class SessionStore:
         max_per_owner: int | None = None,
         memory_guard: Callable[[], str | None] | None = None,
     ) -> None:
-        """``max_per_owner``: sessions one owner may hold (issue 14: one client filling the
+        """``max_per_owner``: sessions one owner may hold (one client filling the
         whole store blocked every other); None = ``max_sessions``. ``memory_guard``: returns a
         reason to shed new sessions (memory near its limit), or None."""
         self._max = max_sessions

@@ -45,7 +45,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
 MAX_MESSAGE_BYTES = 16 * 1024**2
 # gRPC core cancels, with a bare CANCELLED and no message, calls that arrive while more than
 # `grpc.server.max_pending_requests` (default 1,000) wait for the server to take them up: a burst
-# of 2,000 concurrent requests lost ~10% that way (issue 14; 221 of 2,000 on a bare grpc.aio
+# of 2,000 concurrent requests lost ~10% that way (221 of 2,000 on a bare grpc.aio
 # server). Raised, so that a burst reaches the handlers, whose admission answers what does not
 # fit with RESOURCE_EXHAUSTED and a retry hint. A call waiting there holds at most its stream's
 # flow-control window (64 KiB); past the hard limit core still cancels.
@@ -108,7 +108,7 @@ class OrchestratorServer:
         # What gRPC readiness says now; HTTP /health answers from the same flag (docs/api-errors.md).
         self.serving = False
         self._background: set[asyncio.Task] = set()  # strong refs: the loop keeps only weak ones
-        # Readiness = a healthy worker AND a reachable mask replica (issue 14).
+        # Readiness = a healthy worker AND a reachable mask replica.
         self.readiness = Readiness(
             lambda: engine.healthy, MaskTierProbe(config.mask_service_addresses), self._on_health_change
         )

@@ -50,7 +50,7 @@ class OrchestratorServicer:
         try:
             request_id = RequestValidator.request_id(msg.request_id)
             req = convert.request_from_proto(msg, request_id)
-            # The end client, for the mask service's per-owner compile fairness (issue 14).
+            # The end client, for the mask service's per-owner compile fairness.
             client = client_identity(context.invocation_metadata() or (), context.peer() or "")
             return await self._engine.submit(dataclasses.replace(req, client=client))
         except RequestError as exc:

@@ -1,4 +1,4 @@
-"""Restart crashed mask-service replicas of a local stack (`specmask up`), as a Deployment would (issue 14).
+"""Restart crashed mask-service replicas of a local stack (`specmask up`), as a Deployment would.
 
 Before this, a replica killed under `specmask up` stayed dead and every grammar
 request failed UNAVAILABLE until the stack was restarted. The supervisor looks

@@ -1,4 +1,4 @@
-"""A burst of concurrent RPCs reaches the orchestrator's handlers instead of being cancelled by gRPC core (issue 14).
+"""A burst of concurrent RPCs reaches the orchestrator's handlers instead of being cancelled by gRPC core.
 
 gRPC core cancels, with a bare CANCELLED and no message, calls that arrive while more than
 ``grpc.server.max_pending_requests`` (default 1,000) wait to be taken up by the server; 2,000

@@ -1,4 +1,4 @@
-"""`specmask up` restarts a crashed mask replica, and leaves a stopped one down (issue 14).
+"""`specmask up` restarts a crashed mask replica, and leaves a stopped one down.
 A real `specmask mask-service` process on 127.0.0.1."""
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ class _Generation(_Body):
     guided_choice: list[str] | None = None
     speculation: Speculation | None = None
     # Grammar engine, named like vLLM's field: "auto" (the service picks), "xgrammar", "llguidance"
-    # ("guidance", vLLM's name for llguidance, is taken too). Checked mode (issue 13, opt-in):
+    # ("guidance", vLLM's name for llguidance, is taken too). Checked mode (opt-in):
     # ``guided_checked`` + optional ``guided_max_attempts``. All three need an output constraint.
     guided_decoding_backend: str | None = None
     guided_checked: bool | None = None

@@ -48,7 +48,7 @@ def finish_error(reason: FinishReason, error: str | None) -> ApiError | None:
 
 
 def grammar_body(grammar: GrammarReport) -> dict[str, Any]:
-    """``usage.specmask.grammar``: how the output was constrained (issue 13)."""
+    """``usage.specmask.grammar``: how the output was constrained."""
     return {
         "enforcement": grammar.enforcement,
         "backend": grammar.backend,

@@ -137,7 +137,7 @@ class OpenAIRoutes:
             raise ApiError.invalid(f"{REQUEST_ID_HEADER}: {exc.message}") from None
 
     async def _submit(self, translated: translate.Translated, http: web.Request) -> Request:
-        # The end client, for the mask service's per-owner compile fairness (issue 14).
+        # The end client, for the mask service's per-owner compile fairness.
         client = client_identity(http.headers.items(), http.remote or "")
         try:
             return await self._engine.submit(dataclasses.replace(translated.request, client=client))

@@ -214,7 +214,7 @@ def test_domain_errors_map_to_openai_statuses() -> None:
 
 
 def test_backend_and_checked_mode_extensions() -> None:
-    """Issue 13: vLLM-style ``guided_decoding_backend`` plus our ``guided_checked``/``guided_max_attempts``."""
+    """vLLM-style ``guided_decoding_backend`` plus our ``guided_checked``/``guided_max_attempts``."""
     schema = {"type": "array", "uniqueItems": True}
     req = chat(guided_json=schema, guided_decoding_backend="llguidance", guided_checked=True, guided_max_attempts=3)
     assert (req.request.grammar.backend, req.request.grammar.checked, req.request.max_attempts) == (

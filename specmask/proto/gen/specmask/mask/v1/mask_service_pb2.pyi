@@ -3,7 +3,7 @@
 isort:skip_file
 Mask service: grammar sessions and batched draft-position bitmasks.
 
-Bitmask rows follow DESIGN.md: little-endian int32 words, ceil(V/32) per
+Bitmask rows follow docs/design.md: little-endian int32 words, ceil(V/32) per
 row, bit j of word w = token 32*w + j, 1 = allowed. Rows travel in a compact
 form (see RowEncoding / DraftMasksResponse) decoded by mask_service.wire.
 """
@@ -105,7 +105,7 @@ class Grammar(_message.Message):
     enforces the grammar exactly; "xgrammar" / "llguidance" = that one or its refusal.
     """
     checked: _builtins.bool
-    """JSON schema, opt-in checked mode (issue 13): where no engine enforces the schema
+    """JSON schema, opt-in checked mode: where no engine enforces the schema
     exactly only because of relaxable keywords (uniqueItems, not, oneOf, dependencies,
     if/then/else, contains), compile a relaxation of it (a superset) instead of refusing.
     The caller must check every output against the original schema.
@@ -389,12 +389,12 @@ class DraftMaskItem(_message.Message):
     last_row_only: _builtins.bool
     """return only M_k (draft-side masking)"""
     max_forced_tokens: _builtins.int
-    """Forced continuation (issue 15): up to this many tokens the grammar forces
+    """Forced continuation: up to this many tokens the grammar forces
     after commit_tokens + draft_tokens (all of them grammar-accepted), tokenised
     canonically and stopped short of an ambiguous token boundary. 0 = none asked.
     """
     forced_up_to: _builtins.int
-    """Forced continuation where the walk stops (issue 15): when > 0, the forced
+    """Forced continuation where the walk stops: when > 0, the forced
     continuation is computed at the state after the drafts the grammar accepts:
     all of them, or those before the first refused one (a worker's n-gram
     lookahead that meets a refused token then learns what is forced there in the

@@ -3,7 +3,7 @@
 isort:skip_file
 Mask service: grammar sessions and batched draft-position bitmasks.
 
-Bitmask rows follow DESIGN.md: little-endian int32 words, ceil(V/32) per
+Bitmask rows follow docs/design.md: little-endian int32 words, ceil(V/32) per
 row, bit j of word w = token 32*w + j, 1 = allowed. Rows travel in a compact
 form (see RowEncoding / DraftMasksResponse) decoded by mask_service.wire.
 """
