@@ -357,30 +357,34 @@ async def _placed_state(engine, req):
 
 class _IterateRefusedOnce:
     """A worker's Ray actor handle whose next ``iterate.remote()`` raises, as Ray's does when it
-    cannot take a call (a broken handle, Ray shutting down); everything else is the real actor."""
+    cannot take a call (a broken handle, Ray shutting down); everything else is the real actor.
+    ``budget`` (shared by the handles of several workers) is how many refusals there are in all."""
 
-    def __init__(self, actor) -> None:
+    def __init__(self, actor, budget: list[int]) -> None:
         self._actor = actor
+        self._budget = budget
         self.refused = 0
 
     def __getattr__(self, name: str):
         method = getattr(self._actor, name)
-        if name != "iterate" or self.refused:
+        if name != "iterate" or self.refused or self._budget[0] <= 0:
             return method
         handle = self
 
         class _Refusing:
             def remote(self, *args, **kwargs):
                 handle.refused += 1
+                handle._budget[0] -= 1
                 raise RuntimeError("injected: Ray could not submit the call")
 
         return _Refusing()
 
 
-def test_a_request_whose_iterate_call_ray_refuses_finishes_with_an_error(stack: ThreadStack) -> None:
-    """If Ray refuses the iterate() call that carries a request's add, the request finishes with
-    a SpecMask error at once (before, it was neither sent nor finished: its client waited out its
-    deadline), the worker is taken out and recovered, and the next request completes."""
+def test_a_request_whose_iterate_call_ray_refuses_is_requeued_and_completes(stack: ThreadStack) -> None:
+    """If Ray refuses the iterate() call that carries a request's add, that worker is taken out
+    and recovered, and the request, which has emitted nothing, goes back to the queue and completes
+    on the other worker (before, it was failed; earlier still, its client waited out its
+    deadline). One call in all is refused, on whichever worker the request lands first."""
     from specmask.gpu_worker.types import FinishReason
     from specmask.orchestrator.convert import request_from_proto
 
@@ -388,18 +392,20 @@ def test_a_request_whose_iterate_call_ray_refuses_finishes_with_an_error(stack: 
     stack.wait_idle()
     slots = engine._slots
     real = [slot.actor for slot in slots]
-    wrapped = [_IterateRefusedOnce(actor) for actor in real]
+    budget = [1]
+    wrapped = [_IterateRefusedOnce(actor, budget) for actor in real]
     for slot, proxy in zip(slots, wrapped, strict=True):
         slot.actor = proxy
+    requeued_before = _requeued(stack)
     try:
-        msg = build_request(PROMPT, schema=BOUNDED_SCHEMA, temperature=0.0, max_tokens=16)
-        result = stack.run(_submit_and_wait(engine, request_from_proto(msg, "add-refused")), timeout_s=30)
+        msg = build_request(PROMPT, schema=BOUNDED_SCHEMA, temperature=0.0, max_tokens=64)
+        result = stack.run(_submit_and_wait(engine, request_from_proto(msg, "add-refused")), timeout_s=120)
     finally:
         for slot, actor in zip(slots, real, strict=True):
             slot.actor = actor
     assert sum(p.refused for p in wrapped) == 1
-    assert result.finish_reason is FinishReason.ERROR, result
-    assert "GPU worker" in result.error and "injected" not in result.error, result.error
+    assert result.finish_reason is FinishReason.GRAMMAR_COMPLETE, result
+    assert _requeued(stack) >= requeued_before + 1
     deadline = time.monotonic() + 60
     while not all(slot.healthy for slot in slots):  # probed back into placement (~1 s)
         assert time.monotonic() < deadline, "the worker was not put back"
@@ -409,6 +415,12 @@ def test_a_request_whose_iterate_call_ray_refuses_finishes_with_an_error(stack: 
     assert after.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE, after.error
     active, sessions = stack.wait_idle()
     assert active == [0, 0] and sessions == 0
+
+
+def _requeued(stack: ThreadStack) -> float:
+    """The orchestrator's count of requests put back in the queue after losing their worker."""
+    value = stack.running.server.metrics.registry.get_sample_value("specmask_requeued_requests_total")
+    return value or 0.0
 
 
 async def _submit_and_wait(engine, req):

@@ -37,12 +37,12 @@ def _wait_for(predicate, timeout_s: float = 20.0) -> bool:
 def test_request_id_in_orchestrator_worker_and_mask_service_logs(
     stack: ThreadStack, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="orchestrator")
+    caplog.set_level(logging.INFO, logger="specmask.orchestrator")
     with OrchestratorClient(stack.address) as c:
         result = c.generate(build_request(PROMPT, schema=BOUNDED_SCHEMA, max_tokens=64, request_id=RID))
     assert result.request_id == RID
 
-    assert any(r.getMessage().startswith(TAG) for r in caplog.records if r.name.startswith("orchestrator"))
+    assert any(r.getMessage().startswith(TAG) for r in caplog.records if r.name.startswith("specmask.orchestrator"))
 
     def worker_lines() -> list[str]:
         return [line for line in _worker_log_text().splitlines() if TAG in line]

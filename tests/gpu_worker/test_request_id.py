@@ -21,8 +21,8 @@ def _messages(caplog: pytest.LogCaptureFixture, logger_prefix: str) -> list[str]
 
 
 def test_request_id_reaches_worker_and_mask_service_logs(make_worker, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="gpu_worker")
-    caplog.set_level(logging.INFO, logger="mask_service")
+    caplog.set_level(logging.INFO, logger="specmask.gpu_worker")
+    caplog.set_level(logging.INFO, logger="specmask.mask_service")
     worker = make_worker()
     seq = NewSequence(
         "seq-7", (5, 6), GRAMMAR, SamplingParams(max_tokens=4), SpeculationParams(k=2), request_id="req-follow-me"
@@ -32,22 +32,22 @@ def test_request_id_reaches_worker_and_mask_service_logs(make_worker, caplog: py
     worker.shutdown()  # drains the fire-and-forget session close
 
     tag = "[request_id=req-follow-me] "
-    worker_lines = _messages(caplog, "gpu_worker")
+    worker_lines = _messages(caplog, "specmask.gpu_worker")
     assert any(m.startswith(tag + "seq seq-7 added") for m in worker_lines), worker_lines
     assert any(m.startswith(tag + "seq seq-7 finished") for m in worker_lines), worker_lines
-    service_lines = _messages(caplog, "mask_service")
+    service_lines = _messages(caplog, "specmask.mask_service")
     opened = [m for m in service_lines if " opened " in m and m.startswith(tag)]
     closed = [m for m in service_lines if " closed " in m and m.startswith(tag)]
     assert len(opened) == 1 and len(closed) == 1, service_lines
 
 
 def test_sequence_without_request_id_is_logged_under_its_seq_id(make_worker, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="gpu_worker")
+    caplog.set_level(logging.INFO, logger="specmask.gpu_worker")
     worker = make_worker()
     seq = NewSequence("plain-1", (5, 6), None, SamplingParams(max_tokens=2), SpeculationParams(k=0))
     assert worker.add([seq]) == [None]
     worker.remove(["plain-1"])
-    lines = _messages(caplog, "gpu_worker")
+    lines = _messages(caplog, "specmask.gpu_worker")
     assert any(m.startswith("[request_id=plain-1] seq plain-1 cancelled") for m in lines), lines
 
 

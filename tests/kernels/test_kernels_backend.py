@@ -37,5 +37,5 @@ def test_kernels_package_import_is_cheap():
     import subprocess
     import sys
 
-    code = "import sys, kernels; assert 'torch' not in sys.modules and 'triton' not in sys.modules"
+    code = "import sys, specmask.kernels; assert 'torch' not in sys.modules and 'triton' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)

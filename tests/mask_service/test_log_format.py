@@ -14,7 +14,7 @@ from specmask.common.log_format import configure_logging
 def test_json_lines_from_a_real_process() -> None:
     code = (
         "import logging\n"
-        "from mask_service.log_format import configure_logging\n"
+        "from specmask.common.log_format import configure_logging\n"
         "configure_logging('INFO', 'json')\n"
         "log = logging.getLogger('specmask.test')\n"
         "log.info('hello %s', 'world')\n"

@@ -20,7 +20,7 @@ def _lines(caplog: pytest.LogCaptureFixture, needle: str) -> list[str]:
 def test_session_lines_name_the_request_id(
     client: MaskServiceClient, bpe_id: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="mask_service")
+    caplog.set_level(logging.INFO, logger="specmask.mask_service")
     sid = client.open_session(bpe_id, SPEC, request_id="req-trace-1")
     opened = _lines(caplog, f"session {sid} opened")
     assert opened and opened[0].startswith("[request_id=req-trace-1] "), opened
@@ -39,7 +39,7 @@ def test_session_lines_name_the_request_id(
 def test_session_without_request_id_logs_no_prefix_and_long_ids_are_refused(
     client: MaskServiceClient, bpe_id: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="mask_service")
+    caplog.set_level(logging.INFO, logger="specmask.mask_service")
     sid = client.open_session(bpe_id, SPEC)
     opened = _lines(caplog, f"session {sid} opened")
     assert opened and opened[0].startswith(f"session {sid} opened"), opened

@@ -44,7 +44,7 @@ def test_spawn_runs_no_python_in_the_forked_child(tmp_path: Path) -> None:
 
 
 def test_child_refuses_to_start_when_its_parent_is_already_gone() -> None:
-    code = "from mask_service.parent_watch import die_with_parent_from_env as f; f(); print('started')"
+    code = "from specmask.common.parent_watch import die_with_parent_from_env as f; f(); print('started')"
     env = {**os.environ, PARENT_PID_ENV: "1"}  # not our parent: it is "gone"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 1
@@ -57,7 +57,7 @@ def test_child_refuses_to_start_when_its_parent_is_already_gone() -> None:
 def test_mask_service_exits_when_its_parent_is_killed(bpe_dir: Path) -> None:
     parent_code = (
         "import sys, time\n"
-        "from orchestrator.dev.local_stack import MaskServiceProcess\n"
+        "from specmask.orchestrator.dev.local_stack import MaskServiceProcess\n"
         "p = MaskServiceProcess([sys.argv[1]]).start()\n"
         "print(p.process.pid, flush=True)\n"
         "time.sleep(600)\n"
