@@ -169,7 +169,7 @@ class KeyTracker:
     brackets, commas. Arrays are ``None`` on the stack.
     """
 
-    __slots__ = ("escape", "in_string", "is_key", "key_raw", "stack", "_log")
+    __slots__ = ("_log", "escape", "in_string", "is_key", "key_raw", "stack")
 
     def __init__(self) -> None:
         self.stack: list[_Object | None] = []
@@ -285,7 +285,7 @@ def _clear(row: np.ndarray, ids: list[int]) -> None:
 class DuplicateKeyGuard:
     """A ``GrammarMatcher`` that refuses repeated keys in every JSON object (module doc)."""
 
-    __slots__ = ("inner", "_vocab", "_tracker", "dead_ends")
+    __slots__ = ("_tracker", "_vocab", "dead_ends", "inner")
 
     def __init__(self, inner: GrammarMatcher, vocab: KeyVocab) -> None:
         self.inner = inner

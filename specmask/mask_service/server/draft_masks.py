@@ -38,8 +38,8 @@ import numpy as np
 
 from specmask.mask_service.errors import InternalItemError, InvalidArgument, MaskError
 from specmask.mask_service.grammar.backends import ENGINES, engine_name
-from specmask.mask_service.grammar.json_keys import engine_matcher
 from specmask.mask_service.grammar.forced import TokenizerViews, forced_continuation
+from specmask.mask_service.grammar.json_keys import engine_matcher
 from specmask.mask_service.protocols import GrammarMatcher
 from specmask.mask_service.server.sessions import Session, SessionStore
 from specmask.mask_service.wire import InternedRow, RowInterner
