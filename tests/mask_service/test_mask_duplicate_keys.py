@@ -226,3 +226,26 @@ def test_a_dead_end_keeps_the_engine_row(
     np.testing.assert_array_equal(guarded, engine)
     assert _bits(guarded)
     assert session.matcher.accept_token(hf_tok.convert_tokens_to_ids('"'))
+
+
+@pytest.mark.parametrize("backend", ENGINES)
+def test_a_token_leading_into_a_dead_end_is_cleared(
+    caches: dict[str, CompilerCache], bpe_id: str, hf_tok: Any, backend: str
+) -> None:
+    """Keys at most two letters long: after '{"ab":1,"a' the token 'b' would leave only the
+    quote closing a second "ab", so the row refuses 'b' and still lets "a" close."""
+    schema = {
+        "type": "object",
+        "patternProperties": {"^[ab]{1,2}$": {"type": "integer"}},
+        "additionalProperties": False,
+    }
+    session = _session(caches, bpe_id, backend, schema)
+    _commit(session, hf_tok, '{"ab":1,"a')
+    guarded, engine = _rows(session)
+    b = hf_tok.convert_tokens_to_ids("b")
+    quote = hf_tok.convert_tokens_to_ids('"')
+    assert b in _bits(engine) and b not in _bits(guarded)
+    assert quote in _bits(guarded)
+    assert not session.matcher.accept_token(b)
+    assert session.matcher.inner.accept_token(b)
+    session.matcher.inner.rollback(1)

@@ -39,6 +39,9 @@ from specmask.mask_service.protocols import GrammarMatcher
 logger = logging.getLogger(__name__)
 
 _QUOTE = 0x22
+# How many keys deep a row looks ahead for dead ends (each level: one accept, one row
+# fill, one rollback). Keys that are prefixes of one another chain the levels.
+MAX_LOOKAHEAD_DEPTH = 4
 _BACKSLASH = 0x5C
 
 
@@ -87,6 +90,7 @@ class KeyVocab:
     """What the guard needs of one tokenizer: the bytes of tokens holding a quote, indexed."""
 
     all_bytes: list[bytes]  # id -> bytes of every token (b"" for special and stop tokens)
+    by_bytes: dict[bytes, list[int]]  # bytes -> ids, tokens without a '"' (spelling part of a key)
     token_bytes: dict[int, bytes]  # id -> bytes, tokens holding a '"' byte only
     quote_words: np.ndarray  # [W] int32: tokens holding a '"'
     escape_words: np.ndarray  # [W] int32: tokens holding a '"' and a '\\'
@@ -114,8 +118,13 @@ class KeyVocab:
                 if len(set(values)) < len(values):
                     self_dups[parity].append(t)
         order = sorted((b, i) for i, b in quoted.items())
+        by_bytes: dict[bytes, list[int]] = {}
+        for i, b in enumerate(all_bytes):
+            if b and b'"' not in b and i < num_words * 32:
+                by_bytes.setdefault(b, []).append(i)
         return cls(
             all_bytes=all_bytes,
+            by_bytes=by_bytes,
             token_bytes=quoted,
             quote_words=_word_mask(list(quoted), num_words),
             escape_words=_word_mask([t for t, b in quoted.items() if b"\\" in b], num_words),
@@ -285,13 +294,14 @@ def _clear(row: np.ndarray, ids: list[int]) -> None:
 class DuplicateKeyGuard:
     """A ``GrammarMatcher`` that refuses repeated keys in every JSON object (module doc)."""
 
-    __slots__ = ("_tracker", "_vocab", "dead_ends", "inner")
+    __slots__ = ("_depth", "_tracker", "_vocab", "dead_ends", "inner")
 
     def __init__(self, inner: GrammarMatcher, vocab: KeyVocab) -> None:
         self.inner = inner
         self._vocab = vocab
         self._tracker = KeyTracker()
         self.dead_ends = 0  # rows left unfiltered because only repeated keys could follow
+        self._depth = 0  # lookahead depth of the row being filtered
 
     def _bytes(self, token: int) -> bytes:
         data = self._vocab.all_bytes
@@ -307,7 +317,24 @@ class DuplicateKeyGuard:
         if not self.inner.accept_token(token_id):
             self._tracker.undo()
             return False
+        if self._spells_a_key() and self._dead_end():
+            # The token leads into a dead end (rows clear it too): refused unless the
+            # state before it is a dead end already.
+            self.inner.rollback(1)
+            self._tracker.undo()
+            if not self._dead_end():
+                return False
+            self.inner.accept_token(token_id)
+            self._tracker.feed(data)
         return True
+
+    def _spells_a_key(self) -> bool:
+        """Whether the key string being written already spells a key of its object."""
+        tr = self._tracker
+        if not (tr.in_string and tr.is_key) or tr.escape or not tr.stack:
+            return False
+        top = tr.stack[-1]
+        return top is not None and decode_key(bytes(tr.key_raw)) in top.keys
 
     def _dead_end(self) -> bool:
         """Whether every token the grammar allows here closes a repeated key (rows stay unfiltered there)."""
@@ -317,6 +344,20 @@ class DuplicateKeyGuard:
             return False
         self._filter(row[0])
         return not row[0].any()
+
+    def _leads_to_dead_end(self, token: int) -> bool:
+        """Whether the state after ``token`` is a dead end (looked ahead at most
+        MAX_LOOKAHEAD_DEPTH keys deep; deeper, it is taken as not dead)."""
+        if self._depth >= MAX_LOOKAHEAD_DEPTH or not self.inner.accept_token(token):
+            return False
+        self._tracker.feed(self._bytes(token))
+        self._depth += 1
+        try:
+            return self._dead_end()
+        finally:
+            self._depth -= 1
+            self._tracker.undo()
+            self.inner.rollback(1)
 
     def is_terminated(self) -> bool:
         return self.inner.is_terminated()
@@ -366,13 +407,22 @@ class DuplicateKeyGuard:
                 return self._clear_checked(row, _ids_in(row & v.quote_words))
             if top is not None:
                 exact: list[int] = []
+                spelled: list[int] = []
                 for k in top.keys:
                     if k.startswith(so_far):
                         rest = k[len(so_far) :]
                         if not any(c in '"\\' or ord(c) < 0x20 for c in rest):
-                            exact.extend(v.with_prefix(rest.encode("utf-8", "surrogatepass") + b'"'))
+                            data = rest.encode("utf-8", "surrogatepass")
+                            exact.extend(v.with_prefix(data + b'"'))
+                            spelled.extend(v.by_bytes.get(data, ()))
                 if exact:
                     _clear(row, exact)  # exact: these bytes spell the rest of a key, then close it
+                    cleared = True
+                # A token spelling the rest of a key without closing it leads to a dead end
+                # when the grammar then allows nothing but closing it (a bounded key language).
+                dead = [t for t in spelled if _allows(row, t) and self._leads_to_dead_end(t)]
+                if dead:
+                    _clear(row, dead)
                     cleared = True
                 candidates.update(int(t) for t in _ids_in(row & v.escape_words))
         allowed = [t for t in candidates if _allows(row, t)]
