@@ -25,7 +25,6 @@ could close a key already in an open object.
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
 import threading
@@ -78,6 +77,20 @@ def _segments(data: bytes, in_string: bool) -> list[str]:
     return out
 
 
+def _before_close(data: bytes) -> str | None:
+    """Inside a string, the decoded text before ``data``'s first closing quote (None: no
+    closing quote, or the bytes before it are not whole characters)."""
+    escape = False
+    for i, c in enumerate(data):
+        if escape:
+            escape = False
+        elif c == _BACKSLASH:
+            escape = True
+        elif c == _QUOTE:
+            return decode_key(data[:i])
+    return None
+
+
 def _word_mask(ids: list[int], num_words: int) -> np.ndarray:
     words = np.zeros(num_words, dtype=np.uint32)
     for t in ids:
@@ -93,9 +106,9 @@ class KeyVocab:
     by_bytes: dict[bytes, list[int]]  # bytes -> ids, tokens without a '"' (spelling part of a key)
     token_bytes: dict[int, bytes]  # id -> bytes, tokens holding a '"' byte only
     quote_words: np.ndarray  # [W] int32: tokens holding a '"'
-    escape_words: np.ndarray  # [W] int32: tokens holding a '"' and a '\\'
-    sorted_bytes: list[bytes]  # quote tokens' bytes, sorted (prefix look-ups)
-    sorted_ids: list[int]
+    # Inside a string (no escape pending): the decoded text before the token's first
+    # closing quote -> ids of the tokens that close the string after exactly that text.
+    closers: dict[str, np.ndarray]
     # Per start state (0: outside a string, 1: inside one): decoded string -> ids of
     # tokens that open and close a string with that value within their bytes.
     segments: tuple[dict[str, list[int]], dict[str, list[int]]]
@@ -117,7 +130,11 @@ class KeyVocab:
                     segments[parity].setdefault(v, []).append(t)
                 if len(set(values)) < len(values):
                     self_dups[parity].append(t)
-        order = sorted((b, i) for i, b in quoted.items())
+        closing: dict[str, list[int]] = {}
+        for t, data in quoted.items():
+            text = _before_close(data)
+            if text is not None:
+                closing.setdefault(text, []).append(t)
         by_bytes: dict[bytes, list[int]] = {}
         for i, b in enumerate(all_bytes):
             if b and b'"' not in b and i < num_words * 32:
@@ -127,22 +144,10 @@ class KeyVocab:
             by_bytes=by_bytes,
             token_bytes=quoted,
             quote_words=_word_mask(list(quoted), num_words),
-            escape_words=_word_mask([t for t, b in quoted.items() if b"\\" in b], num_words),
-            sorted_bytes=[b for b, _ in order],
-            sorted_ids=[i for _, i in order],
+            closers={k: np.array(ids, dtype=np.int64) for k, ids in closing.items()},
             segments=segments,
             self_dups=self_dups,
         )
-
-    def with_prefix(self, prefix: bytes) -> list[int]:
-        """Ids of quote tokens whose bytes start with ``prefix`` (which holds a quote)."""
-        lo = bisect.bisect_left(self.sorted_bytes, prefix)
-        out: list[int] = []
-        for j in range(lo, len(self.sorted_bytes)):
-            if not self.sorted_bytes[j].startswith(prefix):
-                break
-            out.append(self.sorted_ids[j])
-        return out
 
 
 _VOCABS: dict[tuple[str, int, int], KeyVocab] = {}
@@ -285,10 +290,12 @@ def _allows(row: np.ndarray, token: int) -> bool:
     return bool((int(row[token >> 5]) >> (token & 31)) & 1)
 
 
-def _clear(row: np.ndarray, ids: list[int]) -> None:
-    words = row.view(np.uint32)
-    for t in ids:
-        words[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+def _clear(row: np.ndarray, ids: list[int] | np.ndarray) -> None:
+    if not len(ids):
+        return
+    t = np.asarray(ids, dtype=np.int64)
+    keep = ~np.left_shift(np.uint32(1), (t & 31).astype(np.uint32))
+    np.bitwise_and.at(row.view(np.uint32), t >> 5, keep)
 
 
 class DuplicateKeyGuard:
@@ -406,25 +413,22 @@ class DuplicateKeyGuard:
                 # the key bytes end inside a character or a surrogate pair: check every quote token
                 return self._clear_checked(row, _ids_in(row & v.quote_words))
             if top is not None:
-                exact: list[int] = []
                 spelled: list[int] = []
                 for k in top.keys:
                     if k.startswith(so_far):
                         rest = k[len(so_far) :]
-                        if not any(c in '"\\' or ord(c) < 0x20 for c in rest):
-                            data = rest.encode("utf-8", "surrogatepass")
-                            exact.extend(v.with_prefix(data + b'"'))
-                            spelled.extend(v.by_bytes.get(data, ()))
-                if exact:
-                    _clear(row, exact)  # exact: these bytes spell the rest of a key, then close it
-                    cleared = True
+                        closing = v.closers.get(rest)
+                        if closing is not None:
+                            _clear(row, closing)  # exact: the text before their quote completes the key
+                            cleared = True
+                        if rest:
+                            spelled.extend(v.by_bytes.get(rest.encode("utf-8", "surrogatepass"), ()))
                 # A token spelling the rest of a key without closing it leads to a dead end
                 # when the grammar then allows nothing but closing it (a bounded key language).
                 dead = [t for t in spelled if _allows(row, t) and self._leads_to_dead_end(t)]
                 if dead:
                     _clear(row, dead)
                     cleared = True
-                candidates.update(int(t) for t in _ids_in(row & v.escape_words))
         allowed = [t for t in candidates if _allows(row, t)]
         return self._clear_checked(row, allowed) or cleared
 
