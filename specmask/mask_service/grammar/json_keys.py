@@ -41,6 +41,9 @@ _QUOTE = 0x22
 # How many keys deep a row looks ahead for dead ends (each level: one accept, one row
 # fill, one rollback). Keys that are prefixes of one another chain the levels.
 MAX_LOOKAHEAD_DEPTH = 4
+# Look-aheads per row at most (each costs about one row fill); past them the end check
+# is left to catch a dead end.
+MAX_LOOKAHEADS = 8
 _BACKSLASH = 0x5C
 
 
@@ -349,8 +352,29 @@ class DuplicateKeyGuard:
         self.inner.fill_next_token_bitmask(row, 0)
         if not row[0].any():
             return False
+        # Quick way out: a token without a quote that spells no earlier key keeps going.
+        probe = row[0] & ~self._vocab.quote_words
+        _clear(probe, self._spelled())
+        if probe.any():
+            return False
         self._filter(row[0])
         return not row[0].any()
+
+    def _spelled(self) -> list[int]:
+        """Inside a key string: tokens without a quote that spell the rest of an earlier key of
+        its object (the key then spelled in full; the look-ahead's candidates)."""
+        tr = self._tracker
+        top = tr.stack[-1] if tr.stack else None
+        if not (tr.in_string and tr.is_key) or tr.escape or top is None or not top.keys:
+            return []
+        so_far = decode_key(bytes(tr.key_raw))
+        if so_far is None:
+            return []
+        out: list[int] = []
+        for k in top.keys:
+            if len(k) > len(so_far) and k.startswith(so_far):
+                out.extend(self._vocab.by_bytes.get(k[len(so_far) :].encode("utf-8", "surrogatepass"), ()))
+        return out
 
     def _leads_to_dead_end(self, token: int) -> bool:
         """Whether the state after ``token`` is a dead end (looked ahead at most
@@ -413,19 +437,16 @@ class DuplicateKeyGuard:
                 # the key bytes end inside a character or a surrogate pair: check every quote token
                 return self._clear_checked(row, _ids_in(row & v.quote_words))
             if top is not None:
-                spelled: list[int] = []
                 for k in top.keys:
                     if k.startswith(so_far):
-                        rest = k[len(so_far) :]
-                        closing = v.closers.get(rest)
+                        closing = v.closers.get(k[len(so_far) :])
                         if closing is not None:
                             _clear(row, closing)  # exact: the text before their quote completes the key
                             cleared = True
-                        if rest:
-                            spelled.extend(v.by_bytes.get(rest.encode("utf-8", "surrogatepass"), ()))
                 # A token spelling the rest of a key without closing it leads to a dead end
                 # when the grammar then allows nothing but closing it (a bounded key language).
-                dead = [t for t in spelled if _allows(row, t) and self._leads_to_dead_end(t)]
+                spelled = [t for t in self._spelled() if _allows(row, t)][:MAX_LOOKAHEADS]
+                dead = [t for t in spelled if self._leads_to_dead_end(t)]
                 if dead:
                     _clear(row, dead)
                     cleared = True
