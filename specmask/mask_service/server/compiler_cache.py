@@ -39,6 +39,7 @@ from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.mask_service.errors import GrammarError, GrammarTooComplex, MaskError
 from specmask.mask_service.grammar.backends import BACKENDS, GrammarBackend
 from specmask.mask_service.grammar.grammar_checks import mark_prechecked
+from specmask.mask_service.grammar.json_keys import key_vocab
 from specmask.mask_service.grammar.limits import GrammarLimits, check_limits
 from specmask.mask_service.server.compile_pool import CompilePool, CompileQueueFull
 from specmask.mask_service.server.tokenizers import TokenizerRegistry
@@ -189,13 +190,15 @@ class CompilerCache:
         except BaseException as exc:
             self._finish(key, fut, exc)
             return
+        json_keys = spec.kind in (GrammarKind.JSON_SCHEMA, GrammarKind.ANY_JSON)
+        if json_keys:
+            try:  # built once per tokenizer, here rather than on the first OpenSession
+                key_vocab(key[0], compiled.tokenizer_info, (key[1] + 31) // 32)
+            except BaseException as exc:
+                self._finish(key, fut, exc)
+                return
         entry = CompiledEntry(
-            key,
-            compiled,
-            self._backend,
-            key[1],
-            int(compiled.memory_size_bytes),
-            json_keys=spec.kind in (GrammarKind.JSON_SCHEMA, GrammarKind.ANY_JSON),
+            key, compiled, self._backend, key[1], int(compiled.memory_size_bytes), json_keys=json_keys
         )
         with self._lock:
             self._inflight.pop(key, None)
