@@ -249,3 +249,38 @@ def test_a_token_leading_into_a_dead_end_is_cleared(
     assert not session.matcher.accept_token(b)
     assert session.matcher.inner.accept_token(b)
     session.matcher.inner.rollback(1)
+
+
+@pytest.mark.parametrize("backend", ENGINES)
+def test_forced_continuation_skips_the_repeated_key(
+    caches: dict[str, CompilerCache], registry: TokenizerRegistry, bpe_id: str, hf_tok: Any, backend: str
+) -> None:
+    """Two names share 'ab': after '{"abc":1,"ab' only 'd' may follow, so the row forces it
+    and the forced walk proposes the other key; the engine alone would force nothing."""
+    from specmask.mask_service.server.draft_masks import DraftMaskEngine, DraftRequest
+    from specmask.mask_service.wire import RowInterner
+
+    schema = {
+        "type": "object",
+        "patternProperties": {"^ab[cd]$": {"type": "integer"}},
+        "additionalProperties": False,
+    }
+    kind_spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema))
+    entry, _ = caches[backend].get(bpe_id, None, kind_spec)
+    store = SessionStore(max_sessions=4, ttl_s=600)
+    session = store.open(entry, entry.vocab_size)
+    engine = DraftMaskEngine(store, RowInterner(1 << 20), num_threads=1, max_batch=4, max_k=8, tokenizers=registry)
+    try:
+        prefix = list(hf_tok.encode('{"abc":1,"ab', add_special_tokens=False))
+        (out,), _ = engine.run([DraftRequest(session.session_id, (), prefix, 1, max_forced_tokens=4)])
+        assert out.error is None
+        forced = hf_tok.decode(out.forced_tokens)
+        assert forced.startswith("d"), forced
+        # The engine's own matcher at the same state would take the repeated key's 'c'.
+        assert isinstance(session.matcher, DuplicateKeyGuard)
+        c = hf_tok.convert_tokens_to_ids("c")
+        assert not session.matcher.accept_token(c)
+        assert session.matcher.inner.accept_token(c)
+        session.matcher.inner.rollback(1)
+    finally:
+        engine.shutdown()
