@@ -13,10 +13,15 @@ open object has, whether the current string is a key), rolls back with it, and:
   same object, including tokens that close one and go on (``":``, ``":"``);
 * refuses such a token in ``accept_token`` (drafts, commits, forced tokens).
 
-Exception, a dead end: where every token the grammar allows would close a repeated
-key (the key text itself was the mistake, e.g. a pattern with few names), the row
-is left as the engine gives it and the token is accepted; an all-zero row would
-turn the sampler's softmax into NaN. The end check then fails that request.
+Where the key language is bounded (``^[ab]{1,8}$``), writing an earlier key in full
+can leave nothing but closing it: a dead end. A row inside a key therefore also
+clears each token that spells the rest of an earlier key when the state after it is
+a dead end (a look-ahead of one row fill per such token, MAX_LOOKAHEADS per row,
+MAX_LOOKAHEAD_DEPTH keys deep), and ``accept_token`` refuses the same tokens.
+Where the state itself is a dead end (every token the grammar allows closes a
+repeated key: the key, or the decision to open one, was the mistake), the row is
+left as the engine gives it and the token is accepted; an all-zero row would turn
+the sampler's softmax into NaN. The end check then fails that request.
 
 Cost: per tokenizer, the tokens holding a ``"`` byte are indexed once
 (``KeyVocab``); per row only those tokens are looked at, and only the ones that
