@@ -284,3 +284,64 @@ def test_forced_continuation_skips_the_repeated_key(
         session.matcher.inner.rollback(1)
     finally:
         engine.shutdown()
+
+
+class _CountingFills:
+    """The engine matcher, counting row fills (the look-ahead's cost)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.fills = 0
+
+    def accept_token(self, token_id: int, /) -> bool:
+        return bool(self.inner.accept_token(token_id))
+
+    def is_terminated(self) -> bool:
+        return bool(self.inner.is_terminated())
+
+    def fill_next_token_bitmask(self, bitmask: np.ndarray, index: int = 0, /) -> object:
+        self.fills += 1
+        return self.inner.fill_next_token_bitmask(bitmask, index)
+
+    def rollback(self, num_tokens: int, /) -> None:
+        self.inner.rollback(num_tokens)
+
+
+@pytest.fixture(scope="module")
+def llama3(shared_data: Any) -> tuple[str, dict[str, CompilerCache], Any]:
+    """The Llama-3 tokenizer: it has the tokens "a", "aa", "aaa", "aaaa" (look-ahead chains)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from specmask.common.tokenizer_id import tokenizer_id_for_path
+    from specmask.mask_service.server.tokenizers import TokenizerSource
+
+    path = shared_data / "tokenizers" / "llama3"
+    reg = TokenizerRegistry([TokenizerSource(str(path))])
+    caches = {
+        name: CompilerCache(reg, max_bytes=1 << 30, compile_threads=1, compile_timeout_s=300, backend=name)
+        for name in ENGINES
+    }
+    return tokenizer_id_for_path(path), caches, PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+
+
+@pytest.mark.parametrize("backend", ENGINES)
+def test_look_ahead_is_bounded(llama3: tuple[str, dict[str, CompilerCache], Any], backend: str) -> None:
+    """Keys that prefix one another ("a", "aa", ...) chain look-aheads; a row and an
+    accepted token cost at most 1 + MAX_LOOKAHEADS engine row fills, never a search."""
+    from specmask.mask_service.grammar.json_keys import MAX_LOOKAHEADS
+
+    tok_id, caches, hf = llama3
+    schema = {"type": "object", "patternProperties": {"^a{1,8}$": {"type": "integer"}}, "additionalProperties": False}
+    session = _session(caches, tok_id, backend, schema)
+    _commit(session, hf, "{" + ",".join(f'"{"a" * n}":1' for n in range(1, 8)) + ',"')
+    guard = session.matcher
+    assert isinstance(guard, DuplicateKeyGuard)
+    counting = _CountingFills(guard.inner)
+    guard.inner = counting  # type: ignore[assignment]  # the same calls, counted
+    row = np.zeros((1, session.num_mask_words), dtype=np.int32)
+    guard.fill_next_token_bitmask(row, 0)
+    assert 1 <= counting.fills <= 1 + MAX_LOOKAHEADS
+    assert row.any()
+    counting.fills = 0
+    guard.accept_token(hf.convert_tokens_to_ids("a"))
+    assert counting.fills <= 3 * (1 + MAX_LOOKAHEADS)

@@ -46,8 +46,9 @@ _QUOTE = 0x22
 # How many keys deep a row looks ahead for dead ends (each level: one accept, one row
 # fill, one rollback). Keys that are prefixes of one another chain the levels.
 MAX_LOOKAHEAD_DEPTH = 4
-# Look-aheads per row at most (each costs about one row fill); past them the end check
-# is left to catch a dead end.
+# Look-aheads per row or accepted token at most, all depths together (each costs about
+# one row fill), so a schema of keys that prefix one another cannot make a row expensive;
+# past them the end check is left to catch a dead end.
 MAX_LOOKAHEADS = 8
 _BACKSLASH = 0x5C
 
@@ -309,7 +310,7 @@ def _clear(row: np.ndarray, ids: list[int] | np.ndarray) -> None:
 class DuplicateKeyGuard:
     """A ``GrammarMatcher`` that refuses repeated keys in every JSON object (module doc)."""
 
-    __slots__ = ("_depth", "_tracker", "_vocab", "dead_ends", "inner")
+    __slots__ = ("_budget", "_depth", "_tracker", "_vocab", "dead_ends", "inner")
 
     def __init__(self, inner: GrammarMatcher, vocab: KeyVocab) -> None:
         self.inner = inner
@@ -317,12 +318,15 @@ class DuplicateKeyGuard:
         self._tracker = KeyTracker()
         self.dead_ends = 0  # rows left unfiltered because only repeated keys could follow
         self._depth = 0  # lookahead depth of the row being filtered
+        self._budget = MAX_LOOKAHEADS  # look-aheads left to the current call
 
     def _bytes(self, token: int) -> bytes:
         data = self._vocab.all_bytes
         return data[token] if token < len(data) else b""
 
     def accept_token(self, token_id: int, /) -> bool:
+        if not self._depth:
+            self._budget = MAX_LOOKAHEADS
         data = self._bytes(token_id)
         if not self._tracker.feed(data):
             self._tracker.undo()
@@ -384,8 +388,9 @@ class DuplicateKeyGuard:
     def _leads_to_dead_end(self, token: int) -> bool:
         """Whether the state after ``token`` is a dead end (looked ahead at most
         MAX_LOOKAHEAD_DEPTH keys deep; deeper, it is taken as not dead)."""
-        if self._depth >= MAX_LOOKAHEAD_DEPTH or not self.inner.accept_token(token):
+        if self._depth >= MAX_LOOKAHEAD_DEPTH or self._budget <= 0 or not self.inner.accept_token(token):
             return False
+        self._budget -= 1
         self._tracker.feed(self._bytes(token))
         self._depth += 1
         try:
@@ -403,6 +408,8 @@ class DuplicateKeyGuard:
         self._tracker.undo(min(num_tokens, len(self._tracker)))
 
     def fill_next_token_bitmask(self, bitmask: np.ndarray, index: int = 0, /) -> object:
+        if not self._depth:
+            self._budget = MAX_LOOKAHEADS
         result = self.inner.fill_next_token_bitmask(bitmask, index)
         row = bitmask[index]
         original = row.copy() if row.any() else None
@@ -450,7 +457,7 @@ class DuplicateKeyGuard:
                             cleared = True
                 # A token spelling the rest of a key without closing it leads to a dead end
                 # when the grammar then allows nothing but closing it (a bounded key language).
-                spelled = [t for t in self._spelled() if _allows(row, t)][:MAX_LOOKAHEADS]
+                spelled = [t for t in self._spelled() if _allows(row, t)]
                 dead = [t for t in spelled if self._leads_to_dead_end(t)]
                 if dead:
                     _clear(row, dead)
