@@ -345,3 +345,28 @@ def test_look_ahead_is_bounded(llama3: tuple[str, dict[str, CompilerCache], Any]
     counting.fills = 0
     guard.accept_token(hf.convert_tokens_to_ids("a"))
     assert counting.fills <= 3 * (1 + MAX_LOOKAHEADS)
+
+
+@pytest.mark.parametrize("backend", ENGINES)
+@pytest.mark.parametrize("suffix", ["", "a", "b", "aa", "ba"])
+def test_accept_agrees_with_the_row(
+    caches: dict[str, CompilerCache], bpe_id: str, hf_tok: Any, backend: str, suffix: str
+) -> None:
+    """A token is accepted exactly where the row allows it (a row that allows a token the
+    commit then refuses fails the request), also around dead ends and look-aheads."""
+    schema = {
+        "type": "object",
+        "patternProperties": {"^[ab]{1,3}$": {"type": "integer"}},
+        "additionalProperties": False,
+    }
+    session = _session(caches, bpe_id, backend, schema)
+    keys = ["bbb", "bba", "bb", "ab", "a", "aaa"]
+    _commit(session, hf_tok, "{" + ",".join(f'"{k}":1' for k in keys) + ',"' + suffix)
+    guarded, engine = _rows(session)
+    allowed = _bits(guarded)
+    for t in sorted(_bits(engine)):
+        accepted = session.matcher.accept_token(t)
+        assert accepted == (t in allowed), (t, hf_tok.decode([t]))
+        if accepted:
+            session.matcher.rollback(1)
+    np.testing.assert_array_equal(_rows(session)[0], guarded)

@@ -325,26 +325,22 @@ class DuplicateKeyGuard:
         return data[token] if token < len(data) else b""
 
     def accept_token(self, token_id: int, /) -> bool:
-        if not self._depth:
-            self._budget = MAX_LOOKAHEADS
         data = self._bytes(token_id)
-        if not self._tracker.feed(data):
-            self._tracker.undo()
-            if not self._dead_end():
+        if self._tracker.feed(data):
+            if not self.inner.accept_token(token_id):
+                self._tracker.undo()
                 return False
-            self._tracker.feed(data)
-        if not self.inner.accept_token(token_id):
-            self._tracker.undo()
-            return False
-        if self._spells_a_key() and self._dead_end():
-            # The token leads into a dead end (rows clear it too): refused unless the
-            # state before it is a dead end already.
+            if not self._spells_a_key():
+                return True
             self.inner.rollback(1)
-            self._tracker.undo()
-            if not self._dead_end():
-                return False
-            self.inner.accept_token(token_id)
-            self._tracker.feed(data)
+        self._tracker.undo()
+        # A token a row may refuse (it closes a repeated key, or spells one in full): the
+        # row of this state decides, so a token is accepted exactly where rows allow it.
+        row = np.empty((1, self._vocab.quote_words.shape[0]), dtype=np.int32)
+        self.fill_next_token_bitmask(row, 0)
+        if not _allows(row[0], token_id) or not self.inner.accept_token(token_id):
+            return False
+        self._tracker.feed(data)
         return True
 
     def _spells_a_key(self) -> bool:
