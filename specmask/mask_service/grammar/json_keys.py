@@ -49,7 +49,7 @@ MAX_LOOKAHEAD_DEPTH = 4
 # Look-aheads per row or accepted token at most, all depths together (each costs about
 # one row fill), so a schema of keys that prefix one another cannot make a row expensive;
 # past them the end check is left to catch a dead end.
-MAX_LOOKAHEADS = 8
+MAX_LOOKAHEADS = 24
 _BACKSLASH = 0x5C
 
 
