@@ -35,10 +35,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
-from specmask.common.grammar_spec import GrammarSpec
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.mask_service.errors import GrammarError, GrammarTooComplex, MaskError
 from specmask.mask_service.grammar.backends import BACKENDS, GrammarBackend
 from specmask.mask_service.grammar.grammar_checks import mark_prechecked
+from specmask.mask_service.grammar.json_keys import key_vocab
 from specmask.mask_service.grammar.limits import GrammarLimits, check_limits
 from specmask.mask_service.server.compile_pool import CompilePool, CompileQueueFull
 from specmask.mask_service.server.tokenizers import TokenizerRegistry
@@ -68,6 +69,7 @@ class CompiledEntry:
     backend: GrammarBackend
     vocab_size: int
     size_bytes: int
+    json_keys: bool = False  # a JSON grammar: sessions refuse repeated keys (grammar/json_keys.py)
 
 
 class CompileInProgress(CompileQueueFull):
@@ -188,7 +190,16 @@ class CompilerCache:
         except BaseException as exc:
             self._finish(key, fut, exc)
             return
-        entry = CompiledEntry(key, compiled, self._backend, key[1], int(compiled.memory_size_bytes))
+        json_keys = spec.kind in (GrammarKind.JSON_SCHEMA, GrammarKind.ANY_JSON)
+        if json_keys:
+            try:  # built once per tokenizer, here rather than on the first OpenSession
+                key_vocab(key[0], compiled.tokenizer_info, (key[1] + 31) // 32)
+            except BaseException as exc:
+                self._finish(key, fut, exc)
+                return
+        entry = CompiledEntry(
+            key, compiled, self._backend, key[1], int(compiled.memory_size_bytes), json_keys=json_keys
+        )
         with self._lock:
             self._inflight.pop(key, None)
             if key not in self._entries:

@@ -39,6 +39,7 @@ import numpy as np
 from specmask.mask_service.errors import InternalItemError, InvalidArgument, MaskError
 from specmask.mask_service.grammar.backends import ENGINES, engine_name
 from specmask.mask_service.grammar.forced import TokenizerViews, forced_continuation
+from specmask.mask_service.grammar.json_keys import engine_matcher
 from specmask.mask_service.protocols import GrammarMatcher
 from specmask.mask_service.server.sessions import Session, SessionStore
 from specmask.mask_service.wire import InternedRow, RowInterner
@@ -225,7 +226,11 @@ class DraftMaskEngine:
             return None
         entry = session.entry
         view = self._views.get(entry.key[0], entry.compiled.tokenizer_info)
-        forced_bytes = ENGINES[engine_name(entry.compiled, entry.backend)].forced_bytes
+        engine_forced = ENGINES[engine_name(entry.compiled, entry.backend)].forced_bytes
+
+        def forced_bytes(matcher: GrammarMatcher) -> bytes:
+            return engine_forced(engine_matcher(matcher))
+
         res.forced_at_stop = at_stop
 
         def hook(matcher: GrammarMatcher, row: np.ndarray | None, accepted: int, refused: bool) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from specmask.mask_service.auth import public_owner
 from specmask.mask_service.errors import InvalidArgument, LimitExceeded, SessionNotFound, TokenRejected
+from specmask.mask_service.grammar.json_keys import DuplicateKeyGuard, key_vocab
 from specmask.mask_service.protocols import GrammarMatcher
 from specmask.mask_service.server.compiler_cache import CompiledEntry
 
@@ -128,6 +129,9 @@ class SessionStore:
             if reason is not None:
                 raise LimitExceeded(f"new sessions shed: {reason}")
         matcher = entry.backend.new_matcher(entry.compiled)
+        if entry.json_keys:
+            words = (vocab_size + 31) // 32
+            matcher = DuplicateKeyGuard(matcher, key_vocab(entry.key[0], entry.compiled.tokenizer_info, words))
         session = Session(uuid.uuid4().hex, entry, matcher, vocab_size, owner=owner, request_id=request_id)
         with self._lock:
             if len(self._sessions) >= self._max:
