@@ -144,6 +144,11 @@ class OutputChecker:
     """Thread-safe; ``check`` may run on the engine's executor threads."""
 
     def __init__(self, max_cached: int = MAX_CACHED_CHECKERS) -> None:
+        # jsonschema's first import, with its format checkers, costs seconds of CPU: paid when
+        # the server is built, not by the first grammar request (checks may run on the loop).
+        import jsonschema
+
+        assert jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers
         self._max_cached = max_cached
         self._cache: collections.OrderedDict[str, Callable[[str], Verdict]] = collections.OrderedDict()
         self._lock = threading.Lock()
