@@ -231,7 +231,10 @@ def test_langchain_bind_tools_default_and_json_mode(stack: ThreadStack, model: s
         else:
             assert finish in ("stop", "length") and isinstance(answer.content, str)
     structured = llm.with_structured_output({"title": "cat", "type": "object"}, method="json_mode", include_raw=True)
-    out = structured.invoke("Describe a cat as JSON.")
+    try:
+        out = structured.invoke("Describe a cat as JSON.")
+    except openai.LengthFinishReasonError:
+        return  # cut at max_tokens: the SDK raises (this langchain-openai lets it through), never a made-up object
     if out["raw"].response_metadata["finish_reason"] == "stop":
         assert isinstance(out["parsed"], dict) and out["parsing_error"] is None
     else:  # cut at max_tokens: LangChain reports the parse failure, never a made-up object
