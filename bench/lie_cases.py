@@ -458,6 +458,11 @@ FAMILIES: tuple[tuple[float, Callable[[random.Random], tuple]], ...] = (
 
 # ---- requests -------------------------------------------------------------------------
 
+# Stop strings a request may carry: JSON punctuation, letters and digits the grammars emit,
+# and non-ASCII characters the Unicode families use (a stop inside a character's bytes too).
+STOP_STRINGS = ("}", "{", ",", ":", '"', "]", "-", "a", "1", "\n", "é", "ü", "中", "😀", "\u00e9", "ab")
+STOP_FRACTION = 0.3
+
 
 def random_request(
     rng: random.Random,
@@ -482,6 +487,10 @@ def random_request(
     if rng.random() < 0.7 or seeded_only:
         s.seed = rng.getrandbits(64)
     s.max_tokens = rng.randint(8, max_tokens)
+    if rng.random() < STOP_FRACTION:
+        # A stop string may only end an output where the grammar may end: what comes back as
+        # STOP is checked like GRAMMAR_COMPLETE.
+        s.stop.extend(rng.sample(STOP_STRINGS, rng.randint(1, 3)))
     spec = req.speculation
     mode = rng.randrange(4)
     if mode == 0:
@@ -494,7 +503,7 @@ def random_request(
             spec.draft_masking = rng.random() < 0.6
     sampling_desc = (
         f"T={s.temperature} top_p={top_p} top_k={top_k} seed={s.seed if s.HasField('seed') else None} "
-        f"max_tokens={s.max_tokens} spec={str(spec).strip()!r}"
+        f"max_tokens={s.max_tokens} stop={list(s.stop)!r} spec={str(spec).strip()!r}"
     )
     return Case(name, req, check, f"{desc} | {sampling_desc}")
 
