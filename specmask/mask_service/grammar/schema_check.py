@@ -93,6 +93,7 @@ from typing import Any
 
 from specmask.mask_service.errors import GrammarError
 from specmask.mask_service.grammar.code_points import bad_code_point
+from specmask.mask_service.grammar.llguidance_check import STANDARD_FORMATS
 from specmask.mask_service.grammar.schema_rewrite import (
     XGRAMMAR_FORMATS,
     is_stringish,
@@ -500,29 +501,7 @@ def check_metaschema(schema: Any) -> None:
 
 # Formats JSON Schema defines (draft 2020-12, 7.3). Any other value is an annotation that
 # every validator ignores; these assert something, and the end check must be able to verify it.
-ASSERTED_FORMATS = frozenset(
-    {
-        "date-time",
-        "date",
-        "time",
-        "duration",
-        "email",
-        "idn-email",
-        "hostname",
-        "idn-hostname",
-        "ipv4",
-        "ipv6",
-        "uri",
-        "uri-reference",
-        "iri",
-        "iri-reference",
-        "uuid",
-        "uri-template",
-        "json-pointer",
-        "relative-json-pointer",
-        "regex",
-    }
-)
+ASSERTED_FORMATS = STANDARD_FORMATS
 
 
 def verifiable_formats() -> frozenset[str]:
