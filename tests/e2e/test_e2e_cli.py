@@ -23,6 +23,20 @@ UP_TIMEOUT_S = 240.0
 STOP_TIMEOUT_S = 90.0
 
 
+def wait_until_up(proc: subprocess.Popen[str], command: str, lines: list[str]) -> str:
+    """Read the process's output into ``lines`` until its "specmask is up" line, which is returned;
+    fails if it exits first or UP_TIMEOUT_S passes."""
+    deadline = time.monotonic() + UP_TIMEOUT_S
+    assert proc.stdout is not None
+    while True:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, f"`specmask {command}` exited early:\n{''.join(lines)}"
+        lines.append(line)
+        if line.startswith("specmask is up"):
+            return line
+        assert time.monotonic() < deadline, "".join(lines)
+
+
 def _descendants(pid: int) -> dict[int, bytes]:
     """pid -> cmdline of every live descendant of ``pid`` (from /proc)."""
     parents: dict[int, int] = {}
@@ -94,18 +108,9 @@ def test_up_generate_and_ctrl_c(tiny_pair, tmp_path: Path) -> None:
     )
     lines: list[str] = []
     try:
-        deadline = time.monotonic() + UP_TIMEOUT_S
-        assert up.stdout is not None
-        while True:
-            line = up.stdout.readline()
-            assert line or up.poll() is None, f"`specmask up` exited early:\n{''.join(lines)}"
-            lines.append(line)
-            if line.startswith("specmask is up"):
-                match = re.search(r"API 127\.0\.0\.1:(\d+)", line)
-                assert match, line
-                port = int(match.group(1))
-                break
-            assert time.monotonic() < deadline, "".join(lines)
+        match = re.search(r"API 127\.0\.0\.1:(\d+)", wait_until_up(up, "up", lines))
+        assert match, lines[-1]
+        port = int(match.group(1))
         schema_file = tmp_path / "schema.json"
         schema_file.write_text(json.dumps(BOUNDED_SCHEMA))
         gen = subprocess.run(

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from specmask.orchestrator.dev.serve import Speculative, parse_speculative_config
-from tests.e2e.test_e2e_cli import STOP_TIMEOUT_S, UP_TIMEOUT_S, _cli, _descendants
+from tests.e2e.test_e2e_cli import STOP_TIMEOUT_S, _cli, _descendants, wait_until_up
 from tests.fixtures.procs import exited
 
 pytestmark = pytest.mark.slow
@@ -69,18 +69,9 @@ def test_serve_with_vllm_flags(tiny_pair, tmp_path: Path) -> None:
     )
     lines: list[str] = []
     try:
-        deadline = time.monotonic() + UP_TIMEOUT_S
-        assert serve.stdout is not None
-        while True:
-            line = serve.stdout.readline()
-            assert line or serve.poll() is None, f"`specmask serve` exited early:\n{''.join(lines)}"
-            lines.append(line)
-            if line.startswith("specmask is up"):
-                match = re.search(r"OpenAI API (http://127\.0\.0\.1:\d+)/v1", line)
-                assert match, line
-                root = match.group(1)
-                break
-            assert time.monotonic() < deadline, "".join(lines)
+        match = re.search(r"OpenAI API (http://127\.0\.0\.1:\d+)/v1", wait_until_up(serve, "serve", lines))
+        assert match, lines[-1]
+        root = match.group(1)
         with openai.OpenAI(base_url=root + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
             (card,) = client.models.list().data
             assert card.id == "tiny-chat" and card.model_extra["max_model_len"] == 256
