@@ -146,9 +146,9 @@ class OutputChecker:
     def __init__(self, max_cached: int = MAX_CACHED_CHECKERS) -> None:
         # jsonschema's first import, with its format checkers, costs seconds of CPU: paid when
         # the server is built, not by the first grammar request (checks may run on the loop).
-        import jsonschema
+        from specmask.mask_service.grammar.schema_check import verifiable_formats
 
-        assert jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers
+        assert verifiable_formats()
         self._max_cached = max_cached
         self._cache: collections.OrderedDict[str, Callable[[str], Verdict]] = collections.OrderedDict()
         self._lock = threading.Lock()

@@ -86,13 +86,14 @@ def _cap_address_space(extra_bytes: int) -> None:
 
 
 def serve(stdin: IO[bytes], stdout: IO[bytes], *, address_space_extra: int) -> None:
+    import xgrammar as xgr
+
+    from specmask.mask_service.grammar.schema_check import verifiable_formats
+
     # jsonschema with its format checkers (the prechecks use them) costs seconds of CPU on its
     # first import (the RFC 3987 parser is built then): paid here, before "ready", never by the
     # first job's CPU budget.
-    import jsonschema
-    import xgrammar as xgr
-
-    assert jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers
+    assert verifiable_formats()
 
     from specmask.mask_service.errors import GrammarError
     from specmask.mask_service.grammar.backends import BACKENDS
