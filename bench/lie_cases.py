@@ -460,7 +460,7 @@ FAMILIES: tuple[tuple[float, Callable[[random.Random], tuple]], ...] = (
 
 # Stop strings a request may carry: JSON punctuation, letters and digits the grammars emit,
 # and non-ASCII characters the Unicode families use (a stop inside a character's bytes too).
-STOP_STRINGS = ("}", "{", ",", ":", '"', "]", "-", "a", "1", "\n", "é", "ü", "中", "😀", "\u00e9", "ab")
+STOP_STRINGS = ("}", "{", ",", ":", '"', "]", "-", "a", "1", "\n", "é", "ü", "中", "😀", "\\u00e9", "ab")
 STOP_FRACTION = 0.3
 
 

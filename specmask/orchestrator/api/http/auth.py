@@ -14,14 +14,12 @@ sends no key with it), and every response, streams included, carries
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 from aiohttp import web
-from aiohttp.typedefs import Middleware
+from aiohttp.typedefs import Handler, Middleware
 
 from specmask.orchestrator.auth_keys import ApiKeys
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # Paths a probe or scraper reaches without a key.
 OPEN_PATHS = frozenset({"/health", "/healthz", "/readyz", "/livez", "/metrics"})

@@ -21,10 +21,9 @@ import asyncio
 import importlib.metadata
 import logging
 import time
-from collections.abc import Awaitable, Callable
 
 from aiohttp import web
-from aiohttp.typedefs import Middleware
+from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from pydantic import Field
 
@@ -36,7 +35,6 @@ from specmask.orchestrator.validation import MAX_CHARS_PER_TOKEN, Tokenizer
 
 access_logger = logging.getLogger("specmask.orchestrator.api.http.access")
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 UNMATCHED_ROUTE = "unmatched"
 
 
