@@ -14,6 +14,7 @@ class ErrorCode(enum.Enum):
 
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
     NOT_FOUND = "NOT_FOUND"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
@@ -59,6 +60,12 @@ class UnknownTokenizer(InvalidArgument):
 
 class SessionNotFound(MaskError):
     code = ErrorCode.NOT_FOUND
+
+
+class NotOwner(MaskError):
+    """A call on a session names another owner than the one that opened it."""
+
+    code = ErrorCode.PERMISSION_DENIED
 
 
 class TokenRejected(MaskError):

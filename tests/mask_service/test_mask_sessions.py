@@ -164,3 +164,24 @@ def test_release_owner_closes_only_that_owners_sessions(client, bpe_id, hf_tok) 
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert client.release_owner("worker-b") == 1
     client.close_session(unnamed)
+
+
+def test_close_session_needs_the_owner_that_opened_it(client, bpe_id, hf_tok) -> None:
+    # Session ids are logged; owners are not. Knowing an id must not let a caller end
+    # another owner's session (its request would fail with "unknown session").
+    toks = hf_tok.encode(DOC, add_special_tokens=False)
+    sid = client.open_session(bpe_id, SCHEMA, owner="worker-a")
+    for wrong in ("", "worker-b", "worker-a "):
+        with pytest.raises(MaskServiceError) as err:
+            client.close_session(sid, owner=wrong)
+        assert err.value.code == grpc.StatusCode.PERMISSION_DENIED
+    client.commit(sid, 1, toks[:1])  # still open and serving
+    assert _rows(client, sid, toks[1:3]).shape[0] == 3
+    client.close_session(sid, owner="worker-a")
+    with pytest.raises(MaskServiceError) as err:
+        client.commit(sid, 2, toks[1:2])
+    assert err.value.code == grpc.StatusCode.NOT_FOUND
+    unnamed = client.open_session(bpe_id, SCHEMA)  # opened without an owner: anyone may close it
+    before = client.session_count()
+    client.close_session(unnamed)
+    assert client.session_count() == before - 1

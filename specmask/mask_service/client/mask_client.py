@@ -247,8 +247,9 @@ class MaskServiceClient:
             raise
         return resp.terminated
 
-    def close_session(self, session_id: str) -> None:
-        self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
+    def close_session(self, session_id: str, owner: str = "") -> None:
+        """Close a session; ``owner``: the one it was opened with (the service refuses another)."""
+        self._call(self._stub.CloseSession, pb.CloseSessionRequest(session_id=session_id, owner=owner))
 
     def session_count(self) -> int:
         return self._call(self._stub.SessionCount, pb.SessionCountRequest()).count

@@ -334,7 +334,7 @@ class MaskRouter:
         if rec is None:
             return
         try:
-            self._client(rec.address).close_session(rec.remote_id)
+            self._client(rec.address).close_session(rec.remote_id, owner=self.owner)
         except MaskServiceError as exc:
             logger.info(
                 "close of session %s on %s failed (%s); the replica's TTL reclaims it",

@@ -134,7 +134,9 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
 
     def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext) -> pb.CloseSessionResponse:
         return self._guard(
-            context, lambda: pb.CloseSessionResponse(existed=self._sessions.close(request.session_id)), "CloseSession"
+            context,
+            lambda: pb.CloseSessionResponse(existed=self._sessions.close(request.session_id, request.owner)),
+            "CloseSession",
         )
 
     def ReleaseOwner(self, request: pb.ReleaseOwnerRequest, context: grpc.ServicerContext) -> pb.ReleaseOwnerResponse:

@@ -8,6 +8,7 @@ parallel.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import threading
 import time
@@ -17,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from specmask.mask_service.auth import public_owner
-from specmask.mask_service.errors import InvalidArgument, LimitExceeded, SessionNotFound, TokenRejected
+from specmask.mask_service.errors import InvalidArgument, LimitExceeded, NotOwner, SessionNotFound, TokenRejected
 from specmask.mask_service.grammar.json_keys import DuplicateKeyGuard, key_vocab
 from specmask.mask_service.protocols import GrammarMatcher
 from specmask.mask_service.server.compiler_cache import CompiledEntry
@@ -161,8 +162,13 @@ class SessionStore:
             s = self._sessions.get(session_id)
         return s.log_prefix if s is not None else ""
 
-    def close(self, session_id: str) -> bool:
+    def close(self, session_id: str, owner: str = "") -> bool:
+        """Close one session; ``owner`` must be the one it was opened with (NotOwner otherwise,
+        and the session stays). Returns whether it existed."""
         with self._lock:
+            held = self._sessions.get(session_id)
+            if held is not None and held.owner and not hmac.compare_digest(held.owner, owner):
+                raise NotOwner(f"session {session_id} belongs to another owner; it stays open")
             s = self._drop_locked(session_id)
         if s is not None:
             logger.info("%ssession %s closed after %d committed tokens", s.log_prefix, session_id, s.num_committed)

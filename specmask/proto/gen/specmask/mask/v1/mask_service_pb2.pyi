@@ -340,15 +340,23 @@ class CloseSessionRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
+    owner: _builtins.str
+    """The owner the session was opened with (OpenSessionRequest.owner). A session
+    that has an owner is closed only by a request naming it: PERMISSION_DENIED
+    otherwise, and the session stays. Session ids appear in the service's logs;
+    owners do not, so an id alone never lets one caller end another's session.
+    """
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
+        owner: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
