@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
+import pytest
 import torch
 
 # Triton chooses compile vs interpret when a function is decorated, including
@@ -19,3 +21,17 @@ if not torch.cuda.is_available():
 _CHECKOUT_MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".specmask", "models")
 if os.path.isdir(_CHECKOUT_MODELS):
     os.environ.setdefault("SPECMASK_MODEL_CACHE", _CHECKOUT_MODELS)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real default model's converted directory; skipped when it is not cached (tests never
+    download weights: `specmask models get smollm2-135m-instruct` does)."""
+    from specmask.gpu_worker.models.cache import MANIFEST_NAME, cache_root
+    from specmask.gpu_worker.models.registry import DEFAULT_MODEL
+
+    root = cache_root()
+    path = (root if root.is_absolute() else Path(__file__).resolve().parents[1] / root) / DEFAULT_MODEL
+    if not (path / MANIFEST_NAME).is_file():
+        pytest.skip(f"{DEFAULT_MODEL} is not cached at {path}; run `specmask models get {DEFAULT_MODEL}`")
+    return path

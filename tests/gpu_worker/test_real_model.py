@@ -41,15 +41,8 @@ ASKS = {"user": "A user called Ada, aged 36.", "ticket": "File an urgent ticket 
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
-    from specmask.gpu_worker.models.cache import MANIFEST_NAME, cache_root
-    from specmask.gpu_worker.models.registry import DEFAULT_MODEL
-
-    root = cache_root()
-    path = (root if root.is_absolute() else REPO_ROOT / root) / DEFAULT_MODEL
-    if not (path / MANIFEST_NAME).is_file():
-        pytest.skip(f"{DEFAULT_MODEL} is not cached at {path}; run `specmask models get {DEFAULT_MODEL}`")
-    return path
+def model_dir(smollm2_dir: Path) -> Path:
+    return smollm2_dir
 
 
 @pytest.fixture(scope="module")

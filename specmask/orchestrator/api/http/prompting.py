@@ -1,9 +1,9 @@
 """Chat messages -> one prompt string.
 
 With a chat template (``chat_template`` in the model's tokenizer_config.json,
-or a ``chat_template.jinja`` file beside it) the messages are rendered the way
-Hugging Face's ``apply_chat_template`` does: a sandboxed Jinja environment,
-``messages``/``tools``/``bos_token``/``eos_token``/``add_generation_prompt=True``.
+or a ``chat_template.jinja`` file beside it) the messages are rendered by the
+tokenizer's own ``apply_chat_template`` (transformers), with ``tools`` and
+``add_generation_prompt=True``, exactly as the model's authors render them.
 
 Without one (the toy models have none) the fallback is a plain transcript,
 one ``<role>: <content>`` block per message and a final ``assistant:`` line to
@@ -81,62 +81,63 @@ class TranscriptPrompter:
 
 
 class TemplatePrompter:
-    """A Hugging Face chat template (Jinja), rendered in a sandbox."""
+    """The model's chat template, rendered by its tokenizer's ``apply_chat_template``.
 
-    def __init__(self, template: str, special: dict[str, str]) -> None:
-        from jinja2.exceptions import TemplateError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    Hugging Face's own renderer, not a copy of it: the template sees exactly the globals,
+    filters and extensions it was written against (``raise_exception``, ``strftime_now``,
+    ``tojson`` options, loop controls), and ``tools`` reach templates that read them.
+    """
 
-        def raise_exception(message: str) -> None:
-            raise TemplateError(message)
-
-        env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-        )
-        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
-        env.globals["raise_exception"] = raise_exception
-        self._template = env.from_string(template)
-        self._special = special
+    def __init__(self, tokenizer: Any) -> None:  # transformers.PreTrainedTokenizerBase
+        self._tokenizer = tokenizer
+        template = tokenizer.chat_template
         # A template that never reads ``tools`` would drop them silently.
-        self.supports_tools = "tools" in template
+        self.supports_tools = any(
+            _reads_tools(t) for t in (template.values() if isinstance(template, dict) else [template])
+        )
 
     def render(self, messages: list[ChatMessage], tools: list[Tool] | None) -> str:
         from jinja2.exceptions import TemplateError
 
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         try:
-            return self._template.render(
-                messages=[_message_dict(m) for m in messages],
-                tools=tool_dicts,
-                add_generation_prompt=True,
-                **self._special,
+            text = self._tokenizer.apply_chat_template(
+                [_message_dict(m) for m in messages], tools=tool_dicts, add_generation_prompt=True, tokenize=False
             )
         except TemplateError as exc:  # e.g. the template's raise_exception("roles must alternate")
             raise ApiError.invalid(f"the model's chat template refused the messages: {exc}", param="messages") from exc
+        return str(text)
 
 
-def _special_token(value: Any) -> str:
-    if isinstance(value, dict):  # {"content": "<s>", ...} (AddedToken serialised)
-        return str(value.get("content", ""))
-    return "" if value is None else str(value)
+def _reads_tools(template: str) -> bool:
+    from jinja2 import Environment, meta
+
+    return "tools" in meta.find_undeclared_variables(
+        Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    )
 
 
 def load_prompter(model_dir: str) -> ChatPrompter:
-    """The model's chat template if it ships one, else the transcript fallback."""
+    """The model's chat template (``chat_template`` in tokenizer_config.json or a
+    ``chat_template.jinja`` beside it) if it ships one, else the transcript fallback.
+
+    A directory whose template is there but whose tokenizer transformers cannot load is a
+    start-up error, not a silent fall back to a prompt format the model was not trained on.
+    """
     path = Path(model_dir)
     config_path = path / "tokenizer_config.json"
-    config: dict[str, Any] = {}
-    if config_path.is_file():
-        config = json.loads(config_path.read_text())
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default") or next(iter(named.values()), None)
-    jinja_file = path / "chat_template.jinja"
-    if not template and jinja_file.is_file():
-        template = jinja_file.read_text()
-    if not template:
+    config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    if not config.get("chat_template") and not (path / "chat_template.jinja").is_file():
         logger.info("%s has no chat template: chat prompts use the plain transcript format", model_dir)
         return TranscriptPrompter()
-    special = {name: _special_token(config.get(name)) for name in ("bos_token", "eos_token", "pad_token", "unk_token")}
-    return TemplatePrompter(template, special)
+    # Imported here, not at module level: the orchestrator's modules import without model
+    # libraries (tests/test_import_hygiene.py); transformers loads a tokenizer without torch.
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise RuntimeError(f"{model_dir} has a chat template but its tokenizer does not load: {exc}") from exc
+    if not tokenizer.chat_template:
+        raise RuntimeError(f"{model_dir} has a chat template that transformers does not read")
+    return TemplatePrompter(tokenizer)

@@ -16,6 +16,7 @@ from specmask.orchestrator.api.http.prompting import TemplatePrompter, Transcrip
 from specmask.orchestrator.api.http.protocol import ChatCompletionRequest, CompletionRequest, Tool
 from specmask.orchestrator.api.http.responses import finish_error
 from specmask.orchestrator.chat import ChatMessage, ChatPrompt
+from tests.fixtures.tokenizers import build_bpe_tokenizer
 
 PROMPTER = TranscriptPrompter()
 
@@ -154,15 +155,23 @@ def test_parse_call() -> None:
 # ---- prompts and finish reasons ---------------------------------------------
 
 
+def _template_dir(tmp_path, template: str) -> str:
+    """A real tokenizer directory (tokenizer.json + tokenizer_config.json) carrying ``template``."""
+    out = build_bpe_tokenizer(tmp_path / "tok")
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config.update(chat_template=template, eos_token="</s>")
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return str(out)
+
+
 def test_chat_template_renders_and_refusals_are_400(tmp_path) -> None:
     template = (
         "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}"
         "<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "eos_token": "</s>"}))
-    prompter = load_prompter(str(tmp_path))
-    assert isinstance(prompter, TemplatePrompter)
+    prompter = load_prompter(_template_dir(tmp_path, template))
+    assert isinstance(prompter, TemplatePrompter) and not prompter.supports_tools
     body = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}
     )
@@ -173,6 +182,56 @@ def test_chat_template_renders_and_refusals_are_400(tmp_path) -> None:
     with pytest.raises(ApiError, match="no tools here"):
         prompter.render(tool_msg.messages, None)
     assert isinstance(load_prompter(str(tmp_path / "missing")), TranscriptPrompter)
+
+
+def test_chat_template_is_rendered_by_transformers_with_tools(tmp_path) -> None:
+    # Globals only Hugging Face's renderer provides (strftime_now), tools as the template reads them.
+    template = (
+        "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }}{{ t.function.parameters | tojson }}"
+        "{% endfor %}\n{% endif %}{{ strftime_now('%Y') | length }}|"
+        "{% for m in messages %}{{ m.role }}={{ m.content }}{% if m.tool_calls %}"
+        "{% for c in m.tool_calls %}[{{ c.function.name }}({{ c.function.arguments.city }})]{% endfor %}"
+        "{% endif %};{% endfor %}{% if add_generation_prompt %}assistant={% endif %}"
+    )
+    prompter = load_prompter(_template_dir(tmp_path, template))
+    assert prompter.supports_tools
+    body = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "Wetter in Zürich?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "Zürich"}'}}
+                    ],
+                },
+                {"role": "tool", "content": "12°C", "tool_call_id": "c1"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "w", "parameters": {"type": "object"}}}],
+        }
+    )
+    text = prompter.render(body.messages, body.tools)
+    assert text == ('TOOLS:w{"type": "object"}4|user=Wetter in Zürich?;assistant=[w(Zürich)];tool=12°C;assistant=')
+
+
+def test_a_template_whose_tokenizer_does_not_load_fails_at_start(tmp_path) -> None:
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    with pytest.raises(RuntimeError, match="tokenizer does not load"):
+        load_prompter(str(tmp_path))
+
+
+def test_smollm2_template_matches_apply_chat_template(smollm2_dir) -> None:
+    # The served model's own template, against transformers called directly.
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "system", "content": "Antworte kurz."}, {"role": "user", "content": "Hallo 👋"}]
+    body = ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
+    expected = AutoTokenizer.from_pretrained(str(smollm2_dir)).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    assert load_prompter(str(smollm2_dir)).render(body.messages, None) == expected
 
 
 def test_only_successful_finishes_are_successes() -> None:
