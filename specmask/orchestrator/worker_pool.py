@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
+from pathlib import Path
 from typing import Any
 
 from specmask.gpu_worker.types import WorkerInfo
@@ -29,6 +32,11 @@ _LOCAL_RAY_ENV = {
 _LOCAL_OBJECT_STORE_BYTES = 100 * 1024**2
 # GpuWorker.shutdown closes its mask sessions: a few RPCs.
 _SHUTDOWN_TIMEOUT_S = 10.0
+# Ray gives a new local node a fixed 30 s to register its raylet with the GCS. On a
+# saturated host (a shared CI box) that can pass with nothing wrong; a fresh attempt
+# usually registers in time.
+_LOCAL_START_ATTEMPTS = 3
+_RAYLET_TIMEOUT_TEXT = "timed out during startup"
 
 
 def _local_ray_on_loopback() -> None:
@@ -58,19 +66,74 @@ def connect_ray(address: str, *, log_to_driver: bool = True) -> bool:
         for key, value in _LOCAL_RAY_ENV.items():
             os.environ.setdefault(key, value)
         _local_ray_on_loopback()
-        # address="local": always a new cluster, never one that happens to be
-        # running on this machine (ray.init() without an address would join it).
-        ray.init(
-            address="local",
-            num_cpus=os.cpu_count() or 1,
-            include_dashboard=False,
-            object_store_memory=_LOCAL_OBJECT_STORE_BYTES,
-            logging_level=logging.WARNING,
-            log_to_driver=log_to_driver,
-        )
+        init_local_ray(num_cpus=os.cpu_count() or 1, log_to_driver=log_to_driver)
     else:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=log_to_driver)
     return True
+
+
+def init_local_ray(*, num_cpus: int, log_to_driver: bool, object_store_bytes: int = _LOCAL_OBJECT_STORE_BYTES) -> None:
+    """Start a new local Ray cluster, again when its raylet misses Ray's registration window.
+
+    A failed start leaves the GCS and raylet it spawned running (Ray raises from inside its
+    node constructor), so those children of this process are killed before the next try.
+    """
+    import ray
+
+    for attempt in range(1, _LOCAL_START_ATTEMPTS + 1):
+        before = _descendants()
+        try:
+            # address="local": always a new cluster, never one that happens to be
+            # running on this machine (ray.init() without an address would join it).
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                object_store_memory=object_store_bytes,
+                logging_level=logging.WARNING,
+                log_to_driver=log_to_driver,
+            )
+            return
+        except Exception as exc:
+            if _RAYLET_TIMEOUT_TEXT not in str(exc) or attempt == _LOCAL_START_ATTEMPTS:
+                raise
+            logger.warning("local Ray did not register in time (attempt %d, host busy?); starting it again", attempt)
+            ray.shutdown()
+            stale = [pid for pid in _descendants() - before if _is_ray_process(pid)]
+            for pid in stale:  # not, say, a compile worker another thread started meanwhile
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            for pid in stale:  # reap our own children (no zombies); others are not ours to wait for
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+
+
+def _is_ray_process(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"/ray/" in cmdline or cmdline.startswith(b"ray::")
+
+
+def _descendants() -> set[int]:
+    """Pids of this process's children, grandchildren, ... (from /proc; empty where there is none)."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(entry.parent.name))
+    found: set[int] = set()
+    todo = [os.getpid()]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
 
 
 async def start_workers(config: OrchestratorConfig) -> list[WorkerSlot]:

@@ -8,6 +8,7 @@ import pytest
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
+from specmask.orchestrator.worker_pool import init_local_ray
 
 ray = pytest.importorskip("ray")
 
@@ -23,9 +24,7 @@ def ray_local():
         "RAY_USAGE_STATS_ENABLED": "0",
     }.items():
         os.environ.setdefault(key, value)
-    ray.init(
-        address="local", num_cpus=2, include_dashboard=False, object_store_memory=100 * 1024**2, log_to_driver=False
-    )
+    init_local_ray(num_cpus=2, log_to_driver=False)
     yield
     ray.shutdown()
 
