@@ -47,6 +47,7 @@ from specmask.gpu_worker.sequence import SequenceState
 from specmask.gpu_worker.step import StepRunner, uncached
 from specmask.gpu_worker.types import (
     LIVENESS_GROUP,
+    MAX_TOP_LOGPROBS,
     FinishReason,
     Iteration,
     NewSequence,
@@ -453,6 +454,8 @@ class GpuWorker:
             raise ValueError(f"top_k must be >= 0, got {p.top_k}")
         if p.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
+        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {p.logprobs}")
         spec = req.speculation
         if not 0 <= spec.k <= self.config.max_k:
             raise ValueError(f"speculation k must be in [0, {self.config.max_k}], got {spec.k}")

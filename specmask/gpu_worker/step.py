@@ -187,6 +187,7 @@ class StepRunner:
                         top_p=p.top_p,
                         seed=seq.seed,
                         step=seq.step,
+                        logprobs=p.logprobs,
                     ),
                 )
             )
@@ -216,7 +217,11 @@ class StepRunner:
                 )
                 continue
             self.width.record(s, result.num_accepted)
-            outputs[s.seq.seq_id] = self._commit(s, result.emitted, result.num_accepted)
+            out = outputs[s.seq.seq_id] = self._commit(s, result.emitted, result.num_accepted)
+            if result.logprobs is not None:
+                # The kept tokens are a prefix of the emitted ones (a stop token or the budget
+                # cuts the tail): so are their logprobs.
+                out.logprobs = result.logprobs[: len(out.new_token_ids)]
         for seq_id, message in errors.items():
             outputs[seq_id] = StepOutput(seq_id, [], FinishReason.ERROR, error=message)
         for out in outputs.values():

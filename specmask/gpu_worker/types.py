@@ -61,6 +61,11 @@ class SessionWait(enum.Enum):
     SAT_OUT = "sat_out"
 
 
+# The most alternatives a position's logprobs list (OpenAI's top_logprobs bound; the same
+# bound as specmask.kernels.logprobs.MAX_TOP_LOGPROBS, which cannot import this torch-free module's layer).
+MAX_TOP_LOGPROBS = 20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How target tokens are drawn. ``temperature == 0`` is greedy (argmax)."""
@@ -70,6 +75,10 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None  # None: the worker draws one (output is then not reproducible across runs)
     max_tokens: int = 256  # output budget, stop token excluded
+    # None: no log-probabilities (the step pays nothing for them). N >= 0: every emitted token's
+    # log-probability plus the N (<= 20) most likely tokens at its position (StepOutput.logprobs;
+    # the definition is specmask.kernels.logprobs's).
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,18 @@ class NewSequence:
         return self.request_id or self.seq_id
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log-probability under the target's grammar-masked distribution at its
+    position (log_softmax(masked logits / T), T = 1 for greedy, before top-k/top-p; see
+    specmask.kernels.logprobs), and the most likely tokens there: (token id, logprob) pairs,
+    most likely first, grammar-forbidden tokens never included (so there may be fewer than asked)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class StepOutput:
     """What one step did for one sequence (one per active sequence per step)."""
@@ -128,6 +149,8 @@ class StepOutput:
     # its first step, and how many steps it sat out waiting for it.
     session_wait: SessionWait | None = None
     steps_sat_out: int = 0
+    # Sequences that asked for logprobs (SamplingParams.logprobs): one per new_token_ids entry.
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

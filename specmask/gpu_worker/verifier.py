@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from specmask.gpu_worker.mask_table import DeviceMaskTable
+from specmask.gpu_worker.types import TokenLogprob
 from specmask.kernels.backend import Backend, resolve_backend
 from specmask.mask_service.client.row_table import MaskRow
 
@@ -41,6 +42,7 @@ class VerifyInput:
     top_p: float
     seed: int
     step: int
+    logprobs: int | None = None  # None: none; N: each emitted token's logprob + the N most likely
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class VerifyResult:
     emitted: list[int]  # accepted drafts + one recovered or bonus token; [] on a violation
     num_accepted: int
     violation: str | None = None  # set when an emitted token broke its mask row (nothing emitted)
+    logprobs: list[TokenLogprob] | None = None  # one per emitted token, when the input asked
 
 
 def verify(
@@ -136,12 +139,13 @@ def verify(
         mask_row_ids=row_ids,
         backend=kernel_backend,
     )
+    scored = _score_logprobs(inputs, logits, out.output_token_ids)
     tokens = out.output_token_ids.tolist()  # [B, K+1]
     emitted = out.num_emitted.tolist()  # [B]
     accepted = out.num_accepted.tolist()  # [B]
     violation = out.violation.tolist()  # [B]
     return [
-        VerifyResult(tokens[r][: emitted[r]], accepted[r])
+        VerifyResult(tokens[r][: emitted[r]], accepted[r], logprobs=_emitted_logprobs(scored.get(r), emitted[r]))
         if not violation[r]
         else VerifyResult(
             [],
@@ -154,3 +158,63 @@ def verify(
         )
         for r in range(len(inputs))
     ]
+
+
+def _score_logprobs(
+    inputs: Sequence[VerifyInput],
+    logits: torch.Tensor,  # [num_tokens, V] grammar-masked target rows
+    output_token_ids: torch.Tensor,  # [B, K+1] int64, placeholders past each request's emitted tokens
+) -> dict[int, list[TokenLogprob]]:
+    """Per request that asked for logprobs: one entry per target row (k_r + 1), scored at the
+    token the sampler put there (entries past the emitted tokens are dropped by the caller).
+
+    Scores every row of such a request on the device, before its accept count is known on the
+    host, so the step gains no extra round trip between host and device, only the small
+    results' transfer; rows of requests that did not ask are never touched, and a batch where
+    none asked pays nothing."""
+    from specmask.kernels.logprobs import row_logprobs
+
+    want = [r for r, inp in enumerate(inputs) if inp.logprobs is not None]
+    if not want:
+        return {}
+    starts = [0]
+    for inp in inputs:
+        starts.append(starts[-1] + len(inp.drafts) + 1)
+    rows: list[int] = []
+    requests: list[int] = []
+    positions: list[int] = []
+    temperature: list[float] = []
+    for r in want:
+        width = len(inputs[r].drafts) + 1
+        rows.extend(range(starts[r], starts[r] + width))
+        requests.extend([r] * width)
+        positions.extend(range(width))
+        temperature.extend([inputs[r].temperature] * width)
+    device = logits.device
+    picked = output_token_ids[
+        torch.tensor(requests, dtype=torch.int64, device=device),
+        torch.tensor(positions, dtype=torch.int64, device=device),
+    ]  # [n]; placeholders (past the emitted tokens) clamped to a valid id, their entries unused
+    picked = picked.clamp(0, logits.shape[1] - 1)
+    num_top = max(inputs[r].logprobs or 0 for r in want)
+    scored = row_logprobs(
+        logits,
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(temperature, dtype=torch.float32, device=device),
+        picked,
+        num_top,
+    )
+    token_ids = picked.tolist()
+    token_lp = scored.token_logprobs.tolist()
+    top_lp = scored.top_logprobs.tolist()
+    top_ids = scored.top_ids.tolist()
+    out: dict[int, list[TokenLogprob]] = {}
+    for i, r in enumerate(requests):
+        n = inputs[r].logprobs or 0
+        top = tuple((t, v) for t, v in zip(top_ids[i][:n], top_lp[i][:n]) if v != float("-inf"))
+        out.setdefault(r, []).append(TokenLogprob(token_ids[i], token_lp[i], top))
+    return out
+
+
+def _emitted_logprobs(scored: list[TokenLogprob] | None, num_emitted: int) -> list[TokenLogprob] | None:
+    return None if scored is None else scored[:num_emitted]

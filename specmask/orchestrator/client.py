@@ -44,12 +44,14 @@ def build_request(
     draft_masking: bool | None = None,
     request_id: str = "",
     schema_instruction: str | None = None,
+    logprobs: int | None = None,
 ) -> pb.GenerateRequest:
     """A GenerateRequest; ``schema`` may be a dict or JSON text. Unset options keep server defaults.
 
     ``prompt``: text, token ids, or chat messages ``[{"role": ..., "content": ...}, ...]`` (rendered
     server-side with the model's chat template; ``schema_instruction`` overrides the default
-    instruction that puts a JSON Schema into the conversation, "" = none)."""
+    instruction that puts a JSON Schema into the conversation, "" = none). ``logprobs``: each
+    returned token's log-probability plus that many alternatives (0..20; None = none)."""
     req = pb.GenerateRequest(request_id=request_id)
     if isinstance(prompt, str):
         req.text = prompt
@@ -72,6 +74,7 @@ def build_request(
         ("top_k", top_k),
         ("seed", seed),
         ("max_tokens", max_tokens),
+        ("logprobs", logprobs),
     ):
         if value is not None:
             setattr(s, name, value)

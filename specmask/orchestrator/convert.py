@@ -7,6 +7,8 @@ is ``validation.py``'s job.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.gpu_worker.types import FinishReason
 from specmask.orchestrator.chat import ChatMessage, ChatPrompt
@@ -15,6 +17,7 @@ from specmask.orchestrator.types import (
     GenerationRequest,
     GenerationResult,
     GrammarReport,
+    OutputLogprob,
     RequestOutput,
     SamplingOptions,
     SpeculationOptions,
@@ -98,6 +101,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingOptions:
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
     )
 
 
@@ -165,6 +169,8 @@ def request_to_proto(req: GenerationRequest) -> pb.GenerateRequest:
         msg.sampling.max_tokens = s.max_tokens
     msg.sampling.stop.extend(s.stop)
     msg.sampling.ignore_eos = s.ignore_eos
+    if s.logprobs is not None:
+        msg.sampling.logprobs = s.logprobs
     p = req.speculation
     msg.speculation.enabled = p.enabled
     if p.k is not None:
@@ -200,6 +206,26 @@ def grammar_report_to_proto(report: GrammarReport) -> pb.GrammarReport:
     )
 
 
+def logprobs_to_proto(entries: Sequence[OutputLogprob]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=e.token_id,
+            logprob=e.logprob,
+            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in e.top],
+            text_offset=e.text_offset,
+        )
+        for e in entries
+    ]
+
+
+def logprobs_from_proto(entries: Sequence[pb.TokenLogprob]) -> tuple[OutputLogprob, ...]:
+    """The inverse of ``logprobs_to_proto`` (clients, tests; float32 on the wire)."""
+    return tuple(
+        OutputLogprob(e.token_id, e.logprob, tuple((t.token_id, t.logprob) for t in e.top), e.text_offset)
+        for e in entries
+    )
+
+
 def result_to_proto(result: GenerationResult) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(
         request_id=result.request_id,
@@ -211,6 +237,8 @@ def result_to_proto(result: GenerationResult) -> pb.GenerateResponse:
     )
     if result.grammar is not None:
         msg.grammar.CopyFrom(grammar_report_to_proto(result.grammar))
+    if result.logprobs:
+        msg.logprobs.extend(logprobs_to_proto(result.logprobs))
     return msg
 
 
@@ -223,4 +251,6 @@ def output_to_proto(out: RequestOutput) -> pb.GenerateStreamResponse:
         msg.usage.CopyFrom(usage_to_proto(out.usage))
     if out.grammar is not None:
         msg.grammar.CopyFrom(grammar_report_to_proto(out.grammar))
+    if out.logprobs:
+        msg.logprobs.extend(logprobs_to_proto(out.logprobs))
     return msg

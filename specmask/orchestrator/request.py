@@ -15,20 +15,28 @@ delta), because an attempt that fails the check is discarded and regenerated
 A grammar request that is not held still never streams the text of the step the
 worker calls complete before the end check passed (``_unchecked``): a client of a
 request that ends in a violation holds no complete-looking document.
+
+Logprobs (``SamplingParams.logprobs``) follow the text (``LogprobCursor``): a token's
+entry goes out with the event whose text holds the token's first character, so
+text held back (an incomplete character, a possible stop-string prefix) holds its
+tokens back too, and the tokens a stop string cut off (those starting at or after
+the match) are never returned. Tokens that decode to no text of their own go with
+the next text, or with the final event.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
-from specmask.gpu_worker.types import FinishReason, NewSequence, StepOutput
+from specmask.gpu_worker.types import FinishReason, NewSequence, StepOutput, TokenLogprob
 from specmask.orchestrator.detokenizer import Decoder, IncrementalDetokenizer
 from specmask.orchestrator.stop_strings import StopStringMatcher
-from specmask.orchestrator.types import GenerationResult, GrammarReport, RequestOutput, Usage
+from specmask.orchestrator.types import GenerationResult, GrammarReport, OutputLogprob, RequestOutput, Usage
 
 logger = logging.getLogger(__name__)
 # Finish reasons on which a held (checked-mode) request's output is released to the client.
@@ -41,6 +49,48 @@ class RequestLog(logging.LoggerAdapter):
     def process(self, msg, kwargs):
         assert self.extra is not None  # always built with {"request_id": ...}
         return f"[request_id={self.extra['request_id']}] {msg}", kwargs
+
+
+class LogprobCursor:
+    """Pairs tokens' logprob entries with the text the client is sent (see the module docstring).
+
+    Positions are characters of the detokenized output: a token starts where the text decoded
+    before it ends. ``push`` decodes one token at a time to learn those starts; ``take`` is told
+    how many characters were just sent and returns the entries of the tokens starting before
+    the end of what was sent so far."""
+
+    def __init__(self) -> None:
+        self._pending: collections.deque[tuple[int, TokenLogprob]] = collections.deque()
+        self._decoded = 0  # characters the detokenizer has produced
+        self._sent = 0  # characters handed on to the client (after stop-string holding)
+
+    def push(self, detokenizer: IncrementalDetokenizer, entries: Sequence[TokenLogprob]) -> str:
+        """Decode the entries' tokens, one at a time; returns their text (as one ``push`` would)."""
+        parts = []
+        for entry in entries:
+            self._pending.append((self._decoded, entry))
+            piece = detokenizer.push((entry.token_id,))
+            self._decoded += len(piece)
+            parts.append(piece)
+        return "".join(parts)
+
+    def flush(self, detokenizer: IncrementalDetokenizer) -> str:
+        piece = detokenizer.flush()
+        self._decoded += len(piece)
+        return piece
+
+    def take(self, sent_chars: int, *, cut: bool = False, final: bool = False) -> tuple[OutputLogprob, ...]:
+        """Entries to send with ``sent_chars`` more characters. ``cut``: a stop string ended the
+        text there (the tokens after it are dropped); ``final``: the output is complete (every
+        token left goes, unless ``cut``)."""
+        self._sent += sent_chars
+        out = []
+        while self._pending and ((final and not cut) or self._pending[0][0] < self._sent):
+            start, e = self._pending.popleft()
+            out.append(OutputLogprob(e.token_id, e.logprob, e.top, start))
+        if cut:
+            self._pending.clear()
+        return tuple(out)
 
 
 class Request:
@@ -66,12 +116,13 @@ class Request:
         self._hold = grammar is not None and grammar.checked  # no deltas until the end check passes
         self._held_ids: list[int] = []
         self._held_text: list[str] = []
+        self._held_logprobs: list[OutputLogprob] = []
         self._tokenizer = tokenizer
         self._stop_strings = stop
         self._stop_may_end = stop_may_end
         # The last step's delta of a grammar request the worker called complete, sent once
         # the end check passed (finish) and dropped if it failed.
-        self._unchecked: tuple[tuple[int, ...], str] | None = None
+        self._unchecked: tuple[tuple[int, ...], str, tuple[OutputLogprob, ...] | None] | None = None
         self.log = RequestLog(logger, {"request_id": seq.seq_id})
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.admitted_time: float | None = None  # validated and queued (Engine.submit)
@@ -85,6 +136,10 @@ class Request:
         self._text_parts: list[str] = []
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._stop = StopStringMatcher(stop, stop_may_end)
+        # Requests with logprobs: the entries sent so far (the result's), and the cursor that
+        # pairs the rest with text; None otherwise (the request then pays nothing for them).
+        self._logprobs: list[OutputLogprob] | None = [] if seq.sampling.logprobs is not None else None
+        self._cursor: LogprobCursor | None = LogprobCursor() if self._logprobs is not None else None
         self._events: asyncio.Queue[RequestOutput] = asyncio.Queue()
 
     @property
@@ -118,11 +173,19 @@ class Request:
         new_ids = tuple(int(t) for t in out.new_token_ids)
         self.token_ids.extend(new_ids)
         self.usage.completion_tokens += len(new_ids)
-        text, stopped = self._stop.feed(self._detokenizer.push(new_ids))
-        if out.finish_reason is FinishReason.GRAMMAR_COMPLETE and self.seq.grammar is not None and not self._hold:
-            self._unchecked = (new_ids, text)
+        logprobs: tuple[OutputLogprob, ...] | None = None
+        if self._cursor is not None:
+            entries = out.logprobs
+            if entries is None or [e.token_id for e in entries] != list(new_ids):
+                raise RuntimeError(f"the worker's logprobs do not match its tokens {list(new_ids)}: {entries}")
+            text, stopped = self._stop.feed(self._cursor.push(self._detokenizer, entries))
+            logprobs = self._cursor.take(len(text), cut=stopped)
         else:
-            self._emit(new_ids, text)
+            text, stopped = self._stop.feed(self._detokenizer.push(new_ids))
+        if out.finish_reason is FinishReason.GRAMMAR_COMPLETE and self.seq.grammar is not None and not self._hold:
+            self._unchecked = (new_ids, text, logprobs)
+        else:
+            self._emit(new_ids, text, logprobs)
         return stopped
 
     @property
@@ -141,9 +204,11 @@ class Request:
         self.seq = seq
         self.attempts += 1
         self.token_ids = []
-        self._held_ids, self._held_text = [], []
+        self._held_ids, self._held_text, self._held_logprobs = [], [], []
         self.usage.completion_tokens = 0  # the returned output's tokens; forwards and drafts stay cumulative
         self._detokenizer = IncrementalDetokenizer(self._tokenizer)
+        if self._cursor is not None:
+            self._cursor = LogprobCursor()
         self._stop = StopStringMatcher(self._stop_strings, self._stop_may_end)
 
     def _report(self) -> GrammarReport | None:
@@ -168,17 +233,24 @@ class Request:
         if self._stop.matched is None:
             # Text held for an incomplete character or a possible stop-string
             # prefix is released now: it will never be completed.
-            tail, stopped = self._stop.feed(self._detokenizer.flush())
+            flushed = self._detokenizer.flush() if self._cursor is None else self._cursor.flush(self._detokenizer)
+            tail, stopped = self._stop.feed(flushed)
             if not stopped:
                 tail += self._stop.flush()
+        tail_logprobs: tuple[OutputLogprob, ...] | None = None
+        if self._cursor is not None:
+            tail_logprobs = self._cursor.take(len(tail), cut=self._stop.matched is not None, final=True)
         if discard:
             tail = ""
+            tail_logprobs = () if tail_logprobs is not None else None
             self.token_ids = []
-            self._held_ids, self._held_text = [], []
+            self._held_ids, self._held_text, self._held_logprobs = [], [], []
         elif held_success:
             self._release()
         if tail:
             self._text_parts.append(tail)
+        if tail_logprobs and self._logprobs is not None:
+            self._logprobs.extend(tail_logprobs)
         if error:
             self.log.warning("finished with %s: %s", reason.name, error)
         else:
@@ -199,6 +271,7 @@ class Request:
                 error=error,
                 usage=dataclasses.replace(self.usage),
                 grammar=self._report(),
+                logprobs=tail_logprobs,
             )
         )
 
@@ -206,19 +279,25 @@ class Request:
         """Send what a held request generated, as one delta (the end check passed)."""
         self._hold = False
         ids, text = tuple(self._held_ids), "".join(self._held_text)
-        self._held_ids, self._held_text = [], []
-        if ids or text:
+        logprobs = tuple(self._held_logprobs) if self._logprobs is not None else None
+        self._held_ids, self._held_text, self._held_logprobs = [], [], []
+        if ids or text or logprobs:
             self.first_token_time = time.monotonic()  # what the client sees first
-            self._emit(ids, text)
+            self._emit(ids, text, logprobs)
 
-    def _emit(self, token_ids: tuple[int, ...], text: str) -> None:
+    def _emit(self, token_ids: tuple[int, ...], text: str, logprobs: tuple[OutputLogprob, ...] | None = None) -> None:
         if self._hold:
             self._held_ids.extend(token_ids)
             self._held_text.append(text)
+            self._held_logprobs.extend(logprobs or ())
             return
         if text:
             self._text_parts.append(text)
-        self._events.put_nowait(RequestOutput(request_id=self.request_id, token_ids=token_ids, text=text))
+        if logprobs and self._logprobs is not None:
+            self._logprobs.extend(logprobs)
+        self._events.put_nowait(
+            RequestOutput(request_id=self.request_id, token_ids=token_ids, text=text, logprobs=logprobs)
+        )
 
     async def events(self) -> AsyncIterator[RequestOutput]:
         """The request's output events, ending with the final one."""
@@ -241,4 +320,5 @@ class Request:
             error=self.error,
             usage=dataclasses.replace(self.usage),
             grammar=self._report(),
+            logprobs=tuple(self._logprobs) if self._logprobs is not None else None,
         )

@@ -25,6 +25,9 @@ class SamplingOptions:
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # None: no logprobs. N (0..20): each returned token's logprob plus the N most likely tokens
+    # at its position (gpu_worker.types.TokenLogprob).
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,19 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class OutputLogprob:
+    """One returned token's logprob (the worker's ``TokenLogprob``: under the target's
+    distribution after the grammar mask and temperature, greedy at temperature 1, before
+    top-k/top-p) and where its text starts in the output text."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first; allowed tokens only
+    text_offset: int  # characters of output text before the token's text (a partial character's
+    #                   tokens share the offset of the character they complete)
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """One event on a request's output stream.
 
@@ -102,6 +118,9 @@ class RequestOutput:
     error: str | None = None
     usage: Usage | None = None
     grammar: GrammarReport | None = None  # final event of a grammar request
+    # Requests with logprobs: the entries of the tokens whose text this event carries (a token
+    # goes with the event whose text holds its first character; see request.py). None otherwise.
+    logprobs: tuple[OutputLogprob, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -119,3 +138,6 @@ class GenerationResult:
     error: str | None
     usage: Usage
     grammar: GrammarReport | None = None  # grammar requests: enforcement, engine, attempts
+    # Requests with logprobs: one entry per token of the returned text, in order (a stop string's
+    # tokens are not returned). None otherwise.
+    logprobs: tuple[OutputLogprob, ...] | None = None

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
-from specmask.gpu_worker.types import NewSequence, SamplingParams, SpeculationParams, WorkerInfo
+from specmask.gpu_worker.types import MAX_TOP_LOGPROBS, NewSequence, SamplingParams, SpeculationParams, WorkerInfo
 from specmask.orchestrator.chat import ChatError, ChatPrompt, ChatRenderer
 from specmask.orchestrator.errors import InvalidRequest
 from specmask.orchestrator.output_budget import longest_token_chars, min_tokens
@@ -264,9 +264,21 @@ class RequestValidator:
                     f"the model's context ({self._info.max_model_len})"
                 )
             max_tokens = s.max_tokens
+        if s.logprobs is not None and not 0 <= s.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest(
+                f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (alternatives per token), got {s.logprobs}",
+                field="sampling.logprobs",
+            )
         seed = None if s.seed is None else s.seed & _SEED_MASK
         temperature = 0.0 if s.temperature < GREEDY_TEMPERATURE_FLOOR else s.temperature
-        return SamplingParams(temperature=temperature, top_p=s.top_p, top_k=top_k, seed=seed, max_tokens=max_tokens)
+        return SamplingParams(
+            temperature=temperature,
+            top_p=s.top_p,
+            top_k=top_k,
+            seed=seed,
+            max_tokens=max_tokens,
+            logprobs=s.logprobs,
+        )
 
     def _speculation(self, req: GenerationRequest) -> SpeculationParams:
         s = req.speculation

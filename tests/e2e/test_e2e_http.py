@@ -286,7 +286,7 @@ def test_refusals(client: openai.OpenAI, model: str) -> None:
     assert exc.value.body["type"] == "invalid_request_error"
     cases: list[dict[str, Any]] = [
         {"n": 2},
-        {"logprobs": True},
+        {"top_logprobs": 2},  # without logprobs: true
         {"extra_body": {"guided_regex": "a+", "guided_json": {"type": "object"}}},
         {"extra_body": {"guided_grammar": "root ::= undefined_rule"}},
         {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},

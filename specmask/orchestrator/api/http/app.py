@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -26,7 +27,14 @@ from specmask.orchestrator.auth_keys import ApiKeys
 from specmask.orchestrator.config import OrchestratorConfig
 from specmask.orchestrator.engine import Engine
 from specmask.orchestrator.metrics import OrchestratorMetrics
+from specmask.orchestrator.token_text import VocabTokenizer
 from specmask.orchestrator.validation import Tokenizer
+
+
+class HttpTokenizer(Tokenizer, VocabTokenizer, Protocol):
+    """What the HTTP API reads of the target's tokenizer (``tokenizers.Tokenizer``): encoding for
+    /tokenize, the vocabulary for logprobs' token strings and bytes."""
+
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +81,7 @@ class HttpFrontDoor:
         engine: Engine,
         metrics: OrchestratorMetrics,
         prompter: ChatPrompter,
-        tokenizer: Tokenizer | None = None,  # None: no /tokenize
+        tokenizer: HttpTokenizer | None = None,  # None: no /tokenize, no logprobs
         ready: Callable[[], bool] | None = None,
     ) -> None:
         """``ready``: the orchestrator's readiness (what gRPC health says); None = the engine's worker health."""
@@ -93,6 +101,7 @@ class HttpFrontDoor:
             model_name=config.model_name,
             max_model_len=config.max_model_len,
             ready=ready,
+            tokenizer=tokenizer,
         ).add_to(self.app)
         ObservabilityRoutes(metrics, tokenizer, prompter, config.model_name, config.max_model_len).add_to(self.app)
         self._runner = web.AppRunner(
@@ -118,7 +127,7 @@ def front_door_for(
     engine: Engine,
     metrics: OrchestratorMetrics,
     max_model_len: int,
-    tokenizer: Tokenizer | None = None,
+    tokenizer: HttpTokenizer | None = None,
     *,
     ready: Callable[[], bool] | None = None,
 ) -> HttpFrontDoor:

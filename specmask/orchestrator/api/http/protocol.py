@@ -2,9 +2,9 @@
 
 Unknown fields are kept aside (``extra="allow"``) and ignored, as vLLM does:
 ``lenient`` logs each new name once and counts them. Fields OpenAI defines that this
-server does not implement (``n > 1``, ``logprobs``, penalties, ``logit_bias``)
+server does not implement (``n > 1``, penalties, ``logit_bias``)
 are declared so they can be refused with a precise message in ``translate``,
-while their neutral values (``n=1``, ``logprobs=false``, penalties 0) pass.
+while their neutral values (``n=1``, penalties 0) pass.
 
 Extensions (named after vLLM's ``extra_body`` fields where one exists):
 ``top_k``, ``ignore_eos``, ``guided_json``, ``guided_regex``, ``guided_grammar``

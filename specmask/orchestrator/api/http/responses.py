@@ -10,6 +10,7 @@ violation is ``grammar_violation``; docs/api-errors.md).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,8 @@ from specmask.orchestrator.api.http.errors import (
     UNAVAILABLE,
     ApiError,
 )
-from specmask.orchestrator.types import GrammarReport, Usage
+from specmask.orchestrator.token_text import TokenTexts
+from specmask.orchestrator.types import GrammarReport, OutputLogprob, Usage
 
 # Engine finish reason -> OpenAI finish_reason, for the reasons that are a success.
 FINISH_REASONS: dict[FinishReason, str] = {
@@ -94,27 +96,77 @@ def _body(env: Envelope, obj: str, choices: list[dict[str, Any]], usage: dict[st
 
 
 def chat_completion(
-    env: Envelope, message: dict[str, Any], finish_reason: str, usage: Usage, grammar: GrammarReport | None = None
+    env: Envelope,
+    message: dict[str, Any],
+    finish_reason: str,
+    usage: Usage,
+    grammar: GrammarReport | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     return _body(env, "chat.completion", [choice], usage_body(usage, grammar))
 
 
-def chat_chunk(env: Envelope, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def chat_chunk(
+    env: Envelope, delta: dict[str, Any], finish_reason: str | None = None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return _body(env, "chat.completion.chunk", [choice], None)
 
 
 def completion(
-    env: Envelope, text: str, finish_reason: str, usage: Usage, grammar: GrammarReport | None = None
+    env: Envelope,
+    text: str,
+    finish_reason: str,
+    usage: Usage,
+    grammar: GrammarReport | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return _body(env, "text_completion", [choice], usage_body(usage, grammar))
 
 
-def completion_chunk(env: Envelope, text: str, finish_reason: str | None = None) -> dict[str, Any]:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion_chunk(
+    env: Envelope, text: str, finish_reason: str | None = None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return _body(env, "text_completion", [choice], None)
+
+
+def _chat_token(texts: TokenTexts, token_id: int, logprob: float) -> dict[str, Any]:
+    return {"token": texts.text_of(token_id), "logprob": logprob, "bytes": list(texts.bytes_of(token_id))}
+
+
+def chat_logprobs(entries: Sequence[OutputLogprob] | None, texts: TokenTexts) -> dict[str, Any]:
+    """``choices[i].logprobs`` of chat: ``content`` per returned token (None when the answer has no
+    content: tool calls), each with its ``top_logprobs`` (allowed tokens only, most likely first)."""
+    content = None
+    if entries is not None:
+        content = [
+            {
+                **_chat_token(texts, e.token_id, e.logprob),
+                "top_logprobs": [_chat_token(texts, t, v) for t, v in e.top],
+            }
+            for e in entries
+        ]
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(entries: Sequence[OutputLogprob], texts: TokenTexts) -> dict[str, Any]:
+    """The legacy completions shape: parallel lists, alternatives as {token text: logprob}
+    (two alternatives with the same text keep the likelier), ``text_offset`` into the text."""
+    top: list[dict[str, float]] = []
+    for e in entries:
+        alternatives: dict[str, float] = {}
+        for t, v in e.top:
+            alternatives.setdefault(texts.text_of(t), v)
+        top.append(alternatives)
+    return {
+        "tokens": [texts.text_of(e.token_id) for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": top,
+        "text_offset": [e.text_offset for e in entries],
+    }
 
 
 def usage_chunk(env: Envelope, obj: str, usage: Usage, grammar: GrammarReport | None = None) -> dict[str, Any]:

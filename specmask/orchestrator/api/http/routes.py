@@ -34,7 +34,8 @@ from specmask.orchestrator.errors import RequestError
 from specmask.orchestrator.metrics import OrchestratorMetrics
 from specmask.orchestrator.output_check import OutputChecker
 from specmask.orchestrator.request import Request
-from specmask.orchestrator.types import GenerationResult, GrammarReport, Usage
+from specmask.orchestrator.token_text import TokenTexts, VocabTokenizer
+from specmask.orchestrator.types import GenerationResult, GrammarReport, OutputLogprob, Usage
 from specmask.orchestrator.validation import RequestValidator
 
 logger = logging.getLogger(__name__)
@@ -80,8 +81,11 @@ class OpenAIRoutes:
         model_name: str,
         max_model_len: int,
         ready: Callable[[], bool] | None = None,
+        tokenizer: VocabTokenizer | None = None,
     ) -> None:
-        """``ready``: readiness as gRPC health reports it (None: the engine's worker health alone)."""
+        """``ready``: readiness as gRPC health reports it (None: the engine's worker health alone).
+        ``tokenizer``: the target's, for the token strings and bytes of logprobs (None: logprobs
+        are refused)."""
         self._engine = engine
         self._ready = ready if ready is not None else (lambda: engine.healthy)
         self._metrics = metrics
@@ -91,6 +95,18 @@ class OpenAIRoutes:
         self._created = int(time.time())
         self._checker = OutputChecker()  # tool calls' arguments against their own tool's schema
         self._unknown = UnknownFieldLog(metrics.http_unknown_fields)
+        self._tokenizer = tokenizer
+        self._token_texts: TokenTexts | None = None  # built on the first logprobs request
+
+    def _texts(self, translated: translate.Translated) -> TokenTexts | None:
+        """The token texts for a request with logprobs (None: it asked for none)."""
+        if translated.request.sampling.logprobs is None:
+            return None
+        if self._token_texts is None:
+            if self._tokenizer is None:
+                raise ApiError.invalid("logprobs are not available: this server has no tokenizer", param="logprobs")
+            self._token_texts = TokenTexts(self._tokenizer)
+        return self._token_texts
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -152,21 +168,27 @@ class OpenAIRoutes:
         request_id = self._request_id(request)
         self._unknown.note(body, request_id)
         translated = _guard_depth(translate.chat_request, body, request_id, self._prompter)
+        texts = self._texts(translated)
         admitted = await self._submit(translated, request)
         env = rsp.Envelope(id=f"chatcmpl-{request_id}", model=self._model)
         headers = {REQUEST_ID_HEADER: request_id}
         try:
             if body.stream:
                 include_usage = body.stream_options is not None and body.stream_options.include_usage
-                return await self._stream_chat(request, admitted, env, headers, translated, include_usage)
+                return await self._stream_chat(request, admitted, env, headers, translated, include_usage, texts)
             result = await admitted.result()
             _raise_for_finish(result.finish_reason, result.error)
             if translated.auto_tools is not None:
                 message, finish = self._auto_message(result.text, result.finish_reason, translated.auto_tools)
             else:
                 message, finish = _chat_message(result.text, result.finish_reason, translated.tool_call)
+            logprobs = None
+            if texts is not None:
+                # Tool calls are not content: their tokens have no content logprobs (OpenAI's shape).
+                entries = result.logprobs if message.get("content") is not None else None
+                logprobs = rsp.chat_logprobs(entries, texts)
             return web.json_response(
-                rsp.chat_completion(env, message, finish, result.usage, result.grammar), headers=headers
+                rsp.chat_completion(env, message, finish, result.usage, result.grammar, logprobs), headers=headers
             )
         finally:
             self._engine.cancel(admitted.request_id)
@@ -177,18 +199,20 @@ class OpenAIRoutes:
         request_id = self._request_id(request)
         self._unknown.note(body, request_id)
         translated = _guard_depth(translate.completion_request, body, request_id)
+        texts = self._texts(translated)
         admitted = await self._submit(translated, request)
         env = rsp.Envelope(id=f"cmpl-{request_id}", model=self._model)
         headers = {REQUEST_ID_HEADER: request_id}
         try:
             if body.stream:
                 include_usage = body.stream_options is not None and body.stream_options.include_usage
-                return await self._stream_completion(request, admitted, env, headers, include_usage)
+                return await self._stream_completion(request, admitted, env, headers, include_usage, texts)
             result: GenerationResult = await admitted.result()
             _raise_for_finish(result.finish_reason, result.error)
             finish = rsp.FINISH_REASONS[result.finish_reason]
+            logprobs = None if texts is None else rsp.completion_logprobs(result.logprobs or (), texts)
             return web.json_response(
-                rsp.completion(env, result.text, finish, result.usage, result.grammar), headers=headers
+                rsp.completion(env, result.text, finish, result.usage, result.grammar, logprobs), headers=headers
             )
         finally:
             self._engine.cancel(admitted.request_id)
@@ -218,7 +242,9 @@ class OpenAIRoutes:
         headers: dict[str, str],
         translated: translate.Translated,
         include_usage: bool,
+        texts: TokenTexts | None = None,
     ) -> web.StreamResponse:
+        """``texts``: the request asked for logprobs; each text chunk then carries its tokens'."""
         stream = await EventStream.open(request, headers)
         deltas = DeltaEncoder(rsp.chat_chunk(env, {"content": DeltaEncoder.PLACEHOLDER}))
         auto = translated.auto_tools
@@ -227,12 +253,18 @@ class OpenAIRoutes:
         try:
             await stream.send(rsp.chat_chunk(env, {"role": "assistant", "content": ""}))
             held: list[str] = []
+            held_logprobs: list[OutputLogprob] = []
             async for out in admitted.events():
-                if out.text:
-                    if split.holds(out.text):
-                        held.append(out.text)
-                    else:
-                        await stream.send_raw(deltas.encode(out.text))
+                if out.text and split.holds(out.text):
+                    held.append(out.text)
+                    held_logprobs.extend(out.logprobs or ())
+                elif texts is not None and out.logprobs and split.calls:
+                    held_logprobs.extend(out.logprobs)  # tokens without text of their own, after held text
+                elif texts is not None and (out.text or out.logprobs):
+                    lp = rsp.chat_logprobs(out.logprobs or (), texts)
+                    await stream.send(rsp.chat_chunk(env, {"content": out.text}, logprobs=lp))
+                elif out.text:
+                    await stream.send_raw(deltas.encode(out.text))
                 if not out.finished:
                     continue
                 assert out.finish_reason is not None and out.usage is not None
@@ -252,7 +284,11 @@ class OpenAIRoutes:
                     delta = {k: v for k, v in message.items() if k != "role"}
                     if "tool_calls" in delta:
                         delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
-                    await stream.send(rsp.chat_chunk(env, delta))
+                    call_lp: dict[str, Any] | None = None
+                    if texts is not None:
+                        entries = held_logprobs if delta.get("content") is not None else None
+                        call_lp = rsp.chat_logprobs(entries, texts)
+                    await stream.send(rsp.chat_chunk(env, delta, logprobs=call_lp))
                 else:
                     finish = rsp.FINISH_REASONS[out.finish_reason]
                 await stream.send(rsp.chat_chunk(env, {}, finish))
@@ -268,11 +304,14 @@ class OpenAIRoutes:
         env: rsp.Envelope,
         headers: dict[str, str],
         include_usage: bool,
+        texts: TokenTexts | None = None,
     ) -> web.StreamResponse:
+        """``texts``: the request asked for logprobs; each chunk then carries its tokens'."""
         stream = await EventStream.open(request, headers)
         deltas = DeltaEncoder(rsp.completion_chunk(env, DeltaEncoder.PLACEHOLDER))
         try:
             async for out in admitted.events():
+                lp = None if texts is None else rsp.completion_logprobs(out.logprobs or (), texts)
                 if out.finished:
                     assert out.finish_reason is not None and out.usage is not None
                     error = rsp.finish_error(out.finish_reason, out.error)
@@ -280,8 +319,10 @@ class OpenAIRoutes:
                         await stream.error(error)
                         return stream.response
                     finish = rsp.FINISH_REASONS[out.finish_reason]
-                    await stream.send(rsp.completion_chunk(env, out.text, finish))
+                    await stream.send(rsp.completion_chunk(env, out.text, finish, logprobs=lp))
                     await self._finish_stream(stream, env, "text_completion", out.usage, include_usage, out.grammar)
+                elif texts is not None and (out.text or out.logprobs):
+                    await stream.send(rsp.completion_chunk(env, out.text, logprobs=lp))
                 elif out.text:
                     await stream.send_raw(deltas.encode(out.text))
         except ConnectionResetError:

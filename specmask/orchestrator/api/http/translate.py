@@ -33,6 +33,9 @@ from specmask.orchestrator.chat import ChatMessage, ChatPrompt
 from specmask.orchestrator.types import GenerationRequest, SamplingOptions, SpeculationOptions
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
+# Alternatives per token: chat's top_logprobs (OpenAI: 0..20), the legacy completions' logprobs (0..5).
+MAX_CHAT_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
 # guided_decoding_backend values -> GrammarSpec.backend ("" = the mask service picks). vLLM calls
 # llguidance "guidance"; its other backends (outlines, lm-format-enforcer) are not here: a 400.
 BACKEND_NAMES = {"auto": "", "xgrammar": "xgrammar", "llguidance": "llguidance", "guidance": "llguidance"}
@@ -46,8 +49,7 @@ class Translated:
 
 
 def chat_request(body: ChatCompletionRequest, request_id: str, prompter: ChatPrompter) -> Translated:
-    if body.logprobs or body.top_logprobs:
-        raise ApiError.invalid("logprobs are not supported", param="logprobs")
+    logprobs = _chat_logprobs(body)
     if None not in (body.max_tokens, body.max_completion_tokens) and body.max_tokens != body.max_completion_tokens:
         raise ApiError.invalid("max_tokens and max_completion_tokens disagree; send one", param="max_tokens")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -75,10 +77,23 @@ def chat_request(body: ChatCompletionRequest, request_id: str, prompter: ChatPro
         )
     prompt = _auto_prompt(body, prompter) if auto is not None else _chat_prompt(body, prompter, tool_schema is not None)
     return Translated(
-        request=_request(body, request_id, prompt, max_tokens, _one_grammar(grammars, body)),
+        request=_request(body, request_id, prompt, max_tokens, _one_grammar(grammars, body), logprobs),
         tool_call=tool_schema is not None,
         auto_tools=auto,
     )
+
+
+def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
+    """``logprobs: true`` -> the engine's alternatives per token (``top_logprobs``, default 0);
+    None when not asked. ``top_logprobs`` > 0 without ``logprobs: true`` is refused, as by OpenAI."""
+    top = body.top_logprobs
+    if top is not None and not 0 <= top <= MAX_CHAT_TOP_LOGPROBS:
+        raise ApiError.invalid(f"top_logprobs must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got {top}", param="top_logprobs")
+    if not body.logprobs:
+        if top:
+            raise ApiError.invalid("top_logprobs needs logprobs: true", param="top_logprobs")
+        return None
+    return top or 0
 
 
 def _auto_prompt(body: ChatCompletionRequest, prompter: ChatPrompter) -> str:
@@ -113,8 +128,10 @@ def _chat_prompt(body: ChatCompletionRequest, prompter: ChatPrompter, tool_call:
 
 
 def completion_request(body: CompletionRequest, request_id: str) -> Translated:
-    if body.logprobs is not None:
-        raise ApiError.invalid("logprobs are not supported", param="logprobs")
+    if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise ApiError.invalid(
+            f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {body.logprobs}", param="logprobs"
+        )
     if body.echo:
         raise ApiError.invalid("echo is not supported", param="echo")
     if body.best_of not in (None, 1):
@@ -131,7 +148,8 @@ def completion_request(body: CompletionRequest, request_id: str) -> Translated:
     else:
         raise ApiError.invalid("one prompt per request (a list of prompts is a batch, not supported)", param="prompt")
     grammars = _format_grammar(body.response_format) + _guided_grammars(body)
-    return Translated(request=_request(body, request_id, prompt, body.max_tokens, _one_grammar(grammars, body)))
+    grammar = _one_grammar(grammars, body)
+    return Translated(request=_request(body, request_id, prompt, body.max_tokens, grammar, body.logprobs))
 
 
 def _request(
@@ -140,6 +158,7 @@ def _request(
     prompt: str | tuple[int, ...] | ChatPrompt,
     max_tokens: int | None,
     grammar: GrammarSpec | None,
+    logprobs: int | None = None,
 ) -> GenerationRequest:
     if body.n is not None and body.n < 1:
         raise ApiError.invalid(f"n must be >= 1, got {body.n}", param="n")
@@ -161,6 +180,7 @@ def _request(
         max_tokens=max_tokens,
         stop=stop,
         ignore_eos=bool(body.ignore_eos),
+        logprobs=logprobs,
     )
     if body.seed is not None and body.seed < 0:
         raise ApiError.invalid("seed must be >= 0", param="seed")

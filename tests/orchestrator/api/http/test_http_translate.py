@@ -74,7 +74,9 @@ def test_speculation_extension() -> None:
     ("fields", "param"),
     [
         ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
         ({"presence_penalty": 0.5}, "presence_penalty"),
         ({"logit_bias": {"1": 2.0}}, "logit_bias"),
         ({"max_tokens": 3, "max_completion_tokens": 4}, "max_tokens"),
@@ -89,6 +91,26 @@ def test_refusals_name_the_field(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(ApiError) as exc:
         chat(**fields)
     assert exc.value.status == 400 and exc.value.param == param and exc.value.message
+
+
+def test_logprobs_fields_map_to_the_engines_alternatives() -> None:
+    assert chat().request.sampling.logprobs is None
+    assert chat(logprobs=False).request.sampling.logprobs is None
+    assert chat(logprobs=False, top_logprobs=0).request.sampling.logprobs is None  # neutral values pass
+    assert chat(logprobs=True).request.sampling.logprobs == 0
+    assert chat(logprobs=True, top_logprobs=20).request.sampling.logprobs == 20
+
+    def completion(**fields: Any) -> translate.Translated:
+        body = CompletionRequest.model_validate({"model": "m", "prompt": "x", **fields})
+        return translate.completion_request(body, "r")
+
+    assert completion().request.sampling.logprobs is None
+    assert completion(logprobs=0).request.sampling.logprobs == 0
+    assert completion(logprobs=5).request.sampling.logprobs == 5
+    for bad in (6, -1):
+        with pytest.raises(ApiError) as exc:
+            completion(logprobs=bad)
+        assert exc.value.status == 400 and exc.value.param == "logprobs"
 
 
 def test_completion_prompts() -> None:

@@ -392,6 +392,7 @@ class SamplingParams(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """>= 0; unset or 0 = greedy"""
     top_p: _builtins.float
@@ -405,6 +406,12 @@ class SamplingParams(_message.Message):
     ignore_eos: _builtins.bool
     """Keep generating past end-of-sequence tokens until max_tokens (benchmarks).
     Not allowed with a grammar: a grammar ends exactly where it admits EOS.
+    """
+    logprobs: _builtins.int
+    """Unset: no log-probabilities. N in 0..20: every returned token's log-probability
+    under the target's distribution after the grammar mask and temperature (greedy:
+    temperature 1), before top-k/top-p, plus the N most likely tokens at its position
+    (grammar-forbidden tokens never among them, so there may be fewer).
     """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -422,11 +429,14 @@ class SamplingParams(_message.Message):
         max_tokens: _builtins.int | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
         ignore_eos: _builtins.bool = ...,
+        logprobs: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "max_tokens", b"max_tokens", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "max_tokens", b"max_tokens", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
+    _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
@@ -437,6 +447,8 @@ class SamplingParams(_message.Message):
     _WhichOneofArgType__top_k: _TypeAlias = _typing.Literal["_top_k", b"_top_k"]  # noqa: Y015
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__logprobs) -> _WhichOneofReturnType__logprobs | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
     @_typing.overload
@@ -577,6 +589,64 @@ class Usage(_message.Message):
 Global___Usage: _TypeAlias = Usage  # noqa: Y015
 
 @_typing.final
+class TokenLogprob(_message.Message):
+    """One returned token's log-probability (SamplingParams.logprobs)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_FIELD_NUMBER: _builtins.int
+    TEXT_OFFSET_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    logprob: _builtins.float
+    text_offset: _builtins.int
+    """Characters (Unicode code points) of the output text before this token's text; the
+    tokens of a character split over several share the offset of that character.
+    """
+    @_builtins.property
+    def top(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]:
+        """most likely first, at most SamplingParams.logprobs"""
+
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        logprob: _builtins.float = ...,
+        top: _abc.Iterable[Global___TopLogprob] | None = ...,
+        text_offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "text_offset", b"text_offset", "token_id", b"token_id", "top", b"top"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
+
+@_typing.final
+class TopLogprob(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    logprob: _builtins.float
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        logprob: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopLogprob: _TypeAlias = TopLogprob  # noqa: Y015
+
+@_typing.final
 class GenerateResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -587,6 +657,7 @@ class GenerateResponse(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     GRAMMAR_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
     finish_reason: Global___FinishReason.ValueType
@@ -600,6 +671,12 @@ class GenerateResponse(_message.Message):
     def grammar(self) -> Global___GrammarReport:
         """set for grammar requests"""
 
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """With SamplingParams.logprobs: one per token of `text`, in order (tokens a stop
+        string cut off are not included, though `token_ids` lists every generated token).
+        """
+
     def __init__(
         self,
         *,
@@ -610,10 +687,11 @@ class GenerateResponse(_message.Message):
         error: _builtins.str = ...,
         usage: Global___Usage | None = ...,
         grammar: Global___GrammarReport | None = ...,
+        logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["grammar", b"grammar", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finish_reason", b"finish_reason", "grammar", b"grammar", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finish_reason", b"finish_reason", "grammar", b"grammar", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -635,6 +713,7 @@ class GenerateStreamResponse(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     GRAMMAR_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
     finish_reason: Global___FinishReason.ValueType
@@ -647,6 +726,13 @@ class GenerateStreamResponse(_message.Message):
     def grammar(self) -> Global___GrammarReport:
         """final message of a grammar request"""
 
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """With SamplingParams.logprobs: the entries of the tokens whose text this message's
+        `text` starts (a token goes with the message holding its first character); all
+        messages' entries concatenate to GenerateResponse.logprobs.
+        """
+
     def __init__(
         self,
         *,
@@ -657,10 +743,11 @@ class GenerateStreamResponse(_message.Message):
         error: _builtins.str = ...,
         usage: Global___Usage | None = ...,
         grammar: Global___GrammarReport | None = ...,
+        logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["grammar", b"grammar", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finish_reason", b"finish_reason", "grammar", b"grammar", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finish_reason", b"finish_reason", "grammar", b"grammar", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
