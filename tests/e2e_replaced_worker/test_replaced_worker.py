@@ -1,15 +1,19 @@
-"""A GPU worker whose actor is killed for good (ray.kill: Ray does not restart it) while requests
-wait for it: the orchestrator starts a replacement actor, the requests that had emitted nothing
-(queued, or placed and not yet streaming) wait for it and complete, those that were streaming end
-with an error that says they were cut off, and a request sent during the recovery waits instead
-of being refused. Its own stack (one worker, a batch of two), started after the other e2e stacks
-and their Ray are gone."""
+"""A GPU worker whose actor is killed for good (ray.kill: Ray does not restart it), or whose process
+stops (SIGSTOP: no heartbeat, no progress), while requests wait for it: the orchestrator starts a
+replacement actor, the requests that had emitted nothing (queued, or placed and not yet streaming)
+wait for it and complete, those that were streaming end with an error that says they were cut
+off, and a request sent during the recovery waits instead of being refused. Its own stack (one
+worker, a batch of two), started after the other e2e stacks and their Ray are gone."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -24,6 +28,8 @@ BATCH = 2
 QUEUED = 4
 # Generous: a replacement loads the models on a busy two-core box.
 WAIT_S = 600.0
+# The liveness limit: a stopped worker is taken out after it, and replaced one more limit later.
+LIVENESS_S = 10.0
 _DONE = (pb.FINISH_REASON_GRAMMAR_COMPLETE, pb.FINISH_REASON_LENGTH)
 
 
@@ -85,15 +91,18 @@ class _Streams:
         assert not any(t.is_alive() for t in self.threads), "a stream never ended"
 
 
-def test_a_killed_worker_is_replaced_and_its_waiting_requests_complete(stack: ThreadStack) -> None:
+def _lose_the_worker_under_load(stack: ThreadStack, lose: Callable[[Any, int], None]) -> None:
+    """Two streams in the batch, more requests queued behind them; ``lose(actor, pid)`` takes the
+    worker down; a request sent while it is out. Checks what each got and that a new actor serves."""
     import ray
 
     assert stack.running is not None
     server = stack.running.server
     (old,) = server.worker_actors
     old_pid = ray.get(old.info.remote(), timeout=RAY_CALL_TIMEOUT_S).pid
+    restarts_before = _metric(stack, "specmask_worker_restarts_total", worker="0")
     streams = _Streams(stack.address)
-    # Two streams fill the batch and are mid-generation when the worker is killed...
+    # Two streams fill the batch and are mid-generation when the worker is lost...
     streaming = [
         streams.start(
             build_request(PROMPT, schema=ENDLESS_SCHEMA, temperature=1.0, seed=i, max_tokens=ENDLESS_MAX_TOKENS)
@@ -103,22 +112,22 @@ def test_a_killed_worker_is_replaced_and_its_waiting_requests_complete(stack: Th
     for _ in range(BATCH):
         assert streams.first.acquire(timeout=120), "the streams never started"
     # ...while more requests wait in the queue behind them.
-    queued = [streams.start(build_request(PROMPT, schema=BOUNDED_SCHEMA, max_tokens=32)) for _ in range(QUEUED)]
+    queued = [streams.start(build_request(PROMPT, schema=BOUNDED_SCHEMA, max_tokens=64)) for _ in range(QUEUED)]
     deadline = time.monotonic() + 60
     while server.engine.queue_depth < QUEUED:
         assert time.monotonic() < deadline, "the requests never queued"
         time.sleep(0.02)
-    ray.kill(old)
-    deadline = time.monotonic() + 60
+    lose(old, old_pid)
+    deadline = time.monotonic() + 120
     while server.engine.worker_health()[0]:
-        assert time.monotonic() < deadline, "the killed worker was never taken out"
+        assert time.monotonic() < deadline, "the lost worker was never taken out"
         time.sleep(0.05)
     # Sent while no worker is healthy: it waits for the replacement instead of UNAVAILABLE.
-    late = streams.start(build_request(PROMPT, schema=BOUNDED_SCHEMA, max_tokens=32))
+    late = streams.start(build_request(PROMPT, schema=BOUNDED_SCHEMA, max_tokens=64))
     streams.join()
 
     for r in streaming:
-        # Mid-generation when the worker died (unless it had already finished): cut off, and said so.
+        # Mid-generation when the worker was lost (unless it had already finished): cut off, and said so.
         if r.finish_reason == pb.FINISH_REASON_ERROR:
             assert r.token_ids and "GPU worker 0" in r.error and "cut off" in r.error, r.error
     assert any(r.finish_reason == pb.FINISH_REASON_ERROR for r in streaming)
@@ -131,8 +140,29 @@ def test_a_killed_worker_is_replaced_and_its_waiting_requests_complete(stack: Th
     (new,) = server.worker_actors
     assert new is not old
     assert ray.get(new.info.remote(), timeout=RAY_CALL_TIMEOUT_S).pid != old_pid
-    assert _metric(stack, "specmask_worker_restarts_total", worker="0") == 1
+    assert _metric(stack, "specmask_worker_restarts_total", worker="0") == restarts_before + 1
     deadline = time.monotonic() + 30
     while health_status(stack.address) != SERVING:
         assert time.monotonic() < deadline, "readiness did not come back with the replacement"
         time.sleep(0.2)
+
+
+def test_a_killed_worker_is_replaced_and_its_waiting_requests_complete(stack: ThreadStack) -> None:
+    import ray
+
+    _lose_the_worker_under_load(stack, lambda actor, _pid: ray.kill(actor))
+
+
+def test_a_stopped_worker_is_replaced_and_its_waiting_requests_complete(stack: ThreadStack) -> None:
+    stopped: list[int] = []
+
+    def stop(_actor: Any, pid: int) -> None:
+        os.kill(pid, signal.SIGSTOP)
+        stopped.append(pid)
+
+    try:
+        _lose_the_worker_under_load(stack, stop)
+    finally:
+        for pid in stopped:  # replaced, it was SIGKILLed; if not, let it go on
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
