@@ -107,8 +107,10 @@ def strict_schema(schema: Any) -> Any:
         # xgrammar ignores a required name missing from properties, so the mask service declares
         # it (schema_rewrite: with the additionalProperties schema, here none, so {}) before
         # strict mode closes the object; closed without it, no output could pass.
-        props = out.get("properties") if isinstance(out.get("properties"), dict) else {}
-        required = schema.get("required") if isinstance(schema.get("required"), list) else []
+        declared = out.get("properties")
+        props: dict[str, Any] = declared if isinstance(declared, dict) else {}
+        listed = schema.get("required")
+        required: list[Any] = listed if isinstance(listed, list) else []
         missing = [r for r in required if isinstance(r, str) and r not in props]
         if missing:
             out["properties"] = {**props, **{name: {} for name in missing}}
