@@ -140,6 +140,8 @@ async def bench(args: argparse.Namespace, target: str, draft: str | None) -> dic
     overrides: dict[str, Any] = dict(max_queue=max(256, 2 * args.burst), step_timeout_s=args.step_timeout_s)
     if args.max_iteration_tokens is not None:
         overrides["max_iteration_tokens"] = args.max_iteration_tokens
+    if args.max_batch is not None:
+        overrides["max_batch"] = args.max_batch
     if args.torch_threads:
         overrides["worker_torch_threads"] = args.torch_threads
     async with running_stack(stack, **overrides) as running:
@@ -282,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--baseline-s", type=float, default=20.0)
     parser.add_argument("--max-iteration-tokens", type=int, default=None, help="default: the server's")
+    parser.add_argument(
+        "--max-batch", type=int, default=None, help="sequences per worker (default: the server's; <= the budget)"
+    )
     parser.add_argument("--step-timeout-s", type=float, default=30.0, help="the liveness limit")
     parser.add_argument("--worker-only", action="store_true", help="an in-process GpuWorker, no serving stack")
     parser.add_argument("--torch-threads", type=int, default=0, help="torch threads of the worker (0 = every CPU)")

@@ -163,7 +163,12 @@ def load_cases(
     if not cases:
         raise SystemExit(f"no *.json schemas in {schemas}")
     if n is not None and subsets is None:
-        cases = (cases * (n // len(cases) + 1))[:n]
+        if n < len(cases):
+            # Spread over the sorted files, not the first n: maskbench sorts by subset, so the
+            # first 60 files would all be BFCL.
+            cases = [cases[(i * len(cases)) // n] for i in range(n)]
+        else:
+            cases = (cases * (n // len(cases) + 1))[:n]
     return cases
 
 
@@ -534,7 +539,12 @@ def main(argv: list[str] | None = None) -> int:
         required=True,
         help="dir of *.json schemas (bare or JSONSchemaBench), or 'toy' for the toy pair's schemas",
     )
-    parser.add_argument("--n", type=int, default=None, help="requests (cycles through the schemas; default: one each)")
+    parser.add_argument(
+        "--n",
+        type=int,
+        default=None,
+        help="requests: n schemas spread over the sorted files, or cycling through them when fewer (default: one each)",
+    )
     parser.add_argument("--concurrency", type=int, default=64, help="requests in flight at once")
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--max-batch", type=int, default=64, help="active sequences per worker")

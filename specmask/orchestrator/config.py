@@ -53,6 +53,9 @@ DEFAULT_SHUTDOWN_GRACE_S = 5.0
 # -1 = always, as a Deployment would. The engine probes a lost worker and puts
 # it back into placement once it answers again.
 DEFAULT_WORKER_MAX_RESTARTS = -1
+# With every worker lost while one is being recovered or replaced (a restart loads the model):
+# how long queued and new requests wait for it before they fail / are refused with a retry hint.
+DEFAULT_WORKER_RECOVERY_WAIT_S = 120.0
 # torch threads of each worker process: 0 = every CPU it may run on, when its device is
 # the CPU (Ray would give an actor without num_cpus one: it sets OMP_NUM_THREADS=1).
 # GPU workers keep their default. See WorkerConfig.torch_threads for the figures.
@@ -89,6 +92,7 @@ class OrchestratorConfig:
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
     worker_start_timeout_s: float = DEFAULT_WORKER_START_TIMEOUT_S
     worker_max_restarts: int = DEFAULT_WORKER_MAX_RESTARTS
+    worker_recovery_wait_s: float = DEFAULT_WORKER_RECOVERY_WAIT_S
     worker_torch_threads: int = DEFAULT_WORKER_TORCH_THREADS
     # Trailing prompt tokens a new sequence's first step feeds (gpu_worker.config says why).
     step_prefill_tokens: int = DEFAULT_STEP_PREFILL_TOKENS
@@ -152,6 +156,8 @@ class OrchestratorConfig:
             raise ValueError(f"worker_torch_threads must be >= 0 (0 = every CPU), got {self.worker_torch_threads}")
         if self.worker_max_restarts < -1:
             raise ValueError(f"worker_max_restarts must be >= -1, got {self.worker_max_restarts}")
+        if not self.worker_recovery_wait_s >= 0:
+            raise ValueError(f"worker_recovery_wait_s must be >= 0, got {self.worker_recovery_wait_s}")
         if self.max_inflight_per_client < AUTO_INFLIGHT_PER_CLIENT:
             raise ValueError(
                 f"max_inflight_per_client must be >= 0 (0 = no cap) or -1 (auto), got {self.max_inflight_per_client}"

@@ -23,12 +23,16 @@ Life of a request:
 
 A sequence-level error from the worker finishes only that request (ERROR). A
 failed ``step`` call finishes that worker's batch with ERROR; a dead or
-unresponsive worker is taken out of placement (its requests finish with ERROR),
-and the server keeps serving while any worker is healthy. ``_recover`` then
-probes it: once it answers again (Ray restarted the crashed actor, or a stuck
-call returned) it is reset, checked to serve the same model, and put back.
-Meanwhile the mask sessions it held are released by owner on every replica,
-so a worker that never comes back leaks none.
+unresponsive worker is taken out of placement: its requests that had streamed
+tokens finish with ERROR, the others go back to the head of the queue, and the
+server keeps serving while any worker is healthy. ``_recover`` then probes it:
+once it answers again (Ray restarted the crashed actor, or a stuck call
+returned) it is reset, checked to serve the same model, and put back; an actor
+that is dead for good, or has not answered for a liveness limit, is killed and
+replaced by a new one (bounded, with backoff). While no worker is healthy and
+one is being recovered, queued and new requests wait for it, up to
+``EngineConfig.recovery_wait_s``. Meanwhile the mask sessions it held are
+released by owner on every replica, so a worker that never comes back leaks none.
 
 Never lie: a grammar request the worker reports GRAMMAR_COMPLETE is
 finished only after ``output_check`` accepts its final text against the caller's
@@ -45,16 +49,17 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray.exceptions import RayTaskError
+from ray.exceptions import ActorDiedError, RayTaskError
 
 from specmask.gpu_worker.types import (
     LIVENESS_GROUP,
@@ -92,6 +97,12 @@ _REMOVE_ON_SHUTDOWN_TIMEOUT_S = 10.0
 # (plus model loading); a hung one answers once its stuck call returns.
 _RECOVERY_PROBE_S = 1.0
 _RECOVERY_PROBE_MAX_S = 10.0
+# Replacement actors started for one loss before the worker is given up, waiting this long
+# after the first failed start, doubling up to the cap (a failed start is usually a lack of
+# resources, e.g. the dead process's GPU memory not yet freed, which time cures).
+_REPLACE_ATTEMPTS = 5
+_REPLACE_BACKOFF_S = 2.0
+_REPLACE_BACKOFF_MAX_S = 30.0
 # Batch slots (all healthy workers together, rounded down: none below 8) kept from the
 # client holding the most, so another client's request is placed at once: the price is
 # this fraction of a lone client's batch, the gain that a second client does not wait for
@@ -120,6 +131,13 @@ class EngineConfig:
     fair_placement: bool = True
     # Queue and per-worker batch bounded in prompt tokens (orchestrator.token_admission).
     prompt_token_bounds: PromptTokenBounds = field(default_factory=PromptTokenBounds)
+    # With no healthy worker left while a lost one is being recovered or replaced: how long the
+    # queued requests, and new ones, wait for it (from the loss of the last one) before they
+    # fail (queued: ERROR) or are refused (new: UNAVAILABLE, a retry hint). 0 = fail at once.
+    recovery_wait_s: float = 120.0
+    # Replacement actors the engine may start per worker over its life (-1 = no limit, 0 = none:
+    # a lost worker comes back only if it answers again).
+    max_restarts: int = -1
 
 
 @dataclass(eq=False)
@@ -135,6 +153,8 @@ class WorkerSlot:
     to_add: list[Request] = field(default_factory=list)
     to_remove: list[str] = field(default_factory=list)  # finished here; the worker still holds them
     healthy: bool = True
+    gone: bool = False  # lost for good: dead with no replacement allowed, or replacements failed
+    restarts: int = 0  # replacement actors started for it (Engine._recover)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     release: asyncio.Task | None = None  # closing a lost worker's mask sessions
 
@@ -164,10 +184,14 @@ class Engine:
         *,
         release_sessions: Callable[[str], int] | None = None,
         output_checker: OutputChecker | None = None,
+        replace_worker: Callable[[Any], Awaitable[tuple[Any, WorkerInfo]]] | None = None,
     ) -> None:
         """``release_sessions(owner)``: closes every mask session a lost worker left open
         (blocking; returns how many); None leaves them to the mask service's idle TTL.
-        ``output_checker``: the end-of-request grammar check (always on; None = a new one)."""
+        ``output_checker``: the end-of-request grammar check (always on; None = a new one).
+        ``replace_worker(actor)``: kills a lost worker's actor and starts a new one, returning
+        its handle and info once it has loaded (worker_pool.replace_worker); None = a lost
+        worker is only probed until it answers again."""
         if not slots:
             raise ValueError("the engine needs at least one worker")
         self._slots = list(slots)
@@ -176,6 +200,13 @@ class Engine:
         self._config = config
         self._metrics = metrics
         self._release_sessions = release_sessions
+        self._replace_worker = replace_worker
+        # Set while a worker is healthy, or when none is and none is being recovered any more:
+        # requests waiting in submit() for a replacement wait on it.
+        self._worker_up = asyncio.Event()
+        self._worker_up.set()
+        # While no worker is healthy and one is being recovered: when the waiting ends (monotonic).
+        self._down_deadline: float | None = None
         self.output_checker = output_checker if output_checker is not None else OutputChecker()
         self._checking: set[asyncio.Task] = set()  # end-of-request checks in flight
         self._on_health_change: Callable[[bool], None] | None = None
@@ -209,6 +240,7 @@ class Engine:
         saying why, so every stream gets a final message instead of a bare UNAVAILABLE.
         Returns how many were ended early."""
         self._draining = True
+        self._worker_up.set()  # requests waiting for a lost worker's replacement are refused
         deadline = time.monotonic() + grace_s
         while self._live and time.monotonic() < deadline:
             await asyncio.sleep(_DRAIN_POLL_S)
@@ -226,6 +258,7 @@ class Engine:
     async def stop(self) -> None:
         """Cancel every live request, free its worker state, stop the loops."""
         self._stopping = True
+        self._worker_up.set()
         for request_id in list(self._live):
             self.cancel(request_id)
         for task in [*self._tasks, *self._checking]:
@@ -246,6 +279,38 @@ class Engine:
     def healthy(self) -> bool:
         return not self._stopping and any(s.healthy for s in self._slots)
 
+    @property
+    def recovering(self) -> bool:
+        """No healthy worker, but a lost one is being recovered or replaced and the wait for
+        it (``EngineConfig.recovery_wait_s``) has not run out: requests wait instead of failing."""
+        return (
+            not self._stopping
+            and not self.healthy
+            and self._down_deadline is not None
+            and time.monotonic() < self._down_deadline
+            and any(not s.healthy and not s.gone for s in self._slots)
+        )
+
+    async def _wait_for_worker(self) -> None:
+        """Wait (bounded) for a healthy worker while a lost one is recovered; Unavailable if
+        none is, or none comes back within the recovery wait."""
+        while not self.healthy:
+            if self._stopping or self._draining:
+                raise ShuttingDown("the server is shutting down")
+            if not self.recovering:
+                raise Unavailable(self._no_worker_message())
+            assert self._down_deadline is not None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._worker_up.wait(), max(0.0, self._down_deadline - time.monotonic()))
+
+    def _no_worker_message(self) -> str:
+        if any(not s.gone for s in self._slots) and self._config.recovery_wait_s > 0:
+            return (
+                f"no healthy GPU worker: none came back within {self._config.recovery_wait_s:g} s "
+                "(a lost worker is being replaced); retry"
+            )
+        return "no healthy GPU worker left"
+
     def worker_health(self) -> list[bool]:
         """Per worker, in index order: whether it is in placement."""
         return [s.healthy for s in self._slots]
@@ -265,8 +330,8 @@ class Engine:
         arrival = time.monotonic()
         if self._stopping or self._draining:
             raise ShuttingDown("the server is shutting down")
-        if not self.healthy:
-            raise Unavailable("no healthy GPU worker")
+        if not self.healthy and not self.recovering:
+            raise Unavailable(self._no_worker_message())
         # Requests still validating count against the bound (their memory is held), but so
         # do the batch slots free for them: a burst that fits the free slots plus the queue
         # is admitted however slow validation is at that moment.
@@ -285,6 +350,9 @@ class Engine:
         self._validating += 1
         self._metrics.queue_depth.set(self.queue_depth)
         try:
+            if not self.healthy:
+                # A lost worker is being replaced: wait for it (bounded), counted in the queue.
+                await self._wait_for_worker()
             loop = asyncio.get_running_loop()
             validated = await loop.run_in_executor(self._executor, self._validator.validate_request, req)
         except BaseException:
@@ -294,10 +362,10 @@ class Engine:
         finally:
             self._validating -= 1
             self._metrics.queue_depth.set(self.queue_depth)
-        if self._stopping or not self.healthy:
+        if self._stopping or not (self.healthy or self.recovering):
             del self._live[req.request_id]
             self._release_client(req.request_id)
-            raise Unavailable("no healthy GPU worker")
+            raise Unavailable(self._no_worker_message())
         seq = validated.seq
         try:
             self._config.prompt_token_bounds.check_queue(self._queued_prompt_tokens(), len(seq.prompt_token_ids))
@@ -699,14 +767,35 @@ class Engine:
         healthy = sum(s.healthy for s in self._slots)
         self._metrics.healthy_workers.set(healthy)
         if not healthy:
-            for request in list(self._waiting):
-                self._waiting.remove(request)
-                self._finish(request, FinishReason.ERROR, "no healthy GPU worker left")
+            self._worker_up.clear()
             if self._on_health_change is not None:
                 self._on_health_change(False)
+            if not self._stopping and self._config.recovery_wait_s > 0:
+                # What is queued waits for the recovery below, up to the bound.
+                self._down_deadline = time.monotonic() + self._config.recovery_wait_s
+                self._tasks.append(asyncio.create_task(self._end_wait(self._down_deadline), name="recovery-wait"))
+            else:
+                self._fail_waiting()
         self._place()
         if not self._stopping:
             self._tasks.append(asyncio.create_task(self._recover(slot), name=f"worker-{slot.index}-recover"))
+
+    def _fail_waiting(self) -> None:
+        """No worker is healthy and none is coming back within the wait: fail what is queued
+        (submit() refuses new requests), and wake the requests waiting in submit()."""
+        message = self._no_worker_message()
+        for request in list(self._waiting):
+            self._waiting.remove(request)
+            self._finish(request, FinishReason.ERROR, message)
+        self._down_deadline = None
+        self._worker_up.set()  # waiters re-check, and are refused
+
+    async def _end_wait(self, deadline: float) -> None:
+        """At the end of the recovery wait: if still no worker is healthy, fail what waits."""
+        await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+        if self._down_deadline == deadline and not self.healthy and not self._stopping:
+            logger.error("no GPU worker back within %g s; failing the queued requests", self._config.recovery_wait_s)
+            self._fail_waiting()
 
     async def _release_worker_sessions(self, slot: WorkerSlot) -> None:
         assert self._release_sessions is not None
@@ -718,8 +807,16 @@ class Engine:
         logger.info("worker %d: released %d mask sessions it held", slot.index, closed)
 
     async def _recover(self, slot: WorkerSlot) -> None:
-        """Probe a lost worker until it answers, reset it, and put it back into placement."""
+        """Bring a lost worker back: probe it until it answers (Ray restarted a crashed actor, a
+        stopped process continued), or replace it: kill its actor and start a new one, at once
+        when the actor is dead for good, else once it has not answered for a liveness limit.
+        Replacements are bounded (``_REPLACE_ATTEMPTS`` per loss, with backoff;
+        ``EngineConfig.max_restarts`` over the worker's life); a worker that cannot come back
+        is given up (``WorkerSlot.gone``). Once back it is reset, checked to serve the same
+        model, and put back into placement."""
+        lost_at = time.monotonic()
         delay = _RECOVERY_PROBE_S
+        failed_starts = 0
         while not self._stopping:
             await asyncio.sleep(delay)
             delay = min(2 * delay, _RECOVERY_PROBE_MAX_S)
@@ -731,10 +828,37 @@ class Engine:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
-                logger.info("worker %d not back yet: %s", slot.index, _describe(exc))
-                continue
+                dead = isinstance(exc, ActorDiedError)
+                logger.info("worker %d not back yet%s: %s", slot.index, " (dead)" if dead else "", _describe(exc))
+                if not self._may_replace(slot):
+                    if dead:  # nothing can bring it back
+                        self._give_up(slot, "its actor is dead and no restart is left (--worker-max-restarts)")
+                        return
+                    continue
+                if not dead and time.monotonic() - lost_at < self._config.step_timeout_s:
+                    continue  # Ray may be restarting it: give that a liveness limit
+                try:
+                    info = await self._start_replacement(slot)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    failed_starts += 1
+                    logger.error(
+                        "worker %d: starting a replacement failed (%d of %d): %s",
+                        slot.index,
+                        failed_starts,
+                        _REPLACE_ATTEMPTS,
+                        _describe(exc),
+                    )
+                    if failed_starts >= _REPLACE_ATTEMPTS:
+                        self._give_up(slot, f"{_REPLACE_ATTEMPTS} replacements failed to start")
+                        return
+                    delay = min(_REPLACE_BACKOFF_S * 2 ** (failed_starts - 1), _REPLACE_BACKOFF_MAX_S)
+                    continue
+                freed = 0
             if not info.serves_same_model(slot.info):
                 logger.error("worker %d came back with a different model (%s); leaving it out", slot.index, info)
+                self._give_up(slot, "it came back with a different model")
                 return
             if slot.release is not None:
                 # Finish releasing the old sessions first: once the worker is back in
@@ -744,6 +868,8 @@ class Engine:
             was_down = not self.healthy
             slot.info = info
             slot.healthy = True
+            self._down_deadline = None
+            self._worker_up.set()
             self._metrics.worker_recoveries.labels(worker=str(slot.index)).inc()
             healthy = sum(s.healthy for s in self._slots)
             self._metrics.healthy_workers.set(healthy)
@@ -753,6 +879,28 @@ class Engine:
             self._tasks.append(asyncio.create_task(self._run_worker(slot), name=f"worker-{slot.index}-loop"))
             self._place()
             return
+
+    def _may_replace(self, slot: WorkerSlot) -> bool:
+        limit = self._config.max_restarts
+        return self._replace_worker is not None and (limit < 0 or slot.restarts < limit)
+
+    async def _start_replacement(self, slot: WorkerSlot) -> WorkerInfo:
+        """Kill the lost worker's actor and start a new one in its slot (counted once started)."""
+        assert self._replace_worker is not None
+        logger.warning("worker %d: replacing its actor (restart %d)", slot.index, slot.restarts + 1)
+        actor, info = await self._replace_worker(slot.actor)
+        slot.actor = actor
+        slot.restarts += 1
+        self._metrics.worker_restarts.labels(worker=str(slot.index)).inc()
+        return info
+
+    def _give_up(self, slot: WorkerSlot, why: str) -> None:
+        """The worker will not come back: leave it out for good; with no other worker healthy or
+        recovering, fail what waits for one."""
+        logger.error("worker %d is lost for good: %s", slot.index, why)
+        slot.gone = True
+        if not self.healthy and not any(not s.healthy and not s.gone for s in self._slots):
+            self._fail_waiting()
 
 
 def _fresh_seed(sampling: SamplingParams, attempt: int) -> SamplingParams:

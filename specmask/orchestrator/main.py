@@ -93,7 +93,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--worker-max-restarts",
         type=int,
         default=cfg.DEFAULT_WORKER_MAX_RESTARTS,
-        help="times Ray restarts a crashed worker actor (-1 = always); a restarted worker rejoins placement",
+        help="times Ray restarts a crashed worker actor, and times the orchestrator replaces a lost one (killed, "
+        "dead or stopped) with a new actor (-1 = always); a restarted worker rejoins placement",
+    )
+    parser.add_argument(
+        "--worker-recovery-wait-s",
+        type=float,
+        default=cfg.DEFAULT_WORKER_RECOVERY_WAIT_S,
+        help="with no healthy worker while a lost one is restarted: how long queued and new requests wait for it "
+        "(0 = fail them at once)",
     )
     parser.add_argument(
         "--worker-torch-threads",
@@ -217,6 +225,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         step_timeout_s=args.step_timeout_s,
         worker_start_timeout_s=args.worker_start_timeout_s,
         worker_max_restarts=args.worker_max_restarts,
+        worker_recovery_wait_s=args.worker_recovery_wait_s,
         worker_torch_threads=args.worker_torch_threads,
         step_prefill_tokens=args.step_prefill_tokens,
         max_iteration_tokens=args.max_iteration_tokens,

@@ -151,6 +151,12 @@ class OrchestratorMetrics:
         self.worker_recoveries = Counter(
             "specmask_worker_recoveries", "Lost workers that answered again and were put back", ["worker"], registry=r
         )
+        self.worker_restarts = Counter(
+            "specmask_worker_restarts",
+            "Replacement actors the orchestrator started for lost workers (killed, dead or stopped)",
+            ["worker"],
+            registry=r,
+        )
         # vLLM's names for the same measures, beside ours, so vLLM dashboards work unchanged
         # (without vLLM's model_name label: one orchestrator serves one model).
         self.vllm_time_to_first_token = Histogram(

@@ -104,6 +104,16 @@ def strict_schema(schema: Any) -> Any:
     lists_properties = "properties" in schema or "patternProperties" in schema
     if lists_properties and "additionalProperties" not in schema and "unevaluatedProperties" not in schema:
         out["additionalProperties"] = False
+        # xgrammar ignores a required name missing from properties, so the mask service declares
+        # it (schema_rewrite: with the additionalProperties schema, here none, so {}) before
+        # strict mode closes the object; closed without it, no output could pass.
+        declared = out.get("properties")
+        props: dict[str, Any] = declared if isinstance(declared, dict) else {}
+        listed = schema.get("required")
+        required: list[Any] = listed if isinstance(listed, list) else []
+        missing = [r for r in required if isinstance(r, str) and r not in props]
+        if missing:
+            out["properties"] = {**props, **{name: {} for name in missing}}
     if "prefixItems" in schema and "items" not in schema and "unevaluatedItems" not in schema:
         out["items"] = False
     if isinstance(schema.get("items"), list) and "additionalItems" not in schema:  # draft 4-7 tuples

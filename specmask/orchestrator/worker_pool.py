@@ -136,11 +136,10 @@ def _descendants() -> set[int]:
     return found
 
 
-async def start_workers(config: OrchestratorConfig) -> list[WorkerSlot]:
-    """Create ``num_workers`` GpuWorker actors and wait (bounded) until all have loaded."""
+def _start_actor(config: OrchestratorConfig) -> Any:
+    """One GpuWorker actor (not waited for)."""
     from specmask.gpu_worker.actor import start_remote_worker
 
-    worker_config = config.worker_config()
     # num_gpus=None: one GPU per worker when the Ray cluster has GPUs (asked of
     # the cluster, not of this process: the orchestrator may run on a CPU node).
     # max_task_retries=0: a step is never replayed on a restarted actor (its
@@ -148,16 +147,18 @@ async def start_workers(config: OrchestratorConfig) -> list[WorkerSlot]:
     # enable_task_events=False: every step/add/remove is a Ray task, ~100 a second per
     # worker, and each one's events were kept by the GCS (up to 100,000 tasks): its RSS
     # grew ~12 MB/min under bench.soak. Nothing reads them.
-    actors = [
-        start_remote_worker(
-            worker_config,
-            num_gpus=config.worker_num_gpus,
-            max_restarts=config.worker_max_restarts,
-            max_task_retries=0,
-            enable_task_events=False,
-        )
-        for _ in range(config.num_workers)
-    ]
+    return start_remote_worker(
+        config.worker_config(),
+        num_gpus=config.worker_num_gpus,
+        max_restarts=config.worker_max_restarts,
+        max_task_retries=0,
+        enable_task_events=False,
+    )
+
+
+async def start_workers(config: OrchestratorConfig) -> list[WorkerSlot]:
+    """Create ``num_workers`` GpuWorker actors and wait (bounded) until all have loaded."""
+    actors = [_start_actor(config) for _ in range(config.num_workers)]
     try:
         infos: list[WorkerInfo] = await asyncio.wait_for(
             asyncio.gather(*(asyncio.wrap_future(a.info.remote().future()) for a in actors)),
@@ -183,6 +184,32 @@ async def start_workers(config: OrchestratorConfig) -> list[WorkerSlot]:
         WorkerSlot(index=i, actor=actor, info=info, capacity=config.max_batch)
         for i, (actor, info) in enumerate(zip(actors, infos))
     ]
+
+
+async def replace_worker(config: OrchestratorConfig, old: Any) -> tuple[Any, WorkerInfo]:
+    """Kill a lost worker's actor (for good: Ray does not restart it) and start a new one;
+    returns its handle and info once it has loaded (bounded by ``worker_start_timeout_s``).
+
+    Killing first frees what the old process held (its GPU, its memory), which the new one
+    may need; SIGKILL also ends a stopped (SIGSTOP) process."""
+    import ray
+
+    try:
+        await asyncio.to_thread(ray.kill, old, no_restart=True)
+    except Exception as exc:  # already gone
+        logger.info("killing the lost worker actor: %r", exc)
+    actor = _start_actor(config)
+    try:
+        info: WorkerInfo = await asyncio.wait_for(
+            asyncio.wrap_future(actor.info.remote().future()), config.worker_start_timeout_s
+        )
+    except BaseException:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as exc:
+            logger.warning("could not kill the replacement that failed to start: %r", exc)
+        raise
+    return actor, info
 
 
 def stop_workers(actors: list[Any]) -> None:

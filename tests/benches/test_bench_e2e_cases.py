@@ -37,3 +37,12 @@ def test_subsets_take_n_each_with_chat_prompts() -> None:
 def test_unknown_subset_is_an_error() -> None:
     with pytest.raises(SystemExit, match="no schemas of subset"):
         load_cases(str(MASKBENCH), 1, subsets=("Nope",))
+
+
+def test_n_below_the_file_count_spreads_over_the_sorted_files() -> None:
+    files = sorted(p.stem for p in MASKBENCH.glob("*.json"))
+    cases = load_cases(str(MASKBENCH), 8)
+    assert [c.name for c in cases] == [files[(i * len(files)) // 8] for i in range(8)]
+    assert len({c.subset for c in cases}) > 2  # not the first files' subset alone
+    cycled = load_cases(str(MASKBENCH), len(files) + 3)
+    assert [c.name for c in cycled] == files + files[:3]

@@ -185,3 +185,22 @@ def test_validate_decimal_is_jsonschema_validate_with_decimal_multiples() -> Non
         validate_decimal(10000.891, {"type": "number", "multipleOf": 0.01})
     with pytest.raises(jsonschema.SchemaError):
         validate_decimal(1, {"type": "number", "multipleOf": -1})
+
+
+def test_strict_reading_keeps_a_required_name_missing_from_properties(checker: OutputChecker) -> None:
+    """The mask service declares a required name that ``properties`` lacks before xgrammar's strict
+    mode closes the object (schema_rewrite), so the engine emits it; the strict reading must allow
+    it too, or every output of such a schema fails (maskbench Github_easy---o27044)."""
+    schema = {
+        "type": "object",
+        "properties": {"colors": {"type": "string", "enum": ["dark", "light"]}},
+        "required": ["color"],
+    }
+    grammar = spec(GrammarKind.JSON_SCHEMA, schema)  # strict (the default)
+    for engine in ("xgrammar", "llguidance", ""):
+        assert checker.check(grammar, '{"color":"x"}', engine).ok, engine
+        assert checker.check(grammar, '{"colors":"dark","color":[1]}', engine).ok, engine
+        assert not checker.check(grammar, '{"colors":"dark"}', engine).ok, engine  # required
+        assert not checker.check(grammar, '{"colors":"grey","color":1}', engine).ok, engine  # enum
+    # xgrammar's reading stays closed to names neither declared nor required.
+    assert not checker.check(grammar, '{"color":1,"other":2}', "xgrammar").ok

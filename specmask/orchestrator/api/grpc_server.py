@@ -8,6 +8,7 @@ grpc.aio server and the step loops live on the caller's event loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,7 +31,7 @@ from specmask.orchestrator.metrics import OrchestratorMetrics
 from specmask.orchestrator.readiness import MaskTierProbe, Readiness
 from specmask.orchestrator.validation import RequestValidator, ServingDefaults
 from specmask.orchestrator.verdict_cache import VerdictCache
-from specmask.orchestrator.worker_pool import connect_ray, start_workers, stop_workers
+from specmask.orchestrator.worker_pool import connect_ray, replace_worker, start_workers, stop_workers
 from specmask.proto import health as health_names
 from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 
@@ -205,9 +206,12 @@ async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer,
                 validation_threads=config.validation_threads,
                 max_inflight_per_client=config.inflight_cap_per_client,
                 prompt_token_bounds=config.prompt_token_bounds(),
+                recovery_wait_s=config.worker_recovery_wait_s,
+                max_restarts=config.worker_max_restarts,
             ),
             metrics,
             release_sessions=checker.release_sessions,
+            replace_worker=functools.partial(replace_worker, config),
         )
         grpc_server = grpc.aio.server(options=server_options(), interceptors=api_interceptors(config))
         server = OrchestratorServer(config, grpc_server, engine, health_servicer, metrics, checker, slots)
