@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from specmask.gpu_worker.row_index import RowIndexCache
-from specmask.mask_service.client.row_table import MaskRow, TableView, set_host_allocator
+from specmask.mask_service.client.row_table import MaskRow, MaskRows, TableView, as_blocks, set_host_allocator
 
 logger = logging.getLogger(__name__)
 
@@ -146,15 +146,28 @@ class DeviceMaskTable:
         """Rows -> (mask_table [num_table_rows, W] int32, row_ids [len(rows)] int32), on the device.
 
         ``None`` stands for the all-ones row (a sequence without a grammar). At least
-        one row must be a ``MaskRow``. The table is a mirror itself when every row
-        comes from one client table's current epoch (the usual case: no copy).
+        one row must be a ``MaskRow``. Consecutive rows of one table epoch travel as one
+        block (``resolve_blocks``)."""
+        return self.resolve_blocks(as_blocks(rows))
+
+    def resolve_blocks(self, blocks: Sequence[MaskRows | int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks of rows -> (mask_table [num_table_rows, W] int32, row_ids [Σ rows] int32).
+
+        A block is a ``MaskRows`` (slots of one table view: a request's rows as the reply
+        gave them) or an int n, n all-ones rows (a sequence without a grammar). At least
+        one block must be a ``MaskRows``. The work is per block, never per row: a step's
+        row ids are the blocks' slots concatenated with their mirror's offset added, in a
+        few numpy operations (which release the GIL on large arrays), so a step's mask rows
+        cost its launching thread a handful of calls whatever B and k are. The table is a
+        mirror itself when every block comes from one client table's current epoch (the
+        usual case: no copy).
         """
         # The newest view per source decides its mirror's epoch and length.
         newest: dict[int, TableView] = {}
-        for row in rows:
-            if row is None:
+        for block in blocks:
+            if isinstance(block, int):
                 continue
-            v = row.view
+            v = block.view
             cur = newest.get(v.source)
             if cur is None or (v.epoch, v.num_rows) > (cur.epoch, cur.num_rows):
                 newest[v.source] = v
@@ -173,37 +186,42 @@ class DeviceMaskTable:
             epochs[source] = mirror.epoch
             parts.append(mirror.rows[: mirror.num_rows])
             total += mirror.num_rows
-        # Rows of an epoch the mirror has moved past: gather them from their own views.
-        stale: dict[tuple[int, int, int], int] = {}  # (source, epoch, slot) -> table row
-        stale_rows: list[np.ndarray] = []
-        ids: list[int] = []
         ones = next(iter(offsets.values()), None)  # slot 0 of any mirror is all-ones
-        for row in rows:
-            if row is None:
+        # Rows of an epoch the mirror has moved past: gathered from their own views (rare).
+        stale: dict[tuple[int, int, int], int] = {}  # (source, epoch, slot) -> table row
+        stale_rows: list[np.ndarray] = []  # [n_i, W] int32 each
+        stale_base = total
+        chunks: list[np.ndarray] = []  # per block, its row ids [n_block] int32
+        for block in blocks:
+            if isinstance(block, int):
                 if ones is None:
-                    key = (0, 0, -1)
-                    if key not in stale:
-                        stale[key] = total + len(stale_rows)
-                        stale_rows.append(np.full(_width(rows), -1, dtype=np.int32))
-                    ids.append(stale[key])
-                else:
-                    ids.append(ones)
+                    ones = stale_base
+                    stale_base += 1
+                    stale_rows.append(np.full((1, _block_width(blocks)), -1, dtype=np.int32))
+                chunks.append(np.full(block, ones, dtype=np.int32))
                 continue
-            v = row.view
+            v = block.view
             if epochs.get(v.source) == v.epoch:
-                ids.append(offsets[v.source] + row.slot)
+                chunks.append(block.slots.astype(np.int32) + np.int32(offsets[v.source]))
                 continue
-            key = (v.source, v.epoch, row.slot)
-            if key not in stale:
-                stale[key] = total + len(stale_rows)
-                stale_rows.append(row.words)
-            ids.append(stale[key])
+            # Each stale row gathered once per step, however many blocks name it.
+            distinct, inverse = np.unique(block.slots, return_inverse=True)
+            where = np.empty(distinct.shape[0], dtype=np.int32)  # table row of each distinct slot
+            for i, slot in enumerate(distinct.tolist()):
+                key = (v.source, v.epoch, slot)
+                if key not in stale:
+                    stale[key] = stale_base
+                    stale_base += 1
+                    stale_rows.append(v.words[slot : slot + 1])
+                where[i] = stale[key]
+            chunks.append(where[inverse.reshape(-1)])
         if stale_rows:
-            self.stale_rows += len(stale_rows)
-            logger.debug("mask table: %d rows from a cleared epoch gathered on the host", len(stale_rows))
-            parts.append(torch.from_numpy(np.stack(stale_rows)).to(self.device))
+            gathered = np.concatenate(stale_rows)
+            self.stale_rows += int(gathered.shape[0])
+            logger.debug("mask table: %d rows from a cleared epoch gathered on the host", gathered.shape[0])
+            parts.append(torch.from_numpy(gathered).to(self.device))
         table = parts[0] if len(parts) == 1 else torch.cat(parts)
-        row_ids = torch.tensor(ids, dtype=torch.int32)  # [len(rows)]
+        row_ids = torch.from_numpy(np.concatenate(chunks))  # [Σ rows] int32
         if self._async:  # from the caching pinned allocator: no host synchronisation
             row_ids = row_ids.pin_memory().to(self.device, non_blocking=True)
         else:
@@ -211,5 +229,5 @@ class DeviceMaskTable:
         return table, row_ids
 
 
-def _width(rows: Sequence[MaskRow | None]) -> int:
-    return next(r.view.num_mask_words for r in rows if r is not None)
+def _block_width(blocks: Sequence[MaskRows | int]) -> int:
+    return next(b.view.num_mask_words for b in blocks if not isinstance(b, int))

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specmask.mask_service.client.row_table import MaskRow
+from specmask.mask_service.client.row_table import MaskRow, MaskRows, as_blocks
 
 # Bound on the token ids kept, over all cached rows (int64: 8 bytes each). A sparse or
 # dense row keeps at most V/2 ids, so this holds >= 160 rows of a 128k vocabulary and,
@@ -83,26 +83,55 @@ class RowIndexCache:
     def mask_(self, logits: torch.Tensor, rows: Sequence[MaskRow | None]) -> None:
         """Mask ``logits`` [len(rows), V] (contiguous, on the CPU) in place: row i by
         ``rows[i]``; ``None`` = no grammar (left untouched)."""
+        self.mask_blocks_(logits, as_blocks(rows))
+
+    def mask_blocks_(self, logits: torch.Tensor, blocks: Sequence[MaskRows | int]) -> None:
+        """``mask_`` for a step's rows as blocks (``DeviceMaskTable.resolve_blocks``): a
+        ``MaskRows`` masks its rows, an int n leaves n rows untouched (no grammar).
+
+        Python work per distinct row of a block (a cache lookup), not per logits row: the
+        flat ids of every masked entry are built with a few vectorised index operations."""
         num_rows, vocab_size = logits.shape
-        if num_rows != len(rows) or not logits.is_contiguous() or logits.device.type != "cpu":
-            raise ValueError(f"need contiguous CPU logits [{len(rows)}, V], got {tuple(logits.shape)} {logits.device}")
-        keep: list[torch.Tensor] = []  # flat ids (row * V + token) of allowed entries in sparse rows
-        blank: list[int] = []  # sparse rows: filled with -inf, then ``keep`` written back
-        drop: list[torch.Tensor] = []  # flat ids of disallowed entries in dense rows
-        for i, row in enumerate(rows):
-            if row is None:
+        total = sum(b if isinstance(b, int) else len(b) for b in blocks)
+        if num_rows != total or not logits.is_contiguous() or logits.device.type != "cpu":
+            raise ValueError(f"need contiguous CPU logits [{total}, V], got {tuple(logits.shape)} {logits.device}")
+        entries: list[_Entry] = []
+        entry_of_row: list[np.ndarray] = []  # per block, the entry of each of its rows (-1: none)
+        for block in blocks:
+            if isinstance(block, int):
+                entry_of_row.append(np.full(block, -1, dtype=np.int64))
                 continue
-            entry = self._entry(row, vocab_size)
-            if entry.sparse:
-                blank.append(i)
-                keep.append(entry.ids + i * vocab_size)
-            elif entry.ids.shape[0]:
-                drop.append(entry.ids + i * vocab_size)
+            distinct, inverse = np.unique(block.slots, return_inverse=True)
+            base = len(entries)
+            entries.extend(self._entry(MaskRow(block.view, int(slot)), vocab_size) for slot in distinct)
+            entry_of_row.append(inverse.reshape(-1).astype(np.int64) + base)
+        if not entries:
+            return
+        which = torch.from_numpy(np.concatenate(entry_of_row))  # [num_rows] entry per row, -1 = none
+        lengths = torch.tensor([e.ids.shape[0] for e in entries], dtype=torch.int64)  # [E]
+        sparse = torch.tensor([e.sparse for e in entries], dtype=torch.bool)  # [E]
+        starts = torch.cumsum(lengths, 0) - lengths  # [E] where each entry's ids begin in ``ids``
+        ids = torch.cat([e.ids for e in entries])  # [Σ ids]
+        has = which >= 0
+        rows = torch.nonzero(has).flatten()  # [n] masked rows
+        ent = which[rows]
         flat = logits.view(-1)  # [num_rows * V]
-        if blank:
-            kept_ids = torch.cat(keep)  # [Σ allowed]
+
+        def flat_ids(sel: torch.Tensor) -> torch.Tensor:  # rows ``rows[sel]`` -> their entries' flat ids
+            r, e = rows[sel], ent[sel]
+            n = lengths[e]
+            row_of = torch.repeat_interleave(r, n)  # [Σ n]
+            begin = torch.repeat_interleave(starts[e] - (torch.cumsum(n, 0) - n), n)
+            return ids[begin + torch.arange(row_of.shape[0])] + row_of * vocab_size
+
+        is_sparse = sparse[ent]
+        if bool(is_sparse.any()):
+            kept_ids = flat_ids(is_sparse)  # allowed entries of the sparse rows
             kept = flat.index_select(0, kept_ids)
-            logits.index_fill_(0, torch.tensor(blank, dtype=torch.int64), float("-inf"))
+            logits.index_fill_(0, rows[is_sparse], float("-inf"))
             flat.index_copy_(0, kept_ids, kept)
-        if drop:
-            flat.index_fill_(0, torch.cat(drop), float("-inf"))
+        dense = ~is_sparse
+        if bool(dense.any()):
+            drop = flat_ids(dense)  # disallowed entries of the dense rows
+            if drop.shape[0]:
+                flat.index_fill_(0, drop, float("-inf"))

@@ -38,6 +38,7 @@ from specmask.gpu_worker.types import FinishReason, StepOutput
 from specmask.gpu_worker.verifier import VerifyInput, verify
 from specmask.gpu_worker.verify_width import WidthChooser
 from specmask.kernels.backend import Backend
+from specmask.mask_service.client.row_table import MaskRow, MaskRows
 
 if TYPE_CHECKING:
     from specmask.mask_service.client.mask_client import DraftMaskResult
@@ -158,11 +159,14 @@ class StepRunner:
             seq = s.seq
             if seq.seq_id in errors:
                 continue
-            mask = None  # [k_r + 1] rows M_0..M_k (slots of the client's row table); None = no grammar
+            # [k_r + 1] rows M_0..M_k (slots of the client's row table, one block where they share
+            # a table epoch); None = no grammar.
+            mask: MaskRows | list[MaskRow] | None = None
             if seq.has_grammar and seq.session_id not in mask_results:
                 # Every row came with the draft-side masks (which also say the
                 # committed state is not terminated: they were handed out).
-                mask = s.grammar_rows
+                joined = MaskRows.join(s.grammar_rows)
+                mask = s.grammar_rows if joined is None else joined
             elif seq.has_grammar:
                 res = mask_results[seq.mask_session]
                 if res.terminated:
@@ -170,9 +174,10 @@ class StepRunner:
                     # our stop set ended it last step): nothing more may be emitted.
                     outputs[seq.seq_id] = StepOutput(seq.seq_id, [], FinishReason.GRAMMAR_COMPLETE, target_forwards=1)
                     continue
-                mask = list(res.rows)  # M_0..M_k, or [M_k] after the reused rows
+                mask = res.rows  # M_0..M_k, or [M_k] after the reused rows
                 if _needs_last_row_only(s):
-                    mask = [*s.grammar_rows, *mask]
+                    joined = MaskRows.join(s.grammar_rows, res.rows)
+                    mask = [*s.grammar_rows, *res.rows] if joined is None else joined
             p = seq.request.sampling
             to_verify.append(
                 (

@@ -21,12 +21,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specmask.gpu_worker.mask_table import DeviceMaskTable
 from specmask.gpu_worker.types import TokenLogprob
 from specmask.kernels.backend import Backend, resolve_backend
-from specmask.mask_service.client.row_table import MaskRow
+from specmask.mask_service.client.row_table import MaskRow, MaskRows
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,9 @@ class VerifyInput:
     drafts: Sequence[int]  # [k_r] d_1..d_k
     q_rows: Sequence[torch.Tensor | None]  # [k_r] each [V] float32, or None = one-hot at the draft
     logits: torch.Tensor  # [k_r + 1, V] float32 target logits, not yet grammar-masked (not modified)
-    mask: Sequence[MaskRow] | None  # [k_r + 1] grammar rows M_0..M_k (table slots); None = no grammar
+    # [k_r + 1] grammar rows M_0..M_k: slots of the client's table, as one block (MaskRows, the
+    # step's form) or row by row; None = no grammar.
+    mask: MaskRows | Sequence[MaskRow] | None
     temperature: float
     top_k: int
     top_p: float
@@ -70,31 +73,34 @@ def verify(
 
     if not inputs:
         return []
+    # The step's rows as blocks (a request's rows, or n all-ones rows): the work below is per
+    # block, never per row (DeviceMaskTable.resolve_blocks).
+    blocks: list[MaskRows | int] = []
     for inp in inputs:
         k = len(inp.drafts)
         if inp.logits.shape != (k + 1, vocab_size):
             raise ValueError(f"logits {tuple(inp.logits.shape)} != ({k + 1}, {vocab_size})")
-        if inp.mask is not None:
-            widths = {row.view.num_mask_words for row in inp.mask}
-            if len(inp.mask) != k + 1 or widths - {num_mask_words}:
-                raise ValueError(
-                    f"mask has {len(inp.mask)} rows of widths {sorted(widths)} != ({k + 1}, {num_mask_words})"
-                )
+        if inp.mask is None:
+            blocks.append(k + 1)
+            continue
+        parts = _as_blocks(inp.mask)
+        widths = {b.view.num_mask_words for b in parts}
+        num_rows = sum(len(b) for b in parts)
+        if num_rows != k + 1 or widths - {num_mask_words}:
+            raise ValueError(f"mask has {num_rows} rows of widths {sorted(widths)} != ({k + 1}, {num_mask_words})")
+        blocks.extend(parts)
     logits = torch.cat([inp.logits for inp in inputs], dim=0)  # [num_tokens, V]
     device = logits.device
 
     table = row_ids = None  # [num_table_rows, W] int32, [num_tokens] int32
     if any(inp.mask is not None for inp in inputs):
-        rows: list[MaskRow | None] = []
-        for inp in inputs:
-            rows.extend(inp.mask if inp.mask is not None else [None] * (len(inp.drafts) + 1))
         if mask_table is None:
             mask_table = DeviceMaskTable(device)
-        table, row_ids = mask_table.resolve(rows)
+        table, row_ids = mask_table.resolve_blocks(blocks)
         if device.type == "cpu" and resolve_backend(kernel_backend, device) is Backend.REFERENCE:
             # Same result as the kernel below, from token ids cached per interned row
             # (gpu_worker.row_index): the reference kernel unpacks every row every step.
-            mask_table.row_index.mask_(logits, rows)
+            mask_table.row_index.mask_blocks_(logits, blocks)
         else:
             apply_token_bitmask_indirect_inplace(logits, table, row_ids, backend=kernel_backend)
 
@@ -218,3 +224,14 @@ def _score_logprobs(
 
 def _emitted_logprobs(scored: list[TokenLogprob] | None, num_emitted: int) -> list[TokenLogprob] | None:
     return None if scored is None else scored[:num_emitted]
+
+
+def _as_blocks(mask: MaskRows | Sequence[MaskRow]) -> list[MaskRows]:
+    """A sequence's rows as blocks: itself, one block when its rows share a table epoch (the
+    usual case), else one block per row (rows a step held across a table clear)."""
+    if isinstance(mask, MaskRows):
+        return [mask]
+    block = MaskRows.join(mask)
+    if block is not None:
+        return [block]
+    return [MaskRows(row.view, np.array([row.slot], dtype=np.int32)) for row in mask]

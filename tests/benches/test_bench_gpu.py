@@ -47,8 +47,15 @@ def test_dry_run_measures_every_mode(tmp_path: Path) -> None:
         assert static["forwards"] > 0 and not static["graphs"] and static["captures"] == 0, static
     assert "x floor" in proc.stdout
     assert set(pair["constrained_vs_unconstrained_step_time"]) == {"1", "2"}
-    impls = result["kernels"]["impls"]
-    assert all("ms" in r for r in impls.values()), impls  # every implementation matched the reference
+    assert [k["density"] for k in result["kernels_by_density"]] == list(gpu.KERNEL_DENSITIES)
+    for kern in result["kernels_by_density"]:
+        impls = kern["impls"]
+        assert all("ms" in r for r in impls.values()), impls  # every implementation matched the reference
+        # The store-only kernel moves the mask plus the disallowed logits: less than a
+        # read-modify-write pass, and less still the more a row allows.
+        assert 0 < kern["must_bytes"] < kern["read_modify_write_bytes"]
+    dense_cell, sparse_cell = result["kernels_by_density"]
+    assert dense_cell["must_bytes"] < sparse_cell["must_bytes"]
     assert "| spec/constrained/draft-masks-on |" in proc.stdout
 
 

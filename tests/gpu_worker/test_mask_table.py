@@ -172,3 +172,39 @@ def test_mirror_is_keyed_on_the_table_epoch_not_the_dictionary_generation(tiny_p
         table, ids = mirror.resolve(list(again.rows))
         assert mirror.full_uploads == 2
         assert torch.equal(table[ids.long()], _dense(list(again.rows), ones))
+
+
+def test_blocks_resolve_and_mask_like_rows_across_a_clear():
+    """A step's rows as blocks (one ``MaskRows`` per request, n all-ones rows for a sequence
+    without a grammar) give the same table rows and masked logits as the same rows one by one,
+    also with rows of a cleared epoch (gathered once each) and repeats across blocks."""
+    from specmask.mask_service.client.row_table import MaskRows, as_blocks
+
+    g = torch.Generator().manual_seed(11)
+    dense = random_bitmask(8, V, g, density=0.02)
+    dense[7] = ~dense[6]  # a dense row (most tokens allowed)
+    source = RowTable(W, capacity=6)
+    old = table_rows(dense[0:4], source)  # epoch 1
+    mirror = DeviceMaskTable("cpu", zero_copy=False)
+    mirror.resolve(old)
+    source.clear()
+    new = table_rows(dense[4:8], source)  # epoch 2
+    rows = [*new[0:2], old[1], None, None, *new[1:4], old[1], old[2], new[3]]
+    blocks = as_blocks(rows)
+    assert [len(b) if isinstance(b, MaskRows) else b for b in blocks] == [2, 1, 2, 3, 2, 1]
+    want_table, want_ids = DeviceMaskTable("cpu", zero_copy=False).resolve(rows)
+    got_table, got_ids = mirror.resolve_blocks(blocks)
+    assert torch.equal(got_table[got_ids.long()], want_table[want_ids.long()])
+    expected = _dense(rows, torch.full((W,), -1, dtype=torch.int32))
+    assert torch.equal(got_table[got_ids.long()], expected)
+    assert mirror.stale_rows == 2  # old[1] and old[2], once each although old[1] is named twice
+
+    logits = torch.randn(len(rows), V, generator=g)
+    by_kernel, by_ids = logits.clone(), logits.clone()
+    apply_token_bitmask_indirect_inplace(by_kernel, got_table, got_ids, backend=Backend.REFERENCE)
+    mirror.row_index.mask_blocks_(by_ids, blocks)
+    assert torch.equal(by_ids, by_kernel)
+    # Joining rows of two epochs is refused (the caller keeps them row by row).
+    assert MaskRows.join([new[0], old[1]]) is None
+    joined = MaskRows.join(new[0:2], MaskRows(new[3].view, np.array([new[3].slot], dtype=np.int32)))
+    assert joined is not None and joined.slots.tolist() == [new[0].slot, new[1].slot, new[3].slot]

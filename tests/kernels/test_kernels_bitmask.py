@@ -115,3 +115,67 @@ def test_rejects_bad_inputs():
         apply_token_bitmask_inplace(torch.zeros(2, 64), torch.zeros(3, 2, dtype=torch.int32))
     with pytest.raises(ValueError):
         apply_token_bitmask_inplace(torch.zeros(2, 64), torch.zeros(2, 2, dtype=torch.int64))
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a float tensor, so NaN payloads and signed zeros compare exactly."""
+    return x.view({torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[x.dtype])
+
+
+def _edge_table(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[5, W] rows: all-allowed, all-disallowed, random, one token (the last), all but one.
+    Returns (table, allowed [5, V] bool)."""
+    gen = torch.Generator().manual_seed(vocab)
+    allowed = torch.rand(5, vocab, generator=gen) < 0.3
+    allowed[0] = True
+    allowed[1] = False
+    allowed[3] = False
+    allowed[3, vocab - 1] = True
+    allowed[4] = True
+    allowed[4, vocab // 2] = False
+    return pack_bitmask(allowed), allowed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [31, 32, 1000, 49152 + 7])  # V below, at, and off a multiple of 32
+@pytest.mark.parametrize("indirect", [False, True])
+def test_store_only_kernel_is_bit_exact_on_edge_rows(dtype, vocab, indirect):
+    """All-allowed, all-disallowed, single-token rows, V not a multiple of 32, fp32 and bf16,
+    direct and indirect (with repeated row ids, int32 and int64): the Triton kernel equals
+    the reference and the spec bit for bit, and allowed entries keep their exact bits (NaN
+    payloads, -0.0): the kernel never rewrites them."""
+    table, allowed = _edge_table(vocab)
+    row_ids = torch.tensor([0, 1, 2, 3, 4, 0, 0, 1, 4, 2, 2], dtype=torch.int32)
+    rows = row_ids.shape[0] if indirect else table.shape[0]
+    gen = torch.Generator().manual_seed(vocab + 1)
+    logits = torch.randn(rows, vocab, generator=gen).to(dtype)
+    logits[:, ::7] = -0.0
+    logits[:, 3::11] = float("nan")
+    want_allowed = allowed[row_ids.long()] if indirect else allowed
+    spec = logits.clone().masked_fill_(~want_allowed, NEG_INF)
+    for ids in (row_ids, row_ids.long()) if indirect else (None,):
+        by_backend = {}
+        for backend in (Backend.TRITON, Backend.REFERENCE):
+            out = logits.clone()
+            if ids is None:
+                apply_token_bitmask_inplace(out, table, backend=backend)
+            else:
+                apply_token_bitmask_indirect_inplace(out, table, ids, backend=backend)
+            by_backend[backend] = out
+            assert torch.equal(_bits(out), _bits(spec)), backend
+        assert torch.equal(_bits(by_backend[Backend.TRITON]), _bits(by_backend[Backend.REFERENCE]))
+    # The all-allowed row is untouched and the all-disallowed row is -inf everywhere.
+    assert torch.equal(_bits(spec[0]), _bits(logits[0]))
+    assert bool((spec[1] == NEG_INF).all())
+
+
+def test_store_only_kernel_reaches_columns_past_the_mask():
+    """Logits wider than 32*W (padded model vocab) are -inf past the mask, also where the
+    mask's last word is all ones: the grid spans the logits, not the mask."""
+    table = torch.full((2, 3), -1, dtype=torch.int32)  # 96 allowed columns
+    logits = torch.randn(4, 96 + 70)
+    for backend in (Backend.TRITON, Backend.REFERENCE):
+        out = logits.clone()
+        apply_token_bitmask_indirect_inplace(out, table, torch.tensor([1, 1, 0, 1]), backend=backend)
+        assert torch.equal(out[:, :96], logits[:, :96])
+        assert bool((out[:, 96:] == NEG_INF).all())

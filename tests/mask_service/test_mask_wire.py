@@ -333,3 +333,72 @@ def test_row_table_words_come_from_the_installed_host_allocator() -> None:
     finally:
         row_table.set_host_allocator(None)
     assert type(row_table.RowTable(2, 8).table) is np.ndarray and len(made) == 2
+
+
+@pytest.mark.parametrize("words", [1, 5, 1536, 4009])
+def test_absorb_decodes_a_mixed_reply_in_bulk_exactly(words: int) -> None:
+    """One reply holding every encoding (allowed and forbidden lists, zlib, dense), single-token
+    rows, bit 31 set, all-zero rows and an id sent twice: the bulk decode equals the per-row
+    decoder (``decode_row``) and the original rows, with the counts and single tokens of each."""
+    rng = np.random.default_rng(words)
+    rows = [np.zeros(words, np.int32)]
+    for i in range(40):
+        kind = i % 6
+        if kind == 0:  # one allowed token
+            row = np.zeros(words, np.int32)
+            token = int(rng.integers(0, 32 * words))
+            row[token // 32] = np.uint32(1 << (token % 32)).view(np.int32)
+        elif kind == 1:  # a few allowed, bit 31 among them
+            row = np.zeros(words, np.int32)
+            row[rng.integers(0, words, 3)] = -(2**31) | 5
+        elif kind == 2:  # all but a few
+            row = np.full(words, -1, np.int32)
+            row[rng.integers(0, words)] = ~np.int32(6)
+        elif kind == 3:  # compressible dense
+            row = np.zeros(words, np.int32)
+            row[: max(1, words // 3)] = -1
+            row[0] = 12345
+        else:  # random dense
+            row = rng.integers(-(2**31), 2**31, words, dtype=np.int64).astype(np.int32)
+        rows.append(row)
+    msgs = [_new_row(r) for r in rows]
+    msgs.append(msgs[3])  # the same id twice in one reply: interned once
+    table = RowTable(words, capacity=128)
+    slots = table.absorb(msgs, [m.row_id for m in msgs])
+    view = table.view()
+    assert view.num_rows == 1 + len({m.row_id for m in msgs})
+    for msg, row, slot in zip(msgs, rows, slots):
+        one = np.empty(words, np.int32)
+        decode_row(msg.encoding, msg.payload, one)
+        np.testing.assert_array_equal(view.words[slot], one)
+        np.testing.assert_array_equal(view.words[slot], row)
+        count = int(np.bitwise_count(row.view(np.uint32)).sum())
+        assert view.allowed[slot] == count
+        if count == 1:
+            word = int(np.flatnonzero(row)[0])
+            assert view.single[slot] == 32 * word + (int(row[word]) & 0xFFFFFFFF).bit_length() - 1
+        else:
+            assert view.single[slot] == -1
+    if words >= 1536:
+        assert {m.encoding for m in msgs} == {
+            pb.ROW_ENCODING_ALLOWED,
+            pb.ROW_ENCODING_FORBIDDEN,
+            pb.ROW_ENCODING_ZLIB,
+            pb.ROW_ENCODING_DENSE,
+        }
+
+
+def test_absorb_refuses_a_corrupt_reply_without_interning_any_of_it() -> None:
+    """A corrupt row anywhere in a reply (a token past the width, a dense row of the wrong
+    size) fails the whole reply, and no row of it is interned: the table is as before."""
+    w = 4
+    good = [np.full(w, i, np.int32) for i in range(1, 4)]
+    table = RowTable(w, capacity=16)
+    past = pb.NewRow(row_id=77, encoding=pb.ROW_ENCODING_ALLOWED, payload=np.array([w * 32], "<u4").tobytes())
+    short = pb.NewRow(row_id=78, encoding=pb.ROW_ENCODING_DENSE, payload=b"\0" * (4 * w - 4), allowed_count=40)
+    for bad in (past, short):
+        msgs = [_new_row(r) for r in good] + [bad]
+        with pytest.raises(WireError):
+            table.absorb(msgs, [m.row_id for m in msgs])
+        assert table.num_rows == 1 and table.slot_of == {ALL_ONES_ID: 0}
+    assert table.absorb([_new_row(good[0])], [_new_row(good[0]).row_id]).tolist() == [1]

@@ -17,12 +17,13 @@ holds it, however the table changes meanwhile on a mask-reply thread.
 from __future__ import annotations
 
 import itertools
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from specmask.mask_service.wire import ALL_ONES_ID, MissingRow, WireError, decode_row
+from specmask.mask_service.wire import ALL_ONES_ID, MissingRow, WireError
 from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
 
 # Allocates a table's host arrays: (shape, dtype) -> an empty array. np.empty by default; a
@@ -138,6 +139,59 @@ class MaskRows:
     def allowed_counts(self) -> np.ndarray:  # [n] int32
         return self.view.allowed[self.slots]
 
+    @staticmethod
+    def join(head: Sequence[MaskRow], tail: MaskRows | None = None) -> MaskRows | None:
+        """``head`` then ``tail`` as one block of slots, or None when they do not share one
+        table epoch (the caller then keeps them row by row). Views of one epoch differ only
+        in length, and a table only appends within an epoch, so the longest view holds
+        every slot of the others, with the same rows."""
+        if tail is not None:
+            view = tail.view
+        elif head:
+            view = head[0].view
+        else:
+            return None
+        for row in head:
+            v = row.view
+            if v is view:  # rows of one reply share its view: the usual case
+                continue
+            if v.source != view.source or v.epoch != view.epoch:
+                return None
+            if v.words.shape[0] > view.words.shape[0]:
+                view = v
+        slots = np.fromiter((r.slot for r in head), dtype=np.int32, count=len(head))  # [len(head)]
+        if tail is not None:
+            slots = np.concatenate([slots, tail.slots.astype(np.int32, copy=False)])
+        return MaskRows(view, slots)
+
+
+def as_blocks(rows: Sequence[MaskRow | None]) -> list[MaskRows | int]:
+    """Rows -> blocks: each run of consecutive rows of one table epoch as one ``MaskRows``,
+    each run of ``None`` (no grammar: the all-ones row) as its length."""
+    blocks: list[MaskRows | int] = []
+    run: list[MaskRow] = []
+
+    def flush() -> None:
+        if run:
+            block = MaskRows.join(run)
+            assert block is not None  # one epoch by construction
+            blocks.append(block)
+            run.clear()
+
+    for row in rows:
+        if row is None:
+            flush()
+            if blocks and isinstance(blocks[-1], int):
+                blocks[-1] += 1
+            else:
+                blocks.append(1)
+            continue
+        if run and (row.view.source, row.view.epoch) != (run[0].view.source, run[0].view.epoch):
+            flush()
+        run.append(row)
+    flush()
+    return blocks
+
 
 def _single_set_bit(words: np.ndarray) -> int:  # [W] int32 with exactly one bit set -> its token id
     word = int(np.flatnonzero(words)[0])
@@ -205,46 +259,98 @@ class RowTable:
         n = self.num_rows
         return TableView(self.source, self.epoch, self.table[:n], self.allowed[:n], self.single[:n])
 
-    def _count(self, r: pb.NewRow, out: np.ndarray) -> tuple[int, int]:
-        """(allowed count, single token or -1) of a decoded row ``out`` [W]. Sparse
-        encodings carry the count as their length; dense ones (> SPARSE_MAX_TOKENS
-        either way, so never single) use the server's ``allowed_count``, which the
-        server always sends (a dense row without one is a corrupt response)."""
-        total = 32 * self.num_mask_words
-        if r.encoding == pb.ROW_ENCODING_ALLOWED:
-            count = len(r.payload) // 4
-        elif r.encoding == pb.ROW_ENCODING_FORBIDDEN:
-            count = total - len(r.payload) // 4
-        elif r.allowed_count:
-            count = r.allowed_count
-        else:
-            raise WireError(f"row {r.row_id:#x}: a dense row without its allowed_count")
-        if r.allowed_count and r.allowed_count != count:
-            raise WireError(f"row {r.row_id:#x}: allowed_count {r.allowed_count} but the row has {count} tokens")
-        if count != 1:
-            return count, -1
-        if r.encoding == pb.ROW_ENCODING_ALLOWED:
-            return 1, int(np.frombuffer(r.payload, dtype="<u4")[0])
-        return 1, _single_set_bit(out)
+    def _decode_fresh(self, fresh: Sequence[pb.NewRow], start: int) -> None:
+        """Decode ``fresh`` (distinct ids, none held) into slots [start, start + n): words,
+        allowed count and single token, a few numpy operations per reply rather than per row.
+
+        Sparse rows (allowed / forbidden token lists) become one flat array of (slot, token)
+        bits OR-ed into zeroed words in one ``bitwise_or.at``; dense and zlib rows are joined
+        and copied in one assignment (``zlib.decompress`` releases the GIL on large buffers).
+        Counts: sparse encodings carry the count as their length; dense ones (> SPARSE_MAX_TOKENS
+        either way, so never single) use the server's ``allowed_count``, which the server always
+        sends (a dense row without one is a corrupt response)."""
+        n = len(fresh)
+        w = self.num_mask_words
+        total = 32 * w
+        out = self.table[start : start + n]  # [n, W] int32
+        # Per row, only attribute reads of the reply's message (no numpy call per row).
+        encodings = np.fromiter((r.encoding for r in fresh), dtype=np.int64, count=n)  # [n]
+        payloads = [r.payload for r in fresh]
+        sent = np.fromiter((r.allowed_count for r in fresh), dtype=np.int64, count=n)  # [n] 0 = not sent
+        lengths = np.fromiter((len(b) for b in payloads), dtype=np.int64, count=n)  # [n] bytes
+        allowed_enc = encodings == pb.ROW_ENCODING_ALLOWED
+        forbidden_enc = encodings == pb.ROW_ENCODING_FORBIDDEN
+        sparse = allowed_enc | forbidden_enc
+        dense = (encodings == pb.ROW_ENCODING_DENSE) | (encodings == pb.ROW_ENCODING_ZLIB)
+        if not bool((sparse | dense).all()):
+            raise WireError(f"unknown row encoding {int(encodings[~(sparse | dense)][0])}")
+        counts = np.where(allowed_enc, lengths // 4, np.where(forbidden_enc, total - lengths // 4, sent))
+        missing = dense & (sent == 0)
+        if bool(missing.any()):
+            row_id = fresh[int(np.flatnonzero(missing)[0])].row_id
+            raise WireError(f"row {row_id:#x}: a dense row without its allowed_count")
+        wrong = (sent != 0) & (sent != counts)
+        if bool(wrong.any()):
+            i = int(np.flatnonzero(wrong)[0])
+            raise WireError(f"row {fresh[i].row_id:#x}: allowed_count {sent[i]} but the row has {counts[i]} tokens")
+
+        if bool(sparse.any()):
+            idx = np.flatnonzero(sparse)  # [m] rows of ``fresh``
+            if bool((lengths[idx] % 4).any()):
+                raise WireError("a sparse row's payload is not a whole number of token ids")
+            tokens = np.frombuffer(b"".join(payloads[i] for i in idx), dtype="<u4")  # [Σ ids]
+            if tokens.size and int(tokens.max()) >= total:
+                raise WireError("sparse row names a token beyond the row width")
+            owner = np.repeat(np.arange(idx.size), lengths[idx] // 4)  # [Σ ids] sparse row of each id
+            bits = np.zeros((idx.size, w), dtype=np.uint32)  # the sparse rows' words, unsigned for the OR
+            flat = owner * w + (tokens >> 5)
+            np.bitwise_or.at(bits.reshape(-1), flat, np.left_shift(np.uint32(1), tokens & np.uint32(31)))
+            forbid = np.flatnonzero(forbidden_enc[idx])
+            bits[forbid] = ~bits[forbid]
+            out[idx] = bits.view(np.int32)
+        if bool(dense.any()):
+            idx = np.flatnonzero(dense)
+            blobs = [zlib.decompress(payloads[i]) if encodings[i] == pb.ROW_ENCODING_ZLIB else payloads[i] for i in idx]
+            sizes = np.fromiter((len(b) for b in blobs), dtype=np.int64, count=len(blobs))
+            if bool((sizes != 4 * w).any()):
+                bad = int(sizes[sizes != 4 * w][0])
+                raise WireError(f"dense row has {bad} bytes, expected {4 * w}")
+            out[idx] = np.frombuffer(b"".join(blobs), dtype="<i4").reshape(len(idx), w)
+
+        self.allowed[start : start + n] = counts
+        single = np.full(n, -1, dtype=np.int32)
+        one = counts == 1
+        if bool(one.any()):
+            # Single-token rows: mostly sparse allowed lists (the id is the payload); any other
+            # encoding (a tiny vocabulary) is read from its decoded words.
+            for row in np.flatnonzero(one).tolist():
+                if allowed_enc[row]:
+                    single[row] = int(np.frombuffer(payloads[row], dtype="<u4")[0])
+                else:
+                    single[row] = _single_set_bit(out[row])
+        self.single[start : start + n] = single
 
     def absorb(self, new_rows: Sequence[pb.NewRow], row_ids: Sequence[int]) -> np.ndarray:
         """Intern ``new_rows`` and map ``row_ids`` to slots. Returns [num_rows] int32 slots.
 
         Raises MissingRow if an id is neither held nor sent.
         """
-        fresh = [r for r in new_rows if r.row_id not in self.slot_of]
+        fresh: list[pb.NewRow] = []
+        fresh_ids: dict[int, None] = {}
+        for r in new_rows:
+            row_id = r.row_id
+            if row_id not in self.slot_of and row_id not in fresh_ids:  # an id sent twice in one reply: once
+                fresh_ids[row_id] = None
+                fresh.append(r)
         if not self.has_room(len(fresh)):
             raise MissingRow("row table full")
-        self._grow(self.num_rows + len(fresh))
-        for r in fresh:
-            if r.row_id in self.slot_of:
-                continue  # sent twice in one reply
-            slot = self.num_rows
-            decode_row(r.encoding, r.payload, self.table[slot])
-            self.allowed[slot], self.single[slot] = self._count(r, self.table[slot])
-            self.ids[slot] = r.row_id
-            self.slot_of[r.row_id] = slot
-            self.num_rows += 1
+        if fresh:
+            start = self.num_rows
+            self._grow(start + len(fresh))
+            self._decode_fresh(fresh, start)
+            self.ids[start : start + len(fresh)] = np.fromiter(fresh_ids, dtype=np.uint64, count=len(fresh))
+            self.slot_of.update(zip(fresh_ids, range(start, start + len(fresh))))
+            self.num_rows = start + len(fresh)
         return self.slots_of(row_ids)
 
     def slots_of(self, row_ids: Sequence[int]) -> np.ndarray:
