@@ -39,6 +39,8 @@ def test_bench_e2e_smoke(tmp_path: Path) -> None:
         assert result[key] == round(statistics.median(result[f"{key}_rounds"]), 3)
     same, compared = result["spec_nonspec_identical_outputs"]
     assert same == compared > 0, result  # greedy: speculation changes no token
-    assert result["mask_round_trips_per_step"] >= 1 and result["nospec_mask_round_trips_per_step"] >= 1, result
+    # Below 1 is possible: an iteration that only reads prompt chunks (the token budget) asks
+    # for no mask.
+    assert result["mask_round_trips_per_step"] > 0 and result["nospec_mask_round_trips_per_step"] > 0, result
     for phase in ("constrained", "unconstrained", "constrained-nodraftmask", "constrained-nospec"):
         assert phase in proc.stdout

@@ -38,10 +38,10 @@ def test_one_owner_exhausting_its_sessions_does_not_block_another(guarded, bpe_i
         assert info.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "per-owner limit 3" in info.value.message
         other = c.open_session(bpe_id, SPEC, owner="polite")  # another owner still gets one
-        c.close_session(greedy[0])
+        c.close_session(greedy[0], owner="greedy")
         greedy.append(c.open_session(bpe_id, SPEC, owner="greedy"))  # closing frees the owner's slot
         assert c.release_owner("greedy") == 3
-        c.close_session(other)
+        c.close_session(other, owner="polite")
         assert c.session_count() == 0
 
 
