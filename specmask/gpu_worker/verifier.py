@@ -21,13 +21,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from specmask.gpu_worker.mask_table import DeviceMaskTable
 from specmask.gpu_worker.types import TokenLogprob
 from specmask.kernels.backend import Backend, resolve_backend
-from specmask.mask_service.client.row_table import MaskRow, MaskRows
+from specmask.mask_service.client.row_table import MaskRow, MaskRows, as_blocks
 
 
 @dataclass(frozen=True)
@@ -83,7 +82,8 @@ def verify(
         if inp.mask is None:
             blocks.append(k + 1)
             continue
-        parts = _as_blocks(inp.mask)
+        # A list (rows a step held across a table clear) splits into runs of one table epoch.
+        parts = [inp.mask] if isinstance(inp.mask, MaskRows) else _grammar_blocks(inp.mask)
         widths = {b.view.num_mask_words for b in parts}
         num_rows = sum(len(b) for b in parts)
         if num_rows != k + 1 or widths - {num_mask_words}:
@@ -226,12 +226,6 @@ def _emitted_logprobs(scored: list[TokenLogprob] | None, num_emitted: int) -> li
     return None if scored is None else scored[:num_emitted]
 
 
-def _as_blocks(mask: MaskRows | Sequence[MaskRow]) -> list[MaskRows]:
-    """A sequence's rows as blocks: itself, one block when its rows share a table epoch (the
-    usual case), else one block per row (rows a step held across a table clear)."""
-    if isinstance(mask, MaskRows):
-        return [mask]
-    block = MaskRows.join(mask)
-    if block is not None:
-        return [block]
-    return [MaskRows(row.view, np.array([row.slot], dtype=np.int32)) for row in mask]
+def _grammar_blocks(rows: Sequence[MaskRow]) -> list[MaskRows]:
+    """``as_blocks`` of rows that all have a grammar (no all-ones runs among them)."""
+    return [b for b in as_blocks(rows) if isinstance(b, MaskRows)]
