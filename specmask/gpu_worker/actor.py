@@ -62,11 +62,12 @@ from specmask.mask_service.auth import owner_tag
 logger = logging.getLogger(__name__)
 
 _SEED_BITS = 63  # kernels take int64 seeds; keep them non-negative
-# Prompt tokens per prefill forward. A forward over the slot pool attends with an
-# explicit [rows, 1, new_tokens, keys] mask, which SDPA without a fused kernel (CPU)
-# materialises per head: nine 3,000-token chat prompts prefilled in one forward took
-# > 5 GB and over two minutes on 2 cores. One sequence at a time, in chunks of this
-# many tokens, keeps a prefill forward at O(chunk x prompt) memory.
+# The most tokens of one prompt a forward feeds. A forward over the slot pool attends
+# with an explicit [rows, 1, new_tokens, keys] mask; SDPA without a fused kernel (CPU)
+# materialised it per head when whole prompts went in one padded forward: nine
+# 3,000-token chat prompts took > 5 GB and over two minutes on 2 cores. Chunks of at
+# most this many tokens, attended row by row in the packed forward
+# (gpu_worker.attention), keep a forward at O(rows x chunk x prompt) mask bytes.
 PREFILL_CHUNK_TOKENS = 512
 
 
@@ -235,9 +236,9 @@ class GpuWorker:
                 state.session_opening = self.masks.open_session_async(grammar, request_id=state.request_id)
                 state.opening_since = time.monotonic()
         for _, state in accepted:
-            # Cached by the iterations' prefill chunks (``_prefill_some``), within their token
-            # budget; the first step feeds the tail (WorkerConfig.step_prefill_tokens).
-            state.prefill_to = max(0, len(state.token_ids) - self._step_tail)
+            # Cached by the iterations' prefill chunks (``_plan_chunks``), within their budget;
+            # the first step feeds the tail (WorkerConfig.step_prefill_tokens, ``_tail_tokens``).
+            state.prefill_to = len(state.token_ids) - self._tail_tokens(len(state.token_ids))
         if wait_for_sessions:
             try:
                 self._prefill([s for _, s in accepted])
@@ -271,13 +272,16 @@ class GpuWorker:
         return errors
 
     def step(self) -> list[StepOutput]:
-        """One iteration within ``iteration_budget`` target tokens: a decoding step for the
-        sequences ``_step_batch`` picks (running ones first), then prefill chunks of prompts not
-        yet cached with what is left (``_prefill_some``); finished sequences are freed. A
-        sequence whose session is still opening when the step starts joins it late if the open
-        answers while the drafts are proposed (``join_late``) and its tail fits; otherwise it
-        sits this step out (no output for it). If nobody could step and no prompt is being
-        prefilled, the step waits for an open to answer."""
+        """One iteration within ``iteration_budget`` budget tokens (gpu_worker.token_cost: a
+        token counts its attention over the keys before it): a decoding step for the sequences
+        ``_step_batch`` picks (running ones first), with chunks of the prompts not yet cached
+        riding in the step's target forward with what is left (``_plan_chunks``), so an
+        iteration reads the weights once; finished sequences are freed. With nothing to step,
+        the chunks run alone (``_prefill_some``). A sequence whose session is still opening
+        when the step starts joins it late if the open answers while the drafts are proposed
+        (``join_late``) and its tail fits; otherwise it sits this step out (no output for it).
+        If nobody could step and no prompt is being prefilled, the step waits for an open to
+        answer."""
         refused = self._settle_sessions(wait=False)
         prefilling = any(s.prefilling for s in self._seqs.values())
         batch = self._step_batch(prefilling)
@@ -285,12 +289,9 @@ class GpuWorker:
             refused += self._settle_sessions(wait=True)
             batch = self._step_batch(prefilling)
         budget = self.iteration_budget
-        before = self.target.num_positions
         if not batch:
             return refused + self._prefill_some(budget)
-        outputs = self._step(batch, refused, budget - (budget // 4 if prefilling else 0))
-        used = self.target.num_positions - before
-        return refused + outputs + self._prefill_some(budget - used)
+        return refused + self._step(batch, refused, budget - (budget // 4 if prefilling else 0))
 
     def _step_batch(self, prefilling: bool) -> list[SequenceState]:
         """The sequences this iteration's step takes: every running one (one uncached token
@@ -301,21 +302,38 @@ class GpuWorker:
         budget = self.iteration_budget - (self.iteration_budget // 4 if prefilling else 0)
         ready = [s for s in self._seqs.values() if s.session_opening is None and not s.prefilling]
         batch = [s for s in ready if uncached(s) == 1]
-        used = len(batch)
+        used = sum(self._feed_cost(s, 0) for s in batch)
         for s in ready:
-            cost = uncached(s)
-            if cost > 1 and (used + cost <= budget or not batch):
+            cost = self._feed_cost(s, 0)
+            if uncached(s) > 1 and (used + cost <= budget or not batch):
                 batch.append(s)
                 used += cost
         return batch
 
+    def _tail_tokens(self, prompt_len: int) -> int:
+        """How many trailing prompt tokens a new sequence's first step feeds: at most
+        ``_step_tail``, and few enough to cost at most half the budget (the tail of a long
+        prompt attends over all of it), so that it fits beside the running rows; at least one
+        (the step needs the last prompt token's logits)."""
+        tail = min(self._step_tail, prompt_len)
+        half = self.iteration_budget / 2
+        while tail > 1 and self.target.cost.span(prompt_len - tail, tail) > half:
+            tail -= 1
+        return tail
+
+    def _feed_cost(self, s: SequenceState, drafts: int) -> float:
+        """Budget tokens of ``s``'s next step row: its uncached tokens plus ``drafts``."""
+        return self.target.cost.span(s.target_kv.length, uncached(s) + drafts)
+
     def _step(self, batch: list[SequenceState], refused: list[StepOutput], budget: int) -> list[StepOutput]:
-        """One decoding step of ``batch`` within ``budget`` target tokens (late joiners included)."""
+        """One decoding step of ``batch`` within ``budget`` (late joiners included), with
+        prompt chunks riding in its target forward within what is left of the iteration's."""
         joined: list[SequenceState] = []
+        riding: list[SequenceState] = []
         in_batch = {s.seq_id for s in batch}
         # A lower bound on what the step leaves of the budget: drafts are trimmed to fit it, and
         # proposers may propose fewer than planned.
-        room = budget - min(budget, sum(uncached(s) + self.stepper.plan_k(s) for s in batch))
+        room = budget - min(budget, sum(self._feed_cost(s, self.stepper.plan_k(s)) for s in batch))
 
         def join_late() -> list[SequenceState]:
             # A new grammar sequence would otherwise sit its first step out: the step after its
@@ -325,22 +343,33 @@ class GpuWorker:
             nonlocal room
             refused.extend(self._settle_sessions(wait=False))
             for s in self._seqs.values():
-                fits = uncached(s) <= room
-                if s.session_opening is None and not s.prefilling and s.seq_id not in in_batch and fits:
-                    room -= uncached(s)
-                    joined.append(s)
+                if s.session_opening is None and not s.prefilling and s.seq_id not in in_batch:
+                    cost = self._feed_cost(s, 0)
+                    if cost <= room:
+                        room -= cost
+                        joined.append(s)
             return joined
 
+        def ride(used: float) -> list[ForwardItem]:
+            # The quarter kept for prefill is theirs even when the running rows alone cost more
+            # than the rest (many long rows): rows are never dropped, and prompts must not starve.
+            whole = self.iteration_budget
+            chunks = self._plan_chunks(max(whole - used, whole // 4))
+            riding.extend(s for s, _ in chunks)
+            return [ForwardItem(s.target_kv, chunk, 0) for s, chunk in chunks]
+
         try:
-            outputs = self.stepper.run(batch, joiners=join_late, token_budget=budget)
+            outputs = self.stepper.run(batch, joiners=join_late, token_budget=budget, riders=ride)
         except Exception as exc:
-            logger.exception("step failed for %d sequences", len(batch) + len(joined))
+            logger.exception("step failed for %d sequences", len(batch) + len(joined) + len(riding))
             outputs = [
                 StepOutput(s.seq_id, [], FinishReason.ERROR, error=f"step failed: {exc}") for s in batch + joined
             ]
+            outputs += self._fail_prefill(riding, f"step failed: {exc}")
+            riding = []
         self._note_session_waits(in_batch, joined, outputs)
         for out in outputs:
-            if out.finish_reason is not None:
+            if out.finish_reason is not None and out.seq_id in self._seqs:
                 state = self._seqs.pop(out.seq_id)
                 state.finished = out.finish_reason
                 self._free(state)
@@ -353,7 +382,7 @@ class GpuWorker:
                     f" ({out.error})" if out.error else "",
                 )
         self.progress_count += 1
-        return outputs
+        return outputs + self._catch_up_drafts(riding)
 
     def _note_session_waits(self, in_batch: set[str], joined: list[SequenceState], outputs: list[StepOutput]) -> None:
         """Count this step against the sequences still waiting for their sessions, and put
@@ -489,40 +518,95 @@ class GpuWorker:
     def _prefill(self, states: Sequence[SequenceState]) -> None:
         """Cache each prompt up to its tail now, sequence by sequence, PREFILL_CHUNK_TOKENS at a
         time (``add(wait_for_sessions=True)``: benchmarks and replays; serving prefills within
-        the iterations' budget instead, ``_prefill_some``)."""
+        the iterations' budget instead, ``_plan_chunks``)."""
         for s in states:
             while s.prefilling:
-                self._prefill_chunk(s, PREFILL_CHUNK_TOKENS)
+                lo = s.target_kv.length
+                chunk = s.token_ids[lo : min(s.prefill_to, lo + PREFILL_CHUNK_TOKENS)]
+                self.target.forward([ForwardItem(s.target_kv, chunk, 0)])
+                self._forward_drafts([s])
+                self.progress_count += 1
+
+    def _plan_chunks(self, budget: float) -> list[tuple[SequenceState, list[int]]]:
+        """The next prompt chunks to cache within ``budget`` budget tokens: prompts not yet
+        cached, oldest first, each chunk at most PREFILL_CHUNK_TOKENS and sized by its cost
+        (a chunk late in a long prompt attends over all of it, so fewer of its tokens fit)."""
+        chunks = []
+        for s in self._seqs.values():
+            if not s.prefilling:
+                continue
+            lo = s.target_kv.length
+            most = min(s.prefill_to - lo, PREFILL_CHUNK_TOKENS)
+            count = self.target.cost.fit(lo, budget, most)
+            if count == 0:
+                break
+            chunks.append((s, s.token_ids[lo : lo + count]))
+            budget -= self.target.cost.span(lo, count)
+        return chunks
 
     def _prefill_some(self, budget: int) -> list[StepOutput]:
-        """Prefill chunks of the prompts not yet cached, oldest first, until ``budget`` target
-        tokens are used; one sequence per forward, at most PREFILL_CHUNK_TOKENS each (see there
-        why). A sequence whose prefill fails is freed and reported as an ERROR output."""
-        failed: list[StepOutput] = []
-        for s in [s for s in self._seqs.values() if s.prefilling]:
-            if budget <= 0:
-                break
-            try:
-                budget -= self._prefill_chunk(s, min(budget, PREFILL_CHUNK_TOKENS))
-            except Exception as exc:
-                logger.exception("[request_id=%s] seq %s: prefill failed", s.request_id, s.seq_id)
-                del self._seqs[s.seq_id]
-                s.finished = FinishReason.ERROR
-                self._free(s)
-                failed.append(StepOutput(s.seq_id, [], FinishReason.ERROR, error=f"prefill failed: {exc}"))
-        return failed
-
-    def _prefill_chunk(self, s: SequenceState, most: int) -> int:
-        """Forward the next at most ``most`` uncached prompt tokens of ``s`` through the target
-        (and the draft, which keeps pace); returns how many."""
-        lo = s.target_kv.length
-        chunk = s.token_ids[lo : min(s.prefill_to, lo + most)]
-        self.target.forward([ForwardItem(s.target_kv, chunk, 0)])
-        if s.draft_kv is not None:
-            assert self.draft is not None
-            self.draft.forward([ForwardItem(s.draft_kv, s.token_ids[s.draft_kv.length : lo + len(chunk)], 0)])
+        """An iteration with nothing to step: the chunks ``_plan_chunks`` picks, in one target
+        forward. If that forward fails, each chunk is retried in a forward of its own, so a
+        sequence whose prefill fails is freed and reported as an ERROR output alone."""
+        chunks = self._plan_chunks(budget)
+        if not chunks:
+            return []
+        try:
+            self.target.forward([ForwardItem(s.target_kv, chunk, 0) for s, chunk in chunks])
+        except Exception as exc:
+            if len(chunks) == 1:
+                return self._fail_prefill([chunks[0][0]], f"prefill failed: {exc}", log=True)
+            logger.warning("a prefill forward of %d chunks failed; retrying them one by one", len(chunks))
+            failed: list[StepOutput] = []
+            for s, chunk in chunks:
+                try:
+                    self.target.forward([ForwardItem(s.target_kv, chunk, 0)])
+                except Exception as one:
+                    failed += self._fail_prefill([s], f"prefill failed: {one}", log=True)
+            self.progress_count += 1
+            return failed + self._catch_up_drafts([s for s, _ in chunks if s.seq_id in self._seqs])
         self.progress_count += 1
-        return len(chunk)
+        return self._catch_up_drafts([s for s, _ in chunks])
+
+    def _catch_up_drafts(self, states: Sequence[SequenceState]) -> list[StepOutput]:
+        """Bring the draft model's caches of ``states`` level with the target's (after their
+        prompt chunks); a sequence whose draft forward fails is freed and reported."""
+        try:
+            self._forward_drafts(states)
+        except Exception:
+            logger.warning("a draft prefill forward of %d sequences failed; retrying them one by one", len(states))
+            failed: list[StepOutput] = []
+            for s in states:
+                try:
+                    self._forward_drafts([s])
+                except Exception as exc:
+                    failed += self._fail_prefill([s], f"draft prefill failed: {exc}", log=True)
+            return failed
+        return []
+
+    def _forward_drafts(self, states: Sequence[SequenceState]) -> None:
+        """One draft forward feeding each of ``states`` the prompt tokens its target has cached
+        and its draft has not: the draft keeps pace with the target's prefill."""
+        items = [
+            ForwardItem(s.draft_kv, s.token_ids[s.draft_kv.length : s.target_kv.length], 0)
+            for s in states
+            if s.draft_kv is not None and s.draft_kv.length < s.target_kv.length
+        ]
+        if items:
+            assert self.draft is not None
+            self.draft.forward(items)
+
+    def _fail_prefill(self, states: Sequence[SequenceState], why: str, *, log: bool = False) -> list[StepOutput]:
+        """Free ``states`` (sequences whose prompt could not be cached) and report each as ERROR."""
+        failed = []
+        for s in states:
+            if log:
+                logger.exception("[request_id=%s] seq %s: %s", s.request_id, s.seq_id, why)
+            self._seqs.pop(s.seq_id, None)
+            s.finished = FinishReason.ERROR
+            self._free(s)
+            failed.append(StepOutput(s.seq_id, [], FinishReason.ERROR, error=why))
+        return failed
 
     def progress(self) -> WorkerProgress:
         """The heartbeat: how many forwards and steps this worker has finished. Answered on its

@@ -30,7 +30,8 @@ DEFAULT_NGRAM_MAX = 4
 DEFAULT_STEP_PREFILL_TOKENS = 512
 # Target-model tokens one worker iteration (one ``iterate`` call) may process, across the
 # decode/verify rows of the step and the prefill chunks of prompts not yet cached (chunked
-# prefill, as vLLM's max_num_batched_tokens). Running sequences are served first; prompts
+# prefill, as vLLM's max_num_batched_tokens), each token weighted by the keys it attends over
+# (gpu_worker.token_cost), and all in one forward. Running sequences are served first; prompts
 # take what is left, chunk by chunk over as many iterations as they need, so an iteration's
 # time is bounded whatever arrives. 0 = by device (``iteration_budget``): on a GPU 512, one
 # prefill chunk (actor.PREFILL_CHUNK_TOKENS), milliseconds of work; on a CPU, where a forward's

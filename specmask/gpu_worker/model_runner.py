@@ -52,6 +52,7 @@ from specmask.gpu_worker.attention import ATTENTION, PackedRows, RowSpan, regist
 from specmask.gpu_worker.kv_cache import SequenceKV, SlotPool
 from specmask.gpu_worker.static_forward import StaticForward
 from specmask.gpu_worker.static_forward import build as build_static
+from specmask.gpu_worker.token_cost import TokenCost
 
 # Token id written into padding slots. Any valid id works: padded queries'
 # outputs are discarded and padded keys are masked out.
@@ -93,6 +94,7 @@ class ModelRunner:
         self._softcap: float | None = getattr(config, "final_logit_softcapping", None)
         self.vocab_size: int = int(self._lm_head.weight.shape[0])  # V: logits width
         self.max_model_len: int = int(getattr(config, "max_position_embeddings", 1 << 30))
+        self.cost = TokenCost.of_model(model)  # what a token at a position costs a forward (the budget's unit)
         self.device: torch.device = next(model.parameters()).device
         self.pool: SlotPool | None = None  # every sequence's KV for this model (built at the first forward)
         # Counters for benchmarks and metrics: batched forwards run, real token positions, and the

@@ -150,6 +150,8 @@ class StaticForward:
     # -- shape planning -----------------------------------------------------------------------
     def plan(self, items: Sequence[ForwardItem]) -> tuple[int, int] | None:
         """(B, T) for ``items``, or None when they fall outside the buckets (run them eagerly)."""
+        if any(it.num_logits == 0 for it in items):
+            return None  # a prompt chunk riding along (actor.py): neither a decode nor a verify row
         slots = [it.kv.slot for it in items]
         if any(s is None for s in slots):
             return None  # a cache without a slot yet: the eager path binds it

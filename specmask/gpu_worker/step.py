@@ -34,6 +34,7 @@ from specmask.gpu_worker.masks import MaskChannel, mask_item
 from specmask.gpu_worker.model_runner import ForwardItem, ModelRunner
 from specmask.gpu_worker.proposers.base import DraftSlot, Proposer
 from specmask.gpu_worker.sequence import SequenceState
+from specmask.gpu_worker.token_cost import TokenCost
 from specmask.gpu_worker.types import FinishReason, StepOutput
 from specmask.gpu_worker.verifier import VerifyInput, verify
 from specmask.gpu_worker.verify_width import WidthChooser
@@ -101,7 +102,8 @@ class StepRunner:
         seqs: Sequence[SequenceState],
         joiners: Callable[[], Sequence[SequenceState]] | None = None,
         *,
-        token_budget: int | None = None,
+        token_budget: float | None = None,
+        riders: Callable[[float], Sequence[ForwardItem]] | None = None,
     ) -> list[StepOutput]:
         """One step for every sequence in ``seqs`` (each must be unfinished), and for those
         ``joiners`` returns once the drafts are proposed: sequences that became ready to step
@@ -109,14 +111,25 @@ class StepRunner:
         the verify forward without drafts (k_r = 0): the forward feeds their prompt and they
         emit one token, instead of sitting the whole step out.
 
-        ``token_budget``: the most tokens the target forward of ``seqs`` may take (the worker's
-        iteration budget less what it keeps for prefill); drafts are trimmed, widest rows
-        first, until the rows' uncached tokens plus their drafts fit (``trim_to_budget``).
-        Joiners are the caller's to fit into what is left."""
+        ``token_budget``: the most the target forward of ``seqs`` may cost, in budget tokens
+        (gpu_worker.token_cost; the worker's iteration budget less what it keeps for prefill);
+        drafts are trimmed, widest rows first, until the rows' uncached tokens plus their
+        drafts fit (``trim_to_budget``). Joiners are the caller's to fit into what is left.
+
+        ``riders``: called once the rows are final (drafts proposed and trimmed, joiners in)
+        with what those rows cost; returns forward items that ride in the same target forward
+        with no logits (prompt chunks, actor.py), so an iteration that reads a prompt reads the
+        weights once. Their caches advance; nothing else in the step sees them."""
         errors: dict[str, str] = {}
         ks = [self.plan_k(seq) for seq in seqs]
         if token_budget is not None:
-            ks = trim_to_budget([uncached(seq) for seq in seqs], ks, token_budget)
+            ks = trim_to_budget(
+                [seq.target_kv.length for seq in seqs],
+                [uncached(seq) for seq in seqs],
+                ks,
+                token_budget,
+                self.target.cost,
+            )
         slots = [DraftSlot(seq, k=k) for seq, k in zip(seqs, ks, strict=True)]
         mask_wait = self.drafter.propose(slots, errors)
         self.width.trim([s for s in slots if s.seq.seq_id not in errors])
@@ -142,7 +155,11 @@ class StepRunner:
             forward_items.append(
                 ForwardItem(s.seq.target_kv, context[s.seq.target_kv.length :], num_logits=len(s.drafts) + 1)
             )
-        logits = self.target.forward(forward_items)  # per slot [k_r + 1, V] float32
+        if riders is not None:
+            cost = self.target.cost
+            forward_items.extend(riders(sum(cost.span(it.kv.length, len(it.token_ids)) for it in forward_items)))
+        # Per slot [k_r + 1, V] float32 (riders, asking for none, come last and are dropped).
+        logits = self.target.forward(forward_items)[: len(live)]
 
         mask_results: dict[str, DraftMaskResult] = {}  # session_id -> its rows
         if pending is not None:
@@ -274,16 +291,22 @@ def uncached(seq: SequenceState) -> int:
     return len(seq.token_ids) - seq.target_kv.length
 
 
-def trim_to_budget(base: Sequence[int], ks: Sequence[int], budget: int) -> list[int]:
-    """Per-row draft counts ``ks`` cut so that ``sum(base) + sum(ks) <= budget`` where possible:
-    one draft at a time from the row with the most, so every row keeps an equal share. Rows'
+def trim_to_budget(
+    starts: Sequence[int], base: Sequence[int], ks: Sequence[int], budget: float, cost: TokenCost
+) -> list[int]:
+    """Per-row draft counts ``ks`` cut so that the rows' cost, each feeding ``base[r] + ks[r]``
+    tokens from position ``starts[r]`` (``cost.span``), fits ``budget`` where possible: one
+    draft at a time from the row with the most, so every row keeps an equal share. Rows'
     ``base`` tokens are never cut (a row that steps feeds at least its uncached tokens)."""
     out = list(ks)
-    excess = sum(base) + sum(out) - budget
+    spans = [cost.span(p, b + k) for p, b, k in zip(starts, base, out, strict=True)]
+    excess = sum(spans) - budget
     while excess > 0 and any(out):
         widest = max(range(len(out)), key=out.__getitem__)
         out[widest] -= 1
-        excess -= 1
+        cut = cost.span(starts[widest], base[widest] + out[widest])
+        excess -= spans[widest] - cut
+        spans[widest] = cut
     return out
 
 

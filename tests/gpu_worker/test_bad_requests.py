@@ -135,7 +135,7 @@ def test_sessions_open_during_the_prefill_and_a_refused_one_frees_its_kv(make_wo
     events: list[str] = []
     lock = threading.Lock()
     router = worker.masks._router
-    real_open, real_chunk = router.open_session, worker._prefill_chunk
+    real_open, real_forward = router.open_session, worker.target.forward
 
     def slow_open(*args, **kwargs):
         with lock:
@@ -143,13 +143,14 @@ def test_sessions_open_during_the_prefill_and_a_refused_one_frees_its_kv(make_wo
         time.sleep(0.1)  # a replica's round trip, slowed so the order is unambiguous
         return real_open(*args, **kwargs)
 
-    def prefill_chunk(state, most):
-        with lock:
-            events.append("prefill")
-        return real_chunk(state, most)
+    def forward(items):
+        if any(it.num_logits == 0 for it in items):  # a prompt chunk asks for no logits
+            with lock:
+                events.append("prefill")
+        return real_forward(items)
 
     router.open_session = slow_open
-    worker._prefill_chunk = prefill_chunk
+    worker.target.forward = forward
     seqs = [_seq(f"g{i}", max_tokens=4) for i in range(3)] + [BAD["bad grammar"][0]()]
     t0 = time.monotonic()
     errors = worker.add(seqs)

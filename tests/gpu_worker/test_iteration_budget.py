@@ -16,24 +16,26 @@ import pytest
 from specmask.gpu_worker.config import WorkerConfig
 from specmask.gpu_worker.model_runner import ForwardItem
 from specmask.gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
-from tests.gpu_worker.helpers import wait_sessions_open
+from tests.gpu_worker.helpers import run_to_completion, wait_sessions_open
 
 BUDGET = 24
 SPEC = SpeculationParams(k=4, proposers=("draft_model",), draft_masking=False)
 
 
-def _seq(seq_id: str, prompt_len: int, max_tokens: int) -> NewSequence:
+def _seq(seq_id: str, prompt_len: int, max_tokens: int, spec: SpeculationParams = SPEC) -> NewSequence:
     prompt = tuple(5 + (i * 7) % 200 for i in range(prompt_len))
-    return NewSequence(seq_id, prompt, None, SamplingParams(max_tokens=max_tokens), SPEC)
+    return NewSequence(seq_id, prompt, None, SamplingParams(max_tokens=max_tokens), spec)
 
 
-def _record_forwards(worker: Any) -> list[int]:
-    """Count the new tokens of every target forward from now on (one entry per forward)."""
-    sizes: list[int] = []
+def _record_forwards(worker: Any) -> list[tuple[int, float]]:
+    """Record every target forward from now on: (new tokens, their cost in budget tokens)."""
+    sizes: list[tuple[int, float]] = []
     real = worker.target.forward
+    cost = worker.target.cost
 
     def forward(items: list[ForwardItem]) -> Any:
-        sizes.append(sum(len(it.token_ids) for it in items))
+        tokens = sum(len(it.token_ids) for it in items)
+        sizes.append((tokens, sum(cost.span(it.kv.length, len(it.token_ids)) for it in items)))
         return real(items)
 
     worker.target.forward = forward
@@ -41,36 +43,55 @@ def _record_forwards(worker: Any) -> list[int]:
 
 
 def test_a_burst_of_long_prompts_keeps_every_iteration_within_the_budget(make_worker: Any) -> None:
+    """The prompts' chunks ride in the running sequence's step forward: one target forward per
+    iteration, whose cost (tokens weighted by the keys they attend over) stays in the budget."""
     worker = make_worker(max_iteration_tokens=BUDGET, max_batch=8, step_prefill_tokens=4)
-    assert worker.add([_seq("running", 6, max_tokens=200)]) == [None]
+    running_spec = SpeculationParams(k=1, proposers=("draft_model",), draft_masking=False)
+    assert worker.add([_seq("running", 6, max_tokens=240, spec=running_spec)]) == [None]
     worker.step()
     burst = [_seq(f"long{i}", 90 + 13 * i, max_tokens=3) for i in range(5)]
     assert worker.add(burst) == [None] * len(burst)
     wait_sessions_open(worker)
     sizes = _record_forwards(worker)
-    per_iteration: list[int] = []
+    per_iteration: list[tuple[int, float]] = []
+    forwards: list[int] = []
     running_emitted: list[bool] = []
     finished: set[str] = set()
+    tokens: dict[str, list[int]] = {s.seq_id: [] for s in burst}
     for _ in range(400):
         if all(s.seq_id in finished for s in burst):
             break
         before = len(sizes)
         outputs = worker.step()
-        per_iteration.append(sum(sizes[before:]))
+        this = sizes[before:]
+        forwards.append(len(this))
+        per_iteration.append((sum(t for t, _ in this), sum(c for _, c in this)))
         running_emitted.append(any(o.seq_id == "running" and o.new_token_ids for o in outputs))
         for out in outputs:
             assert out.error is None, out.error
+            tokens.setdefault(out.seq_id, []).extend(out.new_token_ids)
             if out.finish_reason is not None:
                 finished.add(out.seq_id)
     assert all(s.seq_id in finished for s in burst), f"unfinished: {set(worker.active_ids())}"
+    # Read in cost-sized chunks riding in another sequence's steps, the prompts decode as they
+    # do when each is read in one go before its first step.
+    whole = make_worker(max_batch=8)
+    assert whole.add(burst, wait_for_sessions=True) == [None] * len(burst)
+    alone = run_to_completion(whole)
+    assert {s.seq_id: alone[s.seq_id].tokens for s in burst} == {s.seq_id: tokens[s.seq_id] for s in burst}
     assert "running" not in finished  # it kept decoding through the whole burst
     total_prompt = sum(len(s.prompt_token_ids) for s in burst)
     # The prompts could not have been cached in fewer iterations than the budget allows...
     assert len(per_iteration) >= total_prompt // BUDGET
-    # ...and no forward, nor any iteration's forwards together, ever took more than the budget.
-    assert max(sizes) <= BUDGET and max(per_iteration) <= BUDGET, (max(sizes), max(per_iteration))
-    assert max(per_iteration) >= BUDGET // 2  # the budget was used, not left idle
+    # ...and no iteration's forward cost more than the budget, nor fed more tokens than it.
+    assert max(c for _, c in per_iteration) <= BUDGET + 1e-9, max(per_iteration)
+    assert max(t for t, _ in per_iteration) <= BUDGET
+    assert max(c for _, c in per_iteration) >= BUDGET // 2  # the budget was used, not left idle
+    # Each prompt's late chunks attend over more keys, so fewer of their tokens fit: the cost,
+    # not the token count, is what the chunks were sized by.
+    assert min(t for t, _ in per_iteration) < max(t for t, _ in per_iteration)
     assert all(running_emitted), running_emitted  # a token in every iteration
+    assert forwards == [1] * len(forwards), forwards  # the chunks rode in the step's forward
 
 
 def test_full_decode_rows_have_their_drafts_trimmed_to_the_budget(make_worker: Any) -> None:
@@ -90,7 +111,7 @@ def test_full_decode_rows_have_their_drafts_trimmed_to_the_budget(make_worker: A
         outputs = worker.step()
         assert {o.seq_id for o in outputs} == {s.seq_id for s in seqs}
         assert all(o.error is None and o.new_token_ids for o in outputs)
-    assert max(sizes) <= BUDGET
+    assert max(c for _, c in sizes) <= BUDGET + 1e-9
 
 
 def test_the_budget_must_hold_a_full_batch(tiny_pair: Any) -> None:
