@@ -59,6 +59,11 @@ class StreamLog:
         """Inter-token gaps (s) whose later chunk arrived in [lo, hi]."""
         return [b - a for times in self.arrivals for a, b in itertools.pairwise(times) if lo <= b <= hi]
 
+    def worst(self, lo: float, hi: float, n: int = 5) -> list[list[float]]:
+        """The ``n`` longest gaps in [lo, hi] as [seconds after lo, gap ms]: where the tail sits."""
+        gaps = [(b - lo, b - a) for times in self.arrivals for a, b in itertools.pairwise(times) if lo <= b <= hi]
+        return [[round(at, 1), round(1000 * gap, 1)] for at, gap in sorted(gaps, key=lambda g: -g[1])[:n]]
+
 
 def percentile(values: list[float], q: float) -> float:
     if not values:
@@ -178,6 +183,7 @@ async def bench(args: argparse.Namespace, target: str, draft: str | None) -> dic
         "itl_burst_p50_ms": round(1000 * percentile(during, 0.5), 1),
         "itl_burst_p99_ms": round(1000 * percentile(during, 0.99), 1),
         "itl_p99_ratio": round(percentile(during, 0.99) / percentile(base, 0.99), 2),
+        "itl_burst_worst": log.worst(burst_lo, burst_hi),
         "steady_errors": len(log.errors),
         "worker_failures": int(failures),
         "max_iteration_tokens": config.max_iteration_tokens,

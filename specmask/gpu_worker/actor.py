@@ -235,6 +235,17 @@ class GpuWorker:
                 assert self.masks is not None  # _admit refuses a grammar without a mask service
                 state.session_opening = self.masks.open_session_async(grammar, request_id=state.request_id)
                 state.opening_since = time.monotonic()
+        if accepted:
+            # Room for the new prompts and their first tokens (up to 64, drafts included) in one
+            # resize of each pool, not one per chunk that passes the capacity while the running
+            # sequences wait on each.
+            longest = max(len(s.token_ids) + min(s.request.sampling.max_tokens, 64) + s.k + 1 for _, s in accepted)
+            for runner in (self.target, self.draft):
+                try:
+                    if runner is not None:
+                        runner.reserve(len(accepted), longest)
+                except Exception:  # e.g. out of memory: the forwards grow what they need, or fail alone
+                    logger.warning("could not grow the %s KV pool for %d sequences", runner.name, len(accepted))
         for _, state in accepted:
             # Cached by the iterations' prefill chunks (``_plan_chunks``), within their budget;
             # the first step feeds the tail (WorkerConfig.step_prefill_tokens, ``_tail_tokens``).

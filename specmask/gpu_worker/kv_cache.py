@@ -10,8 +10,12 @@ the rows of a batch are a contiguous range whenever the batch is everyone.
 
 Growth is geometric and shared: when a sequence needs more positions than the
 pool holds, every row grows by half (at least ``_MIN_GROWTH`` positions), and
-the slot count doubles when all slots are taken. So each row is as long as the
-longest sequence's need: a static cache's memory trade for copy-free batching.
+the slot count grows by half when all slots are taken. So each row is as long as
+the longest sequence's need: a static cache's memory trade for copy-free batching.
+A resize zeroes and copies the whole pool (seconds for GBs on a CPU, during which
+every running sequence waits), so the worker grows the pool for a whole ``add`` at
+once (``grow``) instead of letting each prompt chunk that passes the capacity grow
+it again.
 
 Rolling back after rejected drafts (``crop``) only moves ``length``; the next
 write overwrites the stale entries.
@@ -77,7 +81,7 @@ class SlotPool:
         if kv.pool is not None:
             raise ValueError("this KV cache already has a slot")
         if len(self._owners) == self.num_slots:
-            self._resize(max(1, 2 * self.num_slots), max(self.capacity, _MIN_GROWTH))
+            self._resize(self._more_slots(self.num_slots + 1), max(self.capacity, _MIN_GROWTH))
         kv.pool, kv.slot = self, len(self._owners)
         self._owners.append(kv)
 
@@ -96,6 +100,20 @@ class SlotPool:
             moved.slot = slot
         self._owners.pop()
         kv.pool, kv.slot = None, None
+
+    def _more_slots(self, slots: int) -> int:
+        """The slot count to grow to for at least ``slots``: by half, or to ``slots`` if more."""
+        return max(slots, self.num_slots + max(1, self.num_slots // 2))
+
+    def grow(self, slots: int, positions: int) -> None:
+        """At least ``slots`` slots and ``positions`` positions per slot, in at most one resize
+        (each grown geometrically, as ``bind`` and ``reserve`` would)."""
+        new_slots = self._more_slots(slots) if slots > self.num_slots else self.num_slots
+        capacity = self.capacity
+        if positions > capacity:
+            capacity = max(positions, capacity + max(capacity // 2, _MIN_GROWTH))
+        if new_slots != self.num_slots or capacity != self.capacity:
+            self._resize(max(new_slots, 1), max(capacity, _MIN_GROWTH))
 
     def ensure_slots(self, slots: int) -> None:
         """At least ``slots`` slots (used or free): a static-shape forward spans a whole bucket of them."""

@@ -133,13 +133,24 @@ class ModelRunner:
         self.num_positions += sum(len(it.token_ids) for it in items)
         return self._project(hidden)
 
-    def _pool_for(self, items: Sequence[ForwardItem]) -> SlotPool:
+    def reserve(self, new_sequences: int, positions: int) -> None:
+        """Grow the KV pool once for ``new_sequences`` more sequences of up to ``positions``
+        positions (the worker's ``add``: see kv_cache on why one resize, not many)."""
+        pool = self._pool()
+        pool.grow(pool.num_used + new_sequences, min(positions, self.max_model_len))
+
+    def _pool(self) -> SlotPool:
         if self.pool is None:
             config = self.model.config.get_text_config(decoder=True)
             heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
             head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
             param = next(self.model.parameters())
             self.pool = SlotPool(config.num_hidden_layers, heads, head_dim, dtype=param.dtype, device=param.device)
+        return self.pool
+
+    def _pool_for(self, items: Sequence[ForwardItem]) -> SlotPool:
+        self._pool()
+        assert self.pool is not None
         for it in items:
             if it.kv.pool is None:
                 self.pool.bind(it.kv)

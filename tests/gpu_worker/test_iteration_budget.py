@@ -132,3 +132,32 @@ def test_the_default_budget_follows_the_device() -> None:
     assert iteration_budget(WorkerConfig(target_dir="/m", max_batch=8, max_iteration_tokens=300), "cpu") == 300
     with pytest.raises(ValueError, match="max_iteration_tokens"):
         WorkerConfig(target_dir="/m", max_batch=8, max_iteration_tokens=-1)
+
+
+def test_the_kv_pools_grow_once_for_a_burst_not_once_per_chunk(make_worker: Any) -> None:
+    """Every resize zeroes and copies the whole pool while the running sequences wait: a burst
+    of long prompts grows each pool in its add, and the chunks that read them grow nothing."""
+    from specmask.gpu_worker.kv_cache import SlotPool
+
+    worker = make_worker(max_iteration_tokens=BUDGET, max_batch=8, step_prefill_tokens=4)
+    assert worker.add([_seq("running", 6, max_tokens=60)]) == [None]
+    worker.step()
+    resizes: list[tuple[int, int]] = []
+    real = SlotPool._resize
+
+    def resize(pool: SlotPool, slots: int, capacity: int) -> None:
+        resizes.append((slots, capacity))
+        real(pool, slots, capacity)
+
+    SlotPool._resize = resize  # type: ignore[method-assign]
+    try:
+        burst = [_seq(f"long{i}", 90 + 13 * i, max_tokens=3) for i in range(5)]
+        assert worker.add(burst) == [None] * len(burst)
+        assert len(resizes) == 2  # the target's pool and the draft's, once each
+        wait_sessions_open(worker)
+        for _ in range(60):
+            worker.step()
+    finally:
+        SlotPool._resize = real  # type: ignore[method-assign]
+    assert len(resizes) == 2, resizes
+    assert worker.target.pool is not None and worker.target.pool.num_slots >= 6
