@@ -241,9 +241,10 @@ class GpuWorker:
             # sequences wait on each.
             longest = max(len(s.token_ids) + min(s.request.sampling.max_tokens, 64) + s.k + 1 for _, s in accepted)
             for runner in (self.target, self.draft):
+                if runner is None:
+                    continue
                 try:
-                    if runner is not None:
-                        runner.reserve(len(accepted), longest)
+                    runner.reserve(len(accepted), longest)
                 except Exception:  # e.g. out of memory: the forwards grow what they need, or fail alone
                     logger.warning("could not grow the %s KV pool for %d sequences", runner.name, len(accepted))
         for _, state in accepted:

@@ -29,10 +29,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy
 import torch
 
 # Positions added at least when the pool grows (a step appends k + 1 at most).
 _MIN_GROWTH = 64
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On a CPU, from calloc (numpy's zeros): the kernel hands out zero pages
+    and backs them on first write, so a resize costs the copy of the rows in use, not a pass
+    over the whole new pool (a GB took over a second here while every stream waited); the
+    pool's untouched capacity costs no memory."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    size = torch.empty((), dtype=dtype).element_size()
+    raw = {1: numpy.uint8, 2: numpy.uint16, 4: numpy.uint32, 8: numpy.uint64}[size]
+    return torch.from_numpy(numpy.zeros(shape, dtype=raw)).view(dtype)
 
 
 class SlotPool:
@@ -68,8 +81,8 @@ class SlotPool:
         # mask hides the ones past a row's own length), and masked-out garbage NaNs would still
         # poison the output (0 * NaN); everything written later is a finite model output.
         with torch.inference_mode():
-            new_k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-            new_v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+            new_k = [_zeros(shape, self.dtype, self.device) for _ in range(self.num_layers)]
+            new_v = [_zeros(shape, self.dtype, self.device) for _ in range(self.num_layers)]
             used = len(self._owners)
             keep = min(self.capacity, capacity)
             for dst, src in zip((*new_k, *new_v), (*self.k, *self.v), strict=False):

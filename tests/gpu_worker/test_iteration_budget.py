@@ -149,7 +149,7 @@ def test_the_kv_pools_grow_once_for_a_burst_not_once_per_chunk(make_worker: Any)
         resizes.append((slots, capacity))
         real(pool, slots, capacity)
 
-    SlotPool._resize = resize  # type: ignore[method-assign]
+    SlotPool._resize = resize  # type: ignore[method-assign,assignment]
     try:
         burst = [_seq(f"long{i}", 90 + 13 * i, max_tokens=3) for i in range(5)]
         assert worker.add(burst) == [None] * len(burst)
