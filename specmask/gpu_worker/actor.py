@@ -341,7 +341,6 @@ class GpuWorker:
         """One decoding step of ``batch`` within ``budget`` (late joiners included), with
         prompt chunks riding in its target forward within what is left of the iteration's."""
         joined: list[SequenceState] = []
-        riding: list[SequenceState] = []
         in_batch = {s.seq_id for s in batch}
         # A lower bound on what the step leaves of the budget: drafts are trimmed to fit it, and
         # proposers may propose fewer than planned.
@@ -362,23 +361,20 @@ class GpuWorker:
                         joined.append(s)
             return joined
 
-        def ride(used: float) -> list[ForwardItem]:
-            # The quarter kept for prefill is theirs even when the running rows alone cost more
-            # than the rest (many long rows): rows are never dropped, and prompts must not starve.
-            whole = self.iteration_budget
-            chunks = self._plan_chunks(max(whole - used, whole // 4))
-            riding.extend(s for s, _ in chunks)
-            return [ForwardItem(s.target_kv, chunk, 0) for s, chunk in chunks]
-
+        riders = _ChunkRiders(self)
         try:
-            outputs = self.stepper.run(batch, joiners=join_late, token_budget=budget, riders=ride)
+            outputs = self.stepper.run(batch, joiners=join_late, token_budget=budget, riders=riders)
         except Exception as exc:
-            logger.exception("step failed for %d sequences", len(batch) + len(joined) + len(riding))
+            logger.exception("step failed for %d sequences", len(batch) + len(joined) + len(riders.chunks))
             outputs = [
                 StepOutput(s.seq_id, [], FinishReason.ERROR, error=f"step failed: {exc}") for s in batch + joined
             ]
-            outputs += self._fail_prefill(riding, f"step failed: {exc}")
-            riding = []
+            outputs += self._fail_prefill([s for s, _ in riders.chunks], f"step failed: {exc}")
+            riders.chunks = []
+        read_alone: list[StepOutput] = []
+        if riders.error is not None:
+            read_alone = self._read_alone(riders.chunks)
+            riders.chunks = []
         self._note_session_waits(in_batch, joined, outputs)
         for out in outputs:
             if out.finish_reason is not None and out.seq_id in self._seqs:
@@ -394,7 +390,7 @@ class GpuWorker:
                     f" ({out.error})" if out.error else "",
                 )
         self.progress_count += 1
-        return outputs + self._catch_up_drafts(riding)
+        return outputs + read_alone + self._catch_up_drafts([s for s, _ in riders.chunks])
 
     def _note_session_waits(self, in_batch: set[str], joined: list[SequenceState], outputs: list[StepOutput]) -> None:
         """Count this step against the sequences still waiting for their sessions, and put
@@ -568,17 +564,22 @@ class GpuWorker:
         except Exception as exc:
             if len(chunks) == 1:
                 return self._fail_prefill([chunks[0][0]], f"prefill failed: {exc}", log=True)
-            logger.warning("a prefill forward of %d chunks failed; retrying them one by one", len(chunks))
-            failed: list[StepOutput] = []
-            for s, chunk in chunks:
-                try:
-                    self.target.forward([ForwardItem(s.target_kv, chunk, 0)])
-                except Exception as one:
-                    failed += self._fail_prefill([s], f"prefill failed: {one}", log=True)
+            logger.warning("a prefill forward of %d chunks failed (%s); retrying them one by one", len(chunks), exc)
             self.progress_count += 1
-            return failed + self._catch_up_drafts([s for s, _ in chunks if s.seq_id in self._seqs])
+            return self._read_alone(chunks)
         self.progress_count += 1
         return self._catch_up_drafts([s for s, _ in chunks])
+
+    def _read_alone(self, chunks: Sequence[tuple[SequenceState, list[int]]]) -> list[StepOutput]:
+        """Each chunk in a target forward of its own (after a forward with them all failed): a
+        sequence whose chunk fails again is freed and reported; the rest are read."""
+        failed: list[StepOutput] = []
+        for s, chunk in chunks:
+            try:
+                self.target.forward([ForwardItem(s.target_kv, chunk, 0)])
+            except Exception as one:
+                failed += self._fail_prefill([s], f"prefill failed: {one}", log=True)
+        return failed + self._catch_up_drafts([s for s, _ in chunks if s.seq_id in self._seqs])
 
     def _catch_up_drafts(self, states: Sequence[SequenceState]) -> list[StepOutput]:
         """Bring the draft model's caches of ``states`` level with the target's (after their
@@ -688,6 +689,30 @@ class GpuWorker:
             self.masks.close_session_later(opening.result(), seq_id, request_id=request_id)
         except RuntimeError as exc:  # the channel is closed (shutdown): the service's TTL reclaims it
             logger.warning("[request_id=%s] seq %s: mask session left to expire: %s", request_id, seq_id, exc)
+
+
+class _ChunkRiders:
+    """A step's prompt chunks (``GpuWorker._step``): planned with what the step's rows leave of
+    the iteration's budget, fed in the step's target forward (step.Riders)."""
+
+    def __init__(self, worker: GpuWorker) -> None:
+        self.worker = worker
+        self.chunks: list[tuple[SequenceState, list[int]]] = []  # what rode: each sequence's chunk
+        self.error: Exception | None = None  # the forward with them failed (the step went on)
+
+    def take(self, used: float) -> list[ForwardItem]:
+        # The quarter kept for prefill is theirs even when the running rows alone cost more than
+        # the rest (many long rows): rows are never dropped, and prompts must not starve.
+        whole = self.worker.iteration_budget
+        self.chunks = self.worker._plan_chunks(max(whole - used, whole // 4))
+        return [ForwardItem(s.target_kv, chunk, 0) for s, chunk in self.chunks]
+
+    def failed(self, exc: Exception) -> None:
+        n = len(self.chunks)
+        logger.error(
+            "a step's forward with %d prompt chunks failed (%s); the step went on, they are read alone", n, exc
+        )
+        self.error = exc
 
 
 def _session_owner() -> str:

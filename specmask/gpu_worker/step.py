@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from specmask.gpu_worker.drafting import Drafter
 from specmask.gpu_worker.mask_table import DeviceMaskTable
@@ -49,6 +49,18 @@ logger = logging.getLogger(__name__)
 # Seconds to wait for a mask-service answer beyond the router's own deadline
 # and retries, before the step gives up on the grammar sequences of the batch.
 _MASK_WAIT_SLACK_S = 5.0
+
+
+class Riders(Protocol):
+    """Forward items that ride in a step's target forward (``StepRunner.run``)."""
+
+    def take(self, used: float) -> Sequence[ForwardItem]:
+        """The items to add, given what the step's own rows cost (budget tokens)."""
+        ...
+
+    def failed(self, exc: Exception) -> None:
+        """The forward with them failed; the step goes on without them."""
+        ...
 
 
 class StepRunner:
@@ -103,7 +115,7 @@ class StepRunner:
         joiners: Callable[[], Sequence[SequenceState]] | None = None,
         *,
         token_budget: float | None = None,
-        riders: Callable[[float], Sequence[ForwardItem]] | None = None,
+        riders: Riders | None = None,
     ) -> list[StepOutput]:
         """One step for every sequence in ``seqs`` (each must be unfinished), and for those
         ``joiners`` returns once the drafts are proposed: sequences that became ready to step
@@ -116,10 +128,12 @@ class StepRunner:
         drafts are trimmed, widest rows first, until the rows' uncached tokens plus their
         drafts fit (``trim_to_budget``). Joiners are the caller's to fit into what is left.
 
-        ``riders``: called once the rows are final (drafts proposed and trimmed, joiners in)
-        with what those rows cost; returns forward items that ride in the same target forward
-        with no logits (prompt chunks, actor.py), so an iteration that reads a prompt reads the
-        weights once. Their caches advance; nothing else in the step sees them."""
+        ``riders``: asked once the rows are final (drafts proposed and trimmed, joiners in),
+        with what those rows cost, for forward items that ride in the same target forward with
+        no logits (prompt chunks, actor.py), so an iteration that reads a prompt reads the
+        weights once. Their caches advance; nothing else in the step sees them. If that forward
+        fails, the step's rows are forwarded again alone and the riders are told
+        (``Riders.failed``): a prompt that cannot be read fails only its own sequence."""
         errors: dict[str, str] = {}
         ks = [self.plan_k(seq) for seq in seqs]
         if token_budget is not None:
@@ -155,11 +169,20 @@ class StepRunner:
             forward_items.append(
                 ForwardItem(s.seq.target_kv, context[s.seq.target_kv.length :], num_logits=len(s.drafts) + 1)
             )
+        riding: Sequence[ForwardItem] = ()
         if riders is not None:
             cost = self.target.cost
-            forward_items.extend(riders(sum(cost.span(it.kv.length, len(it.token_ids)) for it in forward_items)))
-        # Per slot [k_r + 1, V] float32 (riders, asking for none, come last and are dropped).
-        logits = self.target.forward(forward_items)[: len(live)]
+            riding = riders.take(sum(cost.span(it.kv.length, len(it.token_ids)) for it in forward_items))
+        try:
+            # Per slot [k_r + 1, V] float32 (riders, asking for none, come last and are dropped).
+            logits = self.target.forward([*forward_items, *riding])[: len(live)]
+        except Exception as exc:
+            if not riding:
+                raise
+            # No cache advanced (the runner counts new entries only after the whole forward).
+            assert riders is not None
+            riders.failed(exc)
+            logits = self.target.forward(forward_items)
 
         mask_results: dict[str, DraftMaskResult] = {}  # session_id -> its rows
         if pending is not None:

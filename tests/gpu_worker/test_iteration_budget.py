@@ -161,3 +161,41 @@ def test_the_kv_pools_grow_once_for_a_burst_not_once_per_chunk(make_worker: Any)
         SlotPool._resize = real  # type: ignore[method-assign]
     assert len(resizes) == 2, resizes
     assert worker.target.pool is not None and worker.target.pool.num_slots >= 6
+
+
+@pytest.mark.parametrize("running", [True, False])
+def test_a_prompt_that_cannot_be_read_fails_alone(make_worker: Any, running: bool) -> None:
+    """A forward that fails on one prompt's chunk (riding in a step, or in a prefill-only
+    forward with other chunks) fails that sequence only: the step goes on, the other
+    prompts are read and decode, and the running sequence never sees an error."""
+    worker = make_worker(max_iteration_tokens=BUDGET, max_batch=8, step_prefill_tokens=4)
+    if running:
+        assert worker.add([_seq("running", 6, max_tokens=200)]) == [None]
+        worker.step()
+    burst = [_seq(f"long{i}", 60 + 7 * i, max_tokens=3) for i in range(3)]
+    assert worker.add(burst) == [None] * len(burst)
+    poison = worker._seqs["long1"].target_kv
+    real = worker.target.forward
+
+    def forward(items: list[ForwardItem]) -> Any:
+        if any(it.kv is poison and it.num_logits == 0 for it in items):
+            raise RuntimeError("unreadable chunk")
+        return real(items)
+
+    worker.target.forward = forward
+    results = run_to_completion(worker, max_steps=400) if not running else {}
+    if running:
+        for _ in range(400):
+            outputs = worker.step()
+            for out in outputs:
+                r = results.setdefault(out.seq_id, type("R", (), {"tokens": [], "error": None})())
+                r.tokens = [*r.tokens, *out.new_token_ids]
+                if out.error:
+                    r.error = out.error
+            if all(s.seq_id in results and s.seq_id not in worker.active_ids() for s in burst):
+                break
+        assert results["running"].error is None and "running" in worker.active_ids()
+    assert results["long1"].error is not None and "unreadable chunk" in results["long1"].error
+    assert results["long1"].tokens == []
+    for name in ("long0", "long2"):
+        assert results[name].error is None and len(results[name].tokens) == 3, (name, results[name])
