@@ -308,18 +308,23 @@ class GpuWorker:
     def _step_batch(self, prefilling: bool) -> list[SequenceState]:
         """The sequences this iteration's step takes: every running one (one uncached token
         each, plus drafts the step trims to the budget), then new ones whose prompt is cached
-        up to its tail, in arrival order, while their tails fit. A quarter of the budget is
+        up to its tail, in arrival order, while their tails fit (the first always). A quarter of the budget is
         kept for prefill chunks while any prompt is being prefilled, so a stream of running
         sequences cannot starve them."""
         budget = self.iteration_budget - (self.iteration_budget // 4 if prefilling else 0)
         ready = [s for s in self._seqs.values() if s.session_opening is None and not s.prefilling]
         batch = [s for s in ready if uncached(s) == 1]
         used = sum(self._feed_cost(s, 0) for s in batch)
+        joining = 0
         for s in ready:
             cost = self._feed_cost(s, 0)
-            if uncached(s) > 1 and (used + cost <= budget or not batch):
+            # One new sequence joins every iteration even past the budget (by at most its tail,
+            # half the budget): running rows alone may fill it, and a sequence already placed
+            # here must not wait for them to finish.
+            if uncached(s) > 1 and (used + cost <= budget or not joining):
                 batch.append(s)
                 used += cost
+                joining += 1
         return batch
 
     def _tail_tokens(self, prompt_len: int) -> int:
@@ -538,7 +543,8 @@ class GpuWorker:
     def _plan_chunks(self, budget: float) -> list[tuple[SequenceState, list[int]]]:
         """The next prompt chunks to cache within ``budget`` budget tokens: prompts not yet
         cached, oldest first, each chunk at most PREFILL_CHUNK_TOKENS and sized by its cost
-        (a chunk late in a long prompt attends over all of it, so fewer of its tokens fit)."""
+        (a chunk late in a long prompt attends over all of it, so fewer of its tokens fit). The
+        oldest gets at least one token even past the budget, so prompts never starve."""
         chunks = []
         for s in self._seqs.values():
             if not s.prefilling:
@@ -546,6 +552,8 @@ class GpuWorker:
             lo = s.target_kv.length
             most = min(s.prefill_to - lo, PREFILL_CHUNK_TOKENS)
             count = self.target.cost.fit(lo, budget, most)
+            if count == 0 and not chunks:
+                count = 1  # the oldest prompt always moves, whatever the running rows left
             if count == 0:
                 break
             chunks.append((s, s.token_ids[lo : lo + count]))

@@ -24,7 +24,7 @@ DEFAULT_NGRAM_MAX = 4
 # for it: under a flood of short requests that was 20% of the worker's time.
 # Inside the step those tokens only widen the packed forwards the step runs anyway.
 # Longer prompts are prefilled in chunks (within the iteration budget below) up to their
-# last this-many tokens, capped at half the budget; the value matches
+# last this-many tokens, cut to cost at most half the budget (actor._tail_tokens); the value matches
 # actor.PREFILL_CHUNK_TOKENS, so no forward takes more of one prompt than a prefill chunk
 # would. 1 = the whole prompt but its last token is prefilled first.
 DEFAULT_STEP_PREFILL_TOKENS = 512
@@ -35,12 +35,12 @@ DEFAULT_STEP_PREFILL_TOKENS = 512
 # take what is left, chunk by chunk over as many iterations as they need, so an iteration's
 # time is bounded whatever arrives. 0 = by device (``iteration_budget``): on a GPU 512, one
 # prefill chunk (actor.PREFILL_CHUNK_TOKENS), milliseconds of work; on a CPU, where a forward's
-# time grows with its tokens, 64, so a burst of long prompts adds little to the running
+# time grows with its tokens, 48, so a burst of long prompts adds little to the running
 # streams' inter-token latency. Smaller keeps the streams' inter-token latency closer to a pure
 # decode step's while prompts arrive; larger prefills bursts sooner (docs/scheduling.md).
 DEFAULT_MAX_ITERATION_TOKENS = 0
 GPU_ITERATION_TOKENS = 512
-CPU_ITERATION_TOKENS = 64
+CPU_ITERATION_TOKENS = 48
 
 
 @dataclass(frozen=True)
@@ -100,11 +100,9 @@ class WorkerConfig:
                 "step_prefill_tokens must be >= 1 (the first step feeds at least the last prompt token), "
                 f"got {self.step_prefill_tokens}"
             )
-        if self.max_iteration_tokens < 0 or 0 < self.max_iteration_tokens < self.max_batch:
-            # Every running sequence feeds at least one token per step: a full batch must fit.
-            raise ValueError(
-                f"max_iteration_tokens ({self.max_iteration_tokens}) must be >= max_batch ({self.max_batch})"
-            )
+        if self.max_iteration_tokens < 0:
+            # Below a full batch is allowed: running rows are never dropped, only their drafts.
+            raise ValueError(f"max_iteration_tokens must be >= 0 (0 = by device), got {self.max_iteration_tokens}")
         if self.static_forward not in ("auto", "on", "off"):
             raise ValueError(f"static_forward must be auto, on or off, got {self.static_forward!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -112,9 +110,9 @@ class WorkerConfig:
 
 
 def iteration_budget(config: WorkerConfig, device_type: str) -> int:
-    """The iteration token budget in force on a device ("cuda", "cpu", ...): the configured one,
-    or by device when it is 0; never below a full batch's one token per sequence."""
+    """The iteration budget in force on a device ("cuda", "cpu", ...): the configured one, or by
+    device when it is 0. It may be below a full batch's one token per sequence: running rows
+    are never dropped (a batch whose rows alone pass the budget steps whole, without drafts)."""
     if config.max_iteration_tokens > 0:
         return config.max_iteration_tokens
-    chosen = GPU_ITERATION_TOKENS if device_type == "cuda" else CPU_ITERATION_TOKENS
-    return max(chosen, config.max_batch)
+    return GPU_ITERATION_TOKENS if device_type == "cuda" else CPU_ITERATION_TOKENS

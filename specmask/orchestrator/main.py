@@ -124,7 +124,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=cfg.DEFAULT_MAX_ITERATION_TOKENS,
         help="target tokens one worker iteration may process, each weighted by the keys it attends over "
         "(a token deep in a long prompt counts more than one): running sequences' decode rows first, then "
-        "chunks of prompts being prefilled, in the same forward; 0 = by device, 512 on a GPU and 64 on a "
+        "chunks of prompts being prefilled, in the same forward; 0 = by device, 512 on a GPU and 48 on a "
         "CPU (docs/scheduling.md)",
     )
     parser.add_argument(

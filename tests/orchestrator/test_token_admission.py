@@ -50,7 +50,9 @@ def test_the_bounds_and_the_iteration_budget_reach_engine_and_workers() -> None:
     )
     assert cfg.worker_config().max_iteration_tokens == 256
     assert cfg.prompt_token_bounds() == PromptTokenBounds(123, 45)
+    # Below a full batch is allowed (rows are never dropped, only drafts); below 0 is not.
+    assert OrchestratorConfig(target_dir="/m", mask_service_addresses=("m:1",), max_batch=64, max_iteration_tokens=32)
     with pytest.raises(ValueError, match="max_iteration_tokens"):
-        OrchestratorConfig(target_dir="/m", mask_service_addresses=("m:1",), max_batch=64, max_iteration_tokens=32)
+        OrchestratorConfig(target_dir="/m", mask_service_addresses=("m:1",), max_iteration_tokens=-1)
     with pytest.raises(ValueError, match="max_queued_prompt_tokens"):
         OrchestratorConfig(target_dir="/m", mask_service_addresses=("m:1",), max_queued_prompt_tokens=-5)
