@@ -545,7 +545,7 @@ class GpuWorker:
         cached, oldest first, each chunk at most PREFILL_CHUNK_TOKENS and sized by its cost
         (a chunk late in a long prompt attends over all of it, so fewer of its tokens fit). The
         oldest gets at least one token even past the budget, so prompts never starve."""
-        chunks = []
+        chunks: list[tuple[SequenceState, list[int]]] = []
         for s in self._seqs.values():
             if not s.prefilling:
                 continue
