@@ -94,7 +94,7 @@ class SlotPool:
         if kv.pool is not None:
             raise ValueError("this KV cache already has a slot")
         if len(self._owners) == self.num_slots:
-            self._resize(self._more_slots(self.num_slots + 1), max(self.capacity, _MIN_GROWTH))
+            self.grow(self.num_slots + 1, 0)
         kv.pool, kv.slot = self, len(self._owners)
         self._owners.append(kv)
 
@@ -114,14 +114,13 @@ class SlotPool:
         self._owners.pop()
         kv.pool, kv.slot = None, None
 
-    def _more_slots(self, slots: int) -> int:
-        """The slot count to grow to for at least ``slots``: by half, or to ``slots`` if more."""
-        return max(slots, self.num_slots + max(1, self.num_slots // 2))
-
     def grow(self, slots: int, positions: int) -> None:
-        """At least ``slots`` slots and ``positions`` positions per slot, in at most one resize
-        (each grown geometrically, as ``bind`` and ``reserve`` would)."""
-        new_slots = self._more_slots(slots) if slots > self.num_slots else self.num_slots
+        """At least ``slots`` slots and ``positions`` positions per slot, in at most one resize;
+        each grows geometrically (slots by half, positions by half and at least ``_MIN_GROWTH``),
+        or straight to what is asked if that is more."""
+        new_slots = self.num_slots
+        if slots > new_slots:
+            new_slots = max(slots, new_slots + max(1, new_slots // 2))
         capacity = self.capacity
         if positions > capacity:
             capacity = max(positions, capacity + max(capacity // 2, _MIN_GROWTH))
@@ -134,10 +133,8 @@ class SlotPool:
             self._resize(slots, max(self.capacity, _MIN_GROWTH))
 
     def reserve(self, positions: int) -> None:
-        """Room for ``positions`` positions in every slot (grows by half, at least ``_MIN_GROWTH``)."""
-        if positions > self.capacity:
-            grown = self.capacity + max(self.capacity // 2, _MIN_GROWTH)
-            self._resize(max(self.num_slots, 1), max(positions, grown))
+        """Room for ``positions`` positions in every slot (``grow``)."""
+        self.grow(self.num_slots, positions)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))

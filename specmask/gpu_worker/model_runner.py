@@ -149,14 +149,13 @@ class ModelRunner:
         return self.pool
 
     def _pool_for(self, items: Sequence[ForwardItem]) -> SlotPool:
-        self._pool()
-        assert self.pool is not None
+        pool = self._pool()
         for it in items:
             if it.kv.pool is None:
-                self.pool.bind(it.kv)
-            elif it.kv.pool is not self.pool:
+                pool.bind(it.kv)
+            elif it.kv.pool is not pool:
                 raise ValueError(f"{self.name}: a KV cache of another model was passed")
-        return self.pool
+        return pool
 
     def _rows(self, items: Sequence[ForwardItem]) -> tuple[SlotPool, int, list[int]]:
         """The pool, the first pool row ``lo`` of the range [lo, hi) the items occupy, and every
