@@ -57,12 +57,16 @@ class StreamLog:
 
     def gaps(self, lo: float, hi: float) -> list[float]:
         """Inter-token gaps (s) whose later chunk arrived in [lo, hi]."""
-        return [b - a for times in self.arrivals for a, b in itertools.pairwise(times) if lo <= b <= hi]
+        return [gap for _, gap in self._timed_gaps(lo, hi)]
 
     def worst(self, lo: float, hi: float, n: int = 5) -> list[list[float]]:
         """The ``n`` longest gaps in [lo, hi] as [seconds after lo, gap ms]: where the tail sits."""
-        gaps = [(b - lo, b - a) for times in self.arrivals for a, b in itertools.pairwise(times) if lo <= b <= hi]
-        return [[round(at, 1), round(1000 * gap, 1)] for at, gap in sorted(gaps, key=lambda g: -g[1])[:n]]
+        gaps = sorted(self._timed_gaps(lo, hi), key=lambda g: -g[1])[:n]
+        return [[round(at - lo, 1), round(1000 * gap, 1)] for at, gap in gaps]
+
+    def _timed_gaps(self, lo: float, hi: float) -> list[tuple[float, float]]:
+        """(arrival of the later chunk, gap) for every gap whose later chunk arrived in [lo, hi]."""
+        return [(b, b - a) for times in self.arrivals for a, b in itertools.pairwise(times) if lo <= b <= hi]
 
 
 def percentile(values: list[float], q: float) -> float:
