@@ -34,8 +34,10 @@ from specmask.gpu_worker.loading import (
     has_tokenizer,
     load_causal_lm,
     load_tokenizer,
+    read_draft_vocab,
     resolve_device,
     resolve_dtype,
+    restrict_output_vocab,
 )
 from specmask.gpu_worker.mask_errors import MASK_TIER_UNAVAILABLE, describe_mask_failure
 from specmask.gpu_worker.mask_table import DeviceMaskTable
@@ -100,8 +102,15 @@ class GpuWorker:
             self._check_shared_tokenizer(config.draft_dir)
             if draft_model is None:
                 draft_model = load_causal_lm(config.draft_dir, dtype, self.device)
+            draft_ids = read_draft_vocab(config.draft_dir, self.target.vocab_size)
+            if draft_ids is not None:
+                restrict_output_vocab(draft_model, draft_ids)
             self.draft = ModelRunner(
-                draft_model, batched=config.batched_forward, name="draft", static=config.static_forward
+                draft_model,
+                batched=config.batched_forward,
+                name="draft",
+                static=config.static_forward,
+                output_ids=draft_ids,
             )
         self.vocab_size = self.target.vocab_size  # V: logits width
         self.max_model_len = self.target.max_model_len
@@ -510,7 +519,7 @@ class GpuWorker:
         self._check_ids(stop_ids, "stop")
         if "draft_model" in proposers:
             assert self.draft is not None
-            if max(prompt) >= self.draft.vocab_size:
+            if max(prompt) >= self.draft.input_vocab_size:
                 raise ValueError(f"prompt token id {max(prompt)} is outside the draft vocabulary")
         seed = p.seed if p.seed is not None else self._rng.getrandbits(_SEED_BITS)
         return SequenceState(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -63,6 +64,45 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device) -> Any:
     model.to(device)  # type: ignore[arg-type]  # transformers types .to() through a decorator that hides self
     model.eval()
     return model
+
+
+# A draft directory may name the target-vocabulary ids its LM head scores (a JSON list, sorted,
+# distinct): a draft trained to propose only the tokens structured output uses needs only those
+# rows of the projection, which is most of a small draft's per-token cost (SmolLM2: 28 M of the
+# 35 M parameters a two-layer draft reads per token). Written by `specmask models distill`.
+DRAFT_VOCAB_FILE = "draft_vocab.json"
+
+
+def read_draft_vocab(path: str, vocab_size: int) -> torch.Tensor | None:
+    """The ids in ``path``/DRAFT_VOCAB_FILE as an int64 tensor, or None when the file is absent.
+    Raises ValueError on a list that is empty, unsorted, repeated or outside ``[0, vocab_size)``."""
+    file = Path(path) / DRAFT_VOCAB_FILE
+    if not file.is_file():
+        return None
+    ids = json.loads(file.read_text())
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+        or any(b <= a for a, b in itertools.pairwise(ids))
+        or ids[0] < 0
+        or ids[-1] >= vocab_size
+    ):
+        raise ValueError(f"{file}: expected a sorted list of distinct token ids in [0, {vocab_size})")
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def restrict_output_vocab(model: Any, ids: torch.Tensor) -> None:
+    """Replace ``model``'s LM head by one scoring only ``ids`` (its rows of the full head): logit
+    column j is then token ``ids[j]``. The input embedding is untouched (a tied head is untied)."""
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("a draft vocabulary needs an LM head without bias")
+    weight = head.weight.detach()[ids.to(head.weight.device)].clone()  # [n, hidden]
+    small = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    small.weight = torch.nn.Parameter(weight, requires_grad=False)
+    model.set_output_embeddings(small)
+    model.config.tie_word_embeddings = False  # a later tie_weights() must not undo this
 
 
 def load_tokenizer(path: str) -> Any:

@@ -72,11 +72,20 @@ class ModelRunner:
     """Owns one loaded causal LM and runs batch forwards (packed or padded) over per-sequence caches."""
 
     def __init__(
-        self, model: Any, *, batched: bool = True, packed: bool = True, name: str = "model", static: str = "off"
+        self,
+        model: Any,
+        *,
+        batched: bool = True,
+        packed: bool = True,
+        name: str = "model",
+        static: str = "off",
+        output_ids: torch.Tensor | None = None,
     ) -> None:
         """``static``: the static-shape forward for decode and verify batches (gpu_worker.static_forward;
         "auto", "on" or "off", see ``static_forward.build``). Off by default here: the worker
-        passes WorkerConfig.static_forward."""
+        passes WorkerConfig.static_forward. ``output_ids``: the token id of each logit column when
+        the LM head scores a subset of the vocabulary (loading.restrict_output_vocab); None when
+        column j is token j."""
         self.model = model
         self.name = name
         self.batched = batched
@@ -93,6 +102,11 @@ class ModelRunner:
         # Gemma-2-style models squash logits; keep parity with the model's own forward.
         self._softcap: float | None = getattr(config, "final_logit_softcapping", None)
         self.vocab_size: int = int(self._lm_head.weight.shape[0])  # V: logits width
+        if output_ids is not None and output_ids.shape != (self.vocab_size,):
+            raise ValueError(f"{name}: {output_ids.shape[0]} output ids for an LM head of {self.vocab_size} rows")
+        self.output_ids = output_ids  # [V] int64 token ids of the logit columns, or None (identity)
+        # Token ids the model can read: its input embedding's rows (the head may score fewer).
+        self.input_vocab_size: int = int(model.get_input_embeddings().weight.shape[0])
         self.max_model_len: int = int(getattr(config, "max_position_embeddings", 1 << 30))
         self.cost = TokenCost.of_model(model)  # what a token at a position costs a forward (the budget's unit)
         self.device: torch.device = next(model.parameters()).device

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from specmask.gpu_worker.loading import DRAFT_VOCAB_FILE
 from specmask.gpu_worker.models.distill import DistillConfig, distill_draft
 from specmask.gpu_worker.models.sources import ModelSource, sha256_file
 from specmask.gpu_worker.types import SamplingParams, SpeculationParams
@@ -27,7 +28,11 @@ from tests.gpu_worker.helpers import torch_threads
 EOS = (0,)  # the tiny pair's <|eos|>
 MAX_TOKENS = 40
 # One of the tiny target's two layers: a real (smaller) draft, not a copy of the target.
-TINY = DistillConfig(layers=(0,), num_schemas=8, max_new_tokens=24, max_prompt_tokens=240, epochs=1, accumulate=2)
+# Its LM head scores about half of the tiny vocabulary (TINY_VOCAB_SIZE = 300), so the worker runs
+# the restricted head, and rows whose allowed tokens all lie outside it propose nothing.
+TINY = DistillConfig(
+    layers=(0,), num_schemas=8, max_new_tokens=24, max_prompt_tokens=240, epochs=1, accumulate=2, draft_vocab=160
+)
 SCHEMAS = {
     "record": {
         "type": "object",
@@ -101,6 +106,10 @@ def test_build_is_a_smaller_draft_sharing_tokenizer_and_embedding(tiny_pair, dis
     assert draft.get_output_embeddings().weight.data_ptr() == draft.get_input_embeddings().weight.data_ptr()
     assert info["teacher_decodes"] > 0 and info["teacher_positions"] > info["teacher_forced_positions"] > 0
     assert len(info["heldout_acceptance_by_position"]) == 4
+    # The draft vocabulary: TINY.draft_vocab sorted, distinct ids, the ones the teacher used among them.
+    ids = json.loads((draft_dir / DRAFT_VOCAB_FILE).read_text())
+    assert info["draft_vocab"] == len(ids) == TINY.draft_vocab
+    assert ids == sorted(set(ids)) and ids[0] >= 0 and ids[-1] < target.config.vocab_size
 
 
 def test_build_is_reproducible(tiny_pair, distilled, tmp_path: Path) -> None:
@@ -166,6 +175,7 @@ def test_greedy_with_distilled_draft_matches_plain_constrained_decoding(make_wor
         )
         for name, schema in SCHEMAS.items()
     ]
+    assert worker.draft is not None and worker.draft.vocab_size == TINY.draft_vocab  # the restricted head
     results = _run_retrying_compiles(worker, seqs)
     for name in SCHEMAS:
         got = results[name]

@@ -67,6 +67,10 @@ class DistillConfig:
     lr: float = 3e-4
     seed: int = 0
     threads: int = 1  # torch CPU threads during the build: results are reproducible per thread count
+    # Tokens the draft's LM head scores (loading.DRAFT_VOCAB_FILE): the ones the teacher's constrained
+    # outputs use most, then the lowest ids (a BPE vocabulary's earliest, most frequent merges).
+    # 0 = the whole vocabulary.
+    draft_vocab: int = 8192
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -258,23 +262,73 @@ def _unpack(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
 
 
-def _sample_loss(student: Any, sample: Sample) -> tuple[torch.Tensor, int]:
+def choose_draft_vocab(samples: Sequence[Sample], size: int, vocab: int) -> list[int]:
+    """The ``size`` token ids a draft scores (sorted): those the teacher's masked top-k ranks
+    highest over all ``samples`` (its choice counts 4, each other kept candidate 1), then the
+    lowest ids not yet in. Empty when ``size`` is 0 or covers the whole vocabulary."""
+    if size <= 0 or size >= vocab:
+        return []
+    weights = torch.zeros(vocab, dtype=torch.float64)
+    for s in samples:
+        finite = torch.isfinite(s.topk_logp)  # [n, K]
+        weights.index_add_(0, s.topk_ids[finite], torch.ones(int(finite.sum()), dtype=torch.float64))
+        weights.index_add_(0, s.topk_ids[:, 0], torch.full((len(s.output),), 3.0, dtype=torch.float64))
+    # Stable order: weight first, then the lower id.
+    order = sorted(range(vocab), key=lambda t: (-float(weights[t]), t))
+    return sorted(order[:size])
+
+
+class DraftVocab:
+    """Where the student's logit columns sit in the target vocabulary (identity when ``ids`` is empty)."""
+
+    def __init__(self, ids: Sequence[int], vocab: int) -> None:
+        self.vocab = vocab
+        self.ids = torch.tensor(list(ids), dtype=torch.long) if ids else None  # [n] or None
+        self.column = torch.full((vocab,), -1, dtype=torch.long)  # [V]: column of each token, -1 = not scored
+        if self.ids is None:
+            self.column = torch.arange(vocab)
+        else:
+            self.column[self.ids] = torch.arange(len(self.ids))
+
+    def logits(self, student: Any, hidden: torch.Tensor) -> torch.Tensor:  # [m, d] -> [m, n] float32
+        if self.ids is None:
+            return student.lm_head(hidden).float()
+        weight = student.get_output_embeddings().weight  # tied to the frozen embedding
+        return (hidden @ weight[self.ids].T).float()
+
+    def allowed(self, bitmask: torch.Tensor) -> torch.Tensor:  # [m, W] packed -> [m, n] bool
+        full = _unpack(bitmask, self.vocab)
+        return full if self.ids is None else full[:, self.ids]
+
+
+def _output_hidden(student: Any, sample: Sample) -> torch.Tensor:
+    """The student's last hidden state at the positions predicting each output token: [n, d]."""
+    ids = torch.tensor(sample.prompt + sample.output[:-1]).unsqueeze(0)  # [1, T]
+    hidden = student.model(input_ids=ids).last_hidden_state[0]
+    first = len(sample.prompt) - 1  # position predicting output[0]
+    return hidden[first : first + len(sample.output)]
+
+
+def _sample_loss(student: Any, sample: Sample, vocab: DraftVocab) -> tuple[torch.Tensor, int]:
     """Summed cross-entropy of the masked student against the teacher's masked top-k over the
-    sample's unforced positions; (loss, positions)."""
+    sample's unforced positions where the draft vocabulary holds an allowed token and one of the
+    teacher's candidates; (loss, positions)."""
     keep = ~sample.forced  # [n]
-    count = int(keep.sum())
+    if not bool(keep.any()):
+        return torch.zeros(()), 0
+    allowed = vocab.allowed(sample.bitmask[keep])  # [m, n_cols]
+    cols = vocab.column[sample.topk_ids[keep]]  # [m, K], -1 = not scored
+    p = torch.softmax(sample.topk_logp[keep], dim=-1) * (cols >= 0)  # 0 past the allowed set or vocabulary
+    mass = p.sum(-1)  # [m]
+    rows = allowed.any(-1) & (mass > 0)  # [m]
+    count = int(rows.sum())
     if count == 0:
         return torch.zeros(()), 0
-    ids = torch.tensor(sample.prompt + sample.output[:-1]).unsqueeze(0)  # [1, T]
-    hidden = student.model(input_ids=ids).last_hidden_state[0]  # [T, d]
-    first = len(sample.prompt) - 1  # position predicting output[0]
-    h = hidden[first : first + len(sample.output)][keep]  # [m, d]
-    logits = student.lm_head(h).float()  # [m, V]
-    allowed = _unpack(sample.bitmask[keep], logits.shape[1])  # [m, V]
-    logq = torch.log_softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)  # [m, V]
-    t_logp = sample.topk_logp[keep]  # [m, K]
-    p = torch.softmax(t_logp, dim=-1)  # renormalised over the kept top-k; 0 past the allowed set
-    q_at = logq.gather(1, sample.topk_ids[keep])  # [m, K]
+    h = _output_hidden(student, sample)[keep][rows]  # [c, d]
+    logits = vocab.logits(student, h)  # [c, n_cols]
+    logq = torch.log_softmax(logits.masked_fill(~allowed[rows], float("-inf")), dim=-1)
+    p = p[rows] / mass[rows].unsqueeze(-1)  # renormalised over the kept, scored candidates
+    q_at = logq.gather(1, cols[rows].clamp(min=0))  # [c, K]
     terms = torch.where(p > 0, p * q_at, torch.zeros_like(p))
     return -terms.sum(), count
 
@@ -288,7 +342,11 @@ def _lr_at(step: int, steps: int, peak: float) -> float:
 
 
 def train_student(
-    student: Any, samples: Sequence[Sample], config: DistillConfig, on_step: Callable[[float], None] | None = None
+    student: Any,
+    samples: Sequence[Sample],
+    config: DistillConfig,
+    vocab: DraftVocab,
+    on_step: Callable[[float], None] | None = None,
 ) -> float:
     """Distil for ``config.epochs``; returns the mean per-position loss of the last epoch."""
     params = [p for p in student.parameters() if p.requires_grad]
@@ -306,13 +364,13 @@ def train_student(
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, steps, config.lr)
             opt.zero_grad(set_to_none=True)
-            total = sum(int((~samples[i].forced).sum()) for i in chunk)
+            # Forward per sample, backward once: the per-position mean needs the chunk's count.
+            losses = [_sample_loss(student, samples[i], vocab) for i in chunk]
+            total = sum(count for _, count in losses)
             chunk_loss = 0.0
-            for i in chunk:
-                loss, count = _sample_loss(student, samples[i])
-                if count:
-                    (loss / total).backward()
-                    chunk_loss += float(loss.detach())
+            if total:
+                (torch.stack([loss for loss, count in losses if count]).sum() / total).backward()
+                chunk_loss = sum(float(loss.detach()) for loss, _ in losses)
             if total:
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step()
@@ -327,7 +385,7 @@ def train_student(
 
 
 @torch.no_grad()
-def greedy_agreement(student: Any, samples: Sequence[Sample], k: int = 4) -> dict[str, Any]:
+def greedy_agreement(student: Any, samples: Sequence[Sample], vocab: DraftVocab, k: int = 4) -> dict[str, Any]:
     """On teacher decodes: ``greedy_agreement`` = P[masked student argmax == teacher token] over
     unforced positions; ``acceptance_by_position`` = P[draft i accepted | drafts 1..i-1 accepted]
     for i = 1..k of greedy speculation started at every output position (forced positions count as
@@ -338,13 +396,12 @@ def greedy_agreement(student: Any, samples: Sequence[Sample], k: int = 4) -> dic
     accepted = [0] * k
     runs = starts = 0
     for s in samples:
-        ids = torch.tensor(s.prompt + s.output[:-1]).unsqueeze(0)
-        hidden = student.model(input_ids=ids).last_hidden_state[0]
-        first = len(s.prompt) - 1
-        logits = student.lm_head(hidden[first : first + len(s.output)]).float()  # [n, V]
-        allowed = _unpack(s.bitmask, logits.shape[1])
-        pred = logits.masked_fill(~allowed, float("-inf")).argmax(-1)
-        ok = (pred == s.topk_ids[:, 0]) | s.forced  # [n]
+        logits = vocab.logits(student, _output_hidden(student, s))  # [n, n_cols]
+        allowed = vocab.allowed(s.bitmask)
+        best = logits.masked_fill(~allowed, float("-inf")).argmax(-1)
+        pred = best if vocab.ids is None else vocab.ids[best]
+        # A row with nothing allowed in the draft's vocabulary proposes nothing (DraftModelProposer).
+        ok = ((pred == s.topk_ids[:, 0]) & allowed.any(-1)) | s.forced  # [n]
         keep = ~s.forced
         agree += int((ok & keep).sum())
         count += int(keep.sum())
@@ -375,7 +432,7 @@ def distill_draft(target_dir: Path, out_dir: Path, config: DistillConfig, *, pro
     from tqdm.auto import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from specmask.gpu_worker.loading import eos_token_ids
+    from specmask.gpu_worker.loading import DRAFT_VOCAB_FILE, eos_token_ids
     from specmask.gpu_worker.models.distill_schemas import random_schemas
 
     before = _set_threads(config.threads)
@@ -400,9 +457,12 @@ def distill_draft(target_dir: Path, out_dir: Path, config: DistillConfig, *, pro
         # Every 8th decode is held back from training to measure the draft on unseen schemas.
         held = samples[::8]
         train = [s for i, s in enumerate(samples) if i % 8 != 0]
+        vocab_size = int(target.config.vocab_size)
+        draft_ids = choose_draft_vocab(train, config.draft_vocab, vocab_size)
+        vocab = DraftVocab(draft_ids, vocab_size)
         student = init_student(target, config.layers)
         del target
-        before_training = greedy_agreement(student, held)
+        before_training = greedy_agreement(student, held, vocab)
         steps = math.ceil(len(train) / config.accumulate) * config.epochs
         with tqdm(total=steps, desc="distil", unit="step", disable=not progress) as bar:
 
@@ -410,11 +470,13 @@ def distill_draft(target_dir: Path, out_dir: Path, config: DistillConfig, *, pro
                 bar.set_postfix_str(f"loss={loss:.3f}", refresh=False)
                 bar.update(1)
 
-            final_loss = train_student(student, train, config, on_step=tick)
+            final_loss = train_student(student, train, config, vocab, on_step=tick)
         trained = time.monotonic()
-        after_training = greedy_agreement(student, held)
+        after_training = greedy_agreement(student, held, vocab)
         out_dir.mkdir(parents=True)
         student.save_pretrained(out_dir, safe_serialization=True)
+        if draft_ids:
+            (out_dir / DRAFT_VOCAB_FILE).write_text(json.dumps(draft_ids))
         for f in Path(target_dir).iterdir():
             if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "vocab", "merges")):
                 shutil.copy2(f, out_dir / f.name)
@@ -424,6 +486,7 @@ def distill_draft(target_dir: Path, out_dir: Path, config: DistillConfig, *, pro
             "config": config.to_json(),
             "num_parameters": sum(p.numel() for p in student.parameters()),
             "trainable_parameters": sum(p.numel() for p in student.parameters() if p.requires_grad),
+            "draft_vocab": len(draft_ids) or vocab_size,
             "teacher_decodes": len(samples),
             "teacher_positions": positions,
             "teacher_forced_positions": forced,

@@ -44,6 +44,7 @@ class DraftModelProposer(Proposer):
         self.kernel_backend = kernel_backend
         # Mask rows as ids into the worker's device-resident row table (shared with the verifier).
         self.mask_table = mask_table if mask_table is not None else DeviceMaskTable(runner.device)
+        self._ids: torch.Tensor | None = None  # runner.output_ids on the logits' device
 
     @classmethod
     def create(cls, resources: ProposerResources) -> DraftModelProposer | None:
@@ -52,8 +53,18 @@ class DraftModelProposer(Proposer):
         return cls(resources.draft_runner, resources.vocab_size, resources.kernel_backend, resources.mask_table)
 
     def _fit_width(self, logits: torch.Tensor) -> torch.Tensor:  # [n, V_draft] -> [n, V]
-        """Align draft logits to the target width: a narrower draft gets -inf columns,
-        a wider one loses tokens the target cannot emit."""
+        """Align draft logits to the target width: a draft scoring a subset of the vocabulary
+        (``ModelRunner.output_ids``) has its columns scattered to their ids and -inf elsewhere, so
+        it never proposes a token outside it; a narrower draft gets -inf columns, a wider one
+        loses tokens the target cannot emit."""
+        ids = self.runner.output_ids
+        if ids is not None:
+            if self._ids is None or self._ids.device != logits.device:
+                self._ids = ids.to(logits.device)
+            keep = self._ids < self.vocab_size
+            full = torch.full((logits.shape[0], self.vocab_size), float("-inf"), device=logits.device)
+            full[:, self._ids[keep]] = logits[:, keep]
+            return full
         width = logits.shape[1]
         if width == self.vocab_size:
             return logits
@@ -102,8 +113,11 @@ class DraftModelProposer(Proposer):
             device=logits.device,
         )
         tokens, probs = sample_draft(logits, sampling, position=position, backend=self.kernel_backend)
-        tokens_host = tokens.tolist()
+        # A row with no finite logit left (a draft vocabulary holding none of the tokens the grammar
+        # allows here) proposes nothing: its sample would be a token the target must reject.
+        live = torch.isfinite(logits.amax(dim=1))  # [n] bool
+        tokens_host, live_host = torch.stack([tokens, live.to(tokens.dtype)]).tolist()
         return [
-            Proposal(tok, None if p.temperature == 0.0 else probs[i])
-            for i, (tok, p) in enumerate(zip(tokens_host, params))
+            Proposal(tok, None if p.temperature == 0.0 else probs[i]) if ok else None
+            for i, (tok, ok, p) in enumerate(zip(tokens_host, live_host, params))
         ]
