@@ -125,7 +125,16 @@ _F1_SCHEMA = {
     "patternProperties": {".*": {"type": "string"}},
 }
 _LOOP = {"$defs": {"x": {"$ref": "#/$defs/y"}, "y": {"$ref": "#/$defs/x"}}, "$ref": "#/$defs/x"}
-NO_VALID_OUTPUT = object()  # an empty language: any "complete" output is a lie
+
+
+class _NoValidOutput:
+    """An empty language: any "complete" output is a lie."""
+
+    def __repr__(self) -> str:  # a stable test id: xdist workers must collect the same names
+        return "NO_VALID_OUTPUT"
+
+
+NO_VALID_OUTPUT = _NoValidOutput()
 
 
 def _finding_cases() -> list[tuple[str, pb.Grammar, dict, object]]:
