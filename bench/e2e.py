@@ -107,6 +107,10 @@ class PhaseStats:
     subsets: dict[str, dict[str, int]] = field(default_factory=dict)  # subset -> OUTCOMES counts
     outputs: dict[int, tuple[int, ...]] = field(default_factory=dict)  # case index -> token ids (finished)
     mask_calls: int = 0  # DraftMasks calls the mask replicas served during the phase (their /metrics)
+    # Draft position (1-based) -> steps that verified it after accepting every earlier one, and
+    # steps that accepted it (the server's specmask_draft_position_* counters over the phase).
+    positions_reached: dict[int, int] = field(default_factory=dict)
+    positions_accepted: dict[int, int] = field(default_factory=dict)
 
     def count(self, case: Case, outcome: str) -> None:
         """One request's outcome, overall and in its subset."""
@@ -124,6 +128,15 @@ class PhaseStats:
     @property
     def mask_round_trips_per_step(self) -> float:
         return self.mask_calls / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """P[draft i accepted | drafts 1..i-1 accepted], i = 1.. (positions some step reached)."""
+        return [
+            round(self.positions_accepted.get(i, 0) / self.positions_reached[i], 3)
+            for i in sorted(self.positions_reached)
+            if self.positions_reached[i]
+        ]
 
     @property
     def mean_batch(self) -> float:
@@ -266,6 +279,7 @@ async def run_phase(
     lengths = [0] * len(cases)
     metrics = running.server.metrics
     steps0, step_s0, seqs0 = metrics.step_totals()
+    reached0, accepted0 = metrics.position_totals()
     calls0 = await asyncio.to_thread(mask_call_count, running)
     gate = asyncio.Semaphore(concurrency)
     async with grpc.aio.insecure_channel(running.address) as channel:
@@ -294,6 +308,9 @@ async def run_phase(
         stats.wall_s = time.monotonic() - started
     steps1, step_s1, seqs1 = metrics.step_totals()
     stats.steps, stats.step_s, stats.sequence_steps = steps1 - steps0, step_s1 - step_s0, seqs1 - seqs0
+    reached1, accepted1 = metrics.position_totals()
+    stats.positions_reached = {i: n - reached0.get(i, 0) for i, n in reached1.items()}
+    stats.positions_accepted = {i: n - accepted0.get(i, 0) for i, n in accepted1.items()}
     stats.mask_calls = await asyncio.to_thread(mask_call_count, running) - calls0
     return stats, lengths
 
@@ -405,6 +422,12 @@ def merge(rounds: list[PhaseStats]) -> PhaseStats:
         for name in ("completion_tokens", "target_forwards", "drafts_proposed", "drafts_accepted"):
             setattr(total.usage, name, getattr(total.usage, name) + getattr(r.usage, name))
         total.error_samples += r.error_samples
+        for mine, theirs in (
+            (total.positions_reached, r.positions_reached),
+            (total.positions_accepted, r.positions_accepted),
+        ):
+            for i, n in theirs.items():
+                mine[i] = mine.get(i, 0) + n
         for subset, counts in r.subsets.items():
             mine = total.subsets.setdefault(subset, dict.fromkeys(OUTCOMES, 0))
             for k, v in counts.items():
@@ -509,6 +532,8 @@ async def bench(args: argparse.Namespace, cases: list[Case], stack: StackConfig)
         "errors": sum(p.errors for p in merged.values()),
         "tokens_per_target_forward": round(constrained.usage.tokens_per_target_forward, 3),
         "acceptance_rate": round(constrained.usage.acceptance_rate, 3),
+        "acceptance_by_position": constrained.acceptance_by_position,
+        "forced_ngram_acceptance_by_position": forced_ngram.acceptance_by_position,
         "constrained_step_ms": round(constrained.mean_step_ms, 3),
         "unconstrained_step_ms": round(unconstrained.mean_step_ms, 3),
         "constrained_nodraftmask_step_ms": round(nodraftmask.mean_step_ms, 3),

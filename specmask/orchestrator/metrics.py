@@ -174,6 +174,25 @@ class OrchestratorMetrics:
         self.vllm_spec_accepted_tokens = Counter(
             "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=r
         )
+        # Acceptance by draft position: position i (1-based) is *reached* in a step that proposed at
+        # least i drafts and accepted the i - 1 before it; acceptance at i = accepted / reached (the
+        # conditional rate, what a longer draft must beat to pay off).
+        self.draft_position_reached = Counter(
+            "specmask_draft_position_reached",
+            "Draft positions verified after every earlier one",
+            ["position"],
+            registry=r,
+        )
+        self.draft_position_accepted = Counter(
+            "specmask_draft_position_accepted", "Draft positions accepted", ["position"], registry=r
+        )
+        # vLLM's name: accepted tokens per draft position (0-based), for dashboards built for it.
+        self.vllm_spec_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position",
+            ["position"],
+            registry=r,
+        )
         self._http_server: WSGIServer | None = None
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
@@ -207,9 +226,27 @@ class OrchestratorMetrics:
             self.vllm_generation_tokens.inc(len(o.new_token_ids))
             self.vllm_spec_draft_tokens.inc(o.drafts_proposed)
             self.vllm_spec_accepted_tokens.inc(o.drafts_accepted)
+            self._observe_positions(o.drafts_proposed, o.drafts_accepted)
             if o.session_wait is not None:
                 self.session_waits.labels(outcome=o.session_wait.value).inc()
                 self.steps_sat_out.inc(o.steps_sat_out)
+
+    def _observe_positions(self, proposed: int, accepted: int) -> None:
+        for i in range(1, min(accepted + 1, proposed) + 1):
+            self.draft_position_reached.labels(position=str(i)).inc()
+        for i in range(1, accepted + 1):
+            self.draft_position_accepted.labels(position=str(i)).inc()
+            self.vllm_spec_accepted_per_pos.labels(position=str(i - 1)).inc()
+
+    def position_totals(self) -> tuple[dict[int, int], dict[int, int]]:
+        """(reached, accepted) per draft position so far, for benchmarks."""
+        out: tuple[dict[int, int], dict[int, int]] = ({}, {})
+        for counts, counter in zip(out, (self.draft_position_reached, self.draft_position_accepted)):
+            for metric in counter.collect():
+                for sample in metric.samples:
+                    if sample.name.endswith("_total"):
+                        counts[int(sample.labels["position"])] = int(sample.value)
+        return out
 
     def step_totals(self) -> tuple[int, float, int]:
         """(steps, seconds in steps, sequence-steps) summed over workers, for benchmarks."""

@@ -43,3 +43,26 @@ def test_outputs_of_requests_no_longer_running_are_not_counted_as_emitted() -> N
     assert value("specmask_worker_batch_size_sum") == 2.0 and value("specmask_mask_wait_seconds_count") == 1.0
     m.observe_step(0, 0.01, [dropped])  # no running set given: everything counts
     assert value("specmask_generated_tokens_total") == 5.0
+
+
+def test_acceptance_by_draft_position_is_conditional_on_reaching_it() -> None:
+    """Position i is reached when a step proposed >= i drafts and accepted the i - 1 before it:
+    a step proposing 4 and accepting 2 reaches 1, 2, 3 and accepts 1, 2; one proposing 3 and
+    accepting all reaches and accepts 1..3; one proposing 2 and accepting none reaches only 1."""
+    from specmask.gpu_worker.types import StepOutput
+
+    m = OrchestratorMetrics()
+    outs = [
+        StepOutput("a", [1, 2, 3], drafts_proposed=4, drafts_accepted=2, target_forwards=1),
+        StepOutput("b", [1, 2, 3, 4], drafts_proposed=3, drafts_accepted=3, target_forwards=1),
+        StepOutput("c", [1], drafts_proposed=2, drafts_accepted=0, target_forwards=1),
+        StepOutput("d", [1], drafts_proposed=0, drafts_accepted=0, target_forwards=1),
+    ]
+    m.observe_step(0, 0.01, outs)
+    reached, accepted = m.position_totals()
+    assert reached == {1: 3, 2: 2, 3: 2}
+    assert accepted == {1: 2, 2: 2, 3: 1}
+    value = m.registry.get_sample_value
+    assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total", {"position": "0"}) == 2.0
+    assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total", {"position": "2"}) == 1.0
+    assert value("specmask_draft_position_reached_total", {"position": "3"}) == 2.0
