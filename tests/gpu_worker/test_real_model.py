@@ -119,6 +119,48 @@ def test_real_model_greedy_matches_plain_constrained(worker, cases, spec: Specul
             json.loads(worker.tokenizer.decode(got.tokens))  # a finished document parses
 
 
+@pytest.fixture(scope="module")
+def draft_worker(model_dir: Path, mask_address: str):
+    """A worker with the distilled draft (its restricted LM head included); skipped when the
+    draft is not built (tests never build it: `specmask models distill` does)."""
+    from specmask.gpu_worker.actor import GpuWorker
+    from specmask.gpu_worker.config import WorkerConfig
+    from specmask.gpu_worker.models.cache import cached_model
+    from specmask.gpu_worker.models.registry import DEFAULT_MODEL, DISTILLED_DRAFTS
+
+    name = DISTILLED_DRAFTS[DEFAULT_MODEL]
+    draft = cached_model(name)
+    if draft is None:
+        pytest.skip(f"{name} is not built; run `specmask models distill {DEFAULT_MODEL}`")
+    w = GpuWorker(
+        WorkerConfig(
+            target_dir=str(model_dir),
+            draft_dir=str(draft),
+            device="cpu",
+            mask_service_addresses=(mask_address,),
+            mask_deadline_s=60.0,
+        )
+    )
+    yield w
+    w.shutdown()
+
+
+def test_distilled_draft_greedy_matches_plain_constrained(draft_worker, cases) -> None:
+    spec = SpeculationParams(k=4, proposers=("draft_model", "grammar_forced"), draft_masking=True)
+    seqs = [
+        NewSequence(name, tuple(ids), grammar, SamplingParams(max_tokens=MAX_TOKENS), spec)
+        for name, (ids, grammar, _) in cases.items()
+    ]
+    with torch_threads(1):
+        assert draft_worker.add(seqs) == [None] * len(seqs)
+        results = run_to_completion(draft_worker)
+    for name, (_, _, ref) in cases.items():
+        got = results[name]
+        assert got.error is None, got.error
+        assert got.tokens == ref.tokens, f"{name}: {got.tokens} != {ref.tokens} (min top-2 gap {ref.min_gap:.2e})"
+    assert sum(results[name].drafts_accepted for name in cases) > 0  # the draft drafted, and was right
+
+
 def test_references_are_nontrivial(cases) -> None:
     assert all(len(ref.tokens) > 5 for _, _, ref in cases.values())
     assert any(ref.finish == "stop" for _, _, ref in cases.values())

@@ -44,7 +44,7 @@ for _n in (8, 16, 24):
 DISTILLED_DRAFTS: dict[str, str] = {DEFAULT_MODEL: f"{DEFAULT_MODEL}-draft"}
 register(
     DISTILLED_DRAFTS[DEFAULT_MODEL],
-    DistilledDraftSource(base=DEFAULT_MODEL, layers=(0, -1), num_schemas=40, epochs=2),
+    DistilledDraftSource(base=DEFAULT_MODEL, layers=(0, -1), num_schemas=480, epochs=6),
 )
 
 # The draft `specmask up/demo/bench` pair with a registered target when none is named. None: no
