@@ -27,7 +27,9 @@ pair unless --target/--draft), then sends the same N prompts, all at once
 * ``constrained-nospec``: grammar on, speculation off;
 * ``constrained-forced-ngram``: grammar on, speculation with grammar-forced and n-gram
   drafts only (the draftless default), so a draft model is compared with the free
-  proposers in the same run.
+  proposers in the same run;
+* ``constrained-all-proposers``: grammar on, every proposer: grammar-forced tokens, the
+  n-gram lookup, and the draft model at the positions neither fills.
 
 The four phases run ``--rounds`` times (default 3), alternating, so drift on a
 shared machine hits every phase alike. Step time is the orchestrator-side time
@@ -385,9 +387,18 @@ def print_table(phases: list[PhaseStats]) -> None:
             print(f"  [{p.phase}] {sample}")
 
 
-PHASES = ("constrained", "unconstrained", "constrained-nodraftmask", "constrained-nospec", "constrained-forced-ngram")
+PHASES = (
+    "constrained",
+    "unconstrained",
+    "constrained-nodraftmask",
+    "constrained-nospec",
+    "constrained-forced-ngram",
+    "constrained-all-proposers",
+)
 # The proposers of the constrained-forced-ngram phase (orchestrator.validation.DRAFTLESS_PROPOSERS).
 FORCED_NGRAM = ("grammar_forced", "ngram")
+# Every proposer: grammar-forced tokens, then n-gram lookup, the draft model where neither has one.
+ALL_PROPOSERS = ("draft_model", "grammar_forced", "ngram")
 
 
 def print_subsets(stats: PhaseStats) -> None:
@@ -422,12 +433,12 @@ def merge(rounds: list[PhaseStats]) -> PhaseStats:
         for name in ("completion_tokens", "target_forwards", "drafts_proposed", "drafts_accepted"):
             setattr(total.usage, name, getattr(total.usage, name) + getattr(r.usage, name))
         total.error_samples += r.error_samples
-        for mine, theirs in (
+        for summed, theirs in (
             (total.positions_reached, r.positions_reached),
             (total.positions_accepted, r.positions_accepted),
         ):
             for i, n in theirs.items():
-                mine[i] = mine.get(i, 0) + n
+                summed[i] = summed.get(i, 0) + n
         for subset, counts in r.subsets.items():
             mine = total.subsets.setdefault(subset, dict.fromkeys(OUTCOMES, 0))
             for k, v in counts.items():
@@ -477,6 +488,16 @@ async def run_round(running: RunningStack, cases: list[Case], args: argparse.Nam
             proposers=FORCED_NGRAM,
             **common,
         )
+    if "constrained-all-proposers" in args.phases:
+        out["constrained-all-proposers"], _ = await run_phase(
+            running,
+            cases,
+            "constrained-all-proposers",
+            constrained=True,
+            max_tokens=args.max_tokens,
+            proposers=ALL_PROPOSERS,
+            **common,
+        )
     return out
 
 
@@ -516,6 +537,8 @@ async def bench(args: argparse.Namespace, cases: list[Case], stack: StackConfig)
     speedups = per_round("constrained", "constrained-nospec", "tokens_per_s")
     vs_forced_ngram = per_round("constrained", "constrained-forced-ngram", "tokens_per_s")
     forced_ngram = merged.get("constrained-forced-ngram", empty)
+    all_proposers = merged.get("constrained-all-proposers", empty)
+    vs_all = per_round("constrained-all-proposers", "constrained-nospec", "tokens_per_s")
     same = [identical_outputs(r["constrained"], r["constrained-nospec"]) for r in rounds if "constrained-nospec" in r]
     return {
         "rounds": args.rounds,
@@ -551,6 +574,11 @@ async def bench(args: argparse.Namespace, cases: list[Case], stack: StackConfig)
         "forced_ngram_tokens_per_s": round(forced_ngram.tokens_per_s, 1),
         "spec_vs_forced_ngram_speedup": _median(vs_forced_ngram),
         "spec_vs_forced_ngram_speedup_rounds": vs_forced_ngram,
+        "all_proposers_tokens_per_target_forward": round(all_proposers.usage.tokens_per_target_forward, 3),
+        "all_proposers_tokens_per_s": round(all_proposers.tokens_per_s, 1),
+        "all_proposers_acceptance_by_position": all_proposers.acceptance_by_position,
+        "all_proposers_vs_nonspec_speedup": _median(vs_all),
+        "all_proposers_vs_nonspec_speedup_rounds": vs_all,
         "mask_round_trips_per_step": round(constrained.mask_round_trips_per_step, 3),
         "nospec_mask_round_trips_per_step": round(nospec.mask_round_trips_per_step, 3),
         "device": device,
