@@ -399,6 +399,13 @@ PHASES = (
 FORCED_NGRAM = ("grammar_forced", "ngram")
 # Every proposer: grammar-forced tokens, then n-gram lookup, the draft model where neither has one.
 ALL_PROPOSERS = ("draft_model", "grammar_forced", "ngram")
+# The constrained phases besides "constrained" itself: what each changes in the requests.
+CONSTRAINED_VARIANTS: dict[str, dict[str, Any]] = {
+    "constrained-nodraftmask": {"draft_masking": False},
+    "constrained-nospec": {"speculation": False},
+    "constrained-forced-ngram": {"proposers": FORCED_NGRAM},
+    "constrained-all-proposers": {"proposers": ALL_PROPOSERS},
+}
 
 
 def print_subsets(stats: PhaseStats) -> None:
@@ -458,46 +465,11 @@ async def run_round(running: RunningStack, cases: list[Case], args: argparse.Nam
         out["unconstrained"], _ = await run_phase(
             running, cases, "unconstrained", constrained=False, max_tokens=lengths, **common
         )
-    if "constrained-nodraftmask" in args.phases:
-        out["constrained-nodraftmask"], _ = await run_phase(
-            running,
-            cases,
-            "constrained-nodraftmask",
-            constrained=True,
-            draft_masking=False,
-            max_tokens=args.max_tokens,
-            **common,
-        )
-    if "constrained-nospec" in args.phases:
-        out["constrained-nospec"], _ = await run_phase(
-            running,
-            cases,
-            "constrained-nospec",
-            constrained=True,
-            speculation=False,
-            max_tokens=args.max_tokens,
-            **common,
-        )
-    if "constrained-forced-ngram" in args.phases:
-        out["constrained-forced-ngram"], _ = await run_phase(
-            running,
-            cases,
-            "constrained-forced-ngram",
-            constrained=True,
-            max_tokens=args.max_tokens,
-            proposers=FORCED_NGRAM,
-            **common,
-        )
-    if "constrained-all-proposers" in args.phases:
-        out["constrained-all-proposers"], _ = await run_phase(
-            running,
-            cases,
-            "constrained-all-proposers",
-            constrained=True,
-            max_tokens=args.max_tokens,
-            proposers=ALL_PROPOSERS,
-            **common,
-        )
+    for phase, options in CONSTRAINED_VARIANTS.items():
+        if phase in args.phases:
+            out[phase], _ = await run_phase(
+                running, cases, phase, constrained=True, max_tokens=args.max_tokens, **options, **common
+            )
     return out
 
 

@@ -18,6 +18,7 @@ from tests.fixtures.tiny_models import build_tiny_model_pair
 BENCH_TIMEOUT_S = 1100
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(BENCH_TIMEOUT_S + 100)]
 REPO_ROOT = Path(__file__).resolve().parents[2]
+PHASES = ("unconstrained", "constrained-nodraftmask", "constrained-nospec", "constrained-all-proposers")
 
 
 def test_bench_e2e_smoke(tmp_path: Path) -> None:
@@ -25,7 +26,8 @@ def test_bench_e2e_smoke(tmp_path: Path) -> None:
     # Its own process: the benchmark starts (and stops) a local Ray of its own.
     cmd = [sys.executable, "-m", "bench.e2e", "--schemas", str(REPO_ROOT / "tests" / "data" / "maskbench"),
            "--n", "4", "--rounds", "2", "--max-tokens", "24", "--concurrency", "4",
-           "--target", str(target), "--draft", str(draft)]  # fmt: skip
+           "--target", str(target), "--draft", str(draft),
+           "--phases", ",".join(PHASES)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
@@ -44,3 +46,8 @@ def test_bench_e2e_smoke(tmp_path: Path) -> None:
     assert result["mask_round_trips_per_step"] > 0 and result["nospec_mask_round_trips_per_step"] > 0, result
     for phase in ("constrained", "unconstrained", "constrained-nodraftmask", "constrained-nospec"):
         assert phase in proc.stdout
+    assert "constrained-all-proposers" in proc.stdout and result["all_proposers_tokens_per_target_forward"] > 0
+    assert len(result["all_proposers_vs_nonspec_speedup_rounds"]) == 2
+    # Conditional acceptance per draft position, from the server's counters: the tiny draft drafts.
+    for key in ("acceptance_by_position", "all_proposers_acceptance_by_position"):
+        assert result[key] and all(0.0 <= a <= 1.0 for a in result[key]), result
