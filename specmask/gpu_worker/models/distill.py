@@ -15,11 +15,14 @@ Pipeline (all on the CPU, seeded, float32):
    so they carry no loss).
 3. **Student.** A Llama with ``layers`` of the target's decoder layers (first and
    last by default), the target's final norm and its embedding matrix, tied to
-   the LM head and frozen: the draft shares the tokenizer and the output space
-   exactly, and only the few layers (and the norm) train.
-4. **Distillation.** Cross-entropy of the student's masked distribution against
-   the teacher's masked top-k (KL up to the teacher's constant entropy), over
-   the positions the worker would ask the draft for, with AdamW and cosine decay.
+   the LM head and frozen: the draft shares the tokenizer exactly, and only the
+   few layers (and the norm) train. Its head scores ``draft_vocab`` token ids
+   (``choose_draft_vocab``; written to loading.DRAFT_VOCAB_FILE), the rows a
+   worker keeps of it: most of a small draft's per-token cost is the head.
+4. **Distillation.** Cross-entropy of the student's masked distribution over the
+   draft vocabulary against the teacher's masked top-k (KL up to the teacher's
+   constant entropy), over the positions the worker would ask the draft for,
+   with AdamW and cosine decay.
 
 The result is an ordinary HF directory (safetensors, config, the target's
 tokenizer files), which ``DraftModelProposer`` loads like any draft.
