@@ -196,7 +196,13 @@ class Drafter:
                     items.append(self._item(s.seq, s.drafts, s.k, chain))
                 pending = self.masks.request(items, timeout_s=self.mask_timeout_s)
             fetching = {id(s) for s in fetch}
-            ready = [s for s in open_slots if s.open and id(s) not in fetching and s.seq.seq_id not in errors]
+            # Re-checked against k: the position-1 reply above may have filled a slot with its
+            # forced run, and a full slot must not get one more draft from the proposers below.
+            ready = [
+                s
+                for s in open_slots
+                if s.open and id(s) not in fetching and len(s.drafts) < s.k and s.seq.seq_id not in errors
+            ]
 
             # While the masks are in flight: cheap proposers for slots whose row is known
             # (or not needed), then one batched forward for every slot that may need it.

@@ -160,3 +160,27 @@ def test_forced_run_where_the_lookahead_is_refused_saves_the_re_ask(tiny_pair, m
     monkeypatch.setitem(GRAMMARS, "ab", grammars["ab"])
     _check_in_grammar(tiny_pair, {f"{k}-0": r for k, r in at_stop.items()})
     assert calls_at_stop < calls_re_ask, (calls_at_stop, calls_re_ask)
+
+
+@pytest.mark.parametrize(
+    "proposers",
+    [("grammar_forced", "ngram", "draft_model"), ("grammar_forced", "draft_model")],
+    ids=["forced+ngram+draft", "forced+draft"],
+)
+def test_a_step_never_proposes_more_than_k(tiny_pair, make_worker, proposers) -> None:
+    """A forced run that fills a slot to k at position 1 (from the prefetched reply) closed the
+    slot for the cheap proposers only after they had run: an n-gram or draft token went in as
+    draft k + 1, unmasked. Every step's drafts must stay within the sequence's k."""
+    spec = SpeculationParams(k=2, proposers=proposers, draft_masking=True)
+    worker = make_worker()
+    seqs = [
+        NewSequence(f"{name}-{i}", (5, 6, 7 + i), GrammarSpec(kind, text), SamplingParams(max_tokens=60), spec)
+        for name, (kind, text) in GRAMMARS.items()
+        for i in range(2)
+    ]
+    assert worker.add(seqs) == [None] * len(seqs)
+    results = run_to_completion(worker)
+    _check_in_grammar(tiny_pair, results)
+    steps = [out for r in results.values() for out in r.outputs]
+    assert any(out.drafts_proposed == spec.k for out in steps)  # forced runs did fill slots
+    assert max(out.drafts_proposed for out in steps) <= spec.k
