@@ -104,12 +104,13 @@ class ModelRunner:
         self.vocab_size: int = int(self._lm_head.weight.shape[0])  # V: logits width
         if output_ids is not None and output_ids.shape != (self.vocab_size,):
             raise ValueError(f"{name}: {output_ids.shape[0]} output ids for an LM head of {self.vocab_size} rows")
-        self.output_ids = output_ids  # [V] int64 token ids of the logit columns, or None (identity)
         # Token ids the model can read: its input embedding's rows (the head may score fewer).
         self.input_vocab_size: int = int(model.get_input_embeddings().weight.shape[0])
         self.max_model_len: int = int(getattr(config, "max_position_embeddings", 1 << 30))
         self.cost = TokenCost.of_model(model)  # what a token at a position costs a forward (the budget's unit)
         self.device: torch.device = next(model.parameters()).device
+        # [V] int64 token ids of the logit columns, on the logits' device; None = column j is token j.
+        self.output_ids = None if output_ids is None else output_ids.to(self.device)
         self.pool: SlotPool | None = None  # every sequence's KV for this model (built at the first forward)
         # Counters for benchmarks and metrics: batched forwards run, real token positions, and the
         # positions the linear layers computed (real + padding + dummy rows; equal when packed).

@@ -193,6 +193,8 @@ class OrchestratorMetrics:
             ["position"],
             registry=r,
         )
+        # id(a per-position counter) -> its children by position, made as positions are first seen.
+        self._children: dict[int, list[Counter]] = {}
         self._http_server: WSGIServer | None = None
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
@@ -232,11 +234,20 @@ class OrchestratorMetrics:
                 self.steps_sat_out.inc(o.steps_sat_out)
 
     def _observe_positions(self, proposed: int, accepted: int) -> None:
-        for i in range(1, min(accepted + 1, proposed) + 1):
-            self.draft_position_reached.labels(position=str(i)).inc()
-        for i in range(1, accepted + 1):
-            self.draft_position_accepted.labels(position=str(i)).inc()
-            self.vllm_spec_accepted_per_pos.labels(position=str(i - 1)).inc()
+        for reached in self._position_children(self.draft_position_reached, min(accepted + 1, proposed)):
+            reached.inc()
+        for accepted_at in self._position_children(self.draft_position_accepted, accepted):
+            accepted_at.inc()
+        for accepted_at in self._position_children(self.vllm_spec_accepted_per_pos, accepted, first=0):
+            accepted_at.inc()
+
+    def _position_children(self, counter: Counter, n: int, *, first: int = 1) -> list[Counter]:
+        """The children of ``counter`` for its first ``n`` positions (labels ``first``..), made once
+        each: observe_step would otherwise look labels up for every draft of every output."""
+        children = self._children.setdefault(id(counter), [])
+        while len(children) < n:
+            children.append(counter.labels(position=str(len(children) + first)))
+        return children[:n]
 
     def position_totals(self) -> tuple[dict[int, int], dict[int, int]]:
         """(reached, accepted) per draft position so far, for benchmarks."""

@@ -44,7 +44,6 @@ class DraftModelProposer(Proposer):
         self.kernel_backend = kernel_backend
         # Mask rows as ids into the worker's device-resident row table (shared with the verifier).
         self.mask_table = mask_table if mask_table is not None else DeviceMaskTable(runner.device)
-        self._ids: torch.Tensor | None = None  # runner.output_ids on the logits' device
 
     @classmethod
     def create(cls, resources: ProposerResources) -> DraftModelProposer | None:
@@ -57,13 +56,10 @@ class DraftModelProposer(Proposer):
         (``ModelRunner.output_ids``) has its columns scattered to their ids and -inf elsewhere, so
         it never proposes a token outside it; a narrower draft gets -inf columns, a wider one
         loses tokens the target cannot emit."""
-        ids = self.runner.output_ids
+        ids = self.runner.output_ids  # checked against the target's vocabulary at load (read_draft_vocab)
         if ids is not None:
-            if self._ids is None or self._ids.device != logits.device:
-                self._ids = ids.to(logits.device)
-            keep = self._ids < self.vocab_size
             full = torch.full((logits.shape[0], self.vocab_size), float("-inf"), device=logits.device)
-            full[:, self._ids[keep]] = logits[:, keep]
+            full[:, ids] = logits
             return full
         width = logits.shape[1]
         if width == self.vocab_size:
