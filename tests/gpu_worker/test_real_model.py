@@ -102,6 +102,12 @@ def cases(model_dir: Path, worker) -> dict[str, tuple[list[int], GrammarSpec, ob
     ids=["forced+ngram-k4", "forced-k8", "nospec"],
 )
 def test_real_model_greedy_matches_plain_constrained(worker, cases, spec: SpeculationParams) -> None:
+    _assert_greedy_matches_plain_constrained(worker, cases, spec)
+
+
+def _assert_greedy_matches_plain_constrained(worker, cases, spec: SpeculationParams) -> dict:
+    """Every case decoded with ``spec`` on ``worker``: the reference's tokens and finish, and a
+    finished document parses. Returns the per-case results."""
     seqs = [
         NewSequence(name, tuple(ids), grammar, SamplingParams(max_tokens=MAX_TOKENS), spec)
         for name, (ids, grammar, _) in cases.items()
@@ -117,6 +123,7 @@ def test_real_model_greedy_matches_plain_constrained(worker, cases, spec: Specul
         assert got.finish is expected
         if ref.finish == "stop":
             json.loads(worker.tokenizer.decode(got.tokens))  # a finished document parses
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -147,17 +154,7 @@ def draft_worker(model_dir: Path, mask_address: str):
 
 def test_distilled_draft_greedy_matches_plain_constrained(draft_worker, cases) -> None:
     spec = SpeculationParams(k=4, proposers=("draft_model", "grammar_forced"), draft_masking=True)
-    seqs = [
-        NewSequence(name, tuple(ids), grammar, SamplingParams(max_tokens=MAX_TOKENS), spec)
-        for name, (ids, grammar, _) in cases.items()
-    ]
-    with torch_threads(1):
-        assert draft_worker.add(seqs) == [None] * len(seqs)
-        results = run_to_completion(draft_worker)
-    for name, (_, _, ref) in cases.items():
-        got = results[name]
-        assert got.error is None, got.error
-        assert got.tokens == ref.tokens, f"{name}: {got.tokens} != {ref.tokens} (min top-2 gap {ref.min_gap:.2e})"
+    results = _assert_greedy_matches_plain_constrained(draft_worker, cases, spec)
     assert sum(results[name].drafts_accepted for name in cases) > 0  # the draft drafted, and was right
 
 

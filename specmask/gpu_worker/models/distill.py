@@ -276,9 +276,9 @@ def choose_draft_vocab(samples: Sequence[Sample], size: int, vocab: int) -> list
         finite = torch.isfinite(s.topk_logp)  # [n, K]
         weights.index_add_(0, s.topk_ids[finite], torch.ones(int(finite.sum()), dtype=torch.float64))
         weights.index_add_(0, s.topk_ids[:, 0], torch.full((len(s.output),), 3.0, dtype=torch.float64))
-    # Stable order: weight first, then the lower id.
-    order = sorted(range(vocab), key=lambda t: (-float(weights[t]), t))
-    return sorted(order[:size])
+    # Heaviest first; a stable sort keeps the lower id first among equal weights.
+    order = torch.argsort(weights, descending=True, stable=True)
+    return sorted(order[:size].tolist())
 
 
 class DraftVocab:
@@ -287,10 +287,11 @@ class DraftVocab:
     def __init__(self, ids: Sequence[int], vocab: int) -> None:
         self.vocab = vocab
         self.ids = torch.tensor(list(ids), dtype=torch.long) if ids else None  # [n] or None
-        self.column = torch.full((vocab,), -1, dtype=torch.long)  # [V]: column of each token, -1 = not scored
+        # [V]: the column of each token, -1 = not scored.
         if self.ids is None:
             self.column = torch.arange(vocab)
         else:
+            self.column = torch.full((vocab,), -1, dtype=torch.long)
             self.column[self.ids] = torch.arange(len(self.ids))
         self._head: torch.Tensor | None = None  # [n, d]: the head's rows at ``ids``, gathered once
 
@@ -319,18 +320,14 @@ def _output_hidden(student: Any, sample: Sample) -> torch.Tensor:
     return hidden[first : first + len(sample.output)]
 
 
-def _sample_loss(
-    student: Any, sample: Sample, vocab: DraftVocab, allowed: torch.Tensor | None = None
-) -> tuple[torch.Tensor, int]:
+def _sample_loss(student: Any, sample: Sample, vocab: DraftVocab, allowed: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Summed cross-entropy of the masked student against the teacher's masked top-k over the
     sample's unforced positions where the draft vocabulary holds an allowed token and one of the
     teacher's candidates; (loss, positions). ``allowed``: ``vocab.allowed`` of the unforced
-    positions' masks, when the caller keeps it across epochs."""
+    positions' masks [m, n_cols] (the caller keeps it across epochs)."""
     keep = ~sample.forced  # [n]
     if not bool(keep.any()):
         return torch.zeros(()), 0
-    if allowed is None:
-        allowed = vocab.allowed(sample.bitmask[keep])  # [m, n_cols]
     cols = vocab.column[sample.topk_ids[keep]]  # [m, K], -1 = not scored
     p = torch.softmax(sample.topk_logp[keep], dim=-1) * (cols >= 0)  # 0 past the allowed set or vocabulary
     mass = p.sum(-1)  # [m]
@@ -387,7 +384,6 @@ def train_student(
             if total:
                 (torch.stack([loss for loss, count in losses if count]).sum() / total).backward()
                 chunk_loss = sum(float(loss.detach()) for loss, _ in losses)
-            if total:
                 torch.nn.utils.clip_grad_norm_(params, 1.0)
                 opt.step()
             if epoch == config.epochs - 1:
