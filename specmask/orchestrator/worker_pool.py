@@ -26,17 +26,20 @@ _LOCAL_RAY_ENV = {
     # is the process doing the model work, and on a small shared box nice 15 starved it
     # behind the mask service and the orchestrator (the demo ran several times slower).
     "RAY_worker_niceness": "0",
+    # The GCS writes its port to a file the driver waits for, 30 s by default; on a saturated
+    # box (parallel test workers, a shared CI machine) its start can take longer than that.
+    "RAY_gcs_server_port_wait_time_s": "120",
 }
 # Step outputs are a few hundred bytes; the default store (30% of RAM) would
 # only take memory from the models.
 _LOCAL_OBJECT_STORE_BYTES = 100 * 1024**2
 # GpuWorker.shutdown closes its mask sessions: a few RPCs.
 _SHUTDOWN_TIMEOUT_S = 10.0
-# Ray gives a new local node a fixed 30 s to register its raylet with the GCS. On a
-# saturated host (a shared CI box) that can pass with nothing wrong; a fresh attempt
-# usually registers in time.
+# Ray gives a new local node a fixed 30 s to register its raylet with the GCS, and waits a
+# limited time for the GCS's port file. On a saturated host (a shared CI box) either can pass
+# with nothing wrong; a fresh attempt usually starts in time.
 _LOCAL_START_ATTEMPTS = 3
-_RAYLET_TIMEOUT_TEXT = "timed out during startup"
+_START_TIMEOUT_TEXTS = ("timed out during startup", "Timed out waiting for file")
 
 
 def _local_ray_on_loopback() -> None:
@@ -95,9 +98,9 @@ def init_local_ray(*, num_cpus: int, log_to_driver: bool, object_store_bytes: in
             )
             return
         except Exception as exc:
-            if _RAYLET_TIMEOUT_TEXT not in str(exc) or attempt == _LOCAL_START_ATTEMPTS:
+            if not any(text in str(exc) for text in _START_TIMEOUT_TEXTS) or attempt == _LOCAL_START_ATTEMPTS:
                 raise
-            logger.warning("local Ray did not register in time (attempt %d, host busy?); starting it again", attempt)
+            logger.warning("local Ray did not start in time (attempt %d, host busy?); starting it again", attempt)
             ray.shutdown()
             stale = [pid for pid in _descendants() - before if _is_ray_process(pid)]
             for pid in stale:  # not, say, a compile worker another thread started meanwhile
