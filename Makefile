@@ -11,6 +11,9 @@ LOCK := deploy/docker/requirements/orchestrator.txt
 # Re-install whenever the dependency list or the pins change.
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | sha1sum | cut -c1-12)
 TORCH_VERSION := 2.13.0
+# Test processes (pytest-xdist). Much of the suite waits on other processes (Ray, servers,
+# subprocess CLIs), so more workers than cores still shortens it; TEST_WORKERS=0 runs it in one.
+TEST_WORKERS ?= 3
 
 .PHONY: venv test demo proto proto-check bench bench-gpu clean
 
@@ -29,7 +32,7 @@ $(STAMP): pyproject.toml $(LOCK)
 
 test: $(STAMP)
 	# pytest exits 5 when it collects nothing; that must fail, never pass.
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope
 
 demo: $(STAMP)
 	$(VENV)/bin/specmask demo

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -35,3 +36,41 @@ def smollm2_dir() -> Path:
     if not (path / MANIFEST_NAME).is_file():
         pytest.skip(f"{DEFAULT_MODEL} is not cached at {path}; run `specmask models get {DEFAULT_MODEL}`")
     return path
+
+
+# Units of work for pytest-xdist (`make test` runs the suite on several workers): a test file is
+# a unit, so its module fixtures (a mask service, a stack of its own) are built once; tests/e2e is
+# one unit, so its package-scoped stack (Ray, mask replicas, workers) starts once per run, not once
+# per worker. Units that start processes go first: they are the long ones, and started last they
+# would leave one worker running alone at the end.
+_SHARED_STACK_PACKAGE = "tests/e2e"
+_PROCESS_LEVEL = ("tests/e2e", "tests/benches/", "tests/deploy/")
+
+
+def _unit(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return _SHARED_STACK_PACKAGE if path.startswith(_SHARED_STACK_PACKAGE + "/") else path
+
+
+def _unit_rank(unit: str) -> int:
+    if unit == _SHARED_STACK_PACKAGE:
+        return 0
+    return 1 if unit.startswith(_PROCESS_LEVEL) else 2
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown when xdist is not installed
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            # The base class hands out the queue's first unit: put the best-ranked one there
+            # (min keeps collection order among equals).
+            first = min(self.workqueue, key=_unit_rank)
+            self.workqueue.move_to_end(first, last=False)
+            super()._assign_work_unit(node)
+
+    return UnitScheduling(config, log)

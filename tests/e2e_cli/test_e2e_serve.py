@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from specmask.orchestrator.dev.serve import Speculative, parse_speculative_config
-from tests.e2e.test_e2e_cli import STOP_TIMEOUT_S, _cli, _descendants, wait_until_up
+from tests.e2e_cli.test_e2e_cli import STOP_TIMEOUT_S, _cli, _descendants, wait_until_up
 from tests.fixtures.procs import exited
 
 pytestmark = pytest.mark.slow

@@ -45,7 +45,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadStack]:
         num_workers=1,
         log_dir=str(tmp_path_factory.mktemp("replaced-worker-logs")),
     )
-    s = ThreadStack(config, max_batch=BATCH, max_queue=16, default_max_tokens=64, worker_recovery_wait_s=WAIT_S).start()
+    s = ThreadStack(
+        config,
+        max_batch=BATCH,
+        max_queue=16,
+        default_max_tokens=64,
+        worker_recovery_wait_s=WAIT_S,
+        step_timeout_s=LIVENESS_S,
+    ).start()
     yield s
     s.stop()
 

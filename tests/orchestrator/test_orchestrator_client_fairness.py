@@ -114,10 +114,11 @@ def test_one_clients_flood_does_not_starve_anothers_new_schema(service, bpe_dir,
     finally:
         checker.close()
     assert outcomes["b"] is None, outcomes["b"]  # without the client's identity: RESOURCE_EXHAUSTED
-    # Round-robin by owner: B waited for A's running compile and A's one queued before it (each
-    # killed at its budget, the worker restarted after each: seconds on a loaded 2-core box),
-    # never for more of A's flood.
-    assert took < 2 * BUDGET_S + 16.0, took
     refused = [outcomes[f"a{i}"] for i in range(4) if isinstance(outcomes[f"a{i}"], Overloaded)]
-    # A's flood is bounded by the queue, and B took back the place A had borrowed.
+    # A's flood is bounded by the queue, and B took back the place A had borrowed: so at most two
+    # of A's compiles ran, and round-robin by owner put B right after A's running one and A's one
+    # queued before it (each killed at its budget, the compile worker restarted after each).
     assert len(refused) >= 2, outcomes
+    # A backstop only: each restart is a process start, which a saturated shared box (parallel
+    # test workers) can stretch to many seconds; the count above is what shows the fairness.
+    assert took < 2 * BUDGET_S + 60.0, took
