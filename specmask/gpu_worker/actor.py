@@ -100,11 +100,16 @@ class GpuWorker:
         self.draft: ModelRunner | None = None
         if config.draft_dir is not None:
             self._check_shared_tokenizer(config.draft_dir)
+            draft_ids = read_draft_vocab(config.draft_dir, self.target.vocab_size)
             if draft_model is None:
                 draft_model = load_causal_lm(config.draft_dir, dtype, self.device)
-            draft_ids = read_draft_vocab(config.draft_dir, self.target.vocab_size)
-            if draft_ids is not None:
-                restrict_output_vocab(draft_model, draft_ids)
+                if draft_ids is not None:
+                    restrict_output_vocab(draft_model, draft_ids)
+            elif draft_ids is not None and draft_model.get_output_embeddings().weight.shape[0] != len(draft_ids):
+                # A shared draft is another worker's, its head restricted when that worker loaded it.
+                raise ValueError(
+                    f"the shared draft model's head does not score the {len(draft_ids)} draft-vocabulary ids"
+                )
             self.draft = ModelRunner(
                 draft_model,
                 batched=config.batched_forward,

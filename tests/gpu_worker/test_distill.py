@@ -121,6 +121,27 @@ def test_build_is_reproducible(tiny_pair, distilled, tmp_path: Path) -> None:
     assert info["final_loss"] == first_info["final_loss"]
 
 
+def test_workers_share_a_draft_with_a_vocabulary(tiny_pair, distilled) -> None:
+    """A second worker over the first's weights (bench.step_cost's replay peer) keeps the draft's
+    restricted head as it is: restricting it again would index the full vocabulary into it."""
+    from specmask.gpu_worker.actor import GpuWorker
+    from specmask.gpu_worker.config import WorkerConfig
+
+    draft_dir, info = distilled
+    config = WorkerConfig(target_dir=str(tiny_pair[0]), draft_dir=str(draft_dir), device="cpu", dtype="float32")
+    first = GpuWorker(config)
+    second = GpuWorker(config, target_model=first.target.model, draft_model=first.draft.model)
+    try:
+        for worker in (first, second):
+            assert worker.draft is not None and worker.draft.output_ids is not None
+            assert worker.draft.model.get_output_embeddings().weight.shape[0] == info["draft_vocab"]
+        assert second.draft.model is first.draft.model
+        assert second.draft.output_ids.tolist() == first.draft.output_ids.tolist()
+    finally:
+        second.shutdown()
+        first.shutdown()
+
+
 @pytest.fixture(scope="module")
 def references(tiny_pair) -> dict[str, tuple[list[int], list[int], str]]:
     from transformers import AutoTokenizer
