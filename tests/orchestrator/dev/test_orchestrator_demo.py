@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 
 from specmask.mask_service.grammar.schema_check import check_schema
-from specmask.orchestrator.dev.demo import REAL_CASES, _check, real_cases
+from specmask.orchestrator.dev.demo import REAL_CASES, _check, real_cases, speedup_words
 
 
 @pytest.mark.parametrize(("name", "ask", "schema"), REAL_CASES, ids=[c[0] for c in REAL_CASES])
@@ -26,3 +26,9 @@ def test_demo_check_rejects_wrong_documents() -> None:
 
 def test_real_cases_are_chat_prompts() -> None:
     assert all(c.prompt[-1]["role"] == "user" for c in real_cases())
+
+
+def test_speedup_is_never_a_slowdown_called_faster() -> None:
+    assert speedup_words(2.8, 2.0) == "1.40x faster"
+    assert speedup_words(2.0, 2.0) == "1.00x faster"
+    assert speedup_words(2.6, 3.02) == "1.16x slower"
