@@ -44,7 +44,7 @@ def smollm2_dir() -> Path:
 # per worker. Units that start processes go first: they are the long ones, and started last they
 # would leave one worker running alone at the end.
 _SHARED_STACK_PACKAGE = "tests/e2e"
-_PROCESS_LEVEL = ("tests/e2e", "tests/benches/", "tests/deploy/")
+_PROCESS_LEVEL = ("tests/e2e", "tests/benches/", "tests/deploy/")  # "tests/e2e": every tests/e2e* package
 
 
 def _unit(nodeid: str) -> str:
