@@ -124,27 +124,37 @@ def test_compile_queue_is_bounded_and_fair(hostile, bpe_id) -> None:
     retry hint, while another owner's grammar is still admitted and compiled."""
     results: dict[int, grpc.RpcError | None] = {}
 
-    def send(i: int, owner: str, spec: GrammarSpec) -> None:
+    def send(i: int, owner: str, spec: GrammarSpec, *, wait_compiling: bool = False) -> None:
+        """``wait_compiling``: retry "still compiling" as a client does (the grammar was admitted;
+        on a busy box the flood's running compile can outlast the call's wait)."""
         request = pb.ValidateGrammarRequest(
             target=pb.GrammarTarget(tokenizer_id=bpe_id, grammar=grammar_to_proto(spec))
         )
+        deadline = time.monotonic() + 300
         with grpc.insecure_channel(f"127.0.0.1:{hostile.port}") as channel:
-            try:  # metadata names the end client, as the orchestrator does
-                pb_grpc.MaskServiceStub(channel).ValidateGrammar(
-                    request, metadata=((CLIENT_METADATA_KEY, owner),), timeout=60
-                )
-                results[i] = None
-            except grpc.RpcError as exc:
-                results[i] = exc
+            while True:
+                try:  # metadata names the end client, as the orchestrator does
+                    pb_grpc.MaskServiceStub(channel).ValidateGrammar(
+                        request, metadata=((CLIENT_METADATA_KEY, owner),), timeout=60
+                    )
+                    results[i] = None
+                    return
+                except grpc.RpcError as exc:
+                    results[i] = exc
+                    compiling = exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED and "still compiling" in exc.details()
+                    if not (wait_compiling and compiling) or time.monotonic() > deadline:
+                        return
+                time.sleep(1.0)
 
     threads = [threading.Thread(target=send, args=(i, "flooder", _slow(i))) for i in range(4)]
     for th in threads:
         th.start()
         time.sleep(0.3)  # in order: one runs, one waits, the rest find the owner's share full
-    other = threading.Thread(target=send, args=(99, "polite", GrammarSpec(GrammarKind.REGEX, "[a-f]{2,3}")))
+    polite = GrammarSpec(GrammarKind.REGEX, "[a-f]{2,3}")
+    other = threading.Thread(target=send, args=(99, "polite", polite), kwargs={"wait_compiling": True})
     other.start()
     for th in [*threads, other]:
-        th.join(timeout=60)
+        th.join(timeout=400)
     flood = [results[i] for i in range(4)]
     full = [e for e in flood if e is not None and e.code() is grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert full, flood

@@ -26,6 +26,7 @@ from specmask.mask_service.client.mask_client import MaskServiceClient, MaskServ
 from specmask.mask_service.grammar.backends import XGrammarBackend
 from specmask.mask_service.grammar.json_regex import json_safe_pattern
 from specmask.mask_service.grammar.schema_rewrite import FORMAT_PATTERNS, needs_ebnf_repair, repair_ebnf, rewrite_schema
+from tests.mask_service.service_config import open_session_retrying
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "maskbench"
 _ALLOF_NOTYPE = json.loads((DATA / "Handwritten---test.NoType.json").read_text())["schema"]
@@ -183,7 +184,7 @@ def test_refused_over_grpc(client: MaskServiceClient, bpe_id: str, schema: Any, 
 
 def test_accepted_over_grpc(client: MaskServiceClient, bpe_id: str) -> None:
     for schema in ACCEPTED:
-        client.close_session(client.open_session(bpe_id, _spec(schema)))
+        client.close_session(open_session_retrying(client, bpe_id, _spec(schema)))
 
 
 class _Walker:
