@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.soak import cpu_seconds
 from bench.worker import tally_outputs
 from specmask.gpu_worker.drafting import Drafter
 from specmask.gpu_worker.proposers.base import DraftSlot, Proposal, Proposer
@@ -457,16 +458,6 @@ def load_cases(args: argparse.Namespace, tokenizer: Any) -> list[tuple[str, Any,
     return cases
 
 
-def _process_cpu_s(process: Any) -> float:
-    """User + system CPU seconds of a live child process (Linux /proc; 0 elsewhere)."""
-    try:
-        fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, AttributeError):
-        return 0.0
-    # After "pid (comm)": state is field 0, utime and stime are fields 11 and 12 (in clock ticks).
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _median(values: Sequence[float]) -> float | None:
     return round(statistics.median(values), 4) if values else None
 
@@ -616,14 +607,16 @@ def _run(args: argparse.Namespace) -> int:
             ]
         rounds: list[tuple[RunStats, RunStats]] = []
         service_cpu_s = 0.0
+        assert service.process is not None  # started above
+        service_pid = service.process.pid
         for r in range(args.rounds):
             # Greedy decoding repeats itself: this round's recording replays the last one's trace.
             a, new_trace = record()
             b = peer(trace)
-            cpu0 = _process_cpu_s(service.process)
+            cpu0 = cpu_seconds(service_pid)
             run_interleaved([a, b] if r % 2 == 0 else [b, a])
             # All of it is the constrained run's: the replay opens no mask session.
-            service_cpu_s += _process_cpu_s(service.process) - cpu0
+            service_cpu_s += cpu_seconds(service_pid) - cpu0
             sa, sb = a.stats, b.stats
             if sa.outputs != first.stats.outputs or sb.outputs != sa.outputs or sa.batches != sb.batches:
                 raise AssertionError(f"round {r}: constrained and replayed runs diverged (outputs or batches)")
@@ -642,6 +635,7 @@ def _run(args: argparse.Namespace) -> int:
     ratios = [a.total_s / b.total_s for a, b in rounds]
     per_step = [x / y for a, b in rounds for x, y in zip(a.step_s, b.step_s) if y > 0]
     steps = sum(len(a.step_s) for a, _ in rounds)
+    service_cpu_ms = 1e3 * service_cpu_s / max(steps, 1)
     a_all = [t for a, _ in rounds for t in a.step_s]
     b_all = [t for _, b in rounds for t in b.step_s]
     wait = [t for a, _ in rounds for t in a.mask_wait_s]
@@ -662,7 +656,7 @@ def _run(args: argparse.Namespace) -> int:
         f"per round constrained/peer: {', '.join(f'{x:.3f}' for x in ratios)}; "
         f"tokens per target forward {ref.tokens / max(ref.forwards, 1):.2f} (both runs), "
         f"acceptance {ref.accepted / max(ref.proposed, 1):.0%}; mask service CPU "
-        f"{1e3 * service_cpu_s / max(steps, 1):.2f} ms per constrained step; load average {load_start} -> {load_end}"
+        f"{service_cpu_ms:.2f} ms per constrained step; load average {load_start} -> {load_end}"
     )
     result = {
         "constrained_vs_unconstrained_step_time": _median(ratios),
@@ -674,7 +668,7 @@ def _run(args: argparse.Namespace) -> int:
         "mask_round_trips_per_step": round(statistics.fmean(trips), 3),
         # CPU the mask service spent per constrained step: on a host with few cores it is taken
         # from the forwards it overlaps, so it bounds how far the ratio can fall.
-        "mask_service_cpu_ms_per_step": round(1e3 * service_cpu_s / max(steps, 1), 3),
+        "mask_service_cpu_ms_per_step": round(service_cpu_ms, 3),
         "tokens_per_target_forward": round(ref.tokens / max(ref.forwards, 1), 3),
         "acceptance_rate": round(ref.accepted / max(ref.proposed, 1), 3),
         "spec_nonspec_identical_outputs": nospec_same,

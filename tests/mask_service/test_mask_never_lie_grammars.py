@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from typing import Any
 
 import grpc
@@ -25,6 +24,7 @@ from specmask.mask_service.grammar.backends import BACKENDS, XGrammarBackend
 from specmask.mask_service.grammar.grammar_checks import engine_message
 from specmask.orchestrator.errors import InvalidRequest
 from specmask.orchestrator.grammar_check import MaskServiceGrammarChecker
+from tests.mask_service.service_config import open_session_retrying
 
 J = GrammarKind.JSON_SCHEMA
 # The issue's schema: every key's value must be a string ("a" declared, the rest by pattern).
@@ -42,15 +42,7 @@ def _warm(service, bpe_id: str) -> None:
     """One compile before the tests: a cold compile worker may answer "still compiling, retry"."""
     c = MaskServiceClient(f"127.0.0.1:{service.port}", deadline_s=60.0)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                c.close_session(c.open_session(bpe_id, GrammarSpec(J, '{"type": "boolean"}')))
-                return
-            except MaskServiceError as exc:
-                if exc.code != grpc.StatusCode.RESOURCE_EXHAUSTED or time.monotonic() > deadline:
-                    raise
-                time.sleep(1.0)
+        c.close_session(open_session_retrying(c, bpe_id, GrammarSpec(J, '{"type": "boolean"}'), budget_s=120))
     finally:
         c.close()
 
