@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 import pytest
 
@@ -163,21 +164,27 @@ def test_sampled_outputs_are_grammar_valid_and_seeded_reproducible(make_worker, 
 
 
 def test_mask_sessions_are_closed_on_finish_and_cancel(make_worker, mask_service):
-    before = len(mask_service.sessions)
+    # The service is shared by the whole file and closes are asynchronous, so count only this
+    # test's sessions (by request id), never the store's total.
+    ids = [f"close-{uuid.uuid4().hex[:8]}-{i}" for i in range(3)]
+
+    def open_here() -> int:
+        return sum(1 for s in list(mask_service.sessions._sessions.values()) if s.request_id in ids)
+
     worker = make_worker()
     seqs = [
-        NewSequence(f"m{i}", (5, 6), GRAMMAR, SamplingParams(max_tokens=3 + i), SpeculationParams(k=2))
-        for i in range(3)
+        NewSequence(rid, (5, 6), GRAMMAR, SamplingParams(max_tokens=3 + i), SpeculationParams(k=2))
+        for i, rid in enumerate(ids)
     ]
-    assert worker.add(seqs) == [None] * 3
-    worker.step()  # waits for the sessions to open: nobody else could step
-    assert len(mask_service.sessions) == before + 3
-    worker.remove(["m2"])
+    assert worker.add(seqs, wait_for_sessions=True) == [None] * 3
+    assert open_here() == 3  # nothing has stepped, so nothing has finished
+    worker.step()
+    worker.remove([ids[2]])
     run_to_completion(worker)
     deadline = time.monotonic() + 10
-    while len(mask_service.sessions) != before and time.monotonic() < deadline:
+    while open_here() and time.monotonic() < deadline:
         time.sleep(0.05)  # closes are fire-and-forget on the worker's mask I/O thread
-    assert len(mask_service.sessions) == before
+    assert open_here() == 0
 
 
 def test_step_output_statistics(make_worker):
