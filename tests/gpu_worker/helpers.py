@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import time
+from collections.abc import Collection, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,16 @@ def wait_sessions_open(worker: Any, timeout_s: float = 20.0) -> None:
     for state in list(worker._seqs.values()):
         if state.session_opening is not None:
             futures.wait([state.session_opening], timeout=timeout_s)
+
+
+def wait_sessions_closed(mask_service: Any, request_ids: Collection[str], timeout_s: float = 10.0) -> int:
+    """Wait until the service holds no session for ``request_ids``; returns how many are left.
+    The service fixture is shared and closes are fire-and-forget on the worker's mask I/O
+    thread, so tests count their own sessions, never the store's total."""
+    deadline = time.monotonic() + timeout_s
+    while (left := mask_service.sessions.count_for(request_ids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
 
 
 def run_to_completion(worker: Any, *, max_steps: int = 1000) -> dict[str, Finished]:

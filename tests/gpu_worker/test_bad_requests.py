@@ -7,7 +7,7 @@ import pytest
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.gpu_worker.actor import UnknownSequenceError
 from specmask.gpu_worker.types import FinishReason, NewSequence, SamplingParams, SessionWait, SpeculationParams
-from tests.gpu_worker.helpers import Finished, run_to_completion, wait_sessions_open
+from tests.gpu_worker.helpers import Finished, run_to_completion, wait_sessions_closed, wait_sessions_open
 
 GOOD_GRAMMAR = GrammarSpec(GrammarKind.REGEX, "(yes|no)")
 
@@ -194,10 +194,8 @@ def test_a_sequence_sits_out_steps_until_its_session_opens(make_worker, mask_ser
     """A new grammar sequence whose session is slow to open does not hold up the running ones:
     they step without it, and it joins once its session is open. Removed while its session is
     still opening, it leaves no session behind."""
-    import time
 
     worker, gate = _running_worker_with_gated_opens(make_worker)
-    before = len(mask_service.sessions)
     assert worker.add([_seq("late", max_tokens=4), _seq("gone", max_tokens=4)]) == [None, None]
     for _ in range(3):
         assert [out.seq_id for out in worker.step()] == ["running"]  # the others sit out
@@ -213,10 +211,7 @@ def test_a_sequence_sits_out_steps_until_its_session_opens(make_worker, mask_ser
     assert first.steps_sat_out >= 3
     assert all(out.session_wait is None for out in rest)
     assert all(out.session_wait is None for out in results["running"].outputs)  # no grammar: nothing to report
-    deadline = time.monotonic() + 10
-    while len(mask_service.sessions) != before and time.monotonic() < deadline:
-        time.sleep(0.05)  # closes are fire-and-forget on the worker's mask I/O thread
-    assert len(mask_service.sessions) == before  # "gone"'s session was closed once it opened
+    assert wait_sessions_closed(mask_service, ["late", "gone"]) == 0  # "gone"'s was closed once it opened
 
 
 def test_a_sequence_whose_session_opens_while_the_step_proposes_joins_that_step(make_worker):

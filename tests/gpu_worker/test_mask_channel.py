@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -102,8 +103,8 @@ def test_a_close_waits_for_the_draft_masks_sent_before_it(channel, mask_service)
     and the router reopen the session, a leak), and on a control thread, not the data thread.
     No session is left open on the service."""
     chan, router = channel
-    before = len(mask_service.sessions)
-    sid = chan.open_session_async(SCHEMA).result(timeout=20)
+    rid = f"close-after-draft-{uuid.uuid4().hex[:8]}"
+    sid = chan.open_session_async(SCHEMA, request_id=rid).result(timeout=20)
     router.gates["draft_masks"].clear()
     pending = chan.draft_masks_async([DraftMaskItem(sid, [])])
     chan.close_session_later(sid, "seq")
@@ -121,4 +122,4 @@ def test_a_close_waits_for_the_draft_masks_sent_before_it(channel, mask_service)
     assert close_thread.startswith("mask-control")
     assert len(router.of("open_session")) == 1, "the session was reopened"
     assert router.router.session_count() == 0
-    assert len(mask_service.sessions) == before
+    assert mask_service.sessions.count_for([rid]) == 0

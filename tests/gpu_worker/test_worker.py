@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import time
 import uuid
 
 import pytest
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
-from tests.gpu_worker.helpers import run_to_completion, torch_threads, wait_sessions_open
+from tests.gpu_worker.helpers import run_to_completion, torch_threads, wait_sessions_closed, wait_sessions_open
 from tests.gpu_worker.reference import compile_grammar, greedy_constrained
 
 EOS = (0,)
@@ -168,23 +167,17 @@ def test_mask_sessions_are_closed_on_finish_and_cancel(make_worker, mask_service
     # test's sessions (by request id), never the store's total.
     ids = [f"close-{uuid.uuid4().hex[:8]}-{i}" for i in range(3)]
 
-    def open_here() -> int:
-        return sum(1 for s in list(mask_service.sessions._sessions.values()) if s.request_id in ids)
-
     worker = make_worker()
     seqs = [
         NewSequence(rid, (5, 6), GRAMMAR, SamplingParams(max_tokens=3 + i), SpeculationParams(k=2))
         for i, rid in enumerate(ids)
     ]
     assert worker.add(seqs, wait_for_sessions=True) == [None] * 3
-    assert open_here() == 3  # nothing has stepped, so nothing has finished
+    assert mask_service.sessions.count_for(ids) == 3  # nothing has stepped, so nothing has finished
     worker.step()
     worker.remove([ids[2]])
     run_to_completion(worker)
-    deadline = time.monotonic() + 10
-    while open_here() and time.monotonic() < deadline:
-        time.sleep(0.05)  # closes are fire-and-forget on the worker's mask I/O thread
-    assert open_here() == 0
+    assert wait_sessions_closed(mask_service, ids) == 0
 
 
 def test_step_output_statistics(make_worker):

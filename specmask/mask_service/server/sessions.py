@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from specmask.mask_service.auth import public_owner
@@ -110,6 +110,12 @@ class SessionStore:
 
     def owner_count(self, owner: str) -> int:
         return self._per_owner[owner]
+
+    def count_for(self, request_ids: Collection[str]) -> int:
+        """How many open sessions serve one of ``request_ids`` (for operators and tests: the
+        store's total mixes in every other request)."""
+        with self._lock:
+            return sum(1 for s in self._sessions.values() if s.request_id in request_ids)
 
     def _drop_locked(self, session_id: str) -> Session | None:
         s = self._sessions.pop(session_id, None)
