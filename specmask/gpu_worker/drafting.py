@@ -208,7 +208,9 @@ class Drafter:
             # (or not needed), then one batched forward for every slot that may need it.
             ready = self._fill(ready, position, self._before_forward)
             for proposer in self._preparing:
-                asking = [s for s in fetch + ready if proposer.name in s.seq.proposers]
+                asking = [
+                    s for s in fetch + ready if proposer.name in s.seq.proposers and not self._foreseen(s, proposer)
+                ]
                 if asking:
                     proposer.prepare(asking, position)
             # Slots that needed no mask finish before the wait.
@@ -225,6 +227,16 @@ class Drafter:
                 s.mask_row = None
                 s.prepared.clear()
         return waited
+
+    def _foreseen(self, slot: DraftSlot, preparing: Proposer) -> bool:
+        """Whether a proposer ahead of ``preparing`` that needs no forward expects to fill
+        ``slot`` at this position (``Proposer.foresees``): ``preparing`` then skips its work for
+        the slot, which costs nothing if the guess holds (that proposer's proposal wins anyway)
+        and a late, unbatched ``prepare`` for the slot if the row refuses it."""
+        return any(
+            p.priority < preparing.priority and p.name in slot.seq.proposers and p.foresees(slot)
+            for p in self._before_forward
+        )
 
     def _lookahead(self, seq: SequenceState, context: Sequence[int], limit: int) -> list[int]:
         """The n-gram continuation of ``context`` to send with ``seq``'s draft-side request:

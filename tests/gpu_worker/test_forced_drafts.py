@@ -184,3 +184,35 @@ def test_a_step_never_proposes_more_than_k(tiny_pair, make_worker, proposers) ->
     steps = [out for r in results.values() for out in r.outputs]
     assert any(out.drafts_proposed == spec.k for out in steps)  # forced runs did fill slots
     assert max(out.drafts_proposed for out in steps) <= spec.k
+
+
+def test_the_draft_forward_is_skipped_where_the_ngram_lookup_fills_the_position(
+    tiny_pair, make_worker, monkeypatch
+) -> None:
+    """With the draft model behind the n-gram proposer, a slot whose n-gram lookup has a token
+    for the position gets no draft forward (``Proposer.foresees``): the n-gram proposal wins
+    there anyway. Fewer draft forwards, the same greedy output, every token inside
+    the grammar; a lookup the row then refuses falls back to a late draft forward."""
+    from specmask.gpu_worker.proposers.ngram import NgramProposer
+
+    spec = SpeculationParams(k=4, proposers=("grammar_forced", "ngram", "draft_model"), draft_masking=True)
+    grammars = {"keys": GRAMMARS["keys"], "ab": (GrammarKind.REGEX, r"([ab]{3}-){6}")}
+
+    def run() -> tuple[dict, int]:
+        worker = make_worker()
+        seqs = [
+            NewSequence(f"{name}-{i}", (5, 6, 7 + i), GrammarSpec(kind, text), SamplingParams(max_tokens=60), spec)
+            for name, (kind, text) in grammars.items()
+            for i in range(2)
+        ]
+        assert worker.add(seqs) == [None] * len(seqs)
+        results = run_to_completion(worker)
+        return results, worker.draft.num_forwards
+
+    foreseen, forwards_foreseen = run()
+    monkeypatch.setattr(NgramProposer, "foresees", lambda self, slot: False)
+    blind, forwards_blind = run()
+    assert {k: r.tokens for k, r in foreseen.items()} == {k: r.tokens for k, r in blind.items()}
+    monkeypatch.setitem(GRAMMARS, "ab", grammars["ab"])
+    _check_in_grammar(tiny_pair, foreseen)
+    assert forwards_foreseen < forwards_blind, (forwards_foreseen, forwards_blind)

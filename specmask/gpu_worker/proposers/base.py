@@ -115,6 +115,14 @@ class Proposer(ABC):
     def propose(self, slots: Sequence[DraftSlot], position: int) -> list[Proposal | None]:
         """Propose d_position (1-based) for each slot; None leaves the slot to the next proposer."""
 
+    def foresees(self, slot: DraftSlot) -> bool:
+        """Whether ``propose`` is expected to fill ``slot`` at this position, judged before its
+        mask row is known (``slot.mask_row`` may be None). A preparing proposer later in the
+        order then skips its work for the slot (the draft model's forward); if the guess fails
+        once the row arrives, that proposer is asked anyway and prepares on demand. Only a
+        guess about cost: a wrong one never changes which proposal wins."""
+        return False
+
     def prepare(self, slots: Sequence[DraftSlot], position: int) -> None:  # noqa: B027 - optional hook
         """Optional first half of ``propose`` that must not read ``slot.mask_row``:
         store per-slot results in ``slot.prepared[self.name]``. ``propose`` must give

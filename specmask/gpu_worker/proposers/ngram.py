@@ -55,10 +55,27 @@ class NgramProposer(Proposer):
             ctx.append(token)
         return out
 
+    def _candidate(self, slot: DraftSlot) -> int | None:
+        """The lookup's token for the slot's current context, looked up once per context
+        (``foresees`` and ``propose`` both ask; a reply applied in between may add drafts, so
+        the cache is keyed by the number of drafts, and cleared with ``DraftSlot.prepared``)."""
+        cached = slot.prepared.get(self.name)
+        if cached is None or cached[0] != len(slot.drafts):
+            cached = (len(slot.drafts), lookup_next(slot.context(), self.n_min, self.n_max))
+            slot.prepared[self.name] = cached
+        token: int | None = cached[1]
+        return token
+
+    def foresees(self, slot: DraftSlot) -> bool:
+        """A candidate the known row (if any) allows: then ``propose`` fills the slot unless the
+        row, still in flight, refuses it (rare: the context repeats itself under the same grammar)."""
+        token = self._candidate(slot)
+        return token is not None and (slot.mask_row is None or slot.mask_row.allows(token))
+
     def propose(self, slots: Sequence[DraftSlot], position: int) -> list[Proposal | None]:
         out: list[Proposal | None] = []
         for slot in slots:
-            token = lookup_next(slot.context(), self.n_min, self.n_max)
+            token = self._candidate(slot)
             if token is not None and slot.mask_row is not None and not slot.mask_row.allows(token):
                 token = None
             out.append(None if token is None else Proposal(token))
