@@ -92,8 +92,9 @@ FORCED_PROPOSER = "grammar_forced"
 # DraftSlot.sources name for drafts taken from the service's forced continuation.
 FORCED_CONTINUATION = "forced_continuation"
 NGRAM_PROPOSER = "ngram"
-# Sequences drafting with these proposers only (no model) send their n-gram lookahead
-# with each draft-side request (see "Lookahead" in the module note).
+# The proposers the lookahead walk reproduces: a sequence whose proposers ranked up to the
+# n-gram one are among these sends its n-gram lookahead with each draft-side request (see
+# "Lookahead" in the module note).
 LOOKAHEAD_PROPOSERS = frozenset({FORCED_PROPOSER, NGRAM_PROPOSER})
 
 
@@ -244,7 +245,11 @@ class Drafter:
         ngram = self.proposers.get(NGRAM_PROPOSER)
         if ngram is None or limit <= 0 or NGRAM_PROPOSER not in seq.proposers:
             return []
-        if not LOOKAHEAD_PROPOSERS.issuperset(seq.proposers):
+        # The walk (_walk) reproduces exactly the proposers ranked up to the n-gram one; those
+        # ranked after it (the draft model) only fill positions the n-gram lookup has nothing
+        # for, which is where the chain ends and the walk hands the slot back to them.
+        ahead = {n for n in seq.proposers if n in self.proposers and self.proposers[n].priority <= ngram.priority}
+        if not LOOKAHEAD_PROPOSERS.issuperset(ahead):
             return []
         return ngram.chain(context, limit)  # type: ignore[attr-defined]  # the n-gram proposer, found by name
 
