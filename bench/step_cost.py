@@ -1,8 +1,8 @@
 """The grammar machinery's cost per worker step, measured against a like-for-like peer.
 
-    python -m bench.step_cost                                   # SmolLM2-135M-Instruct if cached, else the toy pair
-    python -m bench.step_cost --target smollm2-135m-instruct --draft smollm2-135m-instruct-ee4 \\
-        --proposers draft_model,grammar_forced              # a draft model with draft-side masks
+    python -m bench.step_cost        # SmolLM2-135M-Instruct (+ its distilled draft) if cached, else the toy pair
+    python -m bench.step_cost --draft none                      # no draft model: grammar-forced + n-gram
+    python -m bench.step_cost --proposers draft_model,grammar_forced   # a chosen proposer mix
 
 Why a replay. bench.e2e divides the constrained phase's mean step time by an
 unconstrained phase's. That phase decodes the same prompts without a grammar, so
@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--proposers",
         default=None,
-        help="comma list (default: grammar_forced,ngram; with a draft model: draft_model,grammar_forced)",
+        help="comma list (default: the server's, grammar_forced,ngram; with a draft model, draft_model too)",
     )
     parser.add_argument("--schemas", default="toy", help="'toy' (the toy pair's 18 schemas) or a dir of *.json")
     parser.add_argument("--n", type=int, default=9, help="schemas (sequences decoded as one batch; default 9)")
@@ -507,12 +507,13 @@ def _run(args: argparse.Namespace) -> int:
     from specmask.gpu_worker.toy.schemas import schema_json
     from specmask.gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
     from specmask.orchestrator.dev.local_stack import MaskServiceProcess
+    from specmask.orchestrator.validation import DRAFT_MODEL_PROPOSERS, DRAFTLESS_PROPOSERS
 
     target_dir, draft_dir = _resolve_models(args)
     if args.proposers:
         proposers = tuple(p for p in args.proposers.split(",") if p)
     else:
-        proposers = ("draft_model", "grammar_forced") if draft_dir else ("grammar_forced", "ngram")
+        proposers = DRAFT_MODEL_PROPOSERS if draft_dir else DRAFTLESS_PROPOSERS  # what the server defaults to
     load_start = os.getloadavg()
     # A long wall-clock backstop for compiles: on a busy shared host the default (30 s) can stop a
     # starved compile again and again, and the batch never starts.
