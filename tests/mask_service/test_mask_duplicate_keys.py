@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
-from specmask.mask_service.grammar.json_keys import DuplicateKeyGuard
+from specmask.mask_service.grammar.json_keys import DuplicateKeyGuard, decode_key
 from specmask.mask_service.server.compiler_cache import CompilerCache
 from specmask.mask_service.server.draft_masks import walk_drafts
 from specmask.mask_service.server.sessions import Session, SessionStore
@@ -370,3 +370,23 @@ def test_accept_agrees_with_the_row(
         if accepted:
             session.matcher.rollback(1)
     np.testing.assert_array_equal(_rows(session)[0], guarded)
+
+
+def _decode_by_json(raw: bytes) -> str | None:
+    try:
+        value = json.loads(b'"' + raw + b'"', strict=False)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+def test_decode_key_matches_json_on_any_bytes() -> None:
+    """decode_key's fast path (no escapes, quotes or control bytes) gives what json.loads gives,
+    on random bytes, keys in several scripts, escapes, invalid UTF-8 and encoded surrogates."""
+    rng = np.random.default_rng(7)
+    cases = [b"", b"name", "naïve 名前 🙂".encode(), b"a\\u00e9b", b'a\\"b', b'a"b', b"\xff", b"\xed\xa0\x80", b"\x00x"]
+    alphabet = np.frombuffer(b'ab\\"u0e9 \x00\x1f\x7f\xc3\xa9\xed\xa0\x80\xff', dtype=np.uint8)
+    cases += [bytes(rng.choice(alphabet, size=rng.integers(0, 8))) for _ in range(4000)]
+    cases += [bytes(rng.integers(0, 256, size=rng.integers(0, 6), dtype=np.uint8)) for _ in range(4000)]
+    for raw in cases:
+        assert decode_key(raw) == _decode_by_json(raw), raw

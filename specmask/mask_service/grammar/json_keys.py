@@ -55,6 +55,14 @@ _BACKSLASH = 0x5C
 
 def decode_key(raw: bytes) -> str | None:
     """The string a JSON key's raw bytes (between its quotes) stands for; None if not decodable."""
+    if b"\\" not in raw and b'"' not in raw and (not raw or min(raw) >= 0x20):
+        # No escapes, quotes or control bytes: exactly what json.loads gives (it reads such bytes
+        # as UTF-8 with surrogatepass too), without its parser; the guard decodes every key a
+        # row fill checks.
+        try:
+            return raw.decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError:
+            return None
     try:
         value = json.loads(b'"' + raw + b'"', strict=False)
     except (ValueError, UnicodeDecodeError):
