@@ -56,6 +56,15 @@ drafts differ from position-by-position drafting only where the grammar forces a
 multi-token text at a state the chain passes through with an allowed token (the
 chain's spelling is kept); exactness never depends on the drafts.
 
+A sequence that also drafts with the draft model sends the lookahead too: the
+draft model ranks after the n-gram proposer, so position by position it would
+only have filled the positions the lookup has nothing for, which is where the
+chain ends and the slot goes back to the proposers. Separately, a slot whose
+n-gram lookup has a token for the position gets no draft forward at all
+(``Proposer.foresees``; the draft model prepares on demand if the row then
+refuses that token): the n-gram proposal outranks the draft's, so the forward
+would have been thrown away.
+
 Where the chain meets a refused n-gram token, the service's walk stops at that state
 and (``forced_up_to``) sends the forced continuation there in the same
 reply: the slot takes that run at once instead of asking that state again (the
