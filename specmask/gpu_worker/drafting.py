@@ -302,7 +302,7 @@ class Drafter:
             if len(s.grammar_rows) == len(s.drafts):  # M_0..M_{i-1} with no gap (none after a forced run)
                 s.grammar_rows.append(s.mask_row)
             if chain:
-                walked = self._walk(s, chain, rows, res.num_grammar_accepted - base)
+                walked = self._walk(s, chain, rows, res.num_grammar_accepted - base, run_at_stop=res.forced_at_stop)
                 if walked is ChainWalk.REFUSED and not res.forced_at_stop:
                     # No forced run was asked for (no forced drafts): ask this state again, without
                     # a lookahead (if nothing is forced there, drafting stops then).
@@ -318,15 +318,20 @@ class Drafter:
                 s.mask_row = None
         return reply.wait_s
 
-    def _walk(self, slot: DraftSlot, chain: Sequence[int], rows: Sequence[MaskRow], accepted: int) -> ChainWalk:
+    def _walk(
+        self, slot: DraftSlot, chain: Sequence[int], rows: Sequence[MaskRow], accepted: int, *, run_at_stop: bool
+    ) -> ChainWalk:
         """Draft along ``chain`` with its rows (rows[j] = the mask before chain[j]), as the
         proposers would position by position: the grammar-forced token where a row allows
         one token, else the n-gram token if its row allows it. ``accepted``: how many chain
         tokens the service's walk accepted; rows past that state were not filled (all-ones)
-        and are never read. A row that forces one token is followed as position by position
-        drafting would, also where the service's walk stopped (the chain's token was refused
-        there): the next request's lookahead then starts after it. Returns how the slot left
-        the chain (ChainWalk); at REFUSED slot.mask_row is the row of that state."""
+        and are never read. Where the service's walk stopped (the chain's token was refused
+        there) and the reply carries the forced run of that state (``run_at_stop``), the walk
+        stops too, even at a row that forces one token: that run starts with the token and
+        may go on (a key's closing quote, the colon, the next key), and the caller takes it
+        whole. Without such a run, a row that forces one token is followed as position by
+        position drafting would, and the next request's lookahead starts after it. Returns how
+        the slot left the chain (ChainWalk); at REFUSED slot.mask_row is the row of that state."""
         forcing = FORCED_PROPOSER in slot.seq.proposers and FORCED_PROPOSER in self.proposers
         vocab_size = getattr(self.proposers.get(FORCED_PROPOSER), "vocab_size", None)
         for j, candidate in enumerate(chain):
@@ -339,6 +344,9 @@ class Drafter:
             if len(slot.drafts) >= slot.k:
                 slot.mask_row = None
                 return ChainWalk.LEFT
+            if j == accepted and run_at_stop:
+                slot.mask_row = row  # the caller takes the reply's forced run from here
+                return ChainWalk.REFUSED
             forced = row.forced_token(vocab_size) if forcing and vocab_size is not None else None
             if forced is not None:
                 token, source = forced, FORCED_PROPOSER

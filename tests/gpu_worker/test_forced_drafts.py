@@ -120,7 +120,8 @@ def _run_counting_calls(make_worker, grammars):
         NewSequence(name, (5, 6, 7), GrammarSpec(kind, text), SamplingParams(max_tokens=40), LOOKAHEAD_SPEC)
         for name, (kind, text) in grammars.items()
     ]
-    assert worker.add(seqs) == [None] * len(seqs)
+    # Waiting for the sessions gives every run the same schedule, so call counts compare exactly.
+    assert worker.add(seqs, wait_for_sessions=True) == [None] * len(seqs)
     return run_to_completion(worker), calls[0]
 
 
@@ -160,6 +161,30 @@ def test_forced_run_where_the_lookahead_is_refused_saves_the_re_ask(tiny_pair, m
     monkeypatch.setitem(GRAMMARS, "ab", grammars["ab"])
     _check_in_grammar(tiny_pair, {f"{k}-0": r for k, r in at_stop.items()})
     assert calls_at_stop < calls_re_ask, (calls_at_stop, calls_re_ask)
+
+
+def test_a_row_forcing_one_token_where_the_lookahead_stops_takes_the_whole_run(
+    tiny_pair, make_worker, monkeypatch
+) -> None:
+    """Where the service's walk stopped on a refused n-gram token at a row that forces one token,
+    the slot takes the reply's forced run from there (that token and what follows it, e.g. a
+    key's closing quote, colon and the next key) rather than the one token and a re-ask: fewer
+    round trips for the same steps and greedy output, every token inside the grammar."""
+    import specmask.gpu_worker.drafting as drafting
+
+    grammars = {"keys": GRAMMARS["keys"], "regex": GRAMMARS["regex"], "ab": (GrammarKind.REGEX, r"([ab]{3}-){6}")}
+    whole_run, calls_whole = _run_counting_calls(make_worker, grammars)
+    walk = drafting.Drafter._walk
+
+    def one_token_only(self, *args, run_at_stop: bool):
+        return walk(self, *args, run_at_stop=False)  # the forced token alone, then a re-ask
+
+    monkeypatch.setattr(drafting.Drafter, "_walk", one_token_only)
+    one_token, calls_one = _run_counting_calls(make_worker, grammars)
+    assert {k: r.tokens for k, r in whole_run.items()} == {k: r.tokens for k, r in one_token.items()}
+    monkeypatch.setitem(GRAMMARS, "ab", grammars["ab"])
+    _check_in_grammar(tiny_pair, {f"{k}-0": r for k, r in whole_run.items()})
+    assert calls_whole < calls_one, (calls_whole, calls_one)
 
 
 @pytest.mark.parametrize(
