@@ -187,6 +187,20 @@ def test_a_row_forcing_one_token_where_the_lookahead_stops_takes_the_whole_run(
     assert calls_whole < calls_one, (calls_whole, calls_one)
 
 
+def _run_each_twice(make_worker, grammars, spec: SpeculationParams):
+    """Two greedy sequences per grammar (name -> (kind, text)), prompts differing in their last
+    token, on a fresh worker; returns (worker, results). Sessions open before the first step, so
+    runs repeat their schedule exactly."""
+    worker = make_worker()
+    seqs = [
+        NewSequence(f"{name}-{i}", (5, 6, 7 + i), GrammarSpec(kind, text), SamplingParams(max_tokens=60), spec)
+        for name, (kind, text) in grammars.items()
+        for i in range(2)
+    ]
+    assert worker.add(seqs, wait_for_sessions=True) == [None] * len(seqs)
+    return worker, run_to_completion(worker)
+
+
 @pytest.mark.parametrize(
     "proposers",
     [("grammar_forced", "ngram", "draft_model"), ("grammar_forced", "draft_model")],
@@ -197,14 +211,7 @@ def test_a_step_never_proposes_more_than_k(tiny_pair, make_worker, proposers) ->
     slot for the cheap proposers only after they had run: an n-gram or draft token went in as
     draft k + 1, unmasked. Every step's drafts must stay within the sequence's k."""
     spec = SpeculationParams(k=2, proposers=proposers, draft_masking=True)
-    worker = make_worker()
-    seqs = [
-        NewSequence(f"{name}-{i}", (5, 6, 7 + i), GrammarSpec(kind, text), SamplingParams(max_tokens=60), spec)
-        for name, (kind, text) in GRAMMARS.items()
-        for i in range(2)
-    ]
-    assert worker.add(seqs) == [None] * len(seqs)
-    results = run_to_completion(worker)
+    _, results = _run_each_twice(make_worker, GRAMMARS, spec)
     _check_in_grammar(tiny_pair, results)
     steps = [out for r in results.values() for out in r.outputs]
     assert any(out.drafts_proposed == spec.k for out in steps)  # forced runs did fill slots
@@ -224,14 +231,7 @@ def test_the_draft_forward_is_skipped_where_the_ngram_lookup_fills_the_position(
     grammars = {"keys": GRAMMARS["keys"], "ab": (GrammarKind.REGEX, r"([ab]{3}-){6}")}
 
     def run() -> tuple[dict, int]:
-        worker = make_worker()
-        seqs = [
-            NewSequence(f"{name}-{i}", (5, 6, 7 + i), GrammarSpec(kind, text), SamplingParams(max_tokens=60), spec)
-            for name, (kind, text) in grammars.items()
-            for i in range(2)
-        ]
-        assert worker.add(seqs) == [None] * len(seqs)
-        results = run_to_completion(worker)
+        worker, results = _run_each_twice(make_worker, grammars, spec)
         return results, worker.draft.num_forwards
 
     foreseen, forwards_foreseen = run()
