@@ -250,7 +250,8 @@ class Drafter:
 
     def _lookahead(self, seq: SequenceState, context: Sequence[int], limit: int) -> list[int]:
         """The n-gram continuation of ``context`` to send with ``seq``'s draft-side request:
-        [] unless ``seq`` drafts with grammar-forced and n-gram drafts only."""
+        [] unless ``seq`` drafts with the n-gram proposer and nothing but grammar-forced drafts
+        ranks ahead of it."""
         ngram = self.proposers.get(NGRAM_PROPOSER)
         if ngram is None or limit <= 0 or NGRAM_PROPOSER not in seq.proposers:
             return []
