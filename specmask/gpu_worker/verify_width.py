@@ -33,18 +33,14 @@ from specmask.gpu_worker.proposers.base import DraftSlot
 
 # A step's fixed cost in units of one verified (row, token) position: weights
 # read once per forward, attention, drafting, mask round trips and sampling.
-# Measured with the packed forward on the 2-core CPU, SmolLM2-135M (bench.kv
-# --model smollm2-135m-instruct --batch 9 --length 500 --layouts packed
-# --threads 2, every row 1 vs 5 tokens wide, i.e. 9 vs 45 positions, process
-# CPU time on a shared box at load ~4): 168 vs 380 ms, so ~5.9 ms per position
-# over a fixed ~115 ms; with ~25 ms of step work outside the forward the fit is
-# (115 + 25) / 5.9 ~ 24 positions. Kept at 40 (the padded-era figure was 70):
-# the fit counts only this step's cost, while the issue-10 goal also asks for
-# >= 2 tokens per target forward, and with 40 instead of 70 the padded-era
-# chooser already took 4% more steps for no speed gain. bench.e2e A/B on a quiet
-# box (the README's issue-10 command, --rounds 3): 24 gave 1.223x spec vs no-spec
-# at 2.18 tokens per forward, 40 gave 1.28x / 1.258x at 2.30-2.33, 60 gave 1.303x
-# at 2.37 (one run each; 40 and 60 are within the noise of each other).
+# Fitted with the packed forward on a 2-core CPU (bench.kv --model
+# smollm2-135m-instruct --batch 9 --length 500 --layouts packed --threads 2,
+# every row 1 vs 5 tokens wide, plus the step's work outside the forward), the
+# step alone is worth about 24 positions. It is set higher because the fit
+# prices only this step: a larger fixed cost keeps more drafts, which also keeps
+# tokens per target forward up (fewer steps per request), and bench.e2e on
+# SmolLM2 (grammar-forced + n-gram drafts) ran at least as fast with 40 as with
+# 24, within noise of 60 (docs/benchmarks.md).
 FIXED_POSITIONS = 40.0
 # Prior pseudo-counts (accepted, reached) added to every (source, depth) estimate.
 _PRIOR = (1.0, 2.0)
