@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,22 @@ if not torch.cuda.is_available():
 _CHECKOUT_MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".specmask", "models")
 if os.path.isdir(_CHECKOUT_MODELS):
     os.environ.setdefault("SPECMASK_MODEL_CACHE", _CHECKOUT_MODELS)
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_kept() -> Iterator[None]:
+    """A server entry point run in-process (``cli.main``) sets up the process's root logging as
+    its own process would: a StreamHandler on the stderr of that moment, pytest's capture, which
+    closes with the test. Left in place, every later log line in this worker fails with "I/O
+    operation on closed file" and buries real failures in the output. So plain StreamHandlers a
+    test left on the root logger go, and the root level comes back (pytest's own handlers are
+    subclasses, set up per phase, and stay)."""
+    root = logging.getLogger()
+    level = root.level
+    yield
+    for handler in [h for h in root.handlers if type(h) is logging.StreamHandler]:
+        root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")
