@@ -20,18 +20,18 @@ import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 from bench.soak import cpu_seconds
 
 
 def _default_tokenizer() -> str:
-    from specmask.gpu_worker.models.cache import cache_root
+    """The cached default model's directory (never fetched: `specmask models get` does that)."""
+    from specmask.gpu_worker.models.cache import cached_model
     from specmask.gpu_worker.models.registry import DEFAULT_MODEL
 
-    path = Path(cache_root()) / DEFAULT_MODEL
-    if not (path / "tokenizer.json").exists():
-        raise SystemExit(f"no cached {DEFAULT_MODEL} tokenizer at {path}: pass --tokenizer DIR")
+    path = cached_model(DEFAULT_MODEL)
+    if path is None:
+        raise SystemExit(f"{DEFAULT_MODEL} is not cached (`specmask models get {DEFAULT_MODEL}`): pass --tokenizer DIR")
     return str(path)
 
 
