@@ -29,12 +29,16 @@ every draft-side request also asks the service for the grammar's forced
 continuation after its drafts (``forced_up_to``). A reply with f_1..f_m
 makes them the next drafts at once, q = 1 (one-hot) like any grammar-forced
 draft: no draft forward and no round trip for those positions. The row the reply
-carried is then stale (it is for the state before the run), so the slot asks
-again, with the run among its drafts, for the position after it; at position 1
-that second request is the position's own. Rows for the forced positions are not
-requested on the draft side: the verify path asks such a sequence for all k+1
-rows (one request, in flight with the target forward), and the target verifies
-forced drafts exactly like any other.
+carried is then stale (it is for the state before the run); the request also
+asked for the row after each forced token (``forced_rows``), so the slot keeps
+them as its M_j and drafts the position after the run from the last one
+(``DraftSlot.next_row``) without asking that state again, and the verify path,
+holding every row, asks nothing for the slot. A run is the common case on JSON
+(a key's closing quote, colon and the next key), and the rows cost the service a
+few fills against a round trip per state. From a service without such rows the
+slot asks again, with the run among its drafts, for the position after it (at
+position 1 that second request is the position's own), and the verify path asks
+it for all k+1 rows. The target verifies forced drafts exactly like any other.
 
 Lookahead (step cost). A sequence drafting with grammar-forced and n-gram
 drafts only has no draft forward for a position's round trip to hide behind, so
@@ -188,6 +192,9 @@ class Drafter:
                 if covered:
                     chains = {id(s): (0, first_chains.get(s.seq.mask_session, [])) for s in covered}
                     waited += self._apply(first.wait(), covered, errors, chains)
+                    for s in covered:  # a forced run's reply carried the row after it: no re-ask
+                        if s.next_row is not None:
+                            s.mask_row, s.next_row = s.next_row, None
             fetch = [
                 s
                 for s in masked
@@ -234,7 +241,7 @@ class Drafter:
             for s in unfilled:
                 s.open = False  # no proposer had anything for this position
             for s in open_slots:
-                s.mask_row = None
+                s.mask_row, s.next_row = s.next_row, None
                 s.prepared.clear()
         return waited
 
@@ -271,8 +278,8 @@ class Drafter:
         forcing = FORCED_PROPOSER in seq.proposers
         up_to = k if forcing else 0  # where the service's walk stops, drafts up to k in all
         if chain:
-            return mask_item(seq, [*drafts, *chain], last_row_only=False, forced_up_to=up_to)
-        return mask_item(seq, drafts, last_row_only=True, forced_up_to=up_to)
+            return mask_item(seq, [*drafts, *chain], last_row_only=False, forced_up_to=up_to, forced_rows=forcing)
+        return mask_item(seq, drafts, last_row_only=True, forced_up_to=up_to, forced_rows=forcing)
 
     def _apply(
         self,
@@ -313,10 +320,15 @@ class Drafter:
                 if walked is ChainWalk.LEFT or walked is ChainWalk.CLOSED:
                     continue  # left the lookahead (or stopped): the reply's forced run is not for here
             forced = res.forced_tokens[: s.k - len(s.drafts)] if FORCED_PROPOSER in s.seq.proposers else ()
-            for token in forced:
+            after = res.forced_rows if res.forced_rows is not None and len(res.forced_rows) >= len(forced) else None
+            for j, token in enumerate(forced):
                 s.add(Proposal(token), FORCED_CONTINUATION)  # q = 1; every forced token is grammar-accepted
+                if after is not None and len(s.grammar_rows) == len(s.drafts):
+                    s.grammar_rows.append(after[j])  # M after this token: verification needs no request
             if forced or len(s.drafts) >= s.k:
                 s.mask_row = None
+                if forced and after is not None and len(s.drafts) < s.k:
+                    s.next_row = after[len(forced) - 1]  # the next position's row came with the run
         return reply.wait_s
 
     def _walk(

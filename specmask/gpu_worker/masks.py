@@ -153,11 +153,13 @@ def mask_item(
     *,
     last_row_only: bool,
     forced_up_to: int = 0,
+    forced_rows: bool = False,
 ) -> DraftMaskItem:
     """``seq``'s request for the rows after ``drafts`` (M_0..M_k, or only M_k with
     ``last_row_only``) and, with ``forced_up_to``, the grammar-forced tokens where the
-    service's walk over them stops (filling drafts up to that many), carrying its pending
-    commit. Every request of a step carries the same (commit_tokens, commit_seq): whichever reaches the service first
+    service's walk over them stops (filling drafts up to that many; with ``forced_rows``
+    also the row after each of them), carrying its pending commit. Every request of a step
+    carries the same (commit_tokens, commit_seq): whichever reaches the service first
     applies it, the rest are no-ops, so there is never a separate commit call."""
     from specmask.mask_service.client.mask_client import DraftMaskItem
 
@@ -170,6 +172,7 @@ def mask_item(
         commit_seq=commit_seq,
         last_row_only=last_row_only,
         forced_up_to=forced_up_to,
+        forced_rows=forced_rows,
     )
 
 

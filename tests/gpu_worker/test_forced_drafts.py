@@ -48,8 +48,8 @@ def _run(make_worker, monkeypatch, *, forced: bool, temperature: float = 0.0):
     compute = draft_masks.forced_continuation
 
     def recording(*args, **kwargs):
-        out = compute(*args, **kwargs) if forced else []
-        runs.extend([out] if out else [])
+        out = compute(*args, **kwargs) if forced else ([], 0)
+        runs.extend([out[0]] if out[0] else [])
         return out
 
     monkeypatch.setattr(draft_masks, "forced_continuation", recording)
@@ -185,6 +185,28 @@ def test_a_row_forcing_one_token_where_the_lookahead_stops_takes_the_whole_run(
     monkeypatch.setitem(GRAMMARS, "ab", grammars["ab"])
     _check_in_grammar(tiny_pair, {f"{k}-0": r for k, r in whole_run.items()})
     assert calls_whole < calls_one, (calls_whole, calls_one)
+
+
+def test_rows_after_a_forced_run_come_with_it(tiny_pair, make_worker, monkeypatch) -> None:
+    """The reply carrying a forced run also carries the row after each of its tokens
+    (``forced_rows``): the slot drafts on from the row after the run and the verify path has
+    every row it needs, so neither asks for those states again. Against a service that sends
+    no such rows: fewer round trips, the same greedy output, every token inside the grammar."""
+    import specmask.gpu_worker.drafting as drafting
+
+    grammars = {"keys": GRAMMARS["keys"], "regex": GRAMMARS["regex"], "ab": (GrammarKind.REGEX, r"([ab]{3}-){6}")}
+    with_rows, calls_with_rows = _run_counting_calls(make_worker, grammars)
+    plain_item = drafting.mask_item
+
+    def no_rows(*args, forced_rows: bool = False, **kwargs):
+        return plain_item(*args, forced_rows=False, **kwargs)  # as answered by a service without them
+
+    monkeypatch.setattr(drafting, "mask_item", no_rows)
+    without, calls_without = _run_counting_calls(make_worker, grammars)
+    assert {k: r.tokens for k, r in with_rows.items()} == {k: r.tokens for k, r in without.items()}
+    monkeypatch.setitem(GRAMMARS, "ab", grammars["ab"])
+    _check_in_grammar(tiny_pair, {f"{k}-0": r for k, r in with_rows.items()})
+    assert calls_with_rows < calls_without, (calls_with_rows, calls_without)
 
 
 def _run_each_twice(make_worker, grammars, spec: SpeculationParams):

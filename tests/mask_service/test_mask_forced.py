@@ -3,7 +3,9 @@
 Checked: forced tokens spell a prefix of the text the grammar forces, every one is
 accepted by the grammar (committing them succeeds), asking for them never changes
 committed state (the same request answers the same rows and tokens twice), the cap
-holds, an ambiguous last token is held back, and nothing is computed when not asked.
+holds, an ambiguous last token is held back, nothing is computed when not asked, and
+the rows after forced tokens (``forced_rows``) are bit for bit the rows the walk gives
+over the same tokens as drafts.
 """
 
 from __future__ import annotations
@@ -119,6 +121,68 @@ def test_forced_ambiguous_boundary(client: MaskServiceClient, bpe_id: str, hf_to
     assert not client.commit(whole, 1, list(res.forced_tokens))
     for sid in (ambiguous, whole):
         client.close_session(sid)
+
+
+def _forced_rows_match_the_walk(client: MaskServiceClient, sid: str, drafts: list[int], item: DraftMaskItem) -> int:
+    """Ask ``item`` (forced_rows set) and check its forced rows against a walk over the accepted
+    drafts + forced tokens as drafts: the same rows, bit for bit, one per forced token.
+    Returns how many forced tokens (and rows) came."""
+    res = client.draft_masks([item])[0]
+    forced = list(res.forced_tokens)
+    if not forced:
+        assert res.forced_rows is None
+        return 0
+    assert res.forced_rows is not None and len(res.forced_rows) == len(forced)
+    accepted = drafts[: res.num_grammar_accepted]
+    walked = client.draft_masks([DraftMaskItem(sid, [*accepted, *forced])])[0]
+    assert walked.num_grammar_accepted == len(accepted) + len(forced)
+    expected = walked.rows.dense()[len(accepted) + 1 :]
+    assert np.array_equal(res.forced_rows.dense(), expected)
+    # The rows before the forced ones are what the same request without forced_rows answers.
+    plain = client.draft_masks([DraftMaskItem(sid, drafts, last_row_only=item.last_row_only)])[0]
+    assert np.array_equal(res.rows.dense(), plain.rows.dense())
+    return len(forced)
+
+
+@pytest.mark.parametrize("backend", ENGINES)
+def test_forced_rows_are_the_walks_rows(client: MaskServiceClient, bpe_id: str, hf_tok: Any, backend: str) -> None:
+    """``forced_rows``: the row after each forced token, in the same reply, after the walk at
+    every kind of request (last row only, every row, a refused draft, the start state), also
+    after a run that ends the language. Not asked (or nothing forced): none."""
+    sid = client.open_session(bpe_id, _spec(backend))
+    after_value = _ids(hf_tok, '{"name":"Bob","')
+    refused = [*after_value, *_ids(hf_tok, "[")]
+    counts = [
+        _forced_rows_match_the_walk(
+            client,
+            sid,
+            after_value,
+            DraftMaskItem(sid, after_value, last_row_only=True, max_forced_tokens=8, forced_rows=True),
+        ),
+        _forced_rows_match_the_walk(
+            client,
+            sid,
+            after_value,
+            DraftMaskItem(sid, after_value, forced_up_to=len(after_value) + 8, forced_rows=True),
+        ),
+        _forced_rows_match_the_walk(
+            client, sid, refused, DraftMaskItem(sid, refused, forced_up_to=len(after_value) + 8, forced_rows=True)
+        ),
+        _forced_rows_match_the_walk(client, sid, [], DraftMaskItem(sid, [], forced_up_to=8, forced_rows=True)),
+    ]
+    assert all(counts), counts  # every one of these states forces text
+    capped = client.draft_masks([DraftMaskItem(sid, [], forced_up_to=1, forced_rows=True)])[0]
+    assert len(capped.forced_tokens) == 1 and capped.forced_rows is not None and len(capped.forced_rows) == 1
+    unasked = client.draft_masks([DraftMaskItem(sid, after_value, last_row_only=True, max_forced_tokens=8)])[0]
+    assert unasked.forced_tokens and unasked.forced_rows is None
+    # A run that ends the language: the row after it allows the stop token alone, as the walk's does.
+    whole = client.open_session(bpe_id, GrammarSpec(GrammarKind.REGEX, "aga", backend=backend))
+    res = client.draft_masks([DraftMaskItem(whole, [], forced_up_to=8, forced_rows=True)])[0]
+    assert _text(hf_tok, res.forced_tokens) == "aga" and res.forced_rows is not None
+    assert res.forced_rows[-1].allowed_count == 1 and single_allowed(res.forced_rows.dense()[-1], 1 << 20) == 0
+    assert _forced_rows_match_the_walk(client, whole, [], DraftMaskItem(whole, [], forced_up_to=8, forced_rows=True))
+    for s in (sid, whole):
+        client.close_session(s)
 
 
 def test_single_allowed() -> None:

@@ -55,6 +55,9 @@ class DraftSlot:
     # Every row the draft-side mask requests returned, in order: row j is M_j, the
     # mask after d_1..d_j. The verify path reuses them rather than ask again.
     grammar_rows: list[MaskRow] = field(default_factory=list)
+    # The row for the next position, already known when this one ends (the row after a
+    # forced run came with the run): that position then sends no request of its own.
+    next_row: MaskRow | None = None
     # Proposer.prepare results for the position being proposed, keyed by proposer
     # name (e.g. the draft model's [V] float32 logits); cleared after each position.
     prepared: dict[str, Any] = field(default_factory=dict)

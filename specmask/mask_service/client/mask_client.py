@@ -87,6 +87,9 @@ class DraftMaskItem:
     # Ask for the forced continuation where the walk stops (after d_k, or before the first
     # refused draft), filling drafts up to this many in all; supersedes max_forced_tokens.
     forced_up_to: int = 0
+    # With a forced continuation asked for: also the row after each forced token
+    # (DraftMaskResult.forced_rows), so the state after the run needs no request of its own.
+    forced_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,10 @@ class DraftMaskResult:
     forced_tokens: tuple[int, ...] = ()
     # The server honoured forced_up_to: forced_tokens (maybe empty) follow the accepted drafts.
     forced_at_stop: bool = False
+    # With DraftMaskItem.forced_rows: row j = the mask after forced_tokens[:j + 1] (all-ones
+    # where the grammar ended), one per forced token; None when the reply has none (not
+    # asked, nothing forced, or a server older than the field).
+    forced_rows: MaskRows | None = None
 
     @property
     def bitmask(self) -> torch.Tensor:  # [k+1, W] int32: a dense copy of ``rows`` (tests, tools)
@@ -282,6 +289,7 @@ class MaskServiceClient:
                 last_row_only=it.last_row_only,
                 max_forced_tokens=it.max_forced_tokens,
                 forced_up_to=it.forced_up_to,
+                forced_rows=it.forced_rows,
             )
             for it in items
         ]
@@ -323,6 +331,10 @@ class MaskServiceClient:
             assert view is not None  # a result implies a row width
             rows = MaskRows(view, slots[offset : offset + r.num_rows])
             offset += r.num_rows
+            forced_rows = None
+            if r.num_forced_rows:
+                forced_rows = MaskRows(view, slots[offset : offset + r.num_forced_rows])
+                offset += r.num_forced_rows
             out.append(
                 DraftMaskResult(
                     rows,
@@ -330,6 +342,7 @@ class MaskServiceClient:
                     r.terminated,
                     forced_tokens=tuple(r.forced_tokens),
                     forced_at_stop=r.forced_at_stop,
+                    forced_rows=forced_rows,
                 )
             )
         return out

@@ -20,6 +20,10 @@ and the tokens are checked one by one:
 A row that allows exactly one token (not a stop token) is forced too, and is
 checked first: it costs one scan of a row the walk already filled.
 
+With ``rows_out`` the row after each forced token is filled on the way, before the
+rollback: the rows a walk with the run as drafts fills, so a worker taking the run
+needs no request for those states.
+
 The matcher is rolled back before returning: forced tokens never change committed
 state. They are proposals only: the worker still verifies them with the target.
 
@@ -256,9 +260,14 @@ def tokenise_forced(data: bytes, view: TokenizerView) -> tuple[list[int], int]:
 
 
 def _round(
-    matcher: Any, forced_bytes: Callable[[Any], bytes], view: TokenizerView, budget: int
+    matcher: Any,
+    forced_bytes: Callable[[Any], bytes],
+    view: TokenizerView,
+    budget: int,
+    rows: _Rows,
 ) -> tuple[list[int], bool]:
-    """One jump-forward round from the matcher's state; accepted tokens stay accepted.
+    """One jump-forward round from the matcher's state; accepted tokens stay accepted
+    (and ``rows`` gets the row after each).
 
     Returns (tokens accepted, whether the whole forced text was consumed with a safe
     boundary, i.e. another round might find more)."""
@@ -285,7 +294,21 @@ def _round(
         accepted.append(t)
         if matcher.is_terminated():
             return accepted, False
+        rows.fill(matcher)
     return accepted, complete and len(accepted) == len(tokens)
+
+
+class _Rows:
+    """Fills the mask row after each forced token into ``out`` (when given), in order."""
+
+    def __init__(self, out: np.ndarray | None) -> None:
+        self.out = out
+        self.filled = 0
+
+    def fill(self, matcher: Any) -> None:
+        if self.out is not None:
+            matcher.fill_next_token_bitmask(self.out, self.filled)
+            self.filled += 1
 
 
 def forced_continuation(
@@ -296,24 +319,34 @@ def forced_continuation(
     *,
     last_row: np.ndarray | None,
     vocab_size: int,
-) -> list[int]:
+    rows_out: np.ndarray | None = None,
+) -> tuple[list[int], int]:
     """Up to ``max_tokens`` tokens the grammar forces from ``matcher``'s state; the
     matcher is left exactly as it was. ``last_row`` ([W] int32): the row already filled
-    for this state, if any (its single allowed token is the cheap case)."""
+    for this state, if any (its single allowed token is the cheap case).
+
+    ``rows_out`` ([>= max_tokens, W] int32), when given, gets row j = the mask after the
+    first j + 1 tokens, exactly as ``walk_drafts`` would fill it with the tokens as
+    drafts; the state after a token that ends the grammar gets no row (walk_drafts
+    leaves it unfilled: all-ones). Returns (tokens, rows filled: a prefix of rows_out,
+    len(tokens) or one fewer)."""
     out: list[int] = []
+    rows = _Rows(rows_out)
     try:
-        if last_row is not None:
+        if last_row is not None and max_tokens > 0:
             only = single_allowed(last_row, vocab_size)
             if only is not None and only not in view.stop_ids and matcher.accept_token(only):
                 out.append(only)
+                if not matcher.is_terminated():
+                    rows.fill(matcher)
         for _ in range(MAX_ROUNDS):
             if len(out) >= max_tokens or matcher.is_terminated():
                 break
-            tokens, more = _round(matcher, forced_bytes, view, max_tokens - len(out))
+            tokens, more = _round(matcher, forced_bytes, view, max_tokens - len(out), rows)
             out.extend(tokens)
             if not more:
                 break
     finally:
         if out:
             matcher.rollback(len(out))
-    return out[:max_tokens]
+    return out, rows.filled

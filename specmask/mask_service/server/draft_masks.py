@@ -8,7 +8,10 @@ all-zero row would turn softmax into NaN). A request that asks for it
 last row's state (forced.py), computed before the rollback and undone with it;
 one that asks with ``forced_up_to`` gets it where the walk stops, also at a
 refused draft (a worker's n-gram lookahead then needs no second round trip to
-learn what is forced where its chain left the grammar).
+learn what is forced where its chain left the grammar). With ``forced_rows`` the
+walk through the forced run also fills the row after each forced token, so a
+worker that takes the run as drafts holds the rows for the positions after it
+and for verification without asking for that state again.
 Finally roll the matcher back, so computing masks never changes committed state.
 
 Parallelism: requests are independent, so a batch is cut into contiguous
@@ -58,10 +61,18 @@ class DraftRequest:
     # Forced continuation where the walk stops, also at a refused draft, filling drafts up to
     # this many in all (forced_up_to - num_grammar_accepted tokens at most); 0 = as above.
     forced_up_to: int = 0
+    # Also fill the row after each forced token (DraftOutcome.forced_rows).
+    forced_rows: bool = False
 
     @property
     def num_rows(self) -> int:
         return 1 if self.last_row_only else len(self.draft_tokens) + 1
+
+    def forced_row_capacity(self, max_k: int) -> int:
+        """The most rows after forced tokens this request can get (its scratch rows past num_rows)."""
+        if not self.forced_rows:
+            return 0
+        return min(self.forced_up_to if self.forced_up_to > 0 else self.max_forced_tokens, max_k)
 
 
 @dataclass
@@ -72,6 +83,9 @@ class DraftOutcome:
     rows: list[InternedRow | None] = field(default_factory=list)  # None = all-ones
     forced_tokens: list[int] = field(default_factory=list)  # grammar-accepted, committed state unchanged
     forced_at_stop: bool = False  # forced_tokens are for the state after num_grammar_accepted drafts
+    # With DraftRequest.forced_rows: per forced token, the row after it (None = all-ones: the
+    # grammar ended there); empty otherwise.
+    forced_rows: list[InternedRow | None] = field(default_factory=list)
     error: MaskError | None = None
 
 
@@ -190,8 +204,11 @@ class DraftMaskEngine:
         if self._views is not None:
             self._views.warm(tokenizer_id, tokenizer_info)
 
-    def _one(self, req: DraftRequest, session: Session, out: np.ndarray) -> DraftOutcome:
+    def _one(self, req: DraftRequest, session: Session, scratch: np.ndarray) -> DraftOutcome:
+        """``scratch``: [num_rows + forced row capacity, W]; the forced rows go after the walk's."""
         res = DraftOutcome()
+        out, forced_out = scratch[: req.num_rows], scratch[req.num_rows :]
+        filled_forced = [0]  # rows of forced_out the hook filled (a prefix)
         try:
             with session.lock:
                 session.commit_locked(req.commit_seq, req.commit_tokens)
@@ -203,7 +220,7 @@ class DraftMaskEngine:
                     out,
                     req.last_row_only,
                     terminated=res.terminated,
-                    at_stop=self._forcing(req, session, res),
+                    at_stop=self._forcing(req, session, res, forced_out if req.forced_rows else None, filled_forced),
                 )
         except MaskError as exc:
             res.error = exc
@@ -215,12 +232,21 @@ class DraftMaskEngine:
             return DraftOutcome(error=InternalItemError(f"internal error computing masks ({type(exc).__name__})"))
         res.num_rows = out.shape[0]
         res.rows = self._interner.intern_rows(out, filled, session.num_mask_words)
+        if req.forced_rows and res.forced_tokens:
+            marks = [j < filled_forced[0] for j in range(len(res.forced_tokens))]
+            res.forced_rows = self._interner.intern_rows(forced_out[: len(marks)], marks, session.num_mask_words)
         return res
 
     def _forcing(
-        self, req: DraftRequest, session: Session, res: DraftOutcome
+        self,
+        req: DraftRequest,
+        session: Session,
+        res: DraftOutcome,
+        rows_out: np.ndarray | None,
+        rows_filled: list[int],
     ) -> Callable[[GrammarMatcher, np.ndarray | None, int, bool], None] | None:
-        """The walk's hook that puts the forced continuation in ``res`` (None when not asked)."""
+        """The walk's hook that puts the forced continuation in ``res`` (None when not asked),
+        and the row after each forced token in ``rows_out`` when given (how many: rows_filled[0])."""
         at_stop = req.forced_up_to > 0
         if (not at_stop and req.max_forced_tokens <= 0) or self._views is None:
             return None
@@ -238,8 +264,8 @@ class DraftMaskEngine:
                 return  # the older contract: only after every draft
             cap = min(req.forced_up_to - accepted if at_stop else req.max_forced_tokens, self.max_k)
             if cap > 0:
-                res.forced_tokens = forced_continuation(
-                    matcher, forced_bytes, view, cap, last_row=row, vocab_size=session.vocab_size
+                res.forced_tokens, rows_filled[0] = forced_continuation(
+                    matcher, forced_bytes, view, cap, last_row=row, vocab_size=session.vocab_size, rows_out=rows_out
                 )
 
         return hook
@@ -276,13 +302,15 @@ class DraftMaskEngine:
                 raise InvalidArgument("all sessions in one DraftMasks call must share a vocab width")
             width = s.num_mask_words
             sessions.append(s)
-        total = sum(r.num_rows for r in requests)
-        buf = self._scratch(total, max(width, 1))  # [num_rows_total, W]
+        # Per request: its walk's rows, then room for the rows after its forced tokens.
+        sizes = [r.num_rows + r.forced_row_capacity(self.max_k) for r in requests]
+        total = sum(sizes)
+        buf = self._scratch(total, max(width, 1))  # [rows_total, W]
         jobs: list[tuple[int, DraftRequest, Session | MaskError, np.ndarray]] = []
         offset = 0
-        for i, (req, target) in enumerate(zip(requests, sessions)):
-            jobs.append((i, req, target, buf[offset : offset + req.num_rows]))
-            offset += req.num_rows
+        for i, (req, target, size) in enumerate(zip(requests, sessions, sizes)):
+            jobs.append((i, req, target, buf[offset : offset + size]))
+            offset += size
         results: list[DraftOutcome] = [DraftOutcome()] * len(requests)
         # A chunk on another thread is worth its hop only with enough rows: on a 2-core host
         # shared with a client, splitting cost more than it saved up to ~80 rows a call

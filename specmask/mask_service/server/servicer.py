@@ -159,6 +159,7 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
                     last_row_only=it.last_row_only,
                     max_forced_tokens=it.max_forced_tokens,
                     forced_up_to=it.forced_up_to,
+                    forced_rows=it.forced_rows,
                 )
                 for it in request.items
             ]
@@ -172,6 +173,7 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
                     terminated=out.terminated,
                     forced_tokens=out.forced_tokens,
                     forced_at_stop=out.forced_at_stop,
+                    num_forced_rows=len(out.forced_rows),
                 )
                 if out.error is not None:
                     r.error_code = getattr(grpc.StatusCode, out.error.code.value).value[0]
@@ -185,6 +187,7 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
                     )
                     metrics.RPC_ERRORS.labels(out.error.code.value).inc()
                 rows.extend(out.rows)
+                rows.extend(out.forced_rows)  # row_ids: the item's rows, then its forced rows
             self._beliefs.encode_response_rows(request.client_id, request.dict_generation, rows, resp)
             metrics.DRAFT_ROWS.inc(len(rows))
             metrics.NEW_ROWS.inc(len(resp.new_rows))

@@ -392,6 +392,7 @@ class DraftMaskItem(_message.Message):
     LAST_ROW_ONLY_FIELD_NUMBER: _builtins.int
     MAX_FORCED_TOKENS_FIELD_NUMBER: _builtins.int
     FORCED_UP_TO_FIELD_NUMBER: _builtins.int
+    FORCED_ROWS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     commit_seq: _builtins.int
     last_row_only: _builtins.bool
@@ -408,6 +409,13 @@ class DraftMaskItem(_message.Message):
     lookahead that meets a refused token then learns what is forced there in the
     same reply, instead of asking again). At most forced_up_to -
     num_grammar_accepted tokens; max_forced_tokens is then unused.
+    """
+    forced_rows: _builtins.bool
+    """With a forced continuation asked for: also return the mask row after each
+    forced token (the state after f_1..f_j, j = 1..m), in row_ids after this
+    item's num_rows rows (DraftMaskResult.num_forced_rows of them). A worker that
+    takes the run as drafts then holds every row its positions and verification
+    need, instead of asking for the state after the run again.
     """
     @_builtins.property
     def draft_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -427,10 +435,11 @@ class DraftMaskItem(_message.Message):
         last_row_only: _builtins.bool = ...,
         max_forced_tokens: _builtins.int = ...,
         forced_up_to: _builtins.int = ...,
+        forced_rows: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_seq", b"commit_seq", "commit_tokens", b"commit_tokens", "draft_tokens", b"draft_tokens", "forced_up_to", b"forced_up_to", "last_row_only", b"last_row_only", "max_forced_tokens", b"max_forced_tokens", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_seq", b"commit_seq", "commit_tokens", b"commit_tokens", "draft_tokens", b"draft_tokens", "forced_rows", b"forced_rows", "forced_up_to", b"forced_up_to", "last_row_only", b"last_row_only", "max_forced_tokens", b"max_forced_tokens", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -506,6 +515,7 @@ class DraftMaskResult(_message.Message):
     ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
     FORCED_TOKENS_FIELD_NUMBER: _builtins.int
     FORCED_AT_STOP_FIELD_NUMBER: _builtins.int
+    NUM_FORCED_ROWS_FIELD_NUMBER: _builtins.int
     num_rows: _builtins.int
     """k+1, or 1 with last_row_only"""
     num_grammar_accepted: _builtins.int
@@ -518,6 +528,11 @@ class DraftMaskResult(_message.Message):
     """The server honoured forced_up_to: forced_tokens (possibly empty: nothing is
     forced there, or the grammar has ended) is for the state after the
     num_grammar_accepted drafts. Always false from servers older than it.
+    """
+    num_forced_rows: _builtins.int
+    """Rows after each forced token (DraftMaskItem.forced_rows): 0, or the number of
+    forced_tokens. They follow the item's num_rows rows in row_ids. 0 from servers
+    older than the field.
     """
     @_builtins.property
     def forced_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -535,10 +550,11 @@ class DraftMaskResult(_message.Message):
         error_message: _builtins.str = ...,
         forced_tokens: _abc.Iterable[_builtins.int] | None = ...,
         forced_at_stop: _builtins.bool = ...,
+        num_forced_rows: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_message", b"error_message", "forced_at_stop", b"forced_at_stop", "forced_tokens", b"forced_tokens", "num_grammar_accepted", b"num_grammar_accepted", "num_rows", b"num_rows", "terminated", b"terminated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_message", b"error_message", "forced_at_stop", b"forced_at_stop", "forced_tokens", b"forced_tokens", "num_forced_rows", b"num_forced_rows", "num_grammar_accepted", b"num_grammar_accepted", "num_rows", b"num_rows", "terminated", b"terminated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -559,7 +575,9 @@ class DraftMasksResponse(_message.Message):
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___DraftMaskResult]: ...
     @_builtins.property
     def row_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Flattened row ids, sum(num_rows) entries, in item order. 0 = all-ones row."""
+        """Flattened row ids, sum(num_rows + num_forced_rows) entries, in item order
+        (an item's num_rows rows, then its forced rows). 0 = all-ones row.
+        """
 
     @_builtins.property
     def new_rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___NewRow]:
