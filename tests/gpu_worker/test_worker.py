@@ -114,7 +114,7 @@ def test_grammar_forced_drafts_are_always_accepted_and_valid(make_worker, tiny_p
     target may spell forced text with other tokens, so those drafts can be rejected."""
     import specmask.mask_service.server.draft_masks as draft_masks
 
-    monkeypatch.setattr(draft_masks, "forced_continuation", lambda *args, **kwargs: [])
+    monkeypatch.setattr(draft_masks, "forced_continuation", lambda *args, **kwargs: ([], 0))
     worker = make_worker()
     seqs = [
         NewSequence(
