@@ -119,6 +119,7 @@ def test_one_clients_flood_does_not_starve_anothers_new_schema(service, bpe_dir,
     # of A's compiles ran, and round-robin by owner put B right after A's running one and A's one
     # queued before it (each killed at its budget, the compile worker restarted after each).
     assert len(refused) >= 2, outcomes
-    # A backstop only: each restart is a process start, which a saturated shared box (parallel
-    # test workers) can stretch to many seconds; the count above is what shows the fairness.
-    assert took < 2 * BUDGET_S + 60.0, took
+    # A backstop only: B waits for up to two of A's compiles (each run to its CPU budget at nice
+    # 10, then its worker restarted: a process start), and a saturated shared box (parallel test
+    # workers) stretches both to tens of seconds; the count above is what shows the fairness.
+    assert took < 2 * BUDGET_S + 150.0, took
