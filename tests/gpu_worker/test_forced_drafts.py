@@ -141,26 +141,42 @@ def test_ngram_lookahead_cuts_round_trips_and_keeps_output(tiny_pair, make_worke
     assert calls_on < calls_off, (calls_on, calls_off)
 
 
+# Grammars whose forced runs meet the n-gram lookahead: JSON keys, a regex literal, repeated groups.
+RUN_GRAMMARS = {"keys": GRAMMARS["keys"], "regex": GRAMMARS["regex"], "ab": (GrammarKind.REGEX, r"([ab]{3}-){6}")}
+
+
+def _fewer_round_trips_than(tiny_pair, make_worker, monkeypatch, without) -> None:
+    """Run RUN_GRAMMARS as the worker drafts, then again after ``without(monkeypatch)`` takes a
+    saving away: the same greedy output, every token inside the grammar, and fewer DraftMasks
+    calls with the saving."""
+    saved, calls_saved = _run_counting_calls(make_worker, RUN_GRAMMARS)
+    without(monkeypatch)
+    plain, calls_plain = _run_counting_calls(make_worker, RUN_GRAMMARS)
+    assert {k: r.tokens for k, r in saved.items()} == {k: r.tokens for k, r in plain.items()}
+    monkeypatch.setitem(GRAMMARS, "ab", RUN_GRAMMARS["ab"])  # _check_in_grammar looks grammars up by name
+    _check_in_grammar(tiny_pair, {f"{k}-0": r for k, r in saved.items()})
+    assert calls_saved < calls_plain, (calls_saved, calls_plain)
+
+
+def _request_without(**unset: object):
+    """A ``without`` for _fewer_round_trips_than: requests sent with these fields at their
+    defaults, as to a service older than them."""
+
+    def patch(monkeypatch) -> None:
+        import specmask.gpu_worker.drafting as drafting
+
+        plain_item = drafting.mask_item
+        monkeypatch.setattr(drafting, "mask_item", lambda *args, **kwargs: plain_item(*args, **{**kwargs, **unset}))
+
+    return patch
+
+
 def test_forced_run_where_the_lookahead_is_refused_saves_the_re_ask(tiny_pair, make_worker, monkeypatch) -> None:
     """Where the n-gram lookahead meets a token the grammar refuses, the reply carries the
     forced continuation of that state (``forced_up_to``): no second round trip for it. Against
     the re-ask an older service needs (requests without ``forced_up_to``): fewer round trips,
     the same greedy output, every token inside the grammar."""
-    import specmask.gpu_worker.drafting as drafting
-
-    grammars = {"keys": GRAMMARS["keys"], "regex": GRAMMARS["regex"], "ab": (GrammarKind.REGEX, r"([ab]{3}-){6}")}
-    at_stop, calls_at_stop = _run_counting_calls(make_worker, grammars)
-    plain_item = drafting.mask_item
-
-    def older_request(*args, forced_up_to: int = 0, **kwargs):
-        return plain_item(*args, forced_up_to=0, **kwargs)  # as sent to a service without forced_up_to
-
-    monkeypatch.setattr(drafting, "mask_item", older_request)
-    re_ask, calls_re_ask = _run_counting_calls(make_worker, grammars)
-    assert {k: r.tokens for k, r in at_stop.items()} == {k: r.tokens for k, r in re_ask.items()}
-    monkeypatch.setitem(GRAMMARS, "ab", grammars["ab"])
-    _check_in_grammar(tiny_pair, {f"{k}-0": r for k, r in at_stop.items()})
-    assert calls_at_stop < calls_re_ask, (calls_at_stop, calls_re_ask)
+    _fewer_round_trips_than(tiny_pair, make_worker, monkeypatch, _request_without(forced_up_to=0))
 
 
 def test_a_row_forcing_one_token_where_the_lookahead_stops_takes_the_whole_run(
@@ -172,19 +188,14 @@ def test_a_row_forcing_one_token_where_the_lookahead_stops_takes_the_whole_run(
     round trips for the same steps and greedy output, every token inside the grammar."""
     import specmask.gpu_worker.drafting as drafting
 
-    grammars = {"keys": GRAMMARS["keys"], "regex": GRAMMARS["regex"], "ab": (GrammarKind.REGEX, r"([ab]{3}-){6}")}
-    whole_run, calls_whole = _run_counting_calls(make_worker, grammars)
     walk = drafting.Drafter._walk
 
     def one_token_only(self, *args, run_at_stop: bool):
         return walk(self, *args, run_at_stop=False)  # the forced token alone, then a re-ask
 
-    monkeypatch.setattr(drafting.Drafter, "_walk", one_token_only)
-    one_token, calls_one = _run_counting_calls(make_worker, grammars)
-    assert {k: r.tokens for k, r in whole_run.items()} == {k: r.tokens for k, r in one_token.items()}
-    monkeypatch.setitem(GRAMMARS, "ab", grammars["ab"])
-    _check_in_grammar(tiny_pair, {f"{k}-0": r for k, r in whole_run.items()})
-    assert calls_whole < calls_one, (calls_whole, calls_one)
+    _fewer_round_trips_than(
+        tiny_pair, make_worker, monkeypatch, lambda mp: mp.setattr(drafting.Drafter, "_walk", one_token_only)
+    )
 
 
 def test_rows_after_a_forced_run_come_with_it(tiny_pair, make_worker, monkeypatch) -> None:
@@ -192,21 +203,7 @@ def test_rows_after_a_forced_run_come_with_it(tiny_pair, make_worker, monkeypatc
     (``forced_rows``): the slot drafts on from the row after the run and the verify path has
     every row it needs, so neither asks for those states again. Against a service that sends
     no such rows: fewer round trips, the same greedy output, every token inside the grammar."""
-    import specmask.gpu_worker.drafting as drafting
-
-    grammars = {"keys": GRAMMARS["keys"], "regex": GRAMMARS["regex"], "ab": (GrammarKind.REGEX, r"([ab]{3}-){6}")}
-    with_rows, calls_with_rows = _run_counting_calls(make_worker, grammars)
-    plain_item = drafting.mask_item
-
-    def no_rows(*args, forced_rows: bool = False, **kwargs):
-        return plain_item(*args, forced_rows=False, **kwargs)  # as answered by a service without them
-
-    monkeypatch.setattr(drafting, "mask_item", no_rows)
-    without, calls_without = _run_counting_calls(make_worker, grammars)
-    assert {k: r.tokens for k, r in with_rows.items()} == {k: r.tokens for k, r in without.items()}
-    monkeypatch.setitem(GRAMMARS, "ab", grammars["ab"])
-    _check_in_grammar(tiny_pair, {f"{k}-0": r for k, r in with_rows.items()})
-    assert calls_with_rows < calls_without, (calls_with_rows, calls_without)
+    _fewer_round_trips_than(tiny_pair, make_worker, monkeypatch, _request_without(forced_rows=False))
 
 
 def _run_each_twice(make_worker, grammars, spec: SpeculationParams):
