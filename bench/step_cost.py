@@ -610,23 +610,30 @@ def _run(args: argparse.Namespace) -> int:
         service_cpu_s = 0.0
         assert service.process is not None  # started above
         service_pid = service.process.pid
-        for r in range(args.rounds):
+        discarded = 0
+        for r in range(3 * args.rounds):
+            if len(rounds) == args.rounds:
+                break
             # Greedy decoding repeats itself: this round's recording replays the last one's trace.
             a, new_trace = record()
             b = peer(trace)
             cpu0 = cpu_seconds(service_pid)
             run_interleaved([a, b] if r % 2 == 0 else [b, a])
+            sa, sb = a.stats, b.stats
+            if sa.outputs != first.stats.outputs or sb.outputs != sa.outputs:
+                raise AssertionError(f"round {r}: constrained and replayed outputs diverged")
+            trace = new_trace
+            if sa.batches != sb.batches or sa.draft_forwards != sb.draft_forwards:
+                # Same tokens, other drafts: the service's learned spellings of forced text
+                # (mask_service/grammar/spellings.py) changed between the two recordings, so
+                # the replay is not like for like. Discarded; the next round replays this one.
+                discarded += 1
+                continue
             # All of it is the constrained run's: the replay opens no mask session.
             service_cpu_s += cpu_seconds(service_pid) - cpu0
-            sa, sb = a.stats, b.stats
-            if sa.outputs != first.stats.outputs or sb.outputs != sa.outputs or sa.batches != sb.batches:
-                raise AssertionError(f"round {r}: constrained and replayed runs diverged (outputs or batches)")
-            if sa.draft_forwards != sb.draft_forwards:
-                raise AssertionError(
-                    f"round {r}: {sa.draft_forwards} draft forwards recorded, {sb.draft_forwards} replayed"
-                )
-            trace = new_trace
             rounds.append((sa, sb))
+        if len(rounds) < args.rounds:
+            raise AssertionError(f"only {len(rounds)} of {args.rounds} rounds replayed like for like")
     finally:
         for w in workers:
             w.shutdown()
@@ -676,6 +683,7 @@ def _run(args: argparse.Namespace) -> int:
         "steps_per_run": len(ref.step_s),
         "draft_forwards_per_run": ref.draft_forwards,
         "steps": steps,
+        "rounds_discarded": discarded,
         "sequences": len(ref.outputs),
         "proposers": list(proposers),
         "k": args.k,

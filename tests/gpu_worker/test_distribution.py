@@ -83,8 +83,8 @@ def test_sampled_speculative_output_matches_exact_distribution(make_worker, exac
     compute = draft_masks.forced_continuation
 
     def counting(*args, **kwargs):
-        out = compute(*args, **kwargs)  # (tokens, rows filled)
-        forced_runs.extend([out[0]] if out[0] else [])
+        out = compute(*args, **kwargs)  # a ForcedRun
+        forced_runs.extend([out.tokens] if out.tokens else [])
         return out
 
     monkeypatch.setattr(draft_masks, "forced_continuation", counting)

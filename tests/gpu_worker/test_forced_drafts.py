@@ -43,13 +43,14 @@ SPEC = SpeculationParams(k=4, proposers=("grammar_forced",), draft_masking=False
 def _run(make_worker, monkeypatch, *, forced: bool, temperature: float = 0.0):
     """Run every grammar (greedy, or sampled with seeds); returns (results, forced runs proposed)."""
     import specmask.mask_service.server.draft_masks as draft_masks
+    from specmask.mask_service.grammar.forced import ForcedRun
 
     runs: list[list[int]] = []
     compute = draft_masks.forced_continuation
 
     def recording(*args, **kwargs):
-        out = compute(*args, **kwargs) if forced else ([], 0)
-        runs.extend([out[0]] if out[0] else [])
+        out = compute(*args, **kwargs) if forced else ForcedRun([], 0)
+        runs.extend([out.tokens] if out.tokens else [])
         return out
 
     monkeypatch.setattr(draft_masks, "forced_continuation", recording)

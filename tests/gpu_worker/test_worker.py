@@ -113,8 +113,9 @@ def test_grammar_forced_drafts_are_always_accepted_and_valid(make_worker, tiny_p
     Forced continuations (multi-token forced text, test_forced_drafts.py) are off here: the
     target may spell forced text with other tokens, so those drafts can be rejected."""
     import specmask.mask_service.server.draft_masks as draft_masks
+    from specmask.mask_service.grammar.forced import ForcedRun
 
-    monkeypatch.setattr(draft_masks, "forced_continuation", lambda *args, **kwargs: ([], 0))
+    monkeypatch.setattr(draft_masks, "forced_continuation", lambda *args, **kwargs: ForcedRun([], 0))
     worker = make_worker()
     seqs = [
         NewSequence(

@@ -245,3 +245,64 @@ def test_tokenizer_views_build_each_key_once(registry: Any, bpe_id: str) -> None
         assert views.builds == 1
     finally:
         views.shutdown()
+
+
+def _offer_and_commit(client: MaskServiceClient, bpe_id: str, backend: str, prefix: list[int], spelled: list[int]):
+    """A fresh session: the forced run after ``prefix`` (its last two tokens as drafts) is
+    handed out, then the drafts and the target's ``spelled`` tokens (spelling that forced
+    text) are committed with the next request, as a worker's next step does. Returns the run."""
+    sid = client.open_session(bpe_id, _spec(backend))
+    run = client.draft_masks([_offer(sid, prefix)])[0]
+    client.draft_masks(
+        [DraftMaskItem(sid, [], commit_tokens=[*prefix[-2:], *spelled], commit_seq=2, last_row_only=True)]
+    )
+    client.close_session(sid)
+    return run
+
+
+def _offer(sid: str, prefix: list[int]) -> DraftMaskItem:
+    """Commit all but the last two tokens of ``prefix``; ask for the forced run after all of it."""
+    return DraftMaskItem(sid, prefix[-2:], commit_tokens=prefix[:-2], commit_seq=1, forced_up_to=10, forced_rows=True)
+
+
+@pytest.mark.parametrize("backend", ENGINES)
+def test_forced_runs_learn_the_targets_spelling(
+    client: MaskServiceClient, bpe_id: str, hf_tok: Any, backend: str
+) -> None:
+    """grammar/spellings.py: where the target commits another spelling of a forced text than
+    the canonical one, later runs over that text start with the target's token once it has
+    more votes than the canonical one, spell the same bytes, and are grammar-accepted token by
+    token with rows bit-exact to the walk's; votes for the canonical token take it back. (The
+    votes are the service's, shared by every session of the tokenizer: the test votes until
+    each side wins, from whatever the tests before it left.)"""
+    prefix = _ids(hf_tok, '{"name":"Bob","')
+    canonical = _ids(hf_tok, 'age":')
+    other = [hf_tok.convert_tokens_to_ids("ag"), *_ids(hf_tok, 'e":')]
+    assert canonical[0] != other[0] and _text(hf_tok, other) == 'age":'
+    offered = [_offer_and_commit(client, bpe_id, backend, prefix, other).forced_tokens[0] for _ in range(4)]
+    assert offered[0] == canonical[0] and offered[-1] == other[0], offered  # learned within the votes
+    assert offered == sorted(offered, key=lambda t: t == other[0])  # and kept once learned
+    sid = client.open_session(bpe_id, _spec(backend))
+    assert _forced_rows_match_the_walk(client, sid, prefix[-2:], _offer(sid, prefix))
+    learned = client.draft_masks([DraftMaskItem(sid, prefix[-2:], forced_up_to=10)])[0]
+    assert learned.forced_tokens[0] == other[0] and 'age":'.startswith(_text(hf_tok, learned.forced_tokens))
+    assert not client.commit(sid, 2, [*prefix[-2:], *learned.forced_tokens])  # every token grammar-accepted
+    client.close_session(sid)
+    # Votes for the canonical spelling take it back.
+    back = [_offer_and_commit(client, bpe_id, backend, prefix, canonical).forced_tokens[0] for _ in range(6)]
+    assert back[0] == other[0] and back[-1] == canonical[0], back
+
+
+def test_spelling_votes() -> None:
+    """A token replaces the canonical one only with strictly more votes; ties keep the canonical."""
+    from specmask.mask_service.grammar.spellings import Spellings
+
+    votes = Spellings()
+    assert not votes and votes.preferred(7) is None
+    votes.vote(7, 8)
+    assert votes.preferred(7) == 8
+    votes.vote(7, 7)
+    assert votes.preferred(7) is None  # 1 : 1
+    votes.vote(7, 9)
+    votes.vote(7, 9)
+    assert votes.preferred(7) == 9 and votes.preferred(8) is None

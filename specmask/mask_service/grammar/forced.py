@@ -40,10 +40,12 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from specmask.mask_service.grammar.spellings import Spellings
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,9 @@ class TokenizerView:
     sorted_ids: list[int]  # ids in the order of sorted_bytes
     stop_ids: frozenset[int]
     by_bytes: dict[bytes, int]  # token bytes -> id (non-special tokens; the lowest id of duplicates)
+    # How the model spells forced text, learned from its commits (spellings.py); shared by every
+    # session of this tokenizer.
+    spellings: Spellings = field(default_factory=Spellings, compare=False)
 
     @classmethod
     def build(cls, hf_tokenizer: Any, tokenizer_info: Any) -> TokenizerView:
@@ -259,6 +264,31 @@ def tokenise_forced(data: bytes, view: TokenizerView) -> tuple[list[int], int]:
     return tokens, lead + whole
 
 
+def spell_forced(data: bytes, view: TokenizerView) -> tuple[list[int], int]:
+    """``tokenise_forced`` with the spellings the model was seen to use (spellings.py): where
+    the canonical spelling has a token the votes replace, that token is spelled with the
+    winner instead (when the winner's bytes start there and fit), and the text after it is
+    spelled afresh the same way. Returns (tokens, bytes of ``data`` they spell)."""
+    tokens, covered = tokenise_forced(data, view)
+    if not view.spellings:
+        return tokens, covered
+    out: list[int] = []
+    pos = 0  # bytes of data spelled by out
+    while tokens:
+        swap = next(((i, p) for i, t in enumerate(tokens) if (p := view.spellings.preferred(t)) is not None), None)
+        if swap is None:
+            break
+        i, winner = swap
+        start = pos + sum(len(view.token_bytes[t]) for t in tokens[:i])
+        spelled = view.token_bytes[winner] if winner < len(view.token_bytes) else b""
+        if not spelled or not data.startswith(spelled, start) or start + len(spelled) > pos + covered:
+            break  # the winner does not spell the text here: keep the canonical tokens
+        out += [*tokens[:i], winner]
+        pos = start + len(spelled)
+        tokens, covered = tokenise_forced(data[pos:], view)  # each pass spells >= 1 more byte
+    return out + tokens, pos + covered
+
+
 def _round(
     matcher: Any,
     forced_bytes: Callable[[Any], bytes],
@@ -274,7 +304,8 @@ def _round(
     data = forced_bytes(matcher)
     if not data:
         return [], False
-    tokens, covered = tokenise_forced(data, view)
+    rows.text = rows.text or data  # the first round's forced text: what the run is judged by
+    tokens, covered = spell_forced(data, view)
     spelled = b"".join(view.token_bytes[t] if t < len(view.token_bytes) else b"\x00\xff" for t in tokens)
     if not tokens or spelled != data[:covered]:
         return [], False  # the tokens do not spell the forced bytes: propose nothing
@@ -304,11 +335,24 @@ class _Rows:
     def __init__(self, out: np.ndarray | None) -> None:
         self.out = out
         self.filled = 0
+        self.text = b""  # the forced bytes of the run's first round (b"" if none ran)
 
     def fill(self, matcher: Any) -> None:
         if self.out is not None:
             matcher.fill_next_token_bitmask(self.out, self.filled)
             self.filled += 1
+
+
+@dataclass(frozen=True)
+class ForcedRun:
+    """What ``forced_continuation`` found."""
+
+    tokens: list[int]  # grammar-accepted, in order
+    rows: int  # rows of rows_out filled: a prefix, len(tokens) or one fewer
+    # The forced text the run spells from its first token, when that token was spelled from
+    # it (not a row's single allowed token): what the next commit is compared with to learn
+    # the model's spelling (spellings.py). b"" otherwise.
+    text: bytes = b""
 
 
 def forced_continuation(
@@ -320,7 +364,7 @@ def forced_continuation(
     last_row: np.ndarray | None,
     vocab_size: int,
     rows_out: np.ndarray | None = None,
-) -> tuple[list[int], int]:
+) -> ForcedRun:
     """Up to ``max_tokens`` tokens the grammar forces from ``matcher``'s state; the
     matcher is left exactly as it was. ``last_row`` ([W] int32): the row already filled
     for this state, if any (its single allowed token is the cheap case).
@@ -328,15 +372,16 @@ def forced_continuation(
     ``rows_out`` ([>= max_tokens, W] int32), when given, gets row j = the mask after the
     first j + 1 tokens, exactly as ``walk_drafts`` would fill it with the tokens as
     drafts; the state after a token that ends the grammar gets no row (walk_drafts
-    leaves it unfilled: all-ones). Returns (tokens, rows filled: a prefix of rows_out,
-    len(tokens) or one fewer)."""
+    leaves it unfilled: all-ones)."""
     out: list[int] = []
     rows = _Rows(rows_out)
+    single = False
     try:
         if last_row is not None and max_tokens > 0:
             only = single_allowed(last_row, vocab_size)
             if only is not None and only not in view.stop_ids and matcher.accept_token(only):
                 out.append(only)
+                single = True
                 if not matcher.is_terminated():
                     rows.fill(matcher)
         for _ in range(MAX_ROUNDS):
@@ -349,4 +394,15 @@ def forced_continuation(
     finally:
         if out:
             matcher.rollback(len(out))
-    return out, rows.filled
+    return ForcedRun(out, rows.filled, b"" if single or not out else rows.text)
+
+
+def learn_spelling(view: TokenizerView, text: bytes, committed: int) -> None:
+    """The target committed ``committed`` where a forced run spelling ``text`` started: a vote
+    for how the model spells that text (spellings.py), when ``committed`` spells a prefix of it."""
+    spelled = view.token_bytes[committed] if 0 <= committed < len(view.token_bytes) else b""
+    if not spelled or not text.startswith(spelled):
+        return  # a token reaching past the forced text says nothing about how the text is spelled
+    canonical, _ = tokenise_forced(text, view)
+    if canonical:
+        view.spellings.vote(canonical[0], committed)

@@ -41,7 +41,12 @@ import numpy as np
 
 from specmask.mask_service.errors import InternalItemError, InvalidArgument, MaskError
 from specmask.mask_service.grammar.backends import ENGINES, engine_name
-from specmask.mask_service.grammar.forced import TokenizerViews, forced_continuation
+from specmask.mask_service.grammar.forced import (
+    TokenizerView,
+    TokenizerViews,
+    forced_continuation,
+    learn_spelling,
+)
 from specmask.mask_service.grammar.json_keys import engine_matcher
 from specmask.mask_service.protocols import GrammarMatcher
 from specmask.mask_service.server.sessions import Session, SessionStore
@@ -147,6 +152,8 @@ def walk_drafts(
     return accepted, filled
 
 
+# Forced runs a session remembers between two commits (one per draft-side request of a step).
+MAX_FORCED_OFFERS = 64
 # Rows a call must give each thread before it is split over the pool (see run()).
 MIN_ROWS_PER_CHUNK = 32
 
@@ -211,7 +218,9 @@ class DraftMaskEngine:
         filled_forced = [0]  # rows of forced_out the hook filled (a prefix)
         try:
             with session.lock:
-                session.commit_locked(req.commit_seq, req.commit_tokens)
+                base = session.num_committed
+                if session.commit_locked(req.commit_seq, req.commit_tokens) and session.forced_offers:
+                    self._learn_spellings(session, base, req.commit_tokens)
                 session.check_tokens(req.draft_tokens, "draft")
                 res.terminated = bool(session.matcher.is_terminated())
                 res.num_grammar_accepted, filled = walk_drafts(
@@ -264,11 +273,32 @@ class DraftMaskEngine:
                 return  # the older contract: only after every draft
             cap = min(req.forced_up_to - accepted if at_stop else req.max_forced_tokens, self.max_k)
             if cap > 0:
-                res.forced_tokens, rows_filled[0] = forced_continuation(
+                run = forced_continuation(
                     matcher, forced_bytes, view, cap, last_row=row, vocab_size=session.vocab_size, rows_out=rows_out
                 )
+                res.forced_tokens, rows_filled[0] = run.tokens, run.rows
+                if run.text and len(session.forced_offers) < MAX_FORCED_OFFERS:
+                    session.forced_offers[(session.num_committed, tuple(req.draft_tokens[:accepted]))] = run.text
 
         return hook
+
+    def _view(self, session: Session) -> TokenizerView | None:
+        if self._views is None:
+            return None
+        entry = session.entry
+        return self._views.get(entry.key[0], entry.compiled.tokenizer_info)
+
+    def _learn_spellings(self, session: Session, base: int, committed: Sequence[int]) -> None:
+        """Vote, for each forced run handed out at the state ``committed`` started from, for
+        the token the target committed where the run started (grammar/spellings.py)."""
+        offers, session.forced_offers = session.forced_offers, {}
+        view = self._view(session)
+        if view is None:
+            return
+        for (at, drafts), text in offers.items():
+            n = len(drafts)
+            if at == base and n < len(committed) and tuple(committed[:n]) == drafts:
+                learn_spelling(view, text, int(committed[n]))
 
     def _chunk(
         self, jobs: list[tuple[int, DraftRequest, Session | MaskError, np.ndarray]], results: list[DraftOutcome]

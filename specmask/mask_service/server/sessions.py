@@ -41,6 +41,10 @@ class Session:
     num_committed: int = 0
     last_used: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Forced runs handed out since the last commit: (num_committed then, the drafts before the
+    # run) -> the forced text it spelled. The next commit says how the target spelled it
+    # (grammar/spellings.py); draft_masks reads and clears it.
+    forced_offers: dict[tuple[int, tuple[int, ...]], bytes] = field(default_factory=dict)
 
     @property
     def num_mask_words(self) -> int:
