@@ -20,6 +20,11 @@ and the tokens are checked one by one:
 A row that allows exactly one token (not a stop token) is forced too, and is
 checked first: it costs one scan of a row the walk already filled.
 
+Where the target was seen to spell a forced text differently from the canonical
+encoding (``spellings.py``: votes learned from the commits that follow each run),
+``spell_forced`` starts that text with the target's token and spells the rest
+afresh; the checks below apply to the result unchanged.
+
 With ``rows_out`` the row after each forced token is filled on the way, before the
 rollback: the rows a walk with the run as drafts fills, so a worker taking the run
 needs no request for those states.
