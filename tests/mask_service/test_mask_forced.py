@@ -247,50 +247,33 @@ def test_tokenizer_views_build_each_key_once(registry: Any, bpe_id: str) -> None
         views.shutdown()
 
 
-def _offer_and_commit(client: MaskServiceClient, bpe_id: str, backend: str, prefix: list[int], spelled: list[int]):
-    """A fresh session: the forced run after ``prefix`` (its last two tokens as drafts) is
-    handed out, then the drafts and the target's ``spelled`` tokens (spelling that forced
-    text) are committed with the next request, as a worker's next step does. Returns the run."""
-    sid = client.open_session(bpe_id, _spec(backend))
-    run = client.draft_masks([_offer(sid, prefix)])[0]
-    client.draft_masks(
-        [DraftMaskItem(sid, [], commit_tokens=[*prefix[-2:], *spelled], commit_seq=2, last_row_only=True)]
-    )
-    client.close_session(sid)
-    return run
-
-
-def _offer(sid: str, prefix: list[int]) -> DraftMaskItem:
-    """Commit all but the last two tokens of ``prefix``; ask for the forced run after all of it."""
-    return DraftMaskItem(sid, prefix[-2:], commit_tokens=prefix[:-2], commit_seq=1, forced_up_to=10, forced_rows=True)
-
-
 @pytest.mark.parametrize("backend", ENGINES)
 def test_forced_runs_learn_the_targets_spelling(
     client: MaskServiceClient, bpe_id: str, hf_tok: Any, backend: str
 ) -> None:
     """grammar/spellings.py: where the target commits another spelling of a forced text than
-    the canonical one, later runs over that text start with the target's token once it has
-    more votes than the canonical one, spell the same bytes, and are grammar-accepted token by
-    token with rows bit-exact to the walk's; votes for the canonical token take it back. (The
-    votes are the service's, shared by every session of the tokenizer: the test votes until
-    each side wins, from whatever the tests before it left.)"""
-    prefix = _ids(hf_tok, '{"name":"Bob","')
-    canonical = _ids(hf_tok, 'age":')
-    other = [hf_tok.convert_tokens_to_ids("ag"), *_ids(hf_tok, 'e":')]
-    assert canonical[0] != other[0] and _text(hf_tok, other) == 'age":'
-    offered = [_offer_and_commit(client, bpe_id, backend, prefix, other).forced_tokens[0] for _ in range(4)]
-    assert offered[0] == canonical[0] and offered[-1] == other[0], offered  # learned within the votes
-    assert offered == sorted(offered, key=lambda t: t == other[0])  # and kept once learned
-    sid = client.open_session(bpe_id, _spec(backend))
-    assert _forced_rows_match_the_walk(client, sid, prefix[-2:], _offer(sid, prefix))
-    learned = client.draft_masks([DraftMaskItem(sid, prefix[-2:], forced_up_to=10)])[0]
-    assert learned.forced_tokens[0] == other[0] and 'age":'.startswith(_text(hf_tok, learned.forced_tokens))
-    assert not client.commit(sid, 2, [*prefix[-2:], *learned.forced_tokens])  # every token grammar-accepted
-    client.close_session(sid)
-    # Votes for the canonical spelling take it back.
-    back = [_offer_and_commit(client, bpe_id, backend, prefix, canonical).forced_tokens[0] for _ in range(6)]
-    assert back[0] == other[0] and back[-1] == canonical[0], back
+    the canonical one, the session's later runs over that text start with the target's token
+    (once it has more votes), spell the same bytes, and are grammar-accepted token by token
+    with rows bit-exact to the walk's. Votes are the session's own: another session, at the
+    same state, still gets the canonical spelling."""
+    spec = GrammarSpec(GrammarKind.REGEX, "(age:){4}", backend=backend)
+    canonical = _ids(hf_tok, "age:")
+    other = [hf_tok.convert_tokens_to_ids("ag"), *_ids(hf_tok, "e:")]
+    assert canonical[0] != other[0] and _text(hf_tok, other) == "age:"
+    sid = client.open_session(bpe_id, spec)
+    first = client.draft_masks([DraftMaskItem(sid, [], forced_up_to=4, forced_rows=True)])[0]
+    assert list(first.forced_tokens[:1]) == canonical[:1]  # nothing learned yet: canonical
+    # The target spells the first "age:" its own way (the next step's request carries it).
+    item = DraftMaskItem(sid, [], commit_tokens=other, commit_seq=1, forced_up_to=4, forced_rows=True)
+    assert _forced_rows_match_the_walk(client, sid, [], item)
+    learned = client.draft_masks([DraftMaskItem(sid, [], forced_up_to=4)])[0]
+    assert learned.forced_tokens[0] == other[0], learned.forced_tokens
+    assert "age:age:age:".startswith(_text(hf_tok, learned.forced_tokens))
+    assert not client.commit(sid, 2, list(learned.forced_tokens))  # every token grammar-accepted
+    fresh = client.open_session(bpe_id, spec)
+    assert list(client.draft_masks([DraftMaskItem(fresh, [], forced_up_to=4)])[0].forced_tokens[:1]) == canonical[:1]
+    for s in (sid, fresh):
+        client.close_session(s)
 
 
 def test_spelling_votes() -> None:

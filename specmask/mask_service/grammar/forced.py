@@ -45,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -73,9 +73,6 @@ class TokenizerView:
     sorted_ids: list[int]  # ids in the order of sorted_bytes
     stop_ids: frozenset[int]
     by_bytes: dict[bytes, int]  # token bytes -> id (non-special tokens; the lowest id of duplicates)
-    # How the model spells forced text, learned from its commits (spellings.py); shared by every
-    # session of this tokenizer.
-    spellings: Spellings = field(default_factory=Spellings, compare=False)
 
     @classmethod
     def build(cls, hf_tokenizer: Any, tokenizer_info: Any) -> TokenizerView:
@@ -269,18 +266,18 @@ def tokenise_forced(data: bytes, view: TokenizerView) -> tuple[list[int], int]:
     return tokens, lead + whole
 
 
-def spell_forced(data: bytes, view: TokenizerView) -> tuple[list[int], int]:
+def spell_forced(data: bytes, view: TokenizerView, spellings: Spellings | None) -> tuple[list[int], int]:
     """``tokenise_forced`` with the spellings the model was seen to use (spellings.py): where
     the canonical spelling has a token the votes replace, that token is spelled with the
     winner instead (when the winner's bytes start there and fit), and the text after it is
     spelled afresh the same way. Returns (tokens, bytes of ``data`` they spell)."""
     tokens, covered = tokenise_forced(data, view)
-    if not view.spellings:
+    if not spellings:
         return tokens, covered
     out: list[int] = []
     pos = 0  # bytes of data spelled by out
     while tokens:
-        swap = next(((i, p) for i, t in enumerate(tokens) if (p := view.spellings.preferred(t)) is not None), None)
+        swap = next(((i, p) for i, t in enumerate(tokens) if (p := spellings.preferred(t)) is not None), None)
         if swap is None:
             break
         i, winner = swap
@@ -300,6 +297,7 @@ def _round(
     view: TokenizerView,
     budget: int,
     rows: _Rows,
+    spellings: Spellings | None,
 ) -> tuple[list[int], bool]:
     """One jump-forward round from the matcher's state; accepted tokens stay accepted
     (and ``rows`` gets the row after each).
@@ -310,7 +308,7 @@ def _round(
     if not data:
         return [], False
     rows.text = rows.text or data  # the first round's forced text: what the run is judged by
-    tokens, covered = spell_forced(data, view)
+    tokens, covered = spell_forced(data, view, spellings)
     spelled = b"".join(view.token_bytes[t] if t < len(view.token_bytes) else b"\x00\xff" for t in tokens)
     if not tokens or spelled != data[:covered]:
         return [], False  # the tokens do not spell the forced bytes: propose nothing
@@ -369,6 +367,7 @@ def forced_continuation(
     last_row: np.ndarray | None,
     vocab_size: int,
     rows_out: np.ndarray | None = None,
+    spellings: Spellings | None = None,
 ) -> ForcedRun:
     """Up to ``max_tokens`` tokens the grammar forces from ``matcher``'s state; the
     matcher is left exactly as it was. ``last_row`` ([W] int32): the row already filled
@@ -377,7 +376,8 @@ def forced_continuation(
     ``rows_out`` ([>= max_tokens, W] int32), when given, gets row j = the mask after the
     first j + 1 tokens, exactly as ``walk_drafts`` would fill it with the tokens as
     drafts; the state after a token that ends the grammar gets no row (walk_drafts
-    leaves it unfilled: all-ones)."""
+    leaves it unfilled: all-ones). ``spellings``: the session's learned spellings of forced
+    text (spellings.py), None for the canonical ones."""
     out: list[int] = []
     rows = _Rows(rows_out)
     single = False
@@ -392,7 +392,7 @@ def forced_continuation(
         for _ in range(MAX_ROUNDS):
             if len(out) >= max_tokens or matcher.is_terminated():
                 break
-            tokens, more = _round(matcher, forced_bytes, view, max_tokens - len(out), rows)
+            tokens, more = _round(matcher, forced_bytes, view, max_tokens - len(out), rows, spellings)
             out.extend(tokens)
             if not more:
                 break
@@ -402,12 +402,12 @@ def forced_continuation(
     return ForcedRun(out, rows.filled, b"" if single or not out else rows.text)
 
 
-def learn_spelling(view: TokenizerView, text: bytes, committed: int) -> None:
+def learn_spelling(spellings: Spellings, view: TokenizerView, text: bytes, committed: int) -> None:
     """The target committed ``committed`` where a forced run spelling ``text`` started: a vote
-    for how the model spells that text (spellings.py), when ``committed`` spells a prefix of it."""
+    in ``spellings`` for how the model spells that text, when ``committed`` spells a prefix of it."""
     spelled = view.token_bytes[committed] if 0 <= committed < len(view.token_bytes) else b""
     if not spelled or not text.startswith(spelled):
         return  # a token reaching past the forced text says nothing about how the text is spelled
     canonical, _ = tokenise_forced(text, view)
     if canonical:
-        view.spellings.vote(canonical[0], committed)
+        spellings.vote(canonical[0], committed)

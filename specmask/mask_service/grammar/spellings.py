@@ -8,12 +8,18 @@ alone. Every such forced draft is rejected by the target, which then emits its
 own spelling of the same bytes.
 
 The service sees both sides: the forced runs it hands out and, at the next
-commit, the tokens the target actually emitted where each run started. So per
-tokenizer it keeps a vote: for a forced text whose canonical spelling starts
-with token ``c``, which token did the target commit there (any token spelling a
+commit, the tokens the target actually emitted where each run started. So each
+session keeps a vote: for a forced text whose canonical spelling starts with
+token ``c``, which token did the target commit there (any token spelling a
 prefix of the forced text; ``c`` itself included)? When another token has more
 votes than ``c``, forced runs start that text with it and spell the rest
-canonically (again subject to the vote at each token).
+canonically (again subject to the vote at each token). A JSON document repeats
+its punctuation at every key, so one request learns within its first keys.
+
+The votes are per session, not shared: a request's drafts then depend on its
+own history only, so a seeded sampled request gives the same output however
+many requests ran before it (drafts decide which random numbers a sampled step
+uses, never the distribution it samples).
 
 Only drafts change: a respelled run spells the same forced bytes, the grammar
 accepts it token by token like any forced run, its rows are filled by the same

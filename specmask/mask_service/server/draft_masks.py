@@ -274,7 +274,14 @@ class DraftMaskEngine:
             cap = min(req.forced_up_to - accepted if at_stop else req.max_forced_tokens, self.max_k)
             if cap > 0:
                 run = forced_continuation(
-                    matcher, forced_bytes, view, cap, last_row=row, vocab_size=session.vocab_size, rows_out=rows_out
+                    matcher,
+                    forced_bytes,
+                    view,
+                    cap,
+                    last_row=row,
+                    vocab_size=session.vocab_size,
+                    rows_out=rows_out,
+                    spellings=session.spellings,
                 )
                 res.forced_tokens, rows_filled[0] = run.tokens, run.rows
                 if run.text and len(session.forced_offers) < MAX_FORCED_OFFERS:
@@ -298,7 +305,7 @@ class DraftMaskEngine:
         for (at, drafts), text in offers.items():
             n = len(drafts)
             if at == base and n < len(committed) and tuple(committed[:n]) == drafts:
-                learn_spelling(view, text, int(committed[n]))
+                learn_spelling(session.spellings, view, text, int(committed[n]))
 
     def _chunk(
         self, jobs: list[tuple[int, DraftRequest, Session | MaskError, np.ndarray]], results: list[DraftOutcome]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from specmask.mask_service.auth import public_owner
 from specmask.mask_service.errors import InvalidArgument, LimitExceeded, NotOwner, SessionNotFound, TokenRejected
 from specmask.mask_service.grammar.json_keys import DuplicateKeyGuard, key_vocab
+from specmask.mask_service.grammar.spellings import Spellings
 from specmask.mask_service.protocols import GrammarMatcher
 from specmask.mask_service.server.compiler_cache import CompiledEntry
 
@@ -42,9 +43,11 @@ class Session:
     last_used: float = field(default_factory=time.monotonic)
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Forced runs handed out since the last commit: (num_committed then, the drafts before the
-    # run) -> the forced text it spelled. The next commit says how the target spelled it
-    # (grammar/spellings.py); draft_masks reads and clears it.
+    # run) -> the forced text it spelled. The next commit says how the target spelled it, a
+    # vote in ``spellings`` (grammar/spellings.py); draft_masks reads and clears it. Per session,
+    # so a request's drafts depend on its own history only (a seeded sampled request replays).
     forced_offers: dict[tuple[int, tuple[int, ...]], bytes] = field(default_factory=dict)
+    spellings: Spellings = field(default_factory=Spellings)
 
     @property
     def num_mask_words(self) -> int:
