@@ -173,6 +173,9 @@ def mask_item(
         last_row_only=last_row_only,
         forced_up_to=forced_up_to,
         forced_rows=forced_rows,
+        # Greedy output is the target's argmax chain whatever the drafts: pooled spellings
+        # are safe. A sampled request keeps to its own votes, so a seeded one replays.
+        shared_spellings=forced_rows and seq.request.sampling.temperature == 0.0,
     )
 
 

@@ -255,7 +255,8 @@ def test_forced_runs_learn_the_targets_spelling(
     the canonical one, the session's later runs over that text start with the target's token
     (once it has more votes), spell the same bytes, and are grammar-accepted token by token
     with rows bit-exact to the walk's. Votes are the session's own: another session, at the
-    same state, still gets the canonical spelling."""
+    same state, still gets the canonical spelling, unless it asks for the pooled votes
+    (``shared_spellings``, sent for greedy requests)."""
     spec = GrammarSpec(GrammarKind.REGEX, "(age:){4}", backend=backend)
     canonical = _ids(hf_tok, "age:")
     other = [hf_tok.convert_tokens_to_ids("ag"), *_ids(hf_tok, "e:")]
@@ -272,6 +273,9 @@ def test_forced_runs_learn_the_targets_spelling(
     assert not client.commit(sid, 2, list(learned.forced_tokens))  # every token grammar-accepted
     fresh = client.open_session(bpe_id, spec)
     assert list(client.draft_masks([DraftMaskItem(fresh, [], forced_up_to=4)])[0].forced_tokens[:1]) == canonical[:1]
+    # A greedy request's session may ask for the votes pooled over every session.
+    pooled = client.draft_masks([DraftMaskItem(fresh, [], forced_up_to=4, shared_spellings=True)])[0]
+    assert pooled.forced_tokens[0] == other[0], pooled.forced_tokens
     for s in (sid, fresh):
         client.close_session(s)
 

@@ -90,6 +90,9 @@ class DraftMaskItem:
     # With a forced continuation asked for: also the row after each forced token
     # (DraftMaskResult.forced_rows), so the state after the run needs no request of its own.
     forced_rows: bool = False
+    # Spell forced text by the votes of every session of the tokenizer, not this session's
+    # alone (grammar/spellings.py): for greedy requests, whose output no draft can change.
+    shared_spellings: bool = False
 
 
 @dataclass(frozen=True)
@@ -290,6 +293,7 @@ class MaskServiceClient:
                 max_forced_tokens=it.max_forced_tokens,
                 forced_up_to=it.forced_up_to,
                 forced_rows=it.forced_rows,
+                shared_spellings=it.shared_spellings,
             )
             for it in items
         ]

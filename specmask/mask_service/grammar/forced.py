@@ -45,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -73,6 +73,8 @@ class TokenizerView:
     sorted_ids: list[int]  # ids in the order of sorted_bytes
     stop_ids: frozenset[int]
     by_bytes: dict[bytes, int]  # token bytes -> id (non-special tokens; the lowest id of duplicates)
+    # Spelling votes pooled over every session of this tokenizer (spellings.py), for greedy requests.
+    spellings: Spellings = field(default_factory=Spellings, compare=False)
 
     @classmethod
     def build(cls, hf_tokenizer: Any, tokenizer_info: Any) -> TokenizerView:

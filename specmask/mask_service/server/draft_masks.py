@@ -68,6 +68,8 @@ class DraftRequest:
     forced_up_to: int = 0
     # Also fill the row after each forced token (DraftOutcome.forced_rows).
     forced_rows: bool = False
+    # Spell forced text by the votes of every session of the tokenizer (greedy requests only).
+    shared_spellings: bool = False
 
     @property
     def num_rows(self) -> int:
@@ -281,7 +283,7 @@ class DraftMaskEngine:
                     last_row=row,
                     vocab_size=session.vocab_size,
                     rows_out=rows_out,
-                    spellings=session.spellings,
+                    spellings=view.spellings if req.shared_spellings else session.spellings,
                 )
                 res.forced_tokens, rows_filled[0] = run.tokens, run.rows
                 if run.text and len(session.forced_offers) < MAX_FORCED_OFFERS:
@@ -305,7 +307,8 @@ class DraftMaskEngine:
         for (at, drafts), text in offers.items():
             n = len(drafts)
             if at == base and n < len(committed) and tuple(committed[:n]) == drafts:
-                learn_spelling(session.spellings, view, text, int(committed[n]))
+                for spellings in (session.spellings, view.spellings):
+                    learn_spelling(spellings, view, text, int(committed[n]))
 
     def _chunk(
         self, jobs: list[tuple[int, DraftRequest, Session | MaskError, np.ndarray]], results: list[DraftOutcome]

@@ -160,6 +160,7 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
                     max_forced_tokens=it.max_forced_tokens,
                     forced_up_to=it.forced_up_to,
                     forced_rows=it.forced_rows,
+                    shared_spellings=it.shared_spellings,
                 )
                 for it in request.items
             ]

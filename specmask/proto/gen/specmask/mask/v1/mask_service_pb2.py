@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#specmask/mask/v1/mask_service.proto\x12\x10specmask.mask.v1\"\xd5\x01\n\x07Grammar\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.specmask.mask.v1.GrammarKind\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x16\n\x0e\x61ny_whitespace\x18\x03 \x01(\x08\x12\x16\n\x0ehas_separators\x18\x04 \x01(\x08\x12\x16\n\x0eitem_separator\x18\x05 \x01(\t\x12\x15\n\rkey_separator\x18\x06 \x01(\t\x12\x0e\n\x06strict\x18\x07 \x01(\x08\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x0f\n\x07\x63hecked\x18\t \x01(\x08\"e\n\rGrammarTarget\x12\x14\n\x0ctokenizer_id\x18\x01 \x01(\t\x12*\n\x07grammar\x18\x02 \x01(\x0b\x32\x19.specmask.mask.v1.Grammar\x12\x12\n\nvocab_size\x18\x03 \x01(\r\"I\n\x16ValidateGrammarRequest\x12/\n\x06target\x18\x01 \x01(\x0b\x32\x1f.specmask.mask.v1.GrammarTarget\"{\n\x17ValidateGrammarResponse\x12\x16\n\x0e\x63ompiled_bytes\x18\x01 \x01(\x04\x12\x11\n\tcache_hit\x18\x02 \x01(\x08\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x13\n\x0b\x65nforcement\x18\x04 \x01(\t\x12\x0f\n\x07relaxed\x18\x05 \x03(\t\"h\n\x12OpenSessionRequest\x12/\n\x06target\x18\x01 \x01(\x0b\x32\x1f.specmask.mask.v1.GrammarTarget\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x93\x01\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0enum_mask_words\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x13\n\x0b\x65nforcement\x18\x06 \x01(\t\"@\n\rCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\"5\n\x0e\x43ommitResponse\x12\x12\n\nterminated\x18\x01 \x01(\x08\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\"8\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\"\'\n\x14\x43loseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\xc1\x01\n\rDraftMaskItem\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12\x15\n\rcommit_tokens\x18\x03 \x03(\x05\x12\x12\n\ncommit_seq\x18\x04 \x01(\x04\x12\x15\n\rlast_row_only\x18\x05 \x01(\x08\x12\x19\n\x11max_forced_tokens\x18\x06 \x01(\r\x12\x14\n\x0c\x66orced_up_to\x18\x07 \x01(\r\x12\x13\n\x0b\x66orced_rows\x18\x08 \x01(\x08\"o\n\x11\x44raftMasksRequest\x12.\n\x05items\x18\x01 \x03(\x0b\x32\x1f.specmask.mask.v1.DraftMaskItem\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x17\n\x0f\x64ict_generation\x18\x03 \x01(\x04\"q\n\x06NewRow\x12\x0e\n\x06row_id\x18\x01 \x01(\x06\x12/\n\x08\x65ncoding\x18\x02 \x01(\x0e\x32\x1d.specmask.mask.v1.RowEncoding\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x15\n\rallowed_count\x18\x04 \x01(\r\"\xc8\x01\n\x0f\x44raftMaskResult\x12\x10\n\x08num_rows\x18\x01 \x01(\r\x12\x1c\n\x14num_grammar_accepted\x18\x02 \x01(\r\x12\x12\n\nterminated\x18\x03 \x01(\x08\x12\x12\n\nerror_code\x18\x04 \x01(\x05\x12\x15\n\rerror_message\x18\x05 \x01(\t\x12\x15\n\rforced_tokens\x18\x06 \x03(\x05\x12\x16\n\x0e\x66orced_at_stop\x18\x07 \x01(\x08\x12\x17\n\x0fnum_forced_rows\x18\x08 \x01(\r\"\xb3\x01\n\x12\x44raftMasksResponse\x12\x32\n\x07results\x18\x01 \x03(\x0b\x32!.specmask.mask.v1.DraftMaskResult\x12\x0f\n\x07row_ids\x18\x02 \x03(\x06\x12*\n\x08new_rows\x18\x03 \x03(\x0b\x32\x18.specmask.mask.v1.NewRow\x12\x16\n\x0enum_mask_words\x18\x04 \x01(\r\x12\x14\n\x0cserver_epoch\x18\x05 \x01(\t\"$\n\x13ReleaseOwnerRequest\x12\r\n\x05owner\x18\x01 \x01(\t\"&\n\x14ReleaseOwnerResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\r\"\x15\n\x13SessionCountRequest\"%\n\x14SessionCountResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r*\xaa\x01\n\x0bGrammarKind\x12\x1c\n\x18GRAMMAR_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18GRAMMAR_KIND_JSON_SCHEMA\x10\x01\x12\x16\n\x12GRAMMAR_KIND_REGEX\x10\x02\x12\x15\n\x11GRAMMAR_KIND_EBNF\x10\x03\x12\x15\n\x11GRAMMAR_KIND_LARK\x10\x04\x12\x19\n\x15GRAMMAR_KIND_ANY_JSON\x10\x05*\x90\x01\n\x0bRowEncoding\x12\x1c\n\x18ROW_ENCODING_UNSPECIFIED\x10\x00\x12\x16\n\x12ROW_ENCODING_DENSE\x10\x01\x12\x18\n\x14ROW_ENCODING_ALLOWED\x10\x02\x12\x1a\n\x16ROW_ENCODING_FORBIDDEN\x10\x03\x12\x15\n\x11ROW_ENCODING_ZLIB\x10\x04\x32\x94\x05\n\x0bMaskService\x12\x66\n\x0fValidateGrammar\x12(.specmask.mask.v1.ValidateGrammarRequest\x1a).specmask.mask.v1.ValidateGrammarResponse\x12Z\n\x0bOpenSession\x12$.specmask.mask.v1.OpenSessionRequest\x1a%.specmask.mask.v1.OpenSessionResponse\x12K\n\x06\x43ommit\x12\x1f.specmask.mask.v1.CommitRequest\x1a .specmask.mask.v1.CommitResponse\x12]\n\x0c\x43loseSession\x12%.specmask.mask.v1.CloseSessionRequest\x1a&.specmask.mask.v1.CloseSessionResponse\x12W\n\nDraftMasks\x12#.specmask.mask.v1.DraftMasksRequest\x1a$.specmask.mask.v1.DraftMasksResponse\x12]\n\x0cSessionCount\x12%.specmask.mask.v1.SessionCountRequest\x1a&.specmask.mask.v1.SessionCountResponse\x12]\n\x0cReleaseOwner\x12%.specmask.mask.v1.ReleaseOwnerRequest\x1a&.specmask.mask.v1.ReleaseOwnerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#specmask/mask/v1/mask_service.proto\x12\x10specmask.mask.v1\"\xd5\x01\n\x07Grammar\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.specmask.mask.v1.GrammarKind\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x16\n\x0e\x61ny_whitespace\x18\x03 \x01(\x08\x12\x16\n\x0ehas_separators\x18\x04 \x01(\x08\x12\x16\n\x0eitem_separator\x18\x05 \x01(\t\x12\x15\n\rkey_separator\x18\x06 \x01(\t\x12\x0e\n\x06strict\x18\x07 \x01(\x08\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x0f\n\x07\x63hecked\x18\t \x01(\x08\"e\n\rGrammarTarget\x12\x14\n\x0ctokenizer_id\x18\x01 \x01(\t\x12*\n\x07grammar\x18\x02 \x01(\x0b\x32\x19.specmask.mask.v1.Grammar\x12\x12\n\nvocab_size\x18\x03 \x01(\r\"I\n\x16ValidateGrammarRequest\x12/\n\x06target\x18\x01 \x01(\x0b\x32\x1f.specmask.mask.v1.GrammarTarget\"{\n\x17ValidateGrammarResponse\x12\x16\n\x0e\x63ompiled_bytes\x18\x01 \x01(\x04\x12\x11\n\tcache_hit\x18\x02 \x01(\x08\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x13\n\x0b\x65nforcement\x18\x04 \x01(\t\x12\x0f\n\x07relaxed\x18\x05 \x03(\t\"h\n\x12OpenSessionRequest\x12/\n\x06target\x18\x01 \x01(\x0b\x32\x1f.specmask.mask.v1.GrammarTarget\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x93\x01\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x16\n\x0enum_mask_words\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x05\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x13\n\x0b\x65nforcement\x18\x06 \x01(\t\"@\n\rCommitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\"5\n\x0e\x43ommitResponse\x12\x12\n\nterminated\x18\x01 \x01(\x08\x12\x0f\n\x07\x61pplied\x18\x02 \x01(\x08\"8\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\"\'\n\x14\x43loseSessionResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\"\xdb\x01\n\rDraftMaskItem\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12\x15\n\rcommit_tokens\x18\x03 \x03(\x05\x12\x12\n\ncommit_seq\x18\x04 \x01(\x04\x12\x15\n\rlast_row_only\x18\x05 \x01(\x08\x12\x19\n\x11max_forced_tokens\x18\x06 \x01(\r\x12\x14\n\x0c\x66orced_up_to\x18\x07 \x01(\r\x12\x13\n\x0b\x66orced_rows\x18\x08 \x01(\x08\x12\x18\n\x10shared_spellings\x18\t \x01(\x08\"o\n\x11\x44raftMasksRequest\x12.\n\x05items\x18\x01 \x03(\x0b\x32\x1f.specmask.mask.v1.DraftMaskItem\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x17\n\x0f\x64ict_generation\x18\x03 \x01(\x04\"q\n\x06NewRow\x12\x0e\n\x06row_id\x18\x01 \x01(\x06\x12/\n\x08\x65ncoding\x18\x02 \x01(\x0e\x32\x1d.specmask.mask.v1.RowEncoding\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x15\n\rallowed_count\x18\x04 \x01(\r\"\xc8\x01\n\x0f\x44raftMaskResult\x12\x10\n\x08num_rows\x18\x01 \x01(\r\x12\x1c\n\x14num_grammar_accepted\x18\x02 \x01(\r\x12\x12\n\nterminated\x18\x03 \x01(\x08\x12\x12\n\nerror_code\x18\x04 \x01(\x05\x12\x15\n\rerror_message\x18\x05 \x01(\t\x12\x15\n\rforced_tokens\x18\x06 \x03(\x05\x12\x16\n\x0e\x66orced_at_stop\x18\x07 \x01(\x08\x12\x17\n\x0fnum_forced_rows\x18\x08 \x01(\r\"\xb3\x01\n\x12\x44raftMasksResponse\x12\x32\n\x07results\x18\x01 \x03(\x0b\x32!.specmask.mask.v1.DraftMaskResult\x12\x0f\n\x07row_ids\x18\x02 \x03(\x06\x12*\n\x08new_rows\x18\x03 \x03(\x0b\x32\x18.specmask.mask.v1.NewRow\x12\x16\n\x0enum_mask_words\x18\x04 \x01(\r\x12\x14\n\x0cserver_epoch\x18\x05 \x01(\t\"$\n\x13ReleaseOwnerRequest\x12\r\n\x05owner\x18\x01 \x01(\t\"&\n\x14ReleaseOwnerResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\r\"\x15\n\x13SessionCountRequest\"%\n\x14SessionCountResponse\x12\r\n\x05\x63ount\x18\x01 \x01(\r*\xaa\x01\n\x0bGrammarKind\x12\x1c\n\x18GRAMMAR_KIND_UNSPECIFIED\x10\x00\x12\x1c\n\x18GRAMMAR_KIND_JSON_SCHEMA\x10\x01\x12\x16\n\x12GRAMMAR_KIND_REGEX\x10\x02\x12\x15\n\x11GRAMMAR_KIND_EBNF\x10\x03\x12\x15\n\x11GRAMMAR_KIND_LARK\x10\x04\x12\x19\n\x15GRAMMAR_KIND_ANY_JSON\x10\x05*\x90\x01\n\x0bRowEncoding\x12\x1c\n\x18ROW_ENCODING_UNSPECIFIED\x10\x00\x12\x16\n\x12ROW_ENCODING_DENSE\x10\x01\x12\x18\n\x14ROW_ENCODING_ALLOWED\x10\x02\x12\x1a\n\x16ROW_ENCODING_FORBIDDEN\x10\x03\x12\x15\n\x11ROW_ENCODING_ZLIB\x10\x04\x32\x94\x05\n\x0bMaskService\x12\x66\n\x0fValidateGrammar\x12(.specmask.mask.v1.ValidateGrammarRequest\x1a).specmask.mask.v1.ValidateGrammarResponse\x12Z\n\x0bOpenSession\x12$.specmask.mask.v1.OpenSessionRequest\x1a%.specmask.mask.v1.OpenSessionResponse\x12K\n\x06\x43ommit\x12\x1f.specmask.mask.v1.CommitRequest\x1a .specmask.mask.v1.CommitResponse\x12]\n\x0c\x43loseSession\x12%.specmask.mask.v1.CloseSessionRequest\x1a&.specmask.mask.v1.CloseSessionResponse\x12W\n\nDraftMasks\x12#.specmask.mask.v1.DraftMasksRequest\x1a$.specmask.mask.v1.DraftMasksResponse\x12]\n\x0cSessionCount\x12%.specmask.mask.v1.SessionCountRequest\x1a&.specmask.mask.v1.SessionCountResponse\x12]\n\x0cReleaseOwner\x12%.specmask.mask.v1.ReleaseOwnerRequest\x1a&.specmask.mask.v1.ReleaseOwnerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmask.mask.v1.mask_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GRAMMARKIND']._serialized_start=2002
-  _globals['_GRAMMARKIND']._serialized_end=2172
-  _globals['_ROWENCODING']._serialized_start=2175
-  _globals['_ROWENCODING']._serialized_end=2319
+  _globals['_GRAMMARKIND']._serialized_start=2028
+  _globals['_GRAMMARKIND']._serialized_end=2198
+  _globals['_ROWENCODING']._serialized_start=2201
+  _globals['_ROWENCODING']._serialized_end=2345
   _globals['_GRAMMAR']._serialized_start=58
   _globals['_GRAMMAR']._serialized_end=271
   _globals['_GRAMMARTARGET']._serialized_start=273
@@ -56,23 +56,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLOSESESSIONRESPONSE']._serialized_start=1011
   _globals['_CLOSESESSIONRESPONSE']._serialized_end=1050
   _globals['_DRAFTMASKITEM']._serialized_start=1053
-  _globals['_DRAFTMASKITEM']._serialized_end=1246
-  _globals['_DRAFTMASKSREQUEST']._serialized_start=1248
-  _globals['_DRAFTMASKSREQUEST']._serialized_end=1359
-  _globals['_NEWROW']._serialized_start=1361
-  _globals['_NEWROW']._serialized_end=1474
-  _globals['_DRAFTMASKRESULT']._serialized_start=1477
-  _globals['_DRAFTMASKRESULT']._serialized_end=1677
-  _globals['_DRAFTMASKSRESPONSE']._serialized_start=1680
-  _globals['_DRAFTMASKSRESPONSE']._serialized_end=1859
-  _globals['_RELEASEOWNERREQUEST']._serialized_start=1861
-  _globals['_RELEASEOWNERREQUEST']._serialized_end=1897
-  _globals['_RELEASEOWNERRESPONSE']._serialized_start=1899
-  _globals['_RELEASEOWNERRESPONSE']._serialized_end=1937
-  _globals['_SESSIONCOUNTREQUEST']._serialized_start=1939
-  _globals['_SESSIONCOUNTREQUEST']._serialized_end=1960
-  _globals['_SESSIONCOUNTRESPONSE']._serialized_start=1962
-  _globals['_SESSIONCOUNTRESPONSE']._serialized_end=1999
-  _globals['_MASKSERVICE']._serialized_start=2322
-  _globals['_MASKSERVICE']._serialized_end=2982
+  _globals['_DRAFTMASKITEM']._serialized_end=1272
+  _globals['_DRAFTMASKSREQUEST']._serialized_start=1274
+  _globals['_DRAFTMASKSREQUEST']._serialized_end=1385
+  _globals['_NEWROW']._serialized_start=1387
+  _globals['_NEWROW']._serialized_end=1500
+  _globals['_DRAFTMASKRESULT']._serialized_start=1503
+  _globals['_DRAFTMASKRESULT']._serialized_end=1703
+  _globals['_DRAFTMASKSRESPONSE']._serialized_start=1706
+  _globals['_DRAFTMASKSRESPONSE']._serialized_end=1885
+  _globals['_RELEASEOWNERREQUEST']._serialized_start=1887
+  _globals['_RELEASEOWNERREQUEST']._serialized_end=1923
+  _globals['_RELEASEOWNERRESPONSE']._serialized_start=1925
+  _globals['_RELEASEOWNERRESPONSE']._serialized_end=1963
+  _globals['_SESSIONCOUNTREQUEST']._serialized_start=1965
+  _globals['_SESSIONCOUNTREQUEST']._serialized_end=1986
+  _globals['_SESSIONCOUNTRESPONSE']._serialized_start=1988
+  _globals['_SESSIONCOUNTRESPONSE']._serialized_end=2025
+  _globals['_MASKSERVICE']._serialized_start=2348
+  _globals['_MASKSERVICE']._serialized_end=3008
 # @@protoc_insertion_point(module_scope)

@@ -393,6 +393,7 @@ class DraftMaskItem(_message.Message):
     MAX_FORCED_TOKENS_FIELD_NUMBER: _builtins.int
     FORCED_UP_TO_FIELD_NUMBER: _builtins.int
     FORCED_ROWS_FIELD_NUMBER: _builtins.int
+    SHARED_SPELLINGS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     commit_seq: _builtins.int
     last_row_only: _builtins.bool
@@ -417,6 +418,12 @@ class DraftMaskItem(_message.Message):
     takes the run as drafts then holds every row its positions and verification
     need, instead of asking for the state after the run again.
     """
+    shared_spellings: _builtins.bool
+    """Spell forced text as the targets of every session of this tokenizer were seen to
+    (votes pooled across sessions) rather than by this session's votes alone. For greedy
+    requests, whose output no draft can change; a sampled request's drafts decide which
+    random numbers it uses, so its seeded output must not depend on other requests.
+    """
     @_builtins.property
     def draft_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """d_1..d_k"""
@@ -436,10 +443,11 @@ class DraftMaskItem(_message.Message):
         max_forced_tokens: _builtins.int = ...,
         forced_up_to: _builtins.int = ...,
         forced_rows: _builtins.bool = ...,
+        shared_spellings: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_seq", b"commit_seq", "commit_tokens", b"commit_tokens", "draft_tokens", b"draft_tokens", "forced_rows", b"forced_rows", "forced_up_to", b"forced_up_to", "last_row_only", b"last_row_only", "max_forced_tokens", b"max_forced_tokens", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_seq", b"commit_seq", "commit_tokens", b"commit_tokens", "draft_tokens", b"draft_tokens", "forced_rows", b"forced_rows", "forced_up_to", b"forced_up_to", "last_row_only", b"last_row_only", "max_forced_tokens", b"max_forced_tokens", "session_id", b"session_id", "shared_spellings", b"shared_spellings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
