@@ -16,10 +16,14 @@ votes than ``c``, forced runs start that text with it and spell the rest
 canonically (again subject to the vote at each token). A JSON document repeats
 its punctuation at every key, so one request learns within its first keys.
 
-The votes are per session, not shared: a request's drafts then depend on its
-own history only, so a seeded sampled request gives the same output however
-many requests ran before it (drafts decide which random numbers a sampled step
-uses, never the distribution it samples).
+Every commit votes twice: in its session's table and in one pooled over every
+session of the tokenizer. A greedy request spells by the pooled votes (the
+worker sets ``shared_spellings``): its output is the target's argmax chain
+whatever the drafts, and it starts with what earlier requests taught. A sampled
+request spells by its session's votes alone, so its drafts depend on its own
+history only and a seeded request gives the same output however many requests
+ran before it (drafts decide which random numbers a sampled step uses, never
+the distribution it samples).
 
 Only drafts change: a respelled run spells the same forced bytes, the grammar
 accepts it token by token like any forced run, its rows are filled by the same
