@@ -404,12 +404,14 @@ def forced_continuation(
     return ForcedRun(out, rows.filled, b"" if single or not out else rows.text)
 
 
-def learn_spelling(spellings: Spellings, view: TokenizerView, text: bytes, committed: int) -> None:
+def learn_spelling(view: TokenizerView, text: bytes, committed: int, *tables: Spellings) -> None:
     """The target committed ``committed`` where a forced run spelling ``text`` started: a vote
-    in ``spellings`` for how the model spells that text, when ``committed`` spells a prefix of it."""
+    in each of ``tables`` for how the model spells that text, when ``committed`` spells a
+    prefix of it."""
     spelled = view.token_bytes[committed] if 0 <= committed < len(view.token_bytes) else b""
     if not spelled or not text.startswith(spelled):
         return  # a token reaching past the forced text says nothing about how the text is spelled
     canonical, _ = tokenise_forced(text, view)
     if canonical:
-        spellings.vote(canonical[0], committed)
+        for spellings in tables:
+            spellings.vote(canonical[0], committed)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-# Distinct canonical tokens with votes kept per tokenizer: forced texts are punctuation and
+# Distinct canonical tokens with votes kept per table: forced texts are punctuation and
 # keys, a few hundred distinct first tokens in practice; past this no new one is tracked.
 MAX_TRACKED = 4096
 

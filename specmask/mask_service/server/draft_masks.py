@@ -259,10 +259,12 @@ class DraftMaskEngine:
         """The walk's hook that puts the forced continuation in ``res`` (None when not asked),
         and the row after each forced token in ``rows_out`` when given (how many: rows_filled[0])."""
         at_stop = req.forced_up_to > 0
-        if (not at_stop and req.max_forced_tokens <= 0) or self._views is None:
+        if not at_stop and req.max_forced_tokens <= 0:
+            return None
+        view = self._view(session)
+        if view is None:
             return None
         entry = session.entry
-        view = self._views.get(entry.key[0], entry.compiled.tokenizer_info)
         engine_forced = ENGINES[engine_name(entry.compiled, entry.backend)].forced_bytes
 
         def forced_bytes(matcher: GrammarMatcher) -> bytes:
@@ -292,6 +294,7 @@ class DraftMaskEngine:
         return hook
 
     def _view(self, session: Session) -> TokenizerView | None:
+        """The forced-continuation view of the session's tokenizer (None: never computed)."""
         if self._views is None:
             return None
         entry = session.entry
@@ -307,8 +310,7 @@ class DraftMaskEngine:
         for (at, drafts), text in offers.items():
             n = len(drafts)
             if at == base and n < len(committed) and tuple(committed[:n]) == drafts:
-                for spellings in (session.spellings, view.spellings):
-                    learn_spelling(spellings, view, text, int(committed[n]))
+                learn_spelling(view, text, int(committed[n]), session.spellings, view.spellings)
 
     def _chunk(
         self, jobs: list[tuple[int, DraftRequest, Session | MaskError, np.ndarray]], results: list[DraftOutcome]

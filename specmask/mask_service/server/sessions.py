@@ -44,8 +44,9 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
     # Forced runs handed out since the last commit: (num_committed then, the drafts before the
     # run) -> the forced text it spelled. The next commit says how the target spelled it, a
-    # vote in ``spellings`` (grammar/spellings.py); draft_masks reads and clears it. Per session,
-    # so a request's drafts depend on its own history only (a seeded sampled request replays).
+    # vote in ``spellings`` and in the tokenizer's pooled table (grammar/spellings.py);
+    # draft_masks reads and clears it. A sampled request spells by ``spellings`` alone, so its
+    # drafts depend on its own history only (a seeded request replays).
     forced_offers: dict[tuple[int, tuple[int, ...]], bytes] = field(default_factory=dict)
     spellings: Spellings = field(default_factory=Spellings)
 
