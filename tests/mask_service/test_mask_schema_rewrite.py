@@ -115,7 +115,7 @@ ACCEPTED: list[Any] = [
     {"type": "string", "pattern": "^.{1,5}$"},
     {"type": "string", "pattern": "^\\S+$"},
     {"type": "string", "pattern": "^[^a]{2,4}$"},
-    {"type": "string", "pattern": "^[ -~]{0,12000}$"},
+    {"type": "string", "pattern": "^[ -~]{0,1200}$"},
     {"type": "string", "pattern": "^.{0,20000}$"},
     {"type": "string", "pattern": "^[\\s\\S]{1,10000}$"},
     {"type": "string", "pattern": "^(?:\\w|\\W){1,6}$"},
