@@ -71,6 +71,9 @@ _SEED_BITS = 63  # kernels take int64 seeds; keep them non-negative
 # most this many tokens, attended row by row in the packed forward
 # (gpu_worker.attention), keep a forward at O(rows x chunk x prompt) mask bytes.
 PREFILL_CHUNK_TOKENS = 512
+# The budget of an iteration with nothing to step (budget tokens, gpu_worker.token_cost):
+# one whole chunk at the start of a prompt, whatever the configured iteration budget.
+IDLE_PREFILL_BUDGET = PREFILL_CHUNK_TOKENS
 
 
 class GpuWorker:
@@ -303,9 +306,10 @@ class GpuWorker:
         ``_step_batch`` picks (running ones first), with chunks of the prompts not yet cached
         riding in the step's target forward with what is left (``_plan_chunks``), so an
         iteration reads the weights once; finished sequences are freed. With nothing to step,
-        the chunks run alone (``_prefill_some``). A sequence whose session is still opening
-        when the step starts joins it late if the open answers while the drafts are proposed
-        (``join_late``) and its tail fits; otherwise it sits this step out (no output for it).
+        the chunks run alone (``_prefill_some``) within ``IDLE_PREFILL_BUDGET``. A sequence
+        whose session is still opening when the step starts joins it late if the open answers
+        while the drafts are proposed (``join_late``) and its tail fits; otherwise it sits this
+        step out (no output for it).
         If nobody could step and no prompt is being prefilled, the step waits for an open to
         answer."""
         refused = self._settle_sessions(wait=False)
@@ -316,7 +320,10 @@ class GpuWorker:
             batch = self._step_batch(prefilling)
         budget = self.iteration_budget
         if not batch:
-            return refused + self._prefill_some(budget)
+            # Nothing decodes here, so no stream's inter-token latency is at stake: prompts are
+            # read in whole chunks. The CPU budget would cut a 500-token prompt into a dozen
+            # forwards, each paying a forward's fixed cost again (and the draft's catch-up).
+            return refused + self._prefill_some(max(budget, IDLE_PREFILL_BUDGET))
         return refused + self._step(batch, refused, budget - (budget // 4 if prefilling else 0))
 
     def _step_batch(self, prefilling: bool) -> list[SequenceState]:

@@ -94,6 +94,44 @@ def test_a_burst_of_long_prompts_keeps_every_iteration_within_the_budget(make_wo
     assert forwards == [1] * len(forwards), forwards  # the chunks rode in the step's forward
 
 
+def test_an_idle_worker_reads_prompts_in_whole_chunks(make_worker: Any) -> None:
+    """With nothing decoding, the budget protects nobody's inter-token latency: the prompts are
+    read in whole chunks (IDLE_PREFILL_BUDGET), not in budget-sized forwards. Once a sequence
+    decodes, the budget holds again for the prompts still being read."""
+    from specmask.gpu_worker.actor import IDLE_PREFILL_BUDGET
+
+    worker = make_worker(max_iteration_tokens=BUDGET, max_batch=8, step_prefill_tokens=4)
+    burst = [_seq(f"long{i}", 200 + 11 * i, max_tokens=6) for i in range(3)]
+    assert sum(len(s.prompt_token_ids) for s in burst) > IDLE_PREFILL_BUDGET > 8 * BUDGET
+    assert worker.add(burst) == [None] * len(burst)
+    wait_sessions_open(worker)
+    sizes = _record_forwards(worker)
+    worker.step()  # nothing decodes yet: one forward reads as much as a whole chunk's budget
+    ((tokens, cost),) = sizes
+    assert IDLE_PREFILL_BUDGET >= cost > IDLE_PREFILL_BUDGET - BUDGET and tokens > 8 * BUDGET
+    kv = [worker._seqs[s.seq_id].target_kv.length for s in burst]
+    assert kv[0] == 200 - 4 and kv[1] > 0 and sum(kv) == tokens, kv  # the oldest first, to its tail
+    tokens_by_seq: dict[str, list[int]] = {s.seq_id: [] for s in burst}
+    for _ in range(100):
+        if not worker.num_active():
+            break
+        before = len(sizes)
+        stepped = False
+        for out in worker.step():
+            assert out.error is None, out.error
+            tokens_by_seq[out.seq_id].extend(out.new_token_ids)
+            stepped = stepped or bool(out.new_token_ids)
+        cost = sum(c for _, c in sizes[before:])
+        # An iteration that decodes keeps to the budget (a joining sequence's tail may pass it
+        # by at most half of it); one that only reads prompts may take a whole chunk.
+        assert cost <= (1.5 * BUDGET if stepped else IDLE_PREFILL_BUDGET) + 1e-9, (stepped, cost)
+    assert not worker.num_active()
+    whole = make_worker(max_batch=8)
+    assert whole.add(burst, wait_for_sessions=True) == [None] * len(burst)
+    alone = run_to_completion(whole)
+    assert {s.seq_id: alone[s.seq_id].tokens for s in burst} == tokens_by_seq
+
+
 def test_full_decode_rows_have_their_drafts_trimmed_to_the_budget(make_worker: Any) -> None:
     """Eight running sequences asking for k=4 want 8 x 5 = 40 tokens a step; with a 24-token
     budget their drafts are cut, never their rows: every sequence still steps every iteration."""
