@@ -1,8 +1,8 @@
 """Killable compile workers behind a bounded, per-owner fair queue.
 
-Each worker is a child process (mask_service.compile_worker) driven by one
-dispatcher thread. A job runs under three limits, all watched from here every
-``_POLL_S``:
+Each worker is a process (mask_service.compile_worker, forked from the pool's
+compile_zygote where it runs) driven by one dispatcher thread. A job runs
+under three limits, all watched from here every ``_POLL_S``:
 
 * a **CPU-time budget** (``budget_s``): the worker's own user + system time
   since the job started, all its threads, read from ``/proc/<pid>/stat``. Past
@@ -34,9 +34,10 @@ ends between two polls is judged by the same rule. Where /proc is not readable
 (not Linux) only that final report and the wall backstop apply.
 
 A job killed for any of these reasons takes its process with it, and the worker
-is started afresh. So a pathological grammar costs at most its budget on one
-worker, never the serving path, and a SIGTERM to the service ends the workers
-with it.
+is started afresh: forked from the pool's zygote (compile_zygote), which has the
+engines imported, so a restart costs milliseconds rather than an interpreter
+start. So a pathological grammar costs at most its budget on one worker, never
+the serving path, and a SIGTERM to the service ends the workers with it.
 
 Admission: at most ``max_queue`` jobs wait in all. Each owner is guaranteed a
 share of ``max_queue_per_owner`` waiting jobs; past its share an owner may
@@ -71,6 +72,8 @@ from specmask.common.grammar_spec import GrammarSpec
 from specmask.common.parent_watch import PARENT_PID_ENV
 from specmask.mask_service.errors import GrammarError, GrammarTooComplex, LimitExceeded
 from specmask.mask_service.server.compile_worker import read_frame, write_frame
+from specmask.mask_service.server.compile_zygote import ForkedProcess, Zygote
+from specmask.mask_service.server.compile_zygote import supported as zygote_supported
 from specmask.mask_service.server.memory import rss_bytes
 
 logger = logging.getLogger(__name__)
@@ -173,10 +176,11 @@ class _Job:
 class _Worker:
     """One child process; used only by its dispatcher thread."""
 
-    def __init__(self, index: int, env: dict[str, str]) -> None:
+    def __init__(self, index: int, env: dict[str, str], zygote: Zygote | None) -> None:
         self.index = index
         self._env = env
-        self.proc: subprocess.Popen[bytes] | None = None
+        self._zygote = zygote
+        self.proc: subprocess.Popen[bytes] | ForkedProcess | None = None
         self.tokenizers: set[Hashable] = set()
         self.busy = False
 
@@ -186,14 +190,21 @@ class _Worker:
 
     def start(self) -> None:
         self.tokenizers = set()
-        # No preexec_fn: Python between fork and exec in a gRPC process can abort
-        # (see parent_watch); the child arranges its own parent-death signal.
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specmask.mask_service.server.compile_worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=self._env,
-        )
+        self.kill()  # a dead predecessor's pipes (and, forked, its pidfd) are released
+        if self._zygote is not None:
+            try:
+                self.proc = self._zygote.spawn(_START_TIMEOUT_S)
+            except OSError as exc:
+                logger.warning("compile zygote unavailable (%s); starting compile worker %d afresh", exc, self.index)
+        if self.proc is None:
+            # No preexec_fn: Python between fork and exec in a gRPC process can abort
+            # (see parent_watch); the child arranges its own parent-death signal.
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "specmask.mask_service.server.compile_worker"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=self._env,
+            )
         msg = self._read(time.monotonic() + _START_TIMEOUT_S, None)
         if not (isinstance(msg, tuple) and msg and msg[0] == "ready"):
             self.kill()
@@ -270,7 +281,10 @@ class CompilePool:
         env["SPECMASK_COMPILE_SCHED_IDLE"] = "1" if sched_idle else "0"
         # Kernel backstop at twice the polled cap (RSS polling acts first).
         env["SPECMASK_COMPILE_AS_EXTRA"] = str(2 * memory_cap_bytes if memory_cap_bytes else 0)
-        self._workers = [_Worker(i, env) for i in range(workers)]
+        # Workers are forked from one template process that has imported the engines
+        # (compile_zygote): a restart after a killed compile costs milliseconds, not seconds.
+        self._zygote = Zygote(env) if zygote_supported() else None
+        self._workers = [_Worker(i, env, self._zygote) for i in range(workers)]
         self._cond = threading.Condition()
         self._queue: OrderedDict[str, deque[_Job]] = OrderedDict()  # owner -> waiting jobs, round-robin
         self._queued = 0
@@ -473,3 +487,5 @@ class CompilePool:
                 job.future.set_exception(CompileQueueFull("mask service is shutting down", retry_after_s=1.0))
         for w in self._workers:
             w.kill()
+        if self._zygote is not None:
+            self._zygote.stop()

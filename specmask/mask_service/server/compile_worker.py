@@ -15,9 +15,10 @@ JSON), so compiling twice is the cheaper way to get a proven grammar into the
 parent. It also keeps the worker backend-agnostic: it needs nothing from a
 backend but ``make_compiler`` and ``compile``.
 
-Wire protocol on stdin/stdout: frames of an 8-byte little-endian length and a
-pickle (parent and child are the same code, so pickle is safe here: nothing
-outside the service writes to these pipes). Messages:
+Wire protocol on stdin/stdout (a socket, for a worker forked by
+compile_zygote): frames of an 8-byte little-endian length and a pickle (parent
+and child are the same code, so pickle is safe here: nothing outside the service
+writes to these pipes). Messages:
 
 * child -> parent, once: ``("ready", pid)``
 * parent -> child: ``("tokenizer", tok_key, tokenizer_info_json)`` (once per key)
@@ -85,15 +86,22 @@ def _cap_address_space(extra_bytes: int) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
 
-def serve(stdin: IO[bytes], stdout: IO[bytes], *, address_space_extra: int) -> None:
-    import xgrammar as xgr
+def preload() -> None:
+    """The imports a worker needs before its first job (compile_zygote forks workers after them)."""
+    import xgrammar  # noqa: F401  # imports torch: most of a worker's start
 
+    from specmask.mask_service.grammar.backends import BACKENDS  # noqa: F401
     from specmask.mask_service.grammar.schema_check import verifiable_formats
 
     # jsonschema with its format checkers (the prechecks use them) costs seconds of CPU on its
     # first import (the RFC 3987 parser is built then): paid here, before "ready", never by the
     # first job's CPU budget.
     assert verifiable_formats()
+
+
+def serve(stdin: IO[bytes], stdout: IO[bytes], *, address_space_extra: int) -> None:
+    preload()
+    import xgrammar as xgr
 
     from specmask.mask_service.errors import GrammarError
     from specmask.mask_service.grammar.backends import BACKENDS
