@@ -18,6 +18,10 @@ for it, which the pool signals and waits on (``ForkedProcess``) as it would a
 tied to that process whatever happens to its pid. The zygote reaps its children
 itself (SIGCHLD ignored).
 
+In ``ps`` a worker shows the zygote's command line (a fork runs no new program).
+The replica's memory guard counts each worker's RSS, which includes the pages it
+shares with the zygote, so the zygote itself (the same pages) is left out of it.
+
 Lifetimes: the zygote exits when the pool closes its socket (a service that
 stops or dies, the kernel closes it), and every worker dies with the zygote
 (parent-death signal), so nothing outlives the service. Linux only (pidfds);
