@@ -3,6 +3,7 @@ outlives the pool (real xgrammar, real processes)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -110,3 +111,27 @@ def test_shutdown_leaves_no_process_behind(pool: CompilePool) -> None:
     pids = [*pool.worker_pids(), _zygote_pid(pool)]
     pool.shutdown()
     assert _gone_within(pids, 30.0), [p for p in pids if _alive(p)]
+
+
+def test_a_stopped_zygote_does_not_hold_up_compiles(pool: CompilePool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A zygote that stops answering (SIGSTOP) costs the pool a short wait, then the worker is
+    spawned the old way and the compile is served; the stopped zygote is replaced."""
+    import specmask.mask_service.server.compile_zygote as zygote_module
+
+    monkeypatch.setattr(zygote_module, "_FORK_ANSWER_S", 2.0)
+    zygote = _zygote_pid(pool)
+    os.kill(zygote, signal.SIGSTOP)
+    try:
+        with pytest.raises(GrammarTooComplex):
+            _compile(pool, HUGE)  # its worker is killed: the next compile needs a new one
+        t0 = time.monotonic()
+        assert _compile(pool, SMALL).compiled_bytes > 0
+        # Well inside the first start's import allowance (120 s), which a stopped zygote used
+        # to hold every restart for.
+        assert time.monotonic() - t0 < 60.0
+        (worker,) = pool.worker_pids()
+        assert _ppid(worker) == os.getpid()  # spawned by the pool itself
+        assert _gone_within([zygote], 30.0), "the stopped zygote was left behind"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(zygote, signal.SIGCONT)

@@ -46,6 +46,10 @@ from specmask.common.parent_watch import PARENT_PID_ENV
 # The fd number of the zygote's end of its control socket, in the zygote's environment.
 _SOCKET_FD_ENV = "SPECMASK_ZYGOTE_FD"
 _PID = struct.Struct("<q")
+# How long a zygote that has answered before may take to fork a worker: a fork takes
+# milliseconds, so one that does not answer is stopped or wedged, and the pool spawns the
+# worker itself rather than wait out the first start's import allowance.
+_FORK_ANSWER_S = 10.0
 
 
 def supported() -> bool:
@@ -103,6 +107,7 @@ class Zygote:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
+        self._answered = False  # the running zygote has forked a worker (its imports are done)
 
     def _start(self) -> socket.socket:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -133,7 +138,7 @@ class Zygote:
                 socket.send_fds(sock, [b"w"], [theirs.fileno()])
                 theirs.close()
                 # The first answer waits for the zygote's imports.
-                sock.settimeout(timeout_s)
+                sock.settimeout(min(timeout_s, _FORK_ANSWER_S) if self._answered else timeout_s)
                 data, fds, _, _ = socket.recv_fds(sock, _PID.size, 1)
             except OSError:
                 ours.close()
@@ -147,6 +152,7 @@ class Zygote:
                 self._stop_locked()
                 raise OSError("the compile zygote did not answer")
             (pid,) = _PID.unpack(data)
+            self._answered = True
             return ForkedProcess(pid, fds[0], ours)
 
     def stop(self) -> None:
@@ -156,6 +162,7 @@ class Zygote:
     def _stop_locked(self) -> None:
         sock, self._sock = self._sock, None
         proc, self._proc = self._proc, None
+        self._answered = False
         if sock is not None:
             sock.close()  # the zygote exits at end of stream
         if proc is not None:
