@@ -93,6 +93,9 @@ class DraftOutcome:
     # With DraftRequest.forced_rows: per forced token, the row after it (None = all-ones: the
     # grammar ended there); empty otherwise.
     forced_rows: list[InternedRow | None] = field(default_factory=list)
+    # How many rows (a prefix) the walk's hook filled in the caller's forced-row scratch: set
+    # inside the session lock, read after it (interning runs outside the lock).
+    forced_rows_filled: int = 0
     error: MaskError | None = None
 
 
@@ -217,7 +220,6 @@ class DraftMaskEngine:
         """``scratch``: [num_rows + forced row capacity, W]; the forced rows go after the walk's."""
         res = DraftOutcome()
         out, forced_out = scratch[: req.num_rows], scratch[req.num_rows :]
-        filled_forced = [0]  # rows of forced_out the hook filled (a prefix)
         try:
             with session.lock:
                 base = session.num_committed
@@ -231,7 +233,7 @@ class DraftMaskEngine:
                     out,
                     req.last_row_only,
                     terminated=res.terminated,
-                    at_stop=self._forcing(req, session, res, forced_out if req.forced_rows else None, filled_forced),
+                    at_stop=self._forcing(req, session, res, forced_out if req.forced_rows else None),
                 )
         except MaskError as exc:
             res.error = exc
@@ -244,7 +246,7 @@ class DraftMaskEngine:
         res.num_rows = out.shape[0]
         res.rows = self._interner.intern_rows(out, filled, session.num_mask_words)
         if req.forced_rows and res.forced_tokens:
-            marks = [j < filled_forced[0] for j in range(len(res.forced_tokens))]
+            marks = [j < res.forced_rows_filled for j in range(len(res.forced_tokens))]
             res.forced_rows = self._interner.intern_rows(forced_out[: len(marks)], marks, session.num_mask_words)
         return res
 
@@ -254,10 +256,10 @@ class DraftMaskEngine:
         session: Session,
         res: DraftOutcome,
         rows_out: np.ndarray | None,
-        rows_filled: list[int],
     ) -> Callable[[GrammarMatcher, np.ndarray | None, int, bool], None] | None:
         """The walk's hook that puts the forced continuation in ``res`` (None when not asked),
-        and the row after each forced token in ``rows_out`` when given (how many: rows_filled[0])."""
+        and the row after each forced token in ``rows_out`` when given (how many:
+        ``res.forced_rows_filled``)."""
         at_stop = req.forced_up_to > 0
         if not at_stop and req.max_forced_tokens <= 0:
             return None
@@ -287,7 +289,7 @@ class DraftMaskEngine:
                     rows_out=rows_out,
                     spellings=view.spellings if req.shared_spellings else session.spellings,
                 )
-                res.forced_tokens, rows_filled[0] = run.tokens, run.rows
+                res.forced_tokens, res.forced_rows_filled = run.tokens, run.rows
                 if run.text and len(session.forced_offers) < MAX_FORCED_OFFERS:
                     session.forced_offers[(session.num_committed, tuple(req.draft_tokens[:accepted]))] = run.text
 
