@@ -153,19 +153,30 @@ def lower_priority(nice: int, sched_idle: bool) -> None:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
-def main() -> int:
+def prepare_process() -> None:
+    """First thing in a compile-worker process, spawned or the zygote workers are forked from
+    (compile_zygote): exit with the parent, lower the priority (threads and forks started later
+    inherit it), log warnings to stderr."""
     from specmask.common.parent_watch import die_with_parent_from_env
 
     die_with_parent_from_env()
     lower_priority(
         int(os.environ.get("SPECMASK_COMPILE_NICE", "5")), os.environ.get("SPECMASK_COMPILE_SCHED_IDLE") == "1"
     )
-    extra = int(os.environ.get("SPECMASK_COMPILE_AS_EXTRA", "0"))
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    # Frames go over the real stdout; anything a library prints goes to stderr.
-    out = os.fdopen(os.dup(1), "wb")
+
+
+def serve_frames(stdin: IO[bytes], stdout: IO[bytes]) -> None:
+    """``serve`` under the address-space headroom the pool put in the environment. Frames go
+    over ``stdout`` only: fd 1 becomes stderr, so anything a library prints goes there."""
+    extra = int(os.environ.get("SPECMASK_COMPILE_AS_EXTRA", "0"))
     os.dup2(2, 1)
-    serve(sys.stdin.buffer, out, address_space_extra=extra)
+    serve(stdin, stdout, address_space_extra=extra)
+
+
+def main() -> int:
+    prepare_process()
+    serve_frames(sys.stdin.buffer, os.fdopen(os.dup(1), "wb"))  # the real stdout, kept for frames
     return 0
 
 

@@ -180,13 +180,10 @@ def _serve_forked(conn_fd: int) -> None:
     code = 0
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        # Anything a library prints goes to stderr; frames go over the socket only.
-        os.dup2(2, 1)
         with socket.socket(fileno=conn_fd) as conn:
             stdin = cast(IO[bytes], conn.makefile("rb"))
             stdout = cast(IO[bytes], conn.makefile("wb"))
-            extra = int(os.environ.get("SPECMASK_COMPILE_AS_EXTRA", "0"))
-            compile_worker.serve(stdin, stdout, address_space_extra=extra)
+            compile_worker.serve_frames(stdin, stdout)
     except BaseException:  # a child of the zygote must never return into its loop
         code = 1
     finally:
@@ -197,10 +194,7 @@ def main() -> int:
     from specmask.common.parent_watch import die_with_parent_from_env
     from specmask.mask_service.server import compile_worker
 
-    die_with_parent_from_env()
-    compile_worker.lower_priority(
-        int(os.environ.get("SPECMASK_COMPILE_NICE", "5")), os.environ.get("SPECMASK_COMPILE_SCHED_IDLE") == "1"
-    )
+    compile_worker.prepare_process()
     control = socket.socket(fileno=int(os.environ.pop(_SOCKET_FD_ENV)))
     compile_worker.preload()
     # Workers check their parent-death signal against their real parent: this process.
