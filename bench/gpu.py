@@ -692,10 +692,14 @@ def profile_modes(worker: Any, scripts: ScriptedLogits, batch: int, args: argpar
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         with profile(activities=activities) as prof:
             time_mode(worker, scripts, MODES[mode_name], batch, args, k=args.k)
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+        averages = prof.key_averages()
+        tables = {"self CPU": averages.table(sort_by="self_cpu_time_total", row_limit=30)}
+        if torch.cuda.is_available():
+            tables["self device"] = averages.table(sort_by="self_device_time_total", row_limit=30)
         name = f"profile-B{batch}-{mode_name.replace('/', '_')}.txt"
-        (out_dir / name).write_text(table)
-        print(f"\nprofile {mode_name} B={batch} (self CPU, top 12):\n" + "\n".join(table.splitlines()[:16]))
+        (out_dir / name).write_text("\n\n".join(tables.values()))
+        for order, table in tables.items():
+            print(f"\nprofile {mode_name} B={batch} ({order}, top 16):\n" + "\n".join(table.splitlines()[:20]))
 
 
 def _add_all(worker: Any, new: Sequence[Any], attempts: int = 30) -> None:
@@ -818,7 +822,7 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
                     None
                     if st is None
                     else {"graphs": st.use_graphs, "forwards": st.forwards, "captures": st.captures,
-                          "replays": st.replays}
+                          "replays": st.replays, "capture_failures": st.capture_failures}
                 )  # fmt: skip
         finally:
             if worker is not None:

@@ -127,7 +127,7 @@ def _packed_attention(
         mask = attention_mask[r : r + 1, :, :t, :s].repeat(1, 1, groups, 1)  # [1, 1, G·T_r, L_r + T_r]
         folded = q.reshape(1, kv_heads, groups * t, dim)  # [1, H_kv, G·T_r, D]
         out = sdpa(folded, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)  # [1, H_kv, G·T_r, D]
-        outs.append(out.view(1, heads, t, dim))  # [1, H_q, T_r, D]
+        outs.append(out.reshape(1, heads, t, dim))  # [1, H_q, T_r, D]; a CUDA SDPA output may be strided
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()  # [1, N, H_q, D]
 
 

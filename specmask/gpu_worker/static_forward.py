@@ -43,6 +43,7 @@ against the eager path token for token.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,8 +69,12 @@ GPU_CAPACITY_STEP = 1024
 # graph serves every step until the context crosses the next multiple (reading the whole
 # capacity instead would multiply the KV bytes a step moves).
 KEY_BUCKET = 256
+# Failed captures (each then run eagerly) after which no new shape is captured.
+MAX_CAPTURE_FAILURES = 3
 # Token fed to rows and columns that carry no real token (any valid id works).
 _PAD_TOKEN_ID = 0
+
+logger = logging.getLogger(__name__)
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int | None:
@@ -146,6 +151,7 @@ class StaticForward:
         self.forwards = 0
         self.captures = 0
         self.replays = 0
+        self.capture_failures = 0
 
     # -- shape planning -----------------------------------------------------------------------
     def plan(self, items: Sequence[ForwardItem]) -> tuple[int, int] | None:
@@ -208,7 +214,7 @@ class StaticForward:
         if tensors != self._pool_tensors:
             # The pool was resized: its old tensors are gone, and a graph reading them must never
             # replay (the allocator may hand the same addresses to other tensors).
-            self._graphs.clear()
+            self._drop_graphs()
             self._pool_tensors = tensors
         key = (rows, width, keys)
         buf = self._graphs.get(key)
@@ -224,6 +230,34 @@ class StaticForward:
             self.replays += 1
             return buf.hidden
         buf = _Buffers(ids.to(self.device), positions.to(self.device))
+        if self.capture_failures >= MAX_CAPTURE_FAILURES:
+            return self.decode(buf.input_ids, buf.positions, k_rows, v_rows, keys)
+        try:
+            self._capture(buf, k_rows, v_rows, keys)
+        except RuntimeError:
+            # A capture that fails must cost this forward its speed, never the batch its step:
+            # the same decoder runs eagerly. Its pool is dropped in case the failure left it in
+            # a state the next capture would trip over; after a few failures nothing new is
+            # captured (graphs already captured keep replaying).
+            self.capture_failures += 1
+            logger.warning(
+                "CUDA graph capture failed for shape %s (%d of %d before capturing stops); running it eagerly",
+                key,
+                self.capture_failures,
+                MAX_CAPTURE_FAILURES,
+                exc_info=True,
+            )
+            self._graph_pool = None
+            return self.decode(buf.input_ids, buf.positions, k_rows, v_rows, keys)
+        assert buf.graph is not None and buf.hidden is not None
+        buf.graph.replay()  # the capture only recorded: this computes this forward's output
+        self._graphs[key] = buf
+        while len(self._graphs) > MAX_GRAPHS:
+            self._graphs.popitem(last=False)
+        return buf.hidden
+
+    def _capture(self, buf: _Buffers, k_rows: list[torch.Tensor], v_rows: list[torch.Tensor], keys: int) -> None:
+        """Warm the decoder up on ``buf``'s inputs and record it into ``buf.graph``."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -237,11 +271,15 @@ class StaticForward:
             buf.hidden = self.decode(buf.input_ids, buf.positions, k_rows, v_rows, keys)
         buf.graph = graph
         self.captures += 1
-        graph.replay()  # the capture only recorded: this computes this forward's output
-        self._graphs[key] = buf
-        while len(self._graphs) > MAX_GRAPHS:
-            self._graphs.popitem(last=False)
-        return buf.hidden
+
+    def _drop_graphs(self) -> None:
+        """Forget every captured graph, and their memory pool with them.
+
+        The pool goes too: once the last graph using a pool is freed, the caching allocator
+        releases the pool, and a capture into the old handle fails an internal assertion
+        (``use_count > 0``); a fresh handle starts a fresh pool."""
+        self._graphs.clear()
+        self._graph_pool = None
 
     def decode(
         self,

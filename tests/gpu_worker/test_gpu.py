@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -49,3 +50,60 @@ def test_cuda_worker_matches_cpu_reference(make_worker, tiny_pair, k):
     assert results["g"].tokens == ref_g.tokens
     assert results["p"].tokens == ref_p.tokens
     assert results["p"].finish in (FinishReason.LENGTH, FinishReason.STOP)
+
+
+def _cuda_llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config).eval().to("cuda")
+
+
+def _grow_and_decode(runner: Any, kvs: list[Any]) -> list[torch.Tensor]:
+    """Decode one sequence alone (a graph per shape at B=1), then add sequences one at a time,
+    each new slot growing the pool's tensors (every captured graph dropped and recaptured)."""
+    from specmask.gpu_worker.model_runner import ForwardItem
+
+    out: list[torch.Tensor] = []
+    for n in range(1, len(kvs) + 1):
+        out += runner.forward([ForwardItem(kvs[n - 1], [(7 * n + j) % 97 for j in range(5 + n)], 1)])
+        for step in range(3):
+            live = kvs[:n]
+            out += runner.forward(
+                [ForwardItem(kv, [(3 * step + i) % 97] * (1 + (i + step) % 3), 1) for i, kv in enumerate(live)]
+            )
+    return out
+
+
+def test_cuda_graphs_survive_pool_growth_and_failed_captures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Graphs captured, dropped when the pool grows, captured again into a fresh pool; a capture
+    that fails runs its forward eagerly. Every forward equals the eager path's (float32)."""
+    from specmask.gpu_worker.kv_cache import SequenceKV
+    from specmask.gpu_worker.model_runner import ModelRunner
+    from specmask.gpu_worker.static_forward import MAX_CAPTURE_FAILURES
+
+    model = _cuda_llama()
+    eager, static = ModelRunner(model), ModelRunner(model, static="on")
+    assert static.static is not None and static.static.use_graphs
+    want = _grow_and_decode(eager, [SequenceKV() for _ in range(5)])
+    got = _grow_and_decode(static, [SequenceKV() for _ in range(5)])
+    assert static.static.captures > 5 and static.static.replays > 0 and static.static.capture_failures == 0
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+    failing = ModelRunner(model, static="on")
+    assert failing.static is not None
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("capture refused by the test")
+
+    monkeypatch.setattr(torch.cuda, "graph", refuse)
+    got = _grow_and_decode(failing, [SequenceKV() for _ in range(5)])
+    assert failing.static.captures == 0 and failing.static.capture_failures == MAX_CAPTURE_FAILURES
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One lent-GPU session, in priority order, each stage under its own time limit so that a
+# stage that hangs still leaves the later ones (and the logs) their time:
+#   1. the CUDA tests (the worker on CUDA, CUDA graphs and compiled Triton included, equal
+#      to plain constrained greedy decoding on the CPU reference),
+#   2. bench.gpu at the batch size the step goals are set at (kernels included),
+#   3. bench.gpu at the other batch sizes,
+#   4. a torch.profiler pass at B=32 (op tables by host and by device time),
+#   5. bench.kernels' full grid (Triton against the reference and xgrammar).
+# STAGES picks and orders them (default "tests b32 rest prof kernels").
+# Logs and RESULT json go to $OUT (the device tool's folder; /tmp/specmask-gpu otherwise).
+#
+# The device machine has no network: Python packages its image lacks travel as wheels in
+# .whl/ (git-ignored), see bench/gpu.py REQUIRED_WHEELS; the Llama-3 tokenizer travels in
+# bench/.tokenizers/llama3 (`make bench-gpu` copies it there).
+#
+#   bench/gpu_session.sh [TEST_S BENCH_MAIN_S BENCH_REST_S]
+set -uo pipefail
+OUT=${OUT:-/tmp/specmask-gpu}
+mkdir -p "$OUT"
+TEST_S=${1:-150}
+BENCH_MAIN_S=${2:-240}
+BENCH_REST_S=${3:-150}
+export PYTHONUNBUFFERED=1
+
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' | tee -a "$OUT/gpu.txt"
+
+stage() {  # stage NAME SECONDS CMD...: run CMD under a limit, log to $OUT/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($(date +%T), limit ${limit}s): $*"
+    timeout --signal=INT --kill-after=15 "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name rc=$rc ($(date +%T))"
+    tail -n 4 "$OUT/$name.log"
+    return $rc
+}
+
+for s in ${STAGES:-tests b32 rest prof kernels}; do
+    case $s in
+    tests) stage cuda-tests "$TEST_S" python3 -m pytest -q -p no:cacheprovider tests/gpu_worker/test_gpu.py ;;
+    b32)
+        stage bench-b32 "$BENCH_MAIN_S" python3 -m bench.gpu --pairs llama3-8b-1b --batches 32 --rounds 3 \
+            --json-out "$OUT/bench-b32.json" \
+            || stage bench-b32-eager "$BENCH_MAIN_S" python3 -m bench.gpu --pairs llama3-8b-1b --batches 32 \
+                --rounds 2 --no-kernels --static-forward off --json-out "$OUT/bench-b32-eager.json"
+        ;;
+    rest)
+        stage bench-rest "$BENCH_REST_S" python3 -m bench.gpu --pairs llama3-8b-1b --batches 1,8,64 --no-kernels \
+            --json-out "$OUT/bench-rest.json"
+        ;;
+    prof)
+        stage bench-prof "$BENCH_REST_S" python3 -m bench.gpu --pairs llama3-8b-1b --batches 32 --rounds 1 \
+            --no-kernels --profile-batch 32 --log-dir /tmp/specmask-gpu-prof
+        ;;
+    kernels) stage bench-kernels "$BENCH_REST_S" python3 -m bench.kernels ;;
+    esac
+done
+grep -h -A12 "^### Worker step" "$OUT"/bench-*.log | head -60
+exit 0
