@@ -82,7 +82,7 @@ class StepRunner:
         self.target = target
         # Picks each slot's verify width (drafts kept) after proposal; each runner learns its own
         # acceptance rates unless given a chooser (benchmarks replaying recorded widths).
-        self.width: WidthChooser = width if width is not None else WidthChooser()
+        self.width: WidthChooser = width if width is not None else WidthChooser.for_device(target.device.type)
         # The device mirror of the mask rows, shared with the draft-side masking.
         self.mask_table = mask_table if mask_table is not None else DeviceMaskTable(target.device)
         self.masks = masks

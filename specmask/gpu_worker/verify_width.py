@@ -19,6 +19,13 @@ so the best E / cost keeps the drafts with the largest gains: sorted by gain,
 a draft is kept while its gain exceeds the ratio E / cost of what is kept so
 far (adding a unit-cost item raises a ratio exactly when its gain exceeds it).
 Every row keeps at least its first draft, so depth 1 keeps being measured.
+A (source, depth) with no recent measurement (its faded count of drafts that
+reached it below ``MEASURED``) is priced optimistically, as if always accepted:
+otherwise a depth trimmed once could stay trimmed for good wherever the kept
+set's E / cost exceeds the prior's gain (large batches, where the fixed cost is
+spread thin), and a draft source that became good would never be found out. So
+an unmeasured depth is verified once its drafts before it are likely enough,
+which measures it, and the measured rate decides from then on.
 Trimming drafts never changes an output: verification with fewer drafts is
 speculative decoding with a smaller k_r, exact for any k_r (docs/design.md), so this
 is a pure cost choice.
@@ -42,6 +49,14 @@ from specmask.gpu_worker.proposers.base import DraftSlot
 # SmolLM2 (grammar-forced + n-gram drafts) ran at least as fast with 40 as with
 # 24, within noise of 60 (docs/benchmarks.md).
 FIXED_POSITIONS = 40.0
+# The same on a GPU. A forward there reads every weight once whatever its width, and one
+# more position costs its FLOPs: a position is worth (FLOP rate / memory bandwidth) /
+# (FLOPs per weight byte = 1 in bf16) of the weights' read, so the weights alone are worth the
+# chip's ridge point in positions, about 190 on an H200 and 300 on an H100 (bf16). The
+# step's host work adds to it, and the static forward pads every row to the batch's width
+# bucket anyway (static_forward.WIDTH_BUCKETS): trimming one row saves nothing unless every
+# row drops below a bucket.
+GPU_FIXED_POSITIONS = 256.0
 # Prior pseudo-counts (accepted, reached) added to every (source, depth) estimate.
 _PRIOR = (1.0, 2.0)
 # Per step, every count fades: the estimate follows the current requests, and a
@@ -49,6 +64,8 @@ _PRIOR = (1.0, 2.0)
 _DECAY = 0.98
 # Never below this many drafts per row where they were proposed: depth 1 keeps being measured.
 MIN_DRAFTS = 1
+# A (source, depth) whose faded count of drafts reaching it is below this is unmeasured.
+MEASURED = 1.0
 
 
 @dataclass
@@ -60,9 +77,20 @@ class WidthChooser:
     # accepted / reached (all drafts before them accepted).
     stats: dict[tuple[str, int], list[float]] = field(default_factory=dict)
 
+    @classmethod
+    def for_device(cls, device_type: str) -> WidthChooser:
+        """A chooser with the fixed step cost of a device type ("cuda", "cpu", ...)."""
+        return cls(fixed_positions=GPU_FIXED_POSITIONS if device_type == "cuda" else FIXED_POSITIONS)
+
     def rate(self, source: str, depth: int) -> float:
+        """The estimated acceptance of a draft from ``source`` at ``depth`` once the ones before it were."""
         accepted, reached = self.stats.get((source, depth), (0.0, 0.0))
         return (accepted + _PRIOR[0]) / (reached + _PRIOR[1])
+
+    def pricing_rate(self, source: str, depth: int) -> float:
+        """The rate the choice prices a draft at: ``rate``, or 1 while unmeasured (see the module doc)."""
+        reached = self.stats.get((source, depth), (0.0, 0.0))[1]
+        return self.rate(source, depth) if reached >= MEASURED else 1.0
 
     def choose(self, slots: Sequence[DraftSlot]) -> list[int]:
         """Per slot, how many of its drafts to verify (k_r)."""
@@ -73,7 +101,7 @@ class WidthChooser:
         for i, s in enumerate(slots):
             chance = 1.0
             for j, source in enumerate(s.sources, start=1):
-                chance *= self.rate(source, j)
+                chance *= self.pricing_rate(source, j)
                 if j <= keep[i]:
                     expected += chance
                 else:

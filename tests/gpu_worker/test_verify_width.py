@@ -5,7 +5,7 @@ from __future__ import annotations
 from specmask.gpu_worker.proposers.base import DraftSlot, Proposal
 from specmask.gpu_worker.sequence import SequenceState
 from specmask.gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
-from specmask.gpu_worker.verify_width import WidthChooser
+from specmask.gpu_worker.verify_width import FIXED_POSITIONS, GPU_FIXED_POSITIONS, WidthChooser
 
 
 def _slot(sources: list[str]) -> DraftSlot:
@@ -77,7 +77,7 @@ def test_the_choice_maximises_expected_tokens_per_cost() -> None:
         for s, k in zip(slots, keep):
             chance = 1.0
             for j, source in enumerate(s.sources[:k], start=1):
-                chance *= chooser.rate(source, j)
+                chance *= chooser.pricing_rate(source, j)
                 expected += chance
         return expected / (chooser.fixed_positions + len(slots) + sum(keep))
 
@@ -110,3 +110,32 @@ def test_a_trimmed_depth_is_tried_again_later() -> None:
     for _ in range(300):  # steps that never verify depth 2: its estimate fades to the prior
         chooser.trim([_slot(["ngram"])])
     assert 0.4 < chooser.rate("ngram", 2) < 0.6
+
+
+def test_an_unmeasured_depth_is_verified_at_a_large_batch() -> None:
+    """At 32 rows the kept set's E / cost (about 0.6) beats the prior's gain (0.5): priced at the
+    prior, depth 2 would never be verified, so never measured, whatever the drafts are worth.
+    Unmeasured, it is priced as sure; measured bad, it is trimmed; faded, it is tried again."""
+    chooser = WidthChooser()
+    for _ in range(200):  # depth 1 always accepted; deeper drafts never verified
+        chooser.record(_slot(["ngram"]), 1)
+    batch = [_slot(["ngram"] * 4) for _ in range(32)]
+    assert chooser.choose(batch) == [4] * 32
+    _learn(chooser, "ngram", 1)  # measured: only the first draft is ever accepted
+    assert chooser.choose(batch) == [1] * 32
+    for _ in range(300):  # steps that verify depth 1 only: depth 2's count fades
+        chooser.trim([_slot(["ngram"])])
+        chooser.record(_slot(["ngram"]), 1)
+    assert chooser.choose(batch) == [4] * 32
+
+
+def test_a_gpu_keeps_drafts_a_cpu_trims() -> None:
+    """The fixed cost by device: a forward's weights read dwarfs a position on a GPU."""
+    cpu, gpu = WidthChooser.for_device("cpu"), WidthChooser.for_device("cuda")
+    assert (cpu.fixed_positions, gpu.fixed_positions) == (FIXED_POSITIONS, GPU_FIXED_POSITIONS)
+    for chooser in (cpu, gpu):
+        for accepted in (0, 1, 2, 3) * 50:  # each depth accepted about half the time
+            chooser.record(_slot(["draft_model"] * 4), accepted)
+    batch = [_slot(["draft_model"] * 4) for _ in range(32)]
+    assert cpu.choose(batch) == [1] * 32
+    assert min(gpu.choose(batch)) >= 2
