@@ -810,9 +810,18 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
                         f"mask wait {stats.mask_wait_ms:7.2f} ms  {stats.tokens_per_s:9.1f} tok/s  "
                         f"host in target fwd {stats.target_forward_host_ms:7.2f} ms, "
                         f"draft fwd {stats.draft_forward_host_ms:7.2f} ms  floor {stats.floor_ms:7.2f} ms "
-                        f"({stats.vs_floor:.2f}x)",
+                        f"({stats.vs_floor:.2f}x)  {per_seq:.2f} tok/row",
                         flush=True,
                     )
+                    if mode.speculate and args.agreement == 1.0 and per_seq < args.k + 1 - 1e-9:
+                        # Every draft is accepted by construction: fewer than k + 1 tokens per row
+                        # means drafts were trimmed before verification, and the cell measures a
+                        # smaller k than asked for.
+                        print(
+                            f"  WARNING: {mode_name} at B={batch} gained {per_seq:.2f} tokens per row per step, "
+                            f"not k + 1 = {args.k + 1}: drafts were trimmed (verify width or iteration budget)",
+                            flush=True,
+                        )
             if args.profile_batch:
                 profile_modes(worker, scripts, args.profile_batch, args, log_dir)
             static = {}
