@@ -56,7 +56,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -392,6 +392,36 @@ def _as_one(parts: Sequence[Any], total_rows: int) -> Any:
     return first.as_strided((total_rows, width), (width, 1))
 
 
+# The phases of StepRunner.run timed on the host, in step order: proposing drafts (draft
+# forwards, draft sampling, draft-side mask waits), the target forward, rejection sampling
+# with the token checks, committing, and sending the next step's first masks. The wait for
+# the verify-path masks (the mask wait column) falls in "rest".
+PHASES = ("propose", "target forward", "verify", "commit", "prefetch")
+
+
+def install_phase_clocks(worker: Any, host_s: dict[str, float]) -> None:
+    """Accumulate the host seconds of each of ``PHASES`` into ``host_s`` (the target forward's
+    are ScriptedLogits' own, under "target"; here it is copied under its phase name)."""
+    import specmask.gpu_worker.step as step_module
+
+    def clocked(fn: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                host_s[phase] = host_s.get(phase, 0.0) + time.perf_counter() - t0
+
+        return run
+
+    stepper = worker.stepper
+    stepper.drafter.propose = clocked(stepper.drafter.propose, "propose")
+    stepper.target.forward = clocked(stepper.target.forward, "target forward")
+    step_module.verify = clocked(step_module.verify, "verify")  # bench-only patch of the module's global
+    stepper._commit = clocked(stepper._commit, "commit")
+    stepper.drafter.prefetch_first = clocked(stepper.drafter.prefetch_first, "prefetch")
+
+
 # -- set-up -----------------------------------------------------------------------------
 def prepare_tokenizer(kind: str, out_dir: Path) -> None:
     """Write tokenizer files into ``out_dir``: the real Llama-3 one, or the byte-level stand-in."""
@@ -574,6 +604,10 @@ class StepStats:
     # host spends launching them, plus any sync the forward itself does).
     target_forward_host_ms: float
     draft_forward_host_ms: float
+    # Median host ms per step in each phase of StepRunner.run (PHASES; "rest" is the step's
+    # time outside all of them). A phase that waits on the device (a .tolist() of its
+    # results) counts that wait too, so the GPU's time lands in the first phase that syncs.
+    phase_host_ms: dict[str, float] = field(default_factory=dict)
     # Memory-bandwidth floor of the step (step_floor_bytes over the copy rate measured in the
     # same run) and the step's multiple of it; filled in by run_pair.
     floor_ms: float | None = None
@@ -589,6 +623,7 @@ class Samples:
     waits: list[float]  # seconds the step waited on the mask service
     target_host: list[float]  # host seconds inside the target's forward calls
     draft_host: list[float]
+    phases: dict[str, list[float]] = field(default_factory=dict)  # phase -> host seconds per step
     tokens: int = 0
     proposed: int = 0
     accepted: int = 0
@@ -598,6 +633,8 @@ class Samples:
         self.waits += other.waits
         self.target_host += other.target_host
         self.draft_host += other.draft_host
+        for phase, values in other.phases.items():
+            self.phases.setdefault(phase, []).extend(values)
         self.tokens += other.tokens
         self.proposed += other.proposed
         self.accepted += other.accepted
@@ -615,6 +652,7 @@ class Samples:
             steps=len(self.times),
             target_forward_host_ms=1e3 * statistics.median(self.target_host),
             draft_forward_host_ms=1e3 * statistics.median(self.draft_host),
+            phase_host_ms={phase: 1e3 * statistics.median(values) for phase, values in self.phases.items()},
         )
 
 
@@ -668,6 +706,12 @@ def time_mode(
                 out_samples.waits.append(outs[0].mask_time_s)
                 out_samples.target_host.append(scripts.host_s.get("target", 0.0) - before.get("target", 0.0))
                 out_samples.draft_host.append(scripts.host_s.get("draft", 0.0) - before.get("draft", 0.0))
+                inside = 0.0
+                for phase in PHASES:
+                    spent = scripts.host_s.get(phase, 0.0) - before.get(phase, 0.0)
+                    inside += spent
+                    out_samples.phases.setdefault(phase, []).append(spent)
+                out_samples.phases.setdefault("rest", []).append(dt - inside)
                 out_samples.tokens += sum(len(o.new_token_ids) for o in outs)
                 out_samples.proposed += sum(o.drafts_proposed for o in outs)
                 out_samples.accepted += sum(o.drafts_accepted for o in outs)
@@ -764,6 +808,7 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
             scripts.install(worker.target)
             assert worker.draft is not None
             scripts.install(worker.draft, agreement=args.agreement)
+            install_phase_clocks(worker, scripts.host_s)
             rows: dict[str, dict[str, Any]] = {}
             per_round: dict[str, dict[str, list[float]]] = {}  # ratio -> batch -> one value per round
             for batch in args.batches:
@@ -939,6 +984,14 @@ def print_tables(result: dict[str, Any]) -> None:
             cells = [
                 f"{by_batch[str(b)]['target_forward_host_ms']:.1f} / {by_batch[str(b)]['draft_forward_host_ms']:.1f}"
                 for b in batches
+            ]
+            print(f"| {mode} | " + " | ".join(cells) + " |")
+        phases = [*PHASES, "rest"]
+        print(f"\nHost ms per step by phase ({' / '.join(phases)}; a phase that syncs waits for the device):\n")
+        print("| mode | " + " | ".join(f"B={b}" for b in batches) + " |\n|---|" + "---:|" * len(batches))
+        for mode, by_batch in pair["modes"].items():
+            cells = [
+                " / ".join(f"{by_batch[str(b)]['phase_host_ms'].get(ph, 0.0):.1f}" for ph in phases) for b in batches
             ]
             print(f"| {mode} | " + " | ".join(cells) + " |")
         for key in (

@@ -44,6 +44,11 @@ def test_dry_run_measures_every_mode(tmp_path: Path) -> None:
             assert stats["acceptance"] == (1.0 if gpu.MODES[name].speculate else None)
             # Every cell prints its memory-bandwidth floor and its multiple of it.
             assert stats["floor_ms"] > 0 and stats["vs_floor"] == pytest.approx(stats["step_ms"] / stats["floor_ms"])
+            # The step's host time by phase: every phase timed, and every step runs a target
+            # forward and verifies.
+            phases = stats["phase_host_ms"]
+            assert set(phases) == {*gpu.PHASES, "rest"}, phases
+            assert phases["target forward"] > 0 and phases["verify"] > 0, phases
     assert pair["copy_gbps"] > 0 and pair["weights_bytes"]["target"] > pair["weights_bytes"]["draft"] > 0
     # The worker ran its decode and verify forwards on the static path (eager on a CPU: no graphs).
     for role in ("target", "draft"):
@@ -61,6 +66,7 @@ def test_dry_run_measures_every_mode(tmp_path: Path) -> None:
     dense_cell, sparse_cell = result["kernels_by_density"]
     assert dense_cell["must_bytes"] < sparse_cell["must_bytes"]
     assert "| spec/constrained/draft-masks-on |" in proc.stdout
+    assert "Host ms per step by phase" in proc.stdout
 
 
 def test_missing_wheels_are_named(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
