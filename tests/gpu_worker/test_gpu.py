@@ -12,6 +12,7 @@ from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
 from tests.gpu_worker.helpers import run_to_completion, torch_threads
 from tests.gpu_worker.reference import compile_grammar, greedy_constrained
+from tests.gpu_worker.test_static_forward import VOCAB, _tiny_llama
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,18 +53,6 @@ def test_cuda_worker_matches_cpu_reference(make_worker, tiny_pair, k):
     assert results["p"].finish in (FinishReason.LENGTH, FinishReason.STOP)
 
 
-def _cuda_llama() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    )  # fmt: skip
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return LlamaForCausalLM(config).eval().to("cuda")
-
-
 def _grow_and_decode(runner: Any, kvs: list[Any]) -> list[torch.Tensor]:
     """Decode one sequence alone (a graph per shape at B=1), then add sequences one at a time,
     each new slot growing the pool's tensors (every captured graph dropped and recaptured)."""
@@ -71,11 +60,11 @@ def _grow_and_decode(runner: Any, kvs: list[Any]) -> list[torch.Tensor]:
 
     out: list[torch.Tensor] = []
     for n in range(1, len(kvs) + 1):
-        out += runner.forward([ForwardItem(kvs[n - 1], [(7 * n + j) % 97 for j in range(5 + n)], 1)])
+        out += runner.forward([ForwardItem(kvs[n - 1], [(7 * n + j) % VOCAB for j in range(5 + n)], 1)])
         for step in range(3):
             live = kvs[:n]
             out += runner.forward(
-                [ForwardItem(kv, [(3 * step + i) % 97] * (1 + (i + step) % 3), 1) for i, kv in enumerate(live)]
+                [ForwardItem(kv, [(3 * step + i) % VOCAB] * (1 + (i + step) % 3), 1) for i, kv in enumerate(live)]
             )
     return out
 
@@ -87,7 +76,7 @@ def test_cuda_graphs_survive_pool_growth_and_failed_captures(monkeypatch: pytest
     from specmask.gpu_worker.model_runner import ModelRunner
     from specmask.gpu_worker.static_forward import MAX_CAPTURE_FAILURES
 
-    model = _cuda_llama()
+    model = _tiny_llama(kv_heads=2).to("cuda")  # grouped heads: the eager path folds them
     eager, static = ModelRunner(model), ModelRunner(model, static="on")
     assert static.static is not None and static.static.use_graphs
     want = _grow_and_decode(eager, [SequenceKV() for _ in range(5)])
