@@ -56,6 +56,8 @@ class ChatPrompt:
     # JSON Schema requests: None = the server's default (ChatRenderer), "" = no instruction,
     # "default" = DEFAULT_SCHEMA_INSTRUCTION, else this text ("{schema}" substituted).
     schema_instruction: str | None = None
+    # Extra variables for the chat template (vLLM's chat_template_kwargs); None = none.
+    template_kwargs: dict[str, Any] | None = None
 
 
 def validate_messages(messages: Sequence[ChatMessage]) -> None:
@@ -124,6 +126,6 @@ class ChatRenderer:
         turns = self.messages_for(chat, grammar, instruction=instruction)
         messages = [ApiChatMessage.model_validate({"role": m.role, "content": m.content}) for m in turns]
         try:
-            return self._prompter.render(messages, None)
+            return self._prompter.render(messages, None, chat.template_kwargs)
         except ApiError as exc:  # the template's raise_exception (e.g. roles must alternate)
             raise ChatError(str(exc)) from None

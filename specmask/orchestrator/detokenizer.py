@@ -68,3 +68,13 @@ class IncrementalDetokenizer:
         if self._read_offset == len(self._ids):
             return ""
         return self._delta(final=True)
+
+    def peek(self, extra_ids: Sequence[int] = ()) -> str:
+        """What ``push(extra_ids)`` then ``flush()`` would return, without changing the state
+        (a stop token's end check needs the text before deciding whether the token ends it)."""
+        ids = self._ids + list(extra_ids)
+        if self._read_offset == len(ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(ids[self._prefix_offset :])
+        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""

@@ -106,9 +106,14 @@ class Request:
         grammar: GrammarReport | None = None,
         max_attempts: int = 1,
         stop_may_end: Callable[[str], bool] | None = None,
+        stop_token_ids: Sequence[int] = (),
+        include_stop: bool = False,
     ) -> None:
-        """``stop_may_end``: whether a stop string may end the output after this text (grammar
-        requests: the end check; see stop_strings.py); None = any stop match ends it."""
+        """``stop_may_end``: whether a stop string (or stop token) may end the output with this
+        text (grammar requests: the end check; see stop_strings.py); None = any stop ends it.
+        ``stop_token_ids``: sampling one ends the output (vLLM's stop_token_ids; the token is
+        kept in ``token_ids``, its text returned only with ``include_stop``). ``include_stop``:
+        the matched stop string or stop token's text ends the returned text."""
         self.seq = seq
         self.grammar = grammar  # how the grammar is enforced (None: no grammar)
         self.max_attempts = max_attempts  # generations the engine may run (checked mode)
@@ -120,6 +125,8 @@ class Request:
         self._tokenizer = tokenizer
         self._stop_strings = stop
         self._stop_may_end = stop_may_end
+        self._stop_token_ids = frozenset(stop_token_ids)
+        self._include_stop = include_stop
         # The last step's delta of a grammar request the worker called complete, sent once
         # the end check passed (finish) and dropped if it failed.
         self._unchecked: tuple[tuple[int, ...], str, tuple[OutputLogprob, ...] | None] | None = None
@@ -135,7 +142,7 @@ class Request:
         self.error: str | None = None
         self._text_parts: list[str] = []
         self._detokenizer = IncrementalDetokenizer(tokenizer)
-        self._stop = StopStringMatcher(stop, stop_may_end)
+        self._stop = StopStringMatcher(stop, stop_may_end, include=include_stop)
         # Requests with logprobs: the entries sent so far (the result's), and the cursor that
         # pairs the rest with text; None otherwise (the request then pays nothing for them).
         self._logprobs: list[OutputLogprob] | None = [] if seq.sampling.logprobs is not None else None
@@ -171,22 +178,78 @@ class Request:
         if self.first_token_time is None and not self._hold:
             self.first_token_time = time.monotonic()
         new_ids = tuple(int(t) for t in out.new_token_ids)
-        self.token_ids.extend(new_ids)
-        self.usage.completion_tokens += len(new_ids)
-        logprobs: tuple[OutputLogprob, ...] | None = None
+        entries: Sequence[TokenLogprob] | None = None
         if self._cursor is not None:
             entries = out.logprobs
             if entries is None or [e.token_id for e in entries] != list(new_ids):
                 raise RuntimeError(f"the worker's logprobs do not match its tokens {list(new_ids)}: {entries}")
-            text, stopped = self._stop.feed(self._cursor.push(self._detokenizer, entries))
-            logprobs = self._cursor.take(len(text), cut=stopped)
-        else:
-            text, stopped = self._stop.feed(self._detokenizer.push(new_ids))
+        new_ids, text, stopped, logprobs = self._fold(new_ids, entries)
+        self.token_ids.extend(new_ids)
+        self.usage.completion_tokens += len(new_ids)
         if out.finish_reason is FinishReason.GRAMMAR_COMPLETE and self.seq.grammar is not None and not self._hold:
             self._unchecked = (new_ids, text, logprobs)
         else:
             self._emit(new_ids, text, logprobs)
         return stopped
+
+    def _fold(
+        self, ids: tuple[int, ...], entries: Sequence[TokenLogprob] | None
+    ) -> tuple[tuple[int, ...], str, bool, tuple[OutputLogprob, ...] | None]:
+        """Detokenize one step's tokens through the stop strings and stop tokens: (the tokens
+        the output keeps, the text to send, whether a stop ended it, the text's logprobs)."""
+        texts: list[str] = []
+        logprobs: list[OutputLogprob] = []
+        start = 0
+        for j, token in enumerate(ids):
+            if token not in self._stop_token_ids:
+                continue
+            text, stopped, lp = self._feed(ids[start:j], entries[start:j] if entries is not None else None)
+            texts.append(text)
+            logprobs.extend(lp or ())
+            if stopped:  # a stop string before the stop token ended it first
+                return ids, "".join(texts), True, self._logprobs_or_none(logprobs)
+            start = j  # if the token cannot end the output here, it is fed as any other
+            ended = self._end_at_stop_token(token, entries[j] if entries is not None else None)
+            if ended is not None:
+                texts.append(ended[0])
+                logprobs.extend(ended[1] or ())
+                return ids[: j + 1], "".join(texts), True, self._logprobs_or_none(logprobs)
+        text, stopped, lp = self._feed(ids[start:], entries[start:] if entries is not None else None)
+        texts.append(text)
+        logprobs.extend(lp or ())
+        return ids, "".join(texts), stopped, self._logprobs_or_none(logprobs)
+
+    def _logprobs_or_none(self, logprobs: list[OutputLogprob]) -> tuple[OutputLogprob, ...] | None:
+        return tuple(logprobs) if self._cursor is not None else None
+
+    def _feed(
+        self, ids: tuple[int, ...], entries: Sequence[TokenLogprob] | None
+    ) -> tuple[str, bool, tuple[OutputLogprob, ...] | None]:
+        if self._cursor is not None:
+            assert entries is not None
+            text, stopped = self._stop.feed(self._cursor.push(self._detokenizer, entries))
+            return text, stopped, self._cursor.take(len(text), cut=stopped)
+        text, stopped = self._stop.feed(self._detokenizer.push(ids))
+        return text, stopped, None
+
+    def _end_at_stop_token(
+        self, token: int, entry: TokenLogprob | None
+    ) -> tuple[str, tuple[OutputLogprob, ...] | None] | None:
+        """End the output at a sampled stop token if it may end there: (the text to send, its
+        logprobs); None when a grammar request's output may not end there."""
+        tail_ids = (token,) if self._include_stop else ()
+        out = self._stop.end(self._detokenizer.peek(tail_ids))
+        if out is None:
+            return None
+        if self._cursor is None:
+            self._detokenizer.push(tail_ids)
+            self._detokenizer.flush()
+            return out, None
+        if self._include_stop:
+            assert entry is not None
+            self._cursor.push(self._detokenizer, (entry,))
+        self._cursor.flush(self._detokenizer)
+        return out, self._cursor.take(len(out), final=True)
 
     @property
     def stop_text(self) -> str:
@@ -209,7 +272,7 @@ class Request:
         self._detokenizer = IncrementalDetokenizer(self._tokenizer)
         if self._cursor is not None:
             self._cursor = LogprobCursor()
-        self._stop = StopStringMatcher(self._stop_strings, self._stop_may_end)
+        self._stop = StopStringMatcher(self._stop_strings, self._stop_may_end, include=self._include_stop)
 
     def _report(self) -> GrammarReport | None:
         return None if self.grammar is None else dataclasses.replace(self.grammar, attempts=self.attempts)

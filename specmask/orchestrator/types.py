@@ -24,6 +24,12 @@ class SamplingOptions:
     seed: int | None = None
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    # vLLM's stop_token_ids: sampling one of these ends the output (the token counts in usage;
+    # its text is returned only with include_stop_str_in_output). Applied by the orchestrator
+    # (request.py), like stop strings, so a grammar request stops only where it may end.
+    stop_token_ids: tuple[int, ...] = ()
+    # Return the matched stop string (or the stop token's text) at the end of the output.
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     # None: no logprobs. N (0..20): each returned token's logprob plus the N most likely tokens
     # at its position (gpu_worker.types.TokenLogprob).

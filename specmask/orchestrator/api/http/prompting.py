@@ -2,20 +2,23 @@
 
 With a chat template (``chat_template`` in the model's tokenizer_config.json,
 or a ``chat_template.jinja`` file beside it) the messages are rendered by the
-tokenizer's own ``apply_chat_template`` (transformers), with ``tools`` and
-``add_generation_prompt=True``, exactly as the model's authors render them.
+tokenizer's own ``apply_chat_template`` (transformers), with ``tools``,
+``add_generation_prompt=True`` and the request's extra template variables
+(vLLM's ``chat_template_kwargs``), exactly as the model's authors render them.
 
 Without one (the toy models have none) the fallback is a plain transcript,
 one ``<role>: <content>`` block per message and a final ``assistant:`` line to
 complete. It is documented (README) and deterministic; a model not trained on
 it will follow it loosely, which matters little when a grammar constrains the
-answer.
+answer. It has no variables: extra template variables change nothing there, as
+they change nothing in a template that does not read them.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,7 +33,9 @@ class ChatPrompter(Protocol):
     # Whether ``render`` puts ``tools`` into the prompt in the model's own format.
     supports_tools: bool
 
-    def render(self, messages: list[ChatMessage], tools: list[Tool] | None) -> str: ...
+    def render(
+        self, messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: Mapping[str, Any] | None = None
+    ) -> str: ...
 
 
 def _message_dict(msg: ChatMessage) -> dict[str, Any]:
@@ -64,7 +69,9 @@ class TranscriptPrompter:
 
     supports_tools = False
 
-    def render(self, messages: list[ChatMessage], tools: list[Tool] | None) -> str:
+    def render(
+        self, messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: Mapping[str, Any] | None = None
+    ) -> str:
         blocks = []
         if tools:
             blocks.append(f"system: {describe_tools(tools)}")
@@ -96,13 +103,21 @@ class TemplatePrompter:
             _reads_tools(t) for t in (template.values() if isinstance(template, dict) else [template])
         )
 
-    def render(self, messages: list[ChatMessage], tools: list[Tool] | None) -> str:
+    def render(
+        self, messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: Mapping[str, Any] | None = None
+    ) -> str:
+        """``template_kwargs``: extra template variables (their names are checked by the caller:
+        none of apply_chat_template's own arguments)."""
         from jinja2.exceptions import TemplateError
 
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools else None
         try:
             text = self._tokenizer.apply_chat_template(
-                [_message_dict(m) for m in messages], tools=tool_dicts, add_generation_prompt=True, tokenize=False
+                [_message_dict(m) for m in messages],
+                tools=tool_dicts,
+                add_generation_prompt=True,
+                tokenize=False,
+                **dict(template_kwargs or {}),
             )
         except TemplateError as exc:  # e.g. the template's raise_exception("roles must alternate")
             raise ApiError.invalid(f"the model's chat template refused the messages: {exc}", param="messages") from exc

@@ -98,6 +98,28 @@ class StreamOptions(_Body):
     include_obfuscation: bool | None = None  # newer SDKs send it; there is nothing to obfuscate
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs`` (``StructuredOutputsParams``), field for field.
+
+    One constraint (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``,
+    ``structural_tag``) per request. Every key is a constraint or changes one, so a key
+    this server does not know is a 400 (``extra="forbid"``), never ignored; the options it
+    knows but cannot honour are refused in ``translate``.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")  # shadows BaseModel.json
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (GBNF) or Lark, as vLLM accepts either
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
 class Speculation(_Body):
     """Extension: per-request speculation (the gRPC API's SpeculationParams)."""
 
@@ -138,6 +160,12 @@ class _Generation(_Body):
     guided_decoding_backend: str | None = None
     guided_checked: bool | None = None
     guided_max_attempts: int | None = None
+    # vLLM's structured outputs (its replacement of the guided_* fields).
+    structured_outputs: StructuredOutputs | None = None
+    # vLLM's stop extensions: generation ends when one of these token ids is sampled
+    # (the token counts in usage; its text is returned only with include_stop_str_in_output).
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
 
 
 class ChatCompletionRequest(_Generation):
@@ -153,6 +181,10 @@ class ChatCompletionRequest(_Generation):
     # None = the server's default (none unless started with --schema-instruction), "" = none,
     # "default" = the built-in instruction, else this text ("{schema}" becomes the schema).
     schema_instruction: str | None = None
+    # vLLM: extra variables for the chat template (Jinja ignores the ones it does not read);
+    # reasoning_effort is passed to the template too, as vLLM does.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
     # Accepted and ignored: they change nothing about generation.
     metadata: dict[str, str] | None = None
     store: bool | None = None

@@ -8,17 +8,22 @@ refuse the same things with the same messages.
 Defaults that differ from the gRPC API, to match OpenAI: an omitted
 ``temperature`` is 1.0 (gRPC: greedy). Structured output has exactly one
 source per request: ``response_format`` (json_schema / json_object), a tool
-call (``tools`` + ``tool_choice``), or one ``guided_*`` extension field.
+call (``tools`` + ``tool_choice``), vLLM's ``structured_outputs``, or one
+``guided_*`` extension field. Which vLLM fields are honoured, refused or
+accepted without effect is ``fields.FIELDS``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.orchestrator.api.http import fields
 from specmask.orchestrator.api.http import tools as tool_calls
 from specmask.orchestrator.api.http.errors import ApiError
 from specmask.orchestrator.api.http.prompting import ChatPrompter
@@ -26,6 +31,7 @@ from specmask.orchestrator.api.http.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ResponseFormat,
+    StructuredOutputs,
     _Generation,
 )
 from specmask.orchestrator.api.http.tool_grammar import AutoTools, auto_tools, tools_prompt, with_system_text
@@ -39,6 +45,32 @@ MAX_COMPLETION_LOGPROBS = 5
 # guided_decoding_backend values -> GrammarSpec.backend ("" = the mask service picks). vLLM calls
 # llguidance "guidance"; its other backends (outlines, lm-format-enforcer) are not here: a 400.
 BACKEND_NAMES = {"auto": "", "xgrammar": "xgrammar", "llguidance": "llguidance", "guidance": "llguidance"}
+# stop_token_ids per request: each step's tokens are scanned for them on the event loop.
+MAX_STOP_TOKEN_IDS = 256
+# chat_template_kwargs keys that are apply_chat_template's own arguments, not template variables:
+# a request may not re-render the conversation, the tools or the prompt's shape through them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+# A line of an EBNF (GBNF) grammar defines a rule with "::="; Lark's rules use ":".
+_EBNF_RULE = re.compile(r"::=")
+_GRAMMAR_COMMENT = re.compile(r"(#|//).*$")
 
 
 @dataclass(frozen=True)
@@ -75,7 +107,11 @@ def chat_request(body: ChatCompletionRequest, request_id: str, prompter: ChatPro
             'use tool_choice "required" or a named function',
             param=grammars[1][0],
         )
-    prompt = _auto_prompt(body, prompter) if auto is not None else _chat_prompt(body, prompter, tool_schema is not None)
+    template_kwargs = _template_kwargs(body)
+    if auto is not None:
+        prompt: str | ChatPrompt = _auto_prompt(body, prompter, template_kwargs)
+    else:
+        prompt = _chat_prompt(body, prompter, tool_schema is not None, template_kwargs)
     return Translated(
         request=_request(body, request_id, prompt, max_tokens, _one_grammar(grammars, body), logprobs),
         tool_call=tool_schema is not None,
@@ -96,18 +132,36 @@ def _chat_logprobs(body: ChatCompletionRequest) -> int | None:
     return top or 0
 
 
-def _auto_prompt(body: ChatCompletionRequest, prompter: ChatPrompter) -> str:
+def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The chat template's extra variables: ``chat_template_kwargs`` and ``reasoning_effort``
+    (vLLM passes both to the template; a template that reads neither renders as without)."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    for key in kwargs:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise ApiError.invalid(
+                f"chat_template_kwargs.{key} is an argument of the template renderer, not a template "
+                "variable; it cannot be set per request",
+                param=f"chat_template_kwargs.{key}",
+            )
+    if body.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = body.reasoning_effort
+    return kwargs or None
+
+
+def _auto_prompt(body: ChatCompletionRequest, prompter: ChatPrompter, template_kwargs: Mapping[str, Any] | None) -> str:
     """The conversation with the tools: the chat template renders them when it knows how;
     otherwise a system message lists them and shows the call format the grammar admits."""
     if body.schema_instruction is not None:
         raise ApiError.invalid("schema_instruction applies to plain chats only (no tools)", param="schema_instruction")
     assert body.tools is not None
     if prompter.supports_tools:
-        return prompter.render(body.messages, body.tools)
-    return prompter.render(with_system_text(body.messages, tools_prompt(body.tools)), None)
+        return prompter.render(body.messages, body.tools, template_kwargs)
+    return prompter.render(with_system_text(body.messages, tools_prompt(body.tools)), None, template_kwargs)
 
 
-def _chat_prompt(body: ChatCompletionRequest, prompter: ChatPrompter, tool_call: bool) -> str | ChatPrompt:
+def _chat_prompt(
+    body: ChatCompletionRequest, prompter: ChatPrompter, tool_call: bool, template_kwargs: Mapping[str, Any] | None
+) -> str | ChatPrompt:
     """Plain conversations go to the engine as a ``ChatPrompt`` and are rendered by its validator,
     exactly as gRPC chat requests are (off the event loop, with the JSON Schema instruction).
     Tool calls, and conversations carrying tool calls or results, are rendered here: the
@@ -118,13 +172,20 @@ def _chat_prompt(body: ChatCompletionRequest, prompter: ChatPrompter, tool_call:
     if plain:
         messages = tuple(ChatMessage(role=m.role, content=m.text) for m in body.messages)
         instruction = body.schema_instruction
-        if instruction is None and body.response_format is not None and body.response_format.type == "json_object":
+        json_mode = (body.response_format is not None and body.response_format.type == "json_object") or (
+            body.structured_outputs is not None and body.structured_outputs.json_object is not None
+        )
+        if instruction is None and json_mode:
             # JSON mode is "any object": an instruction would show the model {"type": "object"} to copy.
             instruction = ""
-        return ChatPrompt(messages=messages, schema_instruction=instruction)
+        return ChatPrompt(
+            messages=messages,
+            schema_instruction=instruction,
+            template_kwargs=dict(template_kwargs) if template_kwargs else None,
+        )
     if body.schema_instruction is not None:
         raise ApiError.invalid("schema_instruction applies to plain chats only (no tools)", param="schema_instruction")
-    return prompter.render(body.messages, body.tools if tool_call else None)
+    return prompter.render(body.messages, body.tools if tool_call else None, template_kwargs)
 
 
 def completion_request(body: CompletionRequest, request_id: str) -> Translated:
@@ -169,9 +230,15 @@ def _request(
             raise ApiError.invalid(f"{name} is not supported (only 0)", param=name)
     if body.logit_bias:
         raise ApiError.invalid("logit_bias is not supported", param="logit_bias")
+    fields.check_undeclared(body)
     if body.stream_options is not None and not body.stream:
         raise ApiError.invalid("stream_options needs stream=true", param="stream_options")
     stop: tuple[str, ...] = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+    stop_token_ids = tuple(dict.fromkeys(body.stop_token_ids or ()))
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError.invalid(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", param="stop_token_ids")
+    if any(t < 0 for t in stop_token_ids):
+        raise ApiError.invalid("stop_token_ids must be >= 0", param="stop_token_ids")
     sampling = SamplingOptions(
         temperature=OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
@@ -179,6 +246,8 @@ def _request(
         seed=body.seed,
         max_tokens=max_tokens,
         stop=stop,
+        stop_token_ids=stop_token_ids,
+        include_stop_str_in_output=bool(body.include_stop_str_in_output),
         ignore_eos=bool(body.ignore_eos),
         logprobs=logprobs,
     )
@@ -237,12 +306,66 @@ def _guided_grammars(body: _Generation) -> list[tuple[str, GrammarSpec]]:
         if text is not None:
             out.append((name, GrammarSpec(kind=kind, text=text)))
     if body.guided_choice is not None:
-        if not body.guided_choice or not all(body.guided_choice):
-            raise ApiError.invalid("guided_choice needs non-empty strings", param="guided_choice")
-        # EBNF string literals take JSON-style escapes.
-        rule = " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(body.guided_choice))
-        out.append(("guided_choice", GrammarSpec(kind=GrammarKind.EBNF, text=f"root ::= {rule}")))
+        out.append(("guided_choice", _choice_spec(body.guided_choice, "guided_choice")))
+    if body.structured_outputs is not None:
+        out.append(("structured_outputs", _structured_outputs_spec(body.structured_outputs)))
     return out
+
+
+def _choice_spec(choices: list[str], param: str) -> GrammarSpec:
+    if not choices or not all(choices):
+        raise ApiError.invalid(f"{param} needs non-empty strings", param=param)
+    # EBNF string literals take JSON-style escapes.
+    rule = " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
+    return GrammarSpec(kind=GrammarKind.EBNF, text=f"root ::= {rule}")
+
+
+def grammar_kind(text: str) -> GrammarKind:
+    """EBNF or Lark, as vLLM tells them apart (``grammar_is_likely_lark``): a grammar with a
+    ``::=`` rule outside comments is EBNF, any other is Lark. A grammar given in the wrong
+    dialect does not compile: a 400, never an unconstrained answer."""
+    for line in text.split("\n"):
+        if _EBNF_RULE.search(_GRAMMAR_COMMENT.sub("", line)):
+            return GrammarKind.EBNF
+    return GrammarKind.LARK
+
+
+def _structured_outputs_spec(so: StructuredOutputs) -> GrammarSpec:
+    """vLLM's ``structured_outputs``: exactly one constraint, and only options honoured exactly."""
+    fields.check_structured_outputs(so.model_dump(by_alias=True, exclude_unset=True))
+    given = [
+        name
+        for name, value in (
+            ("json", so.json_),
+            ("regex", so.regex),
+            ("choice", so.choice),
+            ("grammar", so.grammar),
+            ("json_object", so.json_object),
+        )
+        if value is not None
+    ]
+    if not given:
+        raise ApiError.invalid(
+            "structured_outputs needs one constraint: json, regex, choice, grammar or json_object",
+            param="structured_outputs",
+        )
+    if len(given) > 1:
+        raise ApiError.invalid(
+            f"structured_outputs has more than one constraint ({', '.join(given)}); send one",
+            param=f"structured_outputs.{given[1]}",
+        )
+    if so.json_ is not None:
+        return _schema_spec(so.json_)
+    if so.regex is not None:
+        return GrammarSpec(kind=GrammarKind.REGEX, text=so.regex)
+    if so.choice is not None:
+        return _choice_spec(so.choice, "structured_outputs.choice")
+    if so.grammar is not None:
+        return GrammarSpec(kind=grammar_kind(so.grammar), text=so.grammar)
+    if not so.json_object:
+        # vLLM counts json_object: false as a constraint too; "no constraint" is not what it asks.
+        raise ApiError.invalid("structured_outputs.json_object must be true", param="structured_outputs.json_object")
+    return _schema_spec({"type": "object"})
 
 
 def _one_grammar(grammars: list[tuple[str, GrammarSpec]], body: _Generation) -> GrammarSpec | None:
@@ -259,7 +382,8 @@ def _one_grammar(grammars: list[tuple[str, GrammarSpec]], body: _Generation) -> 
     if spec is None:
         if given:
             raise ApiError.invalid(
-                f"{given[0]} needs an output constraint (response_format, tools or guided_*)", param=given[0]
+                f"{given[0]} needs an output constraint (response_format, tools, structured_outputs or guided_*)",
+                param=given[0],
             )
         return None
     backend = body.guided_decoding_backend

@@ -117,19 +117,19 @@ def test_unknown_fields_are_ignored_logged_once_and_counted(caplog: pytest.LogCa
         {
             "model": "m",
             "messages": [{"role": "user", "content": "hi", "annotations": []}, {"role": "user", "content": "x"}],
-            "reasoning_effort": "low",
+            "safety_identifier": "u1",
             "prompt_cache_key": "k",
             "temperature": 0.5,
         }
     )
-    assert sorted(unknown_fields(body)) == ["messages[].annotations", "prompt_cache_key", "reasoning_effort"]
+    assert sorted(unknown_fields(body)) == ["messages[].annotations", "prompt_cache_key", "safety_identifier"]
     metrics = OrchestratorMetrics(CollectorRegistry())
     log = UnknownFieldLog(metrics.http_unknown_fields)
     with caplog.at_level(logging.WARNING, logger="specmask.orchestrator.api.http.lenient"):
         log.note(body, "r1")
         log.note(body, "r2")
-    assert sum("reasoning_effort" in r.getMessage() for r in caplog.records) == 1
-    assert metrics.registry.get_sample_value("specmask_http_unknown_fields_total", {"field": "reasoning_effort"}) == 2
+    assert sum("safety_identifier" in r.getMessage() for r in caplog.records) == 1
+    assert metrics.registry.get_sample_value("specmask_http_unknown_fields_total", {"field": "safety_identifier"}) == 2
     for i in range(MAX_NAMED_FIELDS + 3):
         log.note(ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user"}], f"f{i}": 1}), "r")
     assert metrics.registry.get_sample_value("specmask_http_unknown_fields_total", {"field": OTHER}) >= 3
