@@ -380,9 +380,7 @@ class Engine:
             arrival_time=arrival,
             grammar=validated.grammar,
             max_attempts=validated.max_attempts,
-            stop_may_end=(
-                self._stop_may_end(validated) if req.sampling.stop or req.sampling.stop_token_ids else None
-            ),
+            stop_may_end=(self._stop_may_end(validated) if req.sampling.stop or req.sampling.stop_token_ids else None),
             stop_token_ids=req.sampling.stop_token_ids,
             include_stop=req.sampling.include_stop_str_in_output,
         )
