@@ -3,10 +3,11 @@ full q row that rejection sampling needs.
 
 q must be the distribution the token was *actually* drawn from (Leviathan et
 al. 2023 need q(d) and q everywhere for the recovered token), so the same
-processing as the target applies: grammar mask (by the caller), temperature,
-top-k, top-p (kernels.probs). A greedy request's draft is the argmax, so its q
-is one-hot: the rejection test then accepts with probability p(d), exactly as
-for a proposer without a distribution.
+processing as the target applies: grammar mask and min_tokens stop-token
+suppression (by the caller), temperature, min-p, top-k, top-p (kernels.probs). A
+greedy request's draft is the argmax, so its q is one-hot: the rejection test
+then accepts with probability p(d), exactly as for a proposer without a
+distribution.
 
 Sampling is the k_r = 0 case of kernels.recovered (every row is a bonus row),
 with the noise stream of draft position `position`, so a seeded request
@@ -40,7 +41,7 @@ def sample_draft(
     batch, vocab = logits.shape
     device = logits.device
     greedy = sampling.temperature == 0.0  # [B]
-    probs = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)  # [B, V]
+    probs = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)  # [B, V]
     greedy_host = greedy.tolist()
     _, inv_exp_noise = draw_noise(
         sampling.seeds,

@@ -1,8 +1,13 @@
-"""Sampling parameters applied to logits: temperature, top-k, top-p -> probabilities.
+"""Sampling parameters applied to logits: temperature, min-p, top-k, top-p -> probabilities.
 
 This is the "p" (and, on the draft side, "q") of Leviathan et al. 2023: the
 distributions rejection sampling compares are the *processed* ones, so the
 target and the draft go through this same function (docs/design.md step 4).
+
+Order, as vLLM's sampler (``vllm/v1/sample/sampler.py``, ``Sampler.sample``):
+temperature, then min-p (its argmax-invariant logits processor), then top-k and
+top-p. The grammar mask comes before all of them (the caller's), so min-p's
+"most likely token" is the most likely *allowed* one.
 
 Deliberately one PyTorch implementation shared by both backends, as in vLLM's
 sampler (`apply_top_k_top_p`): top-p needs a sort, which a Triton kernel would
@@ -14,7 +19,19 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["apply_top_k_top_p", "logits_to_probs"]
+__all__ = ["apply_min_p", "apply_top_k_top_p", "logits_to_probs"]
+
+
+def apply_min_p(
+    logits: torch.Tensor,  # [num_rows, V] float32, temperature-scaled; modified in place
+    min_p: torch.Tensor,  # [num_rows] float32 in [0, 1]; 0 = off
+) -> torch.Tensor:  # logits, with tokens below min_p * max_prob at -inf
+    """vLLM's min-p: drop tokens whose probability is below ``min_p`` times the row's largest.
+    The largest survives for any min_p <= 1 (ties with it too), so a row never empties;
+    a row with min_p = 0 compares against 0 and keeps every token."""
+    probs = logits.softmax(dim=-1)  # [num_rows, V]
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)  # [num_rows, 1]
+    return logits.masked_fill_(probs < threshold, float("-inf"))
 
 
 def apply_top_k_top_p(
@@ -42,11 +59,15 @@ def logits_to_probs(
     temperature: torch.Tensor,  # [num_rows] float32; 0.0 = greedy (treated as 1.0 here)
     top_k: torch.Tensor,  # [num_rows] int32; 0 = off
     top_p: torch.Tensor,  # [num_rows] float32; 1.0 = off
+    min_p: torch.Tensor | None = None,  # [num_rows] float32; 0.0 = off; None = off for every row
 ) -> torch.Tensor:  # [num_rows, V] float32, rows sum to 1
-    """softmax(top_k_top_p(logits / T)). Greedy rows get T = 1 only to stay finite:
+    """softmax(top_k_top_p(min_p(logits / T))). Greedy rows get T = 1 only to stay finite:
     the greedy rule decides on argmax(logits) and never reads their probabilities."""
     scale = torch.where(temperature > 0, temperature, torch.ones_like(temperature))  # [num_rows]
     scaled = logits.float() / scale.unsqueeze(1)  # [num_rows, V], a fresh tensor
+    if min_p is not None:
+        # The caller passes None when no row filters (SamplingTensors.from_lists): no sync here.
+        scaled = apply_min_p(scaled, min_p)
     # Skipping the O(V log V) sort when no row filters is worth one host sync.
     if bool(((top_k > 0) | (top_p < 1.0)).any()):
         scaled = apply_top_k_top_p(scaled, top_k, top_p)

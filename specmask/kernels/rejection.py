@@ -2,7 +2,7 @@
 
 Leviathan et al. 2023 (arXiv 2211.17192), Algorithm 1, per request r with
 drafts d_1..d_k (k = k_r, possibly 0), draft distributions q_i and target
-distributions p_i (processed by temperature / top-k / top-p, over logits that
+distributions p_i (processed by temperature / min-p / top-k / top-p, over logits that
 are already grammar-masked):
 * random request: accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at
   the first rejection emit a *recovered* token ~ normalise(max(0, p_i - q_i));
@@ -128,7 +128,7 @@ def rejection_sample(
     rows, _ = expand_sampling_params(sampling, cu_num_draft_tokens, num_tokens, backend=ran)
     target_probs = None
     if not all(greedy_host):
-        target_probs = logits_to_probs(target_logits, rows.temperature, rows.top_k, rows.top_p)
+        target_probs = logits_to_probs(target_logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p)
     uniforms, inv_exp_noise = draw_noise(
         sampling.seeds,
         sampling.step,

@@ -9,10 +9,11 @@ def expand_sampling_params(
     temperature: torch.Tensor,  # [B] float32
     top_k: torch.Tensor,  # [B] int32
     top_p: torch.Tensor,  # [B] float32
+    min_p: torch.Tensor | None,  # [B] float32, or None (off for every request: stays None)
     cu_num_draft_tokens: torch.Tensor,  # [B] int32
     num_tokens: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (request_index [num_tokens] int32, temperature, top_k, top_p per row)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Returns (request_index [num_tokens] int32, temperature, top_k, top_p, min_p per row)."""
     batch = temperature.shape[0]
     cu = cu_num_draft_tokens.long()  # [B]
     num_drafts = torch.diff(cu, prepend=cu.new_zeros(1))  # [B] k_r
@@ -25,4 +26,5 @@ def expand_sampling_params(
         temperature.index_select(0, request_index),
         top_k.index_select(0, request_index),
         top_p.index_select(0, request_index),
+        None if min_p is None else min_p.index_select(0, request_index),
     )

@@ -35,5 +35,6 @@ def sampling(
     top_p: list[float] | None = None,
     seeds: list[int] | None = None,
     step: list[int] | None = None,
+    min_p: list[float] | None = None,
 ) -> SamplingTensors:
-    return SamplingTensors.from_lists(temperature, top_k, top_p, seeds, step)
+    return SamplingTensors.from_lists(temperature, top_k, top_p, seeds, step, min_p=min_p)

@@ -47,3 +47,25 @@ def test_draft_tokens_follow_q():
     assert counts[q == 0].sum() == 0
     keep = q > 0
     assert scipy.stats.chisquare(counts[keep], q[keep] / q[keep].sum() * num_requests).pvalue > P_MIN
+
+
+def test_min_p_shapes_q_and_the_draws_identically_on_both_backends():
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(5, 1001, generator=gen) * 3  # odd vocabulary width
+    logits[:, 700:] = float("-inf")  # draft-side grammar mask
+    params = sampling(
+        [1.0, 0.7, 0.0, 1.3, 1.0],
+        top_p=[1.0, 0.9, 1.0, 1.0, 1.0],
+        seeds=[1, 2, 3, 4, 5],
+        min_p=[0.1, 0.05, 0.5, 0.0, 1.0],
+    )
+    tokens_t, probs_t = sample_draft(logits, params, position=3, backend=Backend.TRITON)
+    tokens_r, probs_r = sample_draft(logits, params, position=3, backend=Backend.REFERENCE)
+    assert torch.equal(tokens_t, tokens_r) and torch.equal(probs_t, probs_r)
+    scaled = torch.softmax(logits / torch.tensor([1.0, 0.7, 1.0, 1.3, 1.0]).unsqueeze(1), dim=-1)
+    below = scaled < scaled.amax(-1, keepdim=True) * torch.tensor([0.1, 0.05, 0.5, 0.0, 1.0]).unsqueeze(1)
+    assert (probs_r[[0, 1, 3, 4]][below[[0, 1, 3, 4]]] == 0).all()  # q is zero wherever min-p removed a token
+    assert below[0].sum() > 0 and (probs_r[0] > 0).sum() >= 2
+    assert int(tokens_r[2]) == int(logits[2].argmax())  # greedy: min-p changes nothing
+    assert int(tokens_r[4]) == int(logits[4].argmax()) and probs_r[4].max() == 1.0  # min_p = 1: the top only
+    torch.testing.assert_close(probs_r.sum(-1), torch.ones(5))

@@ -160,3 +160,74 @@ def test_triton_makes_the_same_decisions():
             for backend in (Backend.TRITON, Backend.REFERENCE)
         )
         assert torch.equal(by_triton.output_token_ids, by_reference.output_token_ids)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("draft", ["processed_q", "raw_q", "fixed"])
+def test_min_p_speculative_tokens_follow_the_processed_target(masked, draft):
+    """With min-p (and temperature, top-p) the first two tokens follow the processed target.
+    ``processed_q``: the draft went through the same processing, as the worker's draft model
+    does (kernels.draft_sampling); ``raw_q``: an unprocessed draft; ``fixed``: q = 1 drafts."""
+    num_drafts = 2
+    num_positions = num_drafts + 2
+    temperature, min_p, top_p = 0.8, 0.25, 0.97
+
+    def process(logits: torch.Tensor) -> torch.Tensor:  # [num_positions, V] -> processed probs
+        return logits_to_probs(
+            logits,
+            torch.full((num_positions,), temperature),
+            torch.zeros(num_positions, dtype=torch.int32),
+            torch.full((num_positions,), top_p),
+            min_p=torch.full((num_positions,), min_p),
+        )
+
+    def informative(seed: int) -> bool:  # >= 2 tokens left at the first two positions, some removed
+        logits, _ = position_model(num_positions, seed=seed, masked=masked)
+        kept = (process(logits) > 0).sum(-1)
+        return bool((kept[:2] >= 2).all()) and bool((kept < (logits > float("-inf")).sum(-1)).any())
+
+    seed = next(s for s in range(60 + len(draft), 1000, 7) if informative(s))  # deterministic
+    logits, q = position_model(num_positions, seed=seed, masked=masked)
+    processed = process(logits)
+    if draft == "processed_q":
+        q = process(torch.log(q))
+    fixed = [1, 3, 2, 4] if draft == "fixed" else None
+    params = sampling(
+        [temperature] * NUM_REQUESTS,
+        top_p=[top_p] * NUM_REQUESTS,
+        seeds=list(range(NUM_REQUESTS)),
+        min_p=[min_p] * NUM_REQUESTS,
+    )
+    first = run_step(logits, q, 0, num_drafts, step=0, fixed_drafts=fixed, params=params)
+    nxt = run_step(
+        logits,
+        q,
+        1,
+        num_drafts,
+        step=1,
+        fixed_drafts=fixed,
+        params=sampling(
+            [temperature] * NUM_REQUESTS,
+            top_p=[top_p] * NUM_REQUESTS,
+            seeds=list(range(NUM_REQUESTS)),
+            step=[1] * NUM_REQUESTS,
+            min_p=[min_p] * NUM_REQUESTS,
+        ),
+    )
+    x1 = first.output_token_ids[:, 0]
+    x2 = torch.where(first.num_emitted == 1, nxt.output_token_ids[:, 0], first.output_token_ids[:, 1])
+    p = processed.double().numpy()
+    assert chi_square_p_value(np.bincount(x1.numpy(), minlength=VOCAB), p[0]) > P_MIN
+    pair_counts = np.bincount((x1 * VOCAB + x2).numpy(), minlength=VOCAB * VOCAB)
+    assert chi_square_p_value(pair_counts, np.outer(p[0], p[1])) > P_MIN
+
+
+def test_triton_makes_the_same_decisions_with_min_p():
+    logits, q = position_model(4, seed=70, masked=True)
+    params = sampling([1.0, 0.0, 0.8] * 41, seeds=list(range(123)), min_p=[0.0, 0.3, 0.6] * 41)
+    by_triton, by_reference = (
+        run_step(logits, q, 0, 2, step=0, backend=backend, num_requests=123, params=params)
+        for backend in (Backend.TRITON, Backend.REFERENCE)
+    )
+    assert torch.equal(by_triton.output_token_ids, by_reference.output_token_ids)
+    assert torch.equal(by_triton.num_emitted, by_reference.num_emitted)
