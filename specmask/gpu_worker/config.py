@@ -62,7 +62,8 @@ class WorkerConfig:
     batched_forward: bool = True
     # Decode and verify forwards at static bucketed shapes over the slot pool
     # (gpu_worker.static_forward), captured and replayed as CUDA graphs on a GPU and run
-    # eagerly on a CPU: "auto" = wherever the architecture is supported (Llama family),
+    # eagerly on a CPU: "auto" = wherever the architecture is supported (gpu_worker.architecture:
+    # Llama, Mistral without a window, Qwen2/2.5, Qwen3),
     # "on" = required (an unsupported model is an error), "off" = the packed path only.
     static_forward: str = "auto"
     mask_deadline_s: float = 5.0  # per mask-service call, handed to the router

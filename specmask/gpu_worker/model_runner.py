@@ -42,12 +42,15 @@ prompt is never materialised.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from specmask.gpu_worker.architecture import check as check_architecture
+from specmask.gpu_worker.architecture import max_len, static_architecture
 from specmask.gpu_worker.attention import ATTENTION, PackedRows, RowSpan, register
 from specmask.gpu_worker.kv_cache import SequenceKV, SlotPool
 from specmask.gpu_worker.static_forward import StaticForward
@@ -57,6 +60,8 @@ from specmask.gpu_worker.token_cost import TokenCost
 # Token id written into padding slots. Any valid id works: padded queries'
 # outputs are discarded and padded keys are masked out.
 _PAD_TOKEN_ID = 0
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,12 +85,16 @@ class ModelRunner:
         name: str = "model",
         static: str = "off",
         output_ids: torch.Tensor | None = None,
+        max_model_len: int | None = None,
     ) -> None:
         """``static``: the static-shape forward for decode and verify batches (gpu_worker.static_forward;
         "auto", "on" or "off", see ``static_forward.build``). Off by default here: the worker
         passes WorkerConfig.static_forward. ``output_ids``: the token id of each logit column when
         the LM head scores a subset of the vocabulary (loading.restrict_output_vocab); None when
-        column j is token j."""
+        column j is token j. ``max_model_len``: the most positions a sequence may reach (None =
+        the config's ``max_position_embeddings``). A configuration the worker does not implement
+        raises ``architecture.UnsupportedModel``."""
+        check_architecture(model.config, max_model_len, name=name)
         self.model = model
         self.name = name
         self.batched = batched
@@ -106,7 +115,7 @@ class ModelRunner:
             raise ValueError(f"{name}: {output_ids.shape[0]} output ids for an LM head of {self.vocab_size} rows")
         # Token ids the model can read: its input embedding's rows (the head may score fewer).
         self.input_vocab_size: int = int(model.get_input_embeddings().weight.shape[0])
-        self.max_model_len: int = int(getattr(config, "max_position_embeddings", 1 << 30))
+        self.max_model_len: int = max_len(config, max_model_len)
         self.cost = TokenCost.of_model(model)  # what a token at a position costs a forward (the budget's unit)
         self.device: torch.device = next(model.parameters()).device
         # [V] int64 token ids of the logit columns, on the logits' device; None = column j is token j.
@@ -117,7 +126,21 @@ class ModelRunner:
         self.num_forwards = 0
         self.num_positions = 0
         self.num_computed_positions = 0
-        self.static: StaticForward | None = build_static(model, static) if batched and packed else None
+        self.static: StaticForward | None = (
+            build_static(model, static, self.max_model_len) if batched and packed else None
+        )
+        logger.info("%s: %s", name, self.describe_path())
+
+    def describe_path(self) -> str:
+        """The architecture and the forward path decode/verify batches take, and why (one line)."""
+        arch = f"{type(self.model).__name__} ({getattr(self.model.config, 'model_type', '?')})"
+        if self.static is not None:
+            graphs = "CUDA graphs" if self.static.use_graphs else "eager, no graphs off CUDA"
+            return f"{arch}: static forward ({graphs})"
+        if not (self.batched and self.packed):
+            return f"{arch}: eager {'padded' if self.batched else 'per-sequence'} forward (configured)"
+        _, why = static_architecture(self.model, self.max_model_len)
+        return f"{arch}: eager packed forward ({why or 'static forward off'})"
 
     @torch.inference_mode()
     def forward(self, items: Sequence[ForwardItem]) -> list[torch.Tensor]:

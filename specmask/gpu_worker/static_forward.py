@@ -3,9 +3,10 @@
 The eager path (model_runner.py) builds a fresh packed layout per forward and
 runs transformers' module tree: on a GPU the host spends ~100 µs per layer
 launching kernels while the device idles. This path runs the same decoder
-(Llama-family: embeddings, RMSNorm, rotary, grouped-query attention, gated MLP,
-called through the model's own submodules, so the weights are the same tensors)
-over a fixed layout, so one forward is one fixed sequence of kernels that a
+(Llama's layer: embeddings, RMSNorm, rotary, grouped-query attention, gated MLP,
+called through the model's own submodules, so the weights are the same tensors; the
+families it runs and their differences, such as Qwen3's q/k norm, are described in
+gpu_worker.architecture) over a fixed layout, so one forward is one fixed sequence of kernels that a
 ``torch.cuda.CUDAGraph`` can record once and replay:
 
 * **Batch row b is pool slot b.** A forward covers pool rows ``[0, B)``, B a
@@ -51,6 +52,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from specmask.gpu_worker.architecture import static_architecture
+
 if TYPE_CHECKING:
     from specmask.gpu_worker.kv_cache import SlotPool
     from specmask.gpu_worker.model_runner import ForwardItem
@@ -81,19 +84,10 @@ def _bucket(n: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
-def supports(model: torch.nn.Module) -> bool:
-    """Whether ``model`` has the Llama-family layout this forward calls into."""
-    config = getattr(model, "config", None)
-    base = getattr(model, "model", None)
-    if config is None or base is None or getattr(config, "model_type", "") != "llama":
-        return False
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if isinstance(rope, dict) and rope.get("rope_type", "default") not in ("default", "llama3"):
-        return False  # dynamic rope types change frequencies with the sequence length
-    layers = getattr(base, "layers", None)
-    if not layers:
-        return False
-    return all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in layers)
+def supports(model: torch.nn.Module, max_model_len: int | None = None) -> bool:
+    """Whether ``model`` is a family this forward runs (gpu_worker.architecture), its sequences
+    capped at ``max_model_len`` positions."""
+    return static_architecture(model, max_model_len)[0] is not None
 
 
 @dataclass
@@ -107,7 +101,7 @@ class _Buffers:
 
 
 class StaticForward:
-    """Runs a Llama-family decoder over pool rows ``[0, B)`` at bucketed static shapes."""
+    """Runs a decoder of a family in gpu_worker.architecture over pool rows ``[0, B)`` at bucketed static shapes."""
 
     def __init__(
         self,
@@ -117,12 +111,17 @@ class StaticForward:
         pad_to_buckets: bool | None = None,
         batch_buckets: Sequence[int] = BATCH_BUCKETS,
         width_buckets: Sequence[int] = WIDTH_BUCKETS,
+        max_model_len: int | None = None,
     ) -> None:
         """``use_graphs``: capture and replay CUDA graphs (None = on a CUDA device).
         ``pad_to_buckets``: run B and T at their buckets even without graphs (None = with graphs;
-        tests pass True on a CPU to run the padded layout a graph would)."""
-        if not supports(model):
-            raise ValueError(f"{type(model).__name__}: no static forward for this architecture")
+        tests pass True on a CPU to run the padded layout a graph would).
+        ``max_model_len``: the positions the caller lets a sequence reach (a sliding window at
+        least that wide is no obstacle); None = the config's."""
+        arch, why = static_architecture(model, max_model_len)
+        if arch is None:
+            raise ValueError(f"{type(model).__name__}: no static forward for this model: {why}")
+        self.arch = arch
         self.model = model
         # Hugging Face modules: their attributes exist at run time (supports() checked the layout),
         # and nn.Module's __getattr__ types them all as Tensor | Module.
@@ -300,12 +299,16 @@ class StaticForward:
         cos, sin = self._rotary(x, positions)
         sdpa = torch.nn.functional.scaled_dot_product_attention
         gqa = self._heads != self._kv_heads
+        qk_norm = self.arch.qk_norm
         for layer, k_pool, v_pool in zip(self._layers, k_rows, v_rows, strict=True):
             attn = layer.self_attn
             residual = x
             h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(rows, width, self._heads, self._head_dim).transpose(1, 2)  # [B, H, T, D]
-            k = attn.k_proj(h).view(rows, width, self._kv_heads, self._head_dim).transpose(1, 2)
+            q = attn.q_proj(h).view(rows, width, self._heads, self._head_dim)  # [B, T, H, D]
+            k = attn.k_proj(h).view(rows, width, self._kv_heads, self._head_dim)
+            if qk_norm:  # over the head dimension, before rotary (Qwen3)
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D]
             v = attn.v_proj(h).view(rows, width, self._kv_heads, self._head_dim).transpose(1, 2)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             # [B, T, H_kv, D] at (row b, position positions[b, t]): one indexed write per tensor.
@@ -319,7 +322,7 @@ class StaticForward:
         return self._norm(x)
 
 
-def build(model: torch.nn.Module, mode: str) -> StaticForward | None:
+def build(model: torch.nn.Module, mode: str, max_model_len: int | None = None) -> StaticForward | None:
     """The static forward for ``model`` under ``mode``, or None (the eager path only).
 
     "auto" and "on": the static path wherever the architecture is supported, with CUDA
@@ -329,6 +332,6 @@ def build(model: torch.nn.Module, mode: str) -> StaticForward | None:
     an unsupported architecture instead of falling back. "off": never."""
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"static forward mode must be auto, on or off, got {mode!r}")
-    if mode == "off" or (mode == "auto" and not supports(model)):
+    if mode == "off" or (mode == "auto" and not supports(model, max_model_len)):
         return None
-    return StaticForward(model)
+    return StaticForward(model, max_model_len=max_model_len)
