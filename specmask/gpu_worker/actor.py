@@ -93,19 +93,27 @@ class GpuWorker:
         dtype = resolve_dtype(config.dtype)
         self.tokenizer = load_tokenizer(config.target_dir)
         if target_model is None:
-            target_model = load_causal_lm(config.target_dir, dtype, self.device)
+            target_model = load_causal_lm(
+                config.target_dir, dtype, self.device, max_model_len=config.max_model_len, name="target"
+            )
         threads = cpu_threads(config.torch_threads, self.device, sum(p.numel() for p in target_model.parameters()))
         if threads is not None:
             torch.set_num_threads(threads)
         self.target = ModelRunner(
-            target_model, batched=config.batched_forward, name="target", static=config.static_forward
+            target_model,
+            batched=config.batched_forward,
+            name="target",
+            static=config.static_forward,
+            max_model_len=config.max_model_len,
         )
         self.draft: ModelRunner | None = None
         if config.draft_dir is not None:
             self._check_shared_tokenizer(config.draft_dir)
             draft_ids = read_draft_vocab(config.draft_dir, self.target.vocab_size)
             if draft_model is None:
-                draft_model = load_causal_lm(config.draft_dir, dtype, self.device)
+                draft_model = load_causal_lm(
+                    config.draft_dir, dtype, self.device, max_model_len=self.target.max_model_len, name="draft"
+                )
                 if draft_ids is not None:
                     restrict_output_vocab(draft_model, draft_ids)
             elif draft_ids is not None and draft_model.get_output_embeddings().weight.shape[0] != len(draft_ids):
@@ -119,6 +127,7 @@ class GpuWorker:
                 name="draft",
                 static=config.static_forward,
                 output_ids=draft_ids,
+                max_model_len=self.target.max_model_len,  # a draft never runs past the target
             )
         self.vocab_size = self.target.vocab_size  # V: logits width
         self.max_model_len = self.target.max_model_len

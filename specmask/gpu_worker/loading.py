@@ -49,13 +49,20 @@ def resolve_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device) -> Any:
-    """AutoModelForCausalLM from a local dir, in eval mode on ``device``."""
-    from transformers import AutoModelForCausalLM
+def load_causal_lm(
+    path: str, dtype: torch.dtype, device: torch.device, *, max_model_len: int | None = None, name: str = "model"
+) -> Any:
+    """AutoModelForCausalLM from a local dir, in eval mode on ``device``. A configuration the
+    worker does not implement (gpu_worker.architecture; its sequences capped at ``max_model_len``)
+    raises ``UnsupportedModel`` before any weight is read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if not Path(path).is_dir():
         raise FileNotFoundError(f"model dir does not exist: {path}")
+    from specmask.gpu_worker.architecture import check
     from specmask.gpu_worker.attention import register
+
+    check(AutoConfig.from_pretrained(path, local_files_only=True), max_model_len, name=name)
 
     # SDPA with native grouped-query attention under the runner's masks (specmask/gpu_worker/attention.py).
     model = AutoModelForCausalLM.from_pretrained(
