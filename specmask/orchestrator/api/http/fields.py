@@ -174,11 +174,17 @@ def refuse(name: str, rule: FieldRule, prefix: str = "") -> ApiError:
 
 
 def check_undeclared(body: BaseModel) -> None:
-    """Refuse the table's REFUSED fields that the request model does not declare (declared ones
-    are refused by ``translate`` with their own message)."""
+    """Refuse the table's fields that this endpoint's request model does not declare (declared
+    ones are translated, or refused by ``translate`` with their own message): a REFUSED field
+    unless neutral, and a SUPPORTED one too, as it is honoured on another endpoint only (``tools``
+    sent to completions) or not by this build. Only NO_EFFECT and unknown fields pass."""
     for name, value in (body.model_extra or {}).items():
         rule = FIELDS.get(name)
-        if rule is not None and rule.support is Support.REFUSED and not _is_neutral(value, rule.neutral):
+        if rule is None or rule.support is Support.NO_EFFECT or value is None:
+            continue
+        if rule.support is Support.SUPPORTED:
+            raise ApiError.invalid(f"{name} is not supported on this endpoint: {rule.meaning}", param=name)
+        if not _is_neutral(value, rule.neutral):
             raise refuse(name, rule)
 
 
