@@ -1,7 +1,7 @@
 """Micro-benchmark of the KV path: batched forwards over long cached pasts.
 
     python -m bench.kv                        # B=32, L=1000, a small Llama on CPU
-    python -m bench.kv --device cuda --shape llama-3.2-1b --dtype bfloat16
+    python -m bench.kv --device cuda --shape llama-3.2-1b
     python -m bench.kv --model smollm2-135m-instruct --batch 9 --length 500 \\
         --widths 1,2,3,4,5 --layouts packed,padded --threads 2   # packed vs padded A/B
 
@@ -35,14 +35,16 @@ LAYOUTS: dict[str, dict[str, bool]] = {
 }
 
 
-def _model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+def _model(args: argparse.Namespace, device: torch.device, dtype_name: str):
+    from specmask.gpu_worker.loading import checkpoint_dtype, load_causal_lm, resolve_dtype
+
     if args.model:
-        from specmask.gpu_worker.loading import load_causal_lm
         from specmask.gpu_worker.models.registry import resolve_model
 
         path = resolve_model(args.model, progress=False)
         assert path is not None  # None only for no model
-        return load_causal_lm(path, dtype, device)
+        return load_causal_lm(path, resolve_dtype(dtype_name, device, checkpoint_dtype(path)), device)
+    dtype = resolve_dtype(dtype_name, device, "bfloat16")  # the shapes are of bfloat16 checkpoints
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from bench.gpu import SHAPES
@@ -68,7 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default="small", help="small or a bench.gpu shape (ignored with --model)")
     parser.add_argument("--model", default=None, help="a model dir or registered name instead of a random --shape")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto = the checkpoint's (bfloat16 for --shape) on CUDA, float32 on a CPU"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)
     if args.threads:
@@ -80,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(widths) < 1:
         parser.error("widths must be >= 1")
 
-    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    model = _model(args, device, dtype)
+    device = torch.device(args.device)
+    model = _model(args, device, args.dtype)
     runners = {
         name: ModelRunner(model, batched=LAYOUTS[name]["batched"], packed=LAYOUTS[name]["packed"]) for name in layouts
     }
@@ -127,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         "padded_positions": args.batch * max(row_widths),
         "model": args.model or args.shape,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": args.dtype,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
         # The first layout's figures at the top level, as before --layouts existed.
         "forward_ms_median": statistics.median(times[layouts[0]]),

@@ -48,18 +48,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--torch-threads", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", help="auto = the checkpoint's on CUDA, float32 on a CPU")
     parser.add_argument("--compile", action="store_true", help="also time the static decoder under torch.compile")
     args = parser.parse_args(argv)
 
     from specmask.gpu_worker.kv_cache import SequenceKV
-    from specmask.gpu_worker.loading import load_causal_lm
+    from specmask.gpu_worker.loading import checkpoint_dtype, load_causal_lm, resolve_dtype
     from specmask.gpu_worker.model_runner import ForwardItem, ModelRunner
 
     torch.set_num_threads(args.torch_threads)
     device = torch.device(args.device)
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     path = _model_dir(args.target)
-    model = load_causal_lm(path, dtype, device)
+    model = load_causal_lm(path, resolve_dtype(args.dtype, device, checkpoint_dtype(path)), device)
     vocab = int(model.config.vocab_size)
     runners = {"eager": ModelRunner(model, name="eager"), "static": ModelRunner(model, name="static", static="on")}
     if args.compile:

@@ -29,6 +29,7 @@ import torch
 from specmask.gpu_worker.config import WorkerConfig, iteration_budget
 from specmask.gpu_worker.kv_cache import SequenceKV
 from specmask.gpu_worker.loading import (
+    checkpoint_dtype,
     cpu_threads,
     eos_token_ids,
     has_tokenizer,
@@ -90,7 +91,7 @@ class GpuWorker:
 
             configure_logging(config.log_level, config.log_format)
         self.device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype)
+        dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(config.target_dir))
         self.tokenizer = load_tokenizer(config.target_dir)
         if target_model is None:
             target_model = load_causal_lm(

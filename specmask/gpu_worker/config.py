@@ -43,13 +43,19 @@ GPU_ITERATION_TOKENS = 512
 CPU_ITERATION_TOKENS = 48
 
 
+# Names WorkerConfig.dtype takes (vLLM's --dtype choices, and float64 for exactness checks).
+DTYPES: tuple[str, ...] = ("auto", "bfloat16", "float16", "half", "float32", "float", "float64")
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """Everything a ``GpuWorker`` needs; built once by the process that starts it."""
 
     target_dir: str  # local HF model dir (config, weights, tokenizer files)
     draft_dir: str | None = None  # local HF dir of the draft model; None = no draft-model proposer
-    dtype: str = "float32"  # torch dtype name; float32 keeps greedy exact on CPU
+    # "auto" = the checkpoint's dtype on CUDA (bfloat16 for today's models), float32 on a CPU,
+    # where it keeps greedy exact (loading.resolve_dtype); or a torch floating dtype name.
+    dtype: str = "auto"
     device: str = "auto"  # "auto" = cuda if available else cpu (resolved at load, never at import)
     mask_service_addresses: tuple[str, ...] = ()  # host:port of mask-service replicas; () = grammars refused
     max_batch: int = DEFAULT_MAX_BATCH
@@ -90,6 +96,8 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_k < 0:
             raise ValueError(f"max_k must be >= 0, got {self.max_k}")
         if self.torch_threads is not None and self.torch_threads < 0:

@@ -42,10 +42,41 @@ def cpu_threads(requested: int | None, device: torch.device, num_params: int) ->
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+# WorkerConfig.dtype / --dtype: the checkpoint's dtype on a GPU, float32 elsewhere.
+AUTO_DTYPE = "auto"
+
+
+def checkpoint_dtype(path: str) -> str | None:
+    """The dtype a checkpoint's config.json records (``dtype``, formerly ``torch_dtype``; a
+    multimodal config's ``text_config`` when the top level has none), or None."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        return None
+    config = json.loads(file.read_text())
+    for level in (config, config.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            value = level.get(key)
+            if isinstance(value, str):
+                return value.removeprefix("torch.")
+    return None
+
+
+def resolve_dtype(name: str, device: torch.device | str = "cpu", checkpoint: str | None = None) -> torch.dtype:
+    """The torch dtype ``name`` means for models loaded on ``device``.
+
+    "auto": on CUDA the checkpoint's own dtype (``checkpoint``, from ``checkpoint_dtype``;
+    bfloat16 for Llama 3, Qwen2.5/3, Mistral), float32 when it records none or a
+    non-floating one; on any other device float32, which keeps greedy decoding exact and
+    is what CPU kernels are fast at. Any other name must be a torch floating dtype."""
+    if name == AUTO_DTYPE:
+        if torch.device(device).type != "cuda" or checkpoint is None:
+            return torch.float32
+        recorded = getattr(torch, checkpoint, None)
+        ok = isinstance(recorded, torch.dtype) and recorded.is_floating_point
+        return recorded if ok and isinstance(recorded, torch.dtype) else torch.float32
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype must name a torch floating dtype (float32, bfloat16, ...), got {name!r}")
+        raise ValueError(f"dtype must be auto or a torch floating dtype (float32, bfloat16, ...), got {name!r}")
     return dtype
 
 

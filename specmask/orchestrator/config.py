@@ -86,7 +86,7 @@ class OrchestratorConfig:
     default_k: int = DEFAULT_K
     default_max_tokens: int | None = DEFAULT_MAX_TOKENS  # None = the rest of the context
     max_model_len: int | None = None  # None = the target model's
-    dtype: str = "float32"
+    dtype: str = "auto"  # gpu_worker.config.DTYPES: auto = the checkpoint's on CUDA, float32 on a CPU
     device: str = "auto"
     worker_num_gpus: float | None = None  # None = 1 when CUDA is visible to this process, else 0
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from specmask.common.log_format import LOG_FORMATS, configure_logging
 from specmask.common.startup import PORT_OFF, StartupError, check_model_dir, check_ports_free, port_flag
+from specmask.gpu_worker.config import DTYPES
 from specmask.orchestrator import config as cfg
 from specmask.orchestrator.auth_keys import add_api_key_arguments, api_keys_from_args
 from specmask.orchestrator.config import OrchestratorConfig
@@ -73,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="output budget of requests that name none (default: the room the prompt leaves in the context)",
     )
     parser.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output (default: the model's)")
-    parser.add_argument("--dtype", default="float32")
+    add_dtype_argument(parser)
     parser.add_argument("--device", default="auto", help="worker device: auto, cpu, cuda")
     parser.add_argument(
         "--worker-num-gpus",
@@ -196,6 +197,17 @@ def add_fairness_and_auth_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="ORIGIN",
         help="an origin browsers may call the HTTP API from (repeatable; '*' = any; default: no CORS)",
+    )
+
+
+def add_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """``--dtype``, as vLLM names it: every command that loads a model takes it."""
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
+        help="model weights and KV cache: auto = the checkpoint's dtype on CUDA (bfloat16 for "
+        "Llama 3, Qwen, Mistral), float32 on a CPU",
     )
 
 
