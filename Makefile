@@ -8,25 +8,41 @@ PY := $(VENV)/bin/python
 # transitive dependency released upstream lands in a fresh venv, the suite runs versions
 # no image has, and tests/deploy's lock check fails on a clean checkout.
 LOCK := deploy/docker/requirements/orchestrator.txt
+# The lock's pins as pip constraints: its name==version lines (not its index option, which is
+# the images'), local version labels dropped. PyPI has no torch==2.13.0+cpu, only the build
+# under the plain version; by PEP 440 the constraint torch==2.13.0 accepts either build, so
+# the venv resolves from PyPI alone (tests/test_install_resolves.py checks it does).
+CONSTRAINTS := $(VENV)/constraints.txt
 # Re-install whenever the dependency list or the pins change.
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml $(LOCK) | sha1sum | cut -c1-12)
-TORCH_VERSION := 2.13.0
+# Where torch may also come from. Empty: PyPI alone, whose Linux x86_64 torch is the CUDA
+# build (GBs of nvidia-* wheels; it runs on CPU too). PyPI has no smaller build of it: for
+# the CPU-only one (a few hundred MB) set TORCH_INDEX=https://download.pytorch.org/whl/cpu;
+# pip takes its 2.13.0+cpu over PyPI's 2.13.0 (a local label sorts higher).
+TORCH_INDEX ?=
 # Test processes (pytest-xdist). Much of the suite waits on other processes (Ray, servers,
 # subprocess CLIs), so more workers than cores still shortens it; TEST_WORKERS=0 runs it in one.
 TEST_WORKERS ?= 3
 
-.PHONY: venv test demo proto proto-check bench bench-gpu clean
+.PHONY: venv constraints test demo proto proto-check bench bench-gpu clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml $(LOCK)
+constraints: $(CONSTRAINTS)
+
+# Makefile too: a venv whose install failed keeps a constraints file made by an older rule.
+$(CONSTRAINTS): $(LOCK) Makefile
+	mkdir -p $(@D)
+	grep -E '^[A-Za-z0-9_.-]+==' $(LOCK) | sed -E 's/\+[A-Za-z0-9.]+$$//' > $@
+
+# tests/test_install_resolves.py reads this recipe (make -n) and resolves its installs in
+# pip's isolated mode, so every `pip install` line here must stay resolvable from PyPI.
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# torch first and pinned: an unpinned resolve pulls GBs of CUDA wheels.
-	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
-	# Pins only (no index options): a constraints file for pip.
-	grep -E '^[A-Za-z0-9_.-]+==' $(LOCK) > $(VENV)/constraints.txt
-	$(PY) -m pip install --quiet -e '.[dev]' -c $(VENV)/constraints.txt
+	# torch first and on its own: TORCH_INDEX (when set) is an index for this install only.
+	$(PY) -m pip install --quiet torch -c $(CONSTRAINTS) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(PY) -m pip install --quiet -e '.[dev]' -c $(CONSTRAINTS)
 	rm -f $(VENV)/.installed-*
 	touch $@
 
