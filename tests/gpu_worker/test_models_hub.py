@@ -38,7 +38,7 @@ def test_cached_id_resolves_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 
 def test_missing_or_incomplete_ids_are_clear_errors(tmp_path: Path) -> None:
-    with pytest.raises(ModelError, match=r"not in the local Hugging Face cache .*huggingface-cli download acme/absent"):
+    with pytest.raises(ModelError, match=r"not in the local Hugging Face cache .*`hf download acme/absent`"):
         cached_snapshot("acme/absent", cache_dir=tmp_path)
     _cache_snapshot(tmp_path, "acme/no-weights", {"config.json": "{}", "tokenizer.json": "{}"})
     with pytest.raises(ModelError, match=r"lacks \*\.safetensors"):

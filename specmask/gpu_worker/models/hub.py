@@ -1,7 +1,7 @@
 """Models named by a Hugging Face Hub id (``org/name``), found in the local Hugging Face cache.
 
 ``specmask serve HuggingFaceTB/SmolLM2-135M-Instruct`` serves the snapshot that
-``huggingface-cli download`` (or transformers, or vLLM) already put into the
+``hf download`` (or transformers, or vLLM) already put into the
 Hugging Face cache (``$HF_HUB_CACHE``, default ``~/.cache/huggingface/hub``).
 Resolution is offline (``local_files_only``): nothing is downloaded, and an id
 that is not cached is a clear error naming the command that fetches it. The
@@ -37,7 +37,7 @@ def cached_snapshot(repo_id: str, cache_dir: str | Path | None = None) -> str:
     except LocalEntryNotFoundError:
         raise ModelError(
             f"{repo_id!r} is not in the local Hugging Face cache ({where}); this server does not download: "
-            f"fetch it first with `huggingface-cli download {repo_id}`"
+            f"fetch it first with `hf download {repo_id}`"
         ) from None
     assert isinstance(path, str)
     snapshot = Path(path)
