@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from specmask.gpu_worker.config import (
     DEFAULT_MAX_BATCH,
@@ -161,6 +162,11 @@ class OrchestratorConfig:
             )
         if not 0 <= self.default_k <= self.max_k:
             raise ValueError(f"need 0 <= default_k <= max_k, got {self.default_k}, {self.max_k}")
+
+    @property
+    def model_name(self) -> str:
+        """The served model id: what /v1/models lists and the metrics' ``model_name`` label."""
+        return self.served_model_name or Path(self.target_dir).name  # as the HTTP API names it
 
     @property
     def inflight_cap_per_client(self) -> int:

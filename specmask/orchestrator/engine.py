@@ -222,6 +222,7 @@ class Engine:
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
         self._metrics.healthy_workers.set(len(self._slots))
+        self._publish_load()
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -348,7 +349,7 @@ class Engine:
             self._client_of[req.request_id] = req.client
             self._per_client[req.client] += 1
         self._validating += 1
-        self._metrics.queue_depth.set(self.queue_depth)
+        self._publish_load()
         try:
             if not self.healthy:
                 # A lost worker is being replaced: wait for it (bounded), counted in the queue.
@@ -361,7 +362,7 @@ class Engine:
             raise
         finally:
             self._validating -= 1
-            self._metrics.queue_depth.set(self.queue_depth)
+            self._publish_load()
         if self._stopping or not (self.healthy or self.recovering):
             del self._live[req.request_id]
             self._release_client(req.request_id)
@@ -438,6 +439,15 @@ class Engine:
             if self._per_client[client] <= 0:
                 del self._per_client[client]
 
+    def _publish_load(self) -> None:
+        """The load gauges (queue, placed requests, batch-slot usage) from the state now."""
+        healthy = [s for s in self._slots if s.healthy]
+        self._metrics.observe_load(
+            waiting=self.queue_depth,
+            running=sum(s.load for s in healthy),
+            slots=sum(s.capacity for s in healthy),
+        )
+
     def _queued_prompt_tokens(self) -> int:
         return sum(len(r.seq.prompt_token_ids) for r in self._waiting)
 
@@ -464,7 +474,7 @@ class Engine:
             slot.to_add.append(request)
             self._slot_of[request.request_id] = slot
             slot.wake.set()
-        self._metrics.queue_depth.set(self.queue_depth)
+        self._publish_load()
 
     def _next_waiting(self) -> Request | None:
         """The next request to place, left in the queue for ``_place`` to take: the oldest waiting
@@ -508,6 +518,7 @@ class Engine:
             except Exception as exc:
                 self._on_worker_failure(slot, exc)
             self._metrics.running.labels(worker=str(slot.index)).set(len(slot.running))
+            self._publish_load()
 
     async def _iterate(self, slot: WorkerSlot) -> None:
         """One round on one worker, one Ray call: ``iterate()`` removes what finished here,
@@ -527,7 +538,7 @@ class Engine:
             slot.running[request.request_id] = request
             if request.scheduled_time is None:  # a checked-mode retry is not queued again
                 request.scheduled_time = now
-                self._metrics.queue_time.observe(now - (request.admitted_time or now))
+                self._metrics.observe_queued(now - (request.admitted_time or now))
         timeout = self._config.step_timeout_s
         if not slot.running:
             if removes:
@@ -606,7 +617,11 @@ class Engine:
             request = slot.running.get(out.seq_id)
             if request is None:
                 continue  # cancelled while this step was in flight; remove() is queued
+            previous = request.last_token_time
             hit_stop_string = request.apply_step(out)
+            now = request.last_token_time
+            if previous is not None and now is not None and now != previous:  # tokens reached the client
+                self._metrics.observe_tokens_after_first(now - previous, len(out.new_token_ids))
             if hit_stop_string and request.seq.grammar is not None:
                 # Before the worker's own finish: the stop match ended the output first.
                 del slot.running[out.seq_id]
@@ -875,6 +890,7 @@ class Engine:
             self._metrics.worker_recoveries.labels(worker=str(slot.index)).inc()
             healthy = sum(s.healthy for s in self._slots)
             self._metrics.healthy_workers.set(healthy)
+            self._publish_load()
             logger.warning("worker %d is back (pid %d, freed %d stale sequences)", slot.index, info.pid, freed)
             if was_down and self._on_health_change is not None:
                 self._on_health_change(True)

@@ -135,6 +135,7 @@ class Request:
         self.admitted_time: float | None = None  # validated and queued (Engine.submit)
         self.scheduled_time: float | None = None  # sent to a worker with an iterate() call (Engine._iterate)
         self.first_token_time: float | None = None
+        self.last_token_time: float | None = None  # the latest step that brought tokens the client sees
         self.finish_time: float | None = None
         self.usage = Usage(prompt_tokens=len(seq.prompt_token_ids))
         self.token_ids: list[int] = []
@@ -175,8 +176,10 @@ class Request:
         self.usage.mask_time_s += out.mask_time_s
         if not out.new_token_ids:
             return False
-        if self.first_token_time is None and not self._hold:
-            self.first_token_time = time.monotonic()
+        if not self._hold:
+            self.last_token_time = time.monotonic()
+            if self.first_token_time is None:
+                self.first_token_time = self.last_token_time
         new_ids = tuple(int(t) for t in out.new_token_ids)
         entries: Sequence[TokenLogprob] | None = None
         if self._cursor is not None:

@@ -63,6 +63,66 @@ def test_acceptance_by_draft_position_is_conditional_on_reaching_it() -> None:
     assert reached == {1: 3, 2: 2, 3: 2}
     assert accepted == {1: 2, 2: 2, 3: 1}
     value = m.registry.get_sample_value
-    assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total", {"position": "0"}) == 2.0
-    assert value("vllm:spec_decode_num_accepted_tokens_per_pos_total", {"position": "2"}) == 1.0
+    per_pos = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+    assert value(per_pos, {"model_name": "specmask", "position": "0"}) == 2.0
+    assert value(per_pos, {"model_name": "specmask", "position": "2"}) == 1.0
     assert value("specmask_draft_position_reached_total", {"position": "3"}) == 2.0
+
+
+def test_vllm_series_carry_the_model_name() -> None:
+    """Every vllm:* series carries vLLM's model_name label, set to the served model id (odd
+    characters included): routers and KEDA queries select a model's series by it."""
+    from specmask.gpu_worker.types import StepOutput
+
+    m = OrchestratorMetrics(model_name="org/Model-7B ü")
+    m.observe_step(0, 0.01, [StepOutput("a", [1, 2], drafts_proposed=2, drafts_accepted=1, target_forwards=1)])
+    m.observe_finish(FinishReason.LENGTH, Usage(prompt_tokens=3, completion_tokens=2), 0.0, 0.05, 0.5)
+    m.observe_load(waiting=2, running=3, slots=4)
+    m.observe_queued(0.2)
+    m.observe_tokens_after_first(0.3, 3)
+    families = [f for f in m.registry.collect() if f.name.startswith("vllm:")]
+    assert {f.name for f in families} >= {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:inter_token_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:time_to_first_token_seconds",
+        "vllm:e2e_request_latency_seconds",
+    }
+    for family in families:
+        assert family.samples, family.name
+        for sample in family.samples:
+            assert sample.labels.get("model_name") == "org/Model-7B ü", (family.name, sample.labels)
+    value = m.registry.get_sample_value
+    model = {"model_name": "org/Model-7B ü"}
+    assert value("vllm:num_requests_waiting", model) == 2.0 == value("specmask_queue_depth")
+    assert value("vllm:num_requests_running", model) == 3.0
+    assert value("vllm:kv_cache_usage_perc", model) == 0.75 == value("specmask_batch_slot_usage")
+    assert value("vllm:request_queue_time_seconds_count", model) == 1.0
+    assert value("vllm:request_success_total", {**model, "finished_reason": "length"}) == 1.0
+
+
+def test_load_gauges_at_the_edges() -> None:
+    m = OrchestratorMetrics()
+    value = m.registry.get_sample_value
+    m.observe_load(waiting=0, running=0, slots=0)  # no healthy worker: no room at all
+    assert value("vllm:kv_cache_usage_perc", {"model_name": "specmask"}) == 1.0
+    m.observe_load(waiting=0, running=9, slots=8)  # clamped: the gauge never reads above full
+    assert value("vllm:kv_cache_usage_perc", {"model_name": "specmask"}) == 1.0
+    m.observe_load(waiting=5, running=0, slots=8)
+    assert value("vllm:kv_cache_usage_perc", {"model_name": "specmask"}) == 0.0
+
+
+def test_inter_token_latency_spreads_a_burst_over_its_tokens() -> None:
+    """A speculative step delivering 4 tokens 0.4 s after the last counts 4 tokens of 0.1 s:
+    sum / count is the time per output token, as a dashboard computes it."""
+    m = OrchestratorMetrics()
+    model = {"model_name": "specmask"}
+    m.observe_tokens_after_first(0.4, 4)
+    m.observe_tokens_after_first(0.2, 1)
+    m.observe_tokens_after_first(0.5, 0)  # no tokens: nothing observed
+    value = m.registry.get_sample_value
+    assert value("vllm:inter_token_latency_seconds_count", model) == 5.0
+    assert abs((value("vllm:inter_token_latency_seconds_sum", model) or 0.0) - 0.6) < 1e-9
+    assert value("vllm:inter_token_latency_seconds_bucket", {**model, "le": "0.1"}) == 4.0

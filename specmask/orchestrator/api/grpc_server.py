@@ -194,7 +194,7 @@ async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer,
             ChatRenderer.for_model, config.target_dir, DEFAULT_SCHEMA_INSTRUCTION if config.schema_instruction else ""
         )
         validator = RequestValidator(tokenizer, info, checker, defaults, chat)
-        metrics = OrchestratorMetrics()
+        metrics = OrchestratorMetrics(model_name=config.model_name)
         health_servicer = health.aio.HealthServicer()
         engine = Engine(
             slots,
