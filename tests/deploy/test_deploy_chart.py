@@ -73,6 +73,18 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "maskService": {**EXTENSIONS, "autoscaling": {"enabled": False}, "replicas": 3, "pdb": {"minAvailable": 2}},
         "rayCluster": {"head": EXTENSIONS, "gpuWorkers": EXTENSIONS, "autoscaling": {"enabled": False}},
     },
+    "download-no-draft": {
+        "models": {
+            "draft": "",
+            "download": {
+                "enabled": True,
+                "target": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                "revision": "main",
+                "tokenSecret": {"name": "hf-token", "key": "token"},
+            },
+        },
+        "orchestrator": {"apiKeys": {"enabled": True, "keys": ["k1"]}},
+    },
     "external-ray": {
         "rayCluster": {"enabled": False},
         "orchestrator": {

@@ -104,17 +104,45 @@ worker group always has (minReplicas x gpusPerWorker); 1 with an external Ray cl
 
 {{/* Model volume (read-only). */}}
 {{- define "specmask.modelVolume" -}}
+{{- include "specmask.modelVolumeOf" (dict "ctx" . "writable" false) }}
+{{- end }}
+
+{{/* Model volume; writable: only the pod whose download initContainer fills it (its
+other containers still mount it read-only). */}}
+{{- define "specmask.modelVolumeOf" -}}
+{{- $models := .ctx.Values.models }}
 - name: models
-{{- if eq .Values.models.volume.type "pvc" }}
+{{- if eq $models.volume.type "pvc" }}
   persistentVolumeClaim:
-    claimName: {{ .Values.models.volume.pvc.claimName }}
+    claimName: {{ $models.volume.pvc.claimName }}
+    {{- if not .writable }}
     readOnly: true
+    {{- end }}
 {{- else }}
   hostPath:
-    path: {{ .Values.models.volume.hostPath.path }}
+    path: {{ $models.volume.hostPath.path }}
     type: Directory
 {{- end }}
 {{- end }}
+
+{{/* models.download, checked: what it downloads and where, or nothing when off. */}}
+{{- define "specmask.download.check" -}}
+{{- $m := .Values.models }}
+{{- if $m.download.enabled }}
+{{- if ne $m.volume.type "pvc" }}
+{{- fail "models.download needs models.volume.type=pvc (a claim every pod mounts, ReadWriteMany): a hostPath is one node's, so the other pods would never see the files" }}
+{{- end }}
+{{- if not $m.download.target }}
+{{- fail "models.download.enabled needs models.download.target (the target's Hub repo id)" }}
+{{- end }}
+{{- if and $m.download.draft (not $m.draft) }}
+{{- fail "models.download.draft is set but models.draft is \"\" (no draft dir to download into)" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The marker a finished download leaves in a model dir: its repo id and revision. */}}
+{{- define "specmask.download.marker" -}}.specmask-download{{- end }}
 
 {{- define "specmask.modelMount" -}}
 - name: models
