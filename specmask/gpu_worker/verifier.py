@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from specmask.gpu_worker.mask_table import DeviceMaskTable
-from specmask.gpu_worker.types import TokenLogprob
+from specmask.gpu_worker.types import MIN_TOKENS_UNREACHABLE, TokenLogprob
 from specmask.kernels.backend import Backend, resolve_backend
 from specmask.mask_service.client.row_table import MaskRow, MaskRows, as_blocks
 
@@ -45,6 +45,11 @@ class VerifyInput:
     seed: int
     step: int
     logprobs: int | None = None  # None: none; N: each emitted token's logprob + the N most likely
+    min_p: float = 0.0  # 0 = off (kernels.probs)
+    # min_tokens: the first ``stop_suppressed`` of the k_r + 1 rows are output positions before
+    # the minimum; ``stop_token_ids`` are removed from them (kernels.stop_suppression).
+    stop_suppressed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,9 @@ class VerifyResult:
     num_accepted: int
     violation: str | None = None  # set when an emitted token broke its mask row (nothing emitted)
     logprobs: list[TokenLogprob] | None = None  # one per emitted token, when the input asked
+    # Set when the sequence cannot go on (nothing emitted): min_tokens met a row whose only
+    # allowed tokens are stop tokens (kernels.stop_suppression).
+    error: str | None = None
 
 
 def verify(
@@ -104,6 +112,9 @@ def verify(
         else:
             apply_token_bitmask_indirect_inplace(logits, table, row_ids, backend=kernel_backend)
 
+    # min_tokens: after the grammar mask (the sampler's and the logprobs' view of the rows).
+    dead_rows = _suppress_stop_tokens(inputs, logits)
+
     flat_drafts = [t for inp in inputs for t in inp.drafts]
     draft_token_ids = torch.tensor(flat_drafts, dtype=torch.int64, device=device)  # [num_draft_tokens]
     cu = torch.tensor(
@@ -134,6 +145,7 @@ def verify(
         seeds=[inp.seed for inp in inputs],
         step=[inp.step for inp in inputs],
         device=device,
+        min_p=[inp.min_p for inp in inputs],
     )
     out = rejection_sample(
         draft_token_ids,
@@ -150,7 +162,7 @@ def verify(
     emitted = out.num_emitted.tolist()  # [B]
     accepted = out.num_accepted.tolist()  # [B]
     violation = out.violation.tolist()  # [B]
-    return [
+    results = [
         VerifyResult(tokens[r][: emitted[r]], accepted[r], logprobs=_emitted_logprobs(scored.get(r), emitted[r]))
         if not violation[r]
         else VerifyResult(
@@ -164,6 +176,68 @@ def verify(
         )
         for r in range(len(inputs))
     ]
+    if dead_rows is not None:
+        results = _check_min_tokens(inputs, results, tokens, emitted, dead_rows)
+    return results
+
+
+def _suppress_stop_tokens(inputs: Sequence[VerifyInput], logits: torch.Tensor) -> set[int] | None:
+    """Remove each input's stop tokens from its rows before min_tokens (``logits``, [num_tokens, V],
+    in place); returns the rows left with no token (None when no input suppresses anything)."""
+    from specmask.kernels.stop_suppression import suppress_stop_tokens_
+
+    rows: list[int] = []
+    ids: list[tuple[int, ...]] = []
+    start = 0
+    for inp in inputs:
+        if inp.stop_suppressed > 0 and inp.stop_token_ids:
+            count = min(inp.stop_suppressed, len(inp.drafts) + 1)
+            rows.extend(range(start, start + count))
+            ids.extend([inp.stop_token_ids] * count)
+        start += len(inp.drafts) + 1
+    if not rows:
+        return None
+    dead = suppress_stop_tokens_(logits, rows, ids).tolist()  # [n]; read only for such batches
+    return {row for row, empty in zip(rows, dead) if empty}
+
+
+def _check_min_tokens(
+    inputs: Sequence[VerifyInput],
+    results: list[VerifyResult],
+    tokens: list[list[int]],  # [B, K+1] emitted tokens, then placeholders
+    emitted: list[int],  # [B]
+    dead_rows: set[int],
+) -> list[VerifyResult]:
+    """A sequence that emitted from a row min_tokens left empty (the grammar allowed only stop
+    tokens there), or that emitted a stop token before min_tokens, emits nothing and fails.
+
+    A mask violation hides how far the sequence got (nothing is emitted): an empty row among its
+    suppressed ones is then the cause (sampling an empty row is what leaves the mask), reported
+    as such."""
+    out = list(results)
+    start = 0
+    for r, inp in enumerate(inputs):
+        width = len(inp.drafts) + 1
+        violated = results[r].violation is not None
+        reach = min(width, inp.stop_suppressed if violated else min(emitted[r], inp.stop_suppressed))
+        for j in range(reach):
+            if start + j in dead_rows:
+                out[r] = VerifyResult(
+                    [],
+                    0,
+                    error=(
+                        f"{MIN_TOKENS_UNREACHABLE}: the grammar allows only a stop token at output position "
+                        f"{j + 1} of this step, before min_tokens; nothing was emitted"
+                    ),
+                )
+                break
+            if not violated and tokens[r][j] in inp.stop_token_ids:  # cannot happen after suppression
+                out[r] = VerifyResult(
+                    [], 0, error=f"the sampler produced stop token {tokens[r][j]} before min_tokens; it was not emitted"
+                )
+                break
+        start += width
+    return out
 
 
 def _score_logprobs(

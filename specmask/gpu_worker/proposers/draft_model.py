@@ -98,6 +98,12 @@ class DraftModelProposer(Proposer):
         if any(row is not None for row in rows):
             table, row_ids = self.mask_table.resolve(rows)  # [num_table_rows, W] int32, [n] int32
             apply_token_bitmask_indirect_inplace(logits, table, row_ids, backend=self.kernel_backend)
+        # min_tokens: the target removes stop tokens at this output position, so q does too.
+        suppressed = [i for i, s in enumerate(slots) if s.seq.stop_suppressed(len(s.drafts) + 1) > len(s.drafts)]
+        if suppressed:
+            from specmask.kernels.stop_suppression import suppress_stop_tokens_
+
+            suppress_stop_tokens_(logits, suppressed, [tuple(slots[i].seq.stop_token_ids) for i in suppressed])
 
         params = [s.seq.request.sampling for s in slots]
         sampling = SamplingTensors.from_lists(
@@ -107,6 +113,7 @@ class DraftModelProposer(Proposer):
             seeds=[s.seq.seed for s in slots],
             step=[s.seq.step for s in slots],
             device=logits.device,
+            min_p=[p.min_p for p in params],
         )
         tokens, probs = sample_draft(logits, sampling, position=position, backend=self.kernel_backend)
         # A row with no finite logit left (a draft vocabulary holding none of the tokens the grammar

@@ -25,7 +25,7 @@ from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.mask_service.errors import GrammarError
 from specmask.mask_service.grammar.backends_llguidance import LLGuidanceBackend
 from specmask.mask_service.grammar.backends_routing import xgrammar_gap
-from specmask.mask_service.grammar.ebnf_classes import compile_scalar_only, exclude_surrogates, unfaithful_print
+from specmask.mask_service.grammar.ebnf_classes import compile_scalar_only, unfaithful_print
 from specmask.mask_service.grammar.grammar_checks import check_language, engine_message, load_schema, precheck
 from specmask.mask_service.grammar.schema_check import check_schema
 from specmask.mask_service.grammar.schema_relax import relax_schema
@@ -110,9 +110,8 @@ class XGrammarBackend:
             separators=spec.effective_separators(),
             strict_mode=spec.strict,
         )
-        ebnf = str(grammar)
-        fixed = exclude_surrogates(repair_ebnf(ebnf) if needs_ebnf_repair(ebnf) else ebnf)  # no ED A0..BF
-        return compiler.compile_grammar(fixed if fixed != ebnf else grammar)
+        # No raw control characters in length-limited strings, no ED A0..BF anywhere.
+        return compile_scalar_only(compiler, grammar, repair=lambda t: repair_ebnf(t) if needs_ebnf_repair(t) else t)
 
     @staticmethod
     def _any_json(compiler: Any, spec: GrammarSpec) -> Any:

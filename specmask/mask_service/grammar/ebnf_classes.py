@@ -17,14 +17,18 @@ String literals, including the regex text of ``Regex("...")`` rules (patterns,
 which ``json_regex`` already keeps free of surrogates), are left alone; so a
 ``Regex("...")`` rule written in a caller's EBNF keeps xgrammar's classes (a
 known gap). The printed grammar is re-parsed, so a form the printer does not
-print faithfully is refused first (``unfaithful_print``).
+print faithfully is refused first (``unfaithful_print``), and the printer's
+``\\xHH`` escapes are made unambiguous before re-parsing (``ebnf_escapes``).
 Checked by tests/mask_service/test_mask_never_lie_grammars.py.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
+
+from specmask.mask_service.grammar.ebnf_escapes import reparse_exactly, unambiguous_escapes
 
 _SURROGATES = (0xD800, 0xDFFF)
 _EXCLUSION = "\\ud800-\\udfff"
@@ -110,8 +114,16 @@ def unfaithful_print(text: str) -> str | None:
     )
 
 
-def compile_scalar_only(compiler: Any, grammar: Any) -> Any:
-    """Compile an xgrammar ``Grammar`` with every character class limited to Unicode scalar values."""
-    ebnf = str(grammar)
-    fixed = exclude_surrogates(ebnf)
-    return compiler.compile_grammar(fixed if fixed != ebnf else grammar)
+def compile_scalar_only(compiler: Any, grammar: Any, repair: Callable[[str], str] | None = None) -> Any:
+    """Compile an xgrammar ``Grammar`` with every character class limited to Unicode scalar values.
+
+    ``repair``: a further rewrite of the printed text (schema_rewrite.repair_ebnf). The
+    grammar object itself is compiled when neither changes anything; otherwise its
+    printed text, re-read exactly (``ebnf_escapes``: ``\\xe7ade`` must stay "çade")."""
+    printed = str(grammar)
+    text = unambiguous_escapes(printed)
+    fixed = exclude_surrogates(repair(text) if repair is not None else text)
+    if fixed == text:
+        return compiler.compile_grammar(grammar)
+    reparse_exactly(printed)  # the text carries the same grammar, or the grammar is refused
+    return compiler.compile_grammar(fixed)

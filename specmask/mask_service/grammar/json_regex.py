@@ -155,8 +155,8 @@ def _char(c: int) -> str:
     ch = chr(c)
     if ch.isascii() and ch.isalnum():
         return ch
-    if c < 0x80:
-        return f"\\x{c:02x}"
+    # Never ``\\xHH``: xgrammar 0.2.8's regex reader takes every hex digit after ``\\x``
+    # (``\\x20a`` is U+020A, not " a"); ``\\uHHHH`` is read with exactly four.
     if c <= 0xFFFF:
         return f"\\u{c:04x}"
     return f"\\u{{{c:x}}}"

@@ -37,6 +37,7 @@ from typing import Any
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.mask_service.errors import MaskError
+from specmask.mask_service.grammar.ebnf_escapes import unambiguous_escapes
 from specmask.mask_service.grammar.grammar_checks import precheck
 from specmask.orchestrator.api.http.errors import ApiError
 from specmask.orchestrator.api.http.protocol import ChatMessage, Tool
@@ -105,7 +106,8 @@ def auto_tools(tools: list[Tool], parallel: bool) -> AutoTools:
     )
     # The block's printed grammar names it ``root`` on its first line and nowhere else (concat
     # made it the top): renamed, it is repeated by reference instead of copied per call.
-    printed = str(block)
+    # Written so it reads back as printed: "\xe7ade" (the printer's "çade") would read as U+E7ADE.
+    printed = unambiguous_escapes(str(block))
     taken = set(re.findall(r"^([A-Za-z0-9_]+) ::=", printed, re.MULTILINE))
     if not printed.startswith("root ::= ") or {_BLOCK_RULE, _TEXT_RULE} & taken:
         raise RuntimeError("unexpected printed tool-call grammar")  # an xgrammar change, not a client error

@@ -157,3 +157,14 @@ def test_stream_split_decides_once_on_the_first_text() -> None:
     calls = StreamSplit(tool_call=False, auto=True)
     assert [calls.holds(t) for t in ("<tool", "_call>\n", "{")] == [True, True, True] and calls.calls
     assert StreamSplit(tool_call=True, auto=False).holds("{") and not StreamSplit(False, False).holds("<")
+
+
+def test_auto_grammar_keeps_non_ascii_literals() -> None:
+    """The tool grammar embeds xgrammar's printed JSON-schema grammar: "façade" prints as "fa\\xe7ade",
+    which would read back as U+E7ADE unless the escape is rewritten."""
+    params = {"type": "object", "properties": {"c": {"enum": ["façade", "Ñandú"]}}, "required": ["c"]}
+    tools = [Tool.model_validate({"type": "function", "function": {"name": "pick", "parameters": params}})]
+    grammar = auto_tools(tools, parallel=False).grammar
+    good = CALL_OPEN + json.dumps({"name": "pick", "arguments": {"c": "façade"}}, ensure_ascii=False) + CALL_CLOSE
+    assert CHECKER.check(grammar, good).ok
+    assert not CHECKER.check(grammar, good.replace("façade", "fa\U000e7ade")).ok
