@@ -82,6 +82,11 @@ class SequenceState:
         assert self.session_id is not None, f"seq {self.seq_id} has no mask session"
         return self.session_id
 
+    def stop_suppressed(self, num_positions: int) -> int:
+        """Of the next ``num_positions`` output positions, how many come before the request's
+        min_tokens: their stop tokens are suppressed (kernels.stop_suppression)."""
+        return max(0, min(num_positions, self.request.sampling.min_tokens - self.num_output))
+
     def next_commit(self) -> tuple[list[int], int]:
         """(commit_tokens, commit_seq) to attach to this step's mask requests.
 

@@ -35,7 +35,7 @@ from specmask.gpu_worker.model_runner import ForwardItem, ModelRunner
 from specmask.gpu_worker.proposers.base import DraftSlot, Proposer
 from specmask.gpu_worker.sequence import SequenceState
 from specmask.gpu_worker.token_cost import TokenCost
-from specmask.gpu_worker.types import FinishReason, StepOutput
+from specmask.gpu_worker.types import MIN_TOKENS_UNREACHABLE, FinishReason, StepOutput
 from specmask.gpu_worker.verifier import VerifyInput, verify
 from specmask.gpu_worker.verify_width import WidthChooser
 from specmask.kernels.backend import Backend
@@ -212,7 +212,17 @@ class StepRunner:
                 if res.terminated:
                     # Committed state already complete (e.g. a grammar stop token outside
                     # our stop set ended it last step): nothing more may be emitted.
-                    outputs[seq.seq_id] = StepOutput(seq.seq_id, [], FinishReason.GRAMMAR_COMPLETE, target_forwards=1)
+                    short = seq.stop_suppressed(1) > 0  # ended before min_tokens: not a success
+                    outputs[seq.seq_id] = StepOutput(
+                        seq.seq_id,
+                        [],
+                        FinishReason.ERROR if short else FinishReason.GRAMMAR_COMPLETE,
+                        error=f"{MIN_TOKENS_UNREACHABLE}: the grammar ended after {seq.num_output} output tokens "
+                        f"(min_tokens={seq.request.sampling.min_tokens})"
+                        if short
+                        else None,
+                        target_forwards=1,
+                    )
                     continue
                 mask = res.rows  # M_0..M_k, or [M_k] after the reused rows
                 if _needs_last_row_only(s):
@@ -233,6 +243,9 @@ class StepRunner:
                         seed=seq.seed,
                         step=seq.step,
                         logprobs=p.logprobs,
+                        min_p=p.min_p,
+                        stop_suppressed=seq.stop_suppressed(len(s.drafts) + 1),
+                        stop_token_ids=tuple(sorted(seq.stop_token_ids)),
                     ),
                 )
             )
@@ -244,6 +257,17 @@ class StepRunner:
             mask_table=self.mask_table,
         )
         for (s, _), result in zip(to_verify, verified):
+            if result.error is not None:
+                outputs[s.seq.seq_id] = StepOutput(
+                    s.seq.seq_id,
+                    [],
+                    FinishReason.ERROR,
+                    error=f"{result.error} (min_tokens={s.seq.request.sampling.min_tokens}, "
+                    f"{s.seq.num_output} output tokens so far)",
+                    drafts_proposed=len(s.drafts),
+                    target_forwards=1,
+                )
+                continue
             if result.violation is not None:
                 # Never commit or return the token: only this sequence fails.
                 logger.error(

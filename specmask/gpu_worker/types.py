@@ -61,6 +61,11 @@ class SessionWait(enum.Enum):
     SAT_OUT = "sat_out"
 
 
+# How a sequence's error starts when min_tokens cannot be met under its grammar (a position before
+# the minimum where the grammar allows only stop tokens): a conflict between the request's own
+# constraints, which the API layers report as such.
+MIN_TOKENS_UNREACHABLE = "min_tokens cannot be met"
+
 # The most alternatives a position's logprobs list (OpenAI's top_logprobs bound; the same
 # bound as specmask.kernels.logprobs.MAX_TOP_LOGPROBS, which cannot import this torch-free module's layer).
 MAX_TOP_LOGPROBS = 20
@@ -79,6 +84,13 @@ class SamplingParams:
     # log-probability plus the N (<= 20) most likely tokens at its position (StepOutput.logprobs;
     # the definition is specmask.kernels.logprobs's).
     logprobs: int | None = None
+    # vLLM's min_p in [0, 1] (0 = off): after temperature, before top-k/top-p, tokens with
+    # probability below min_p times the most likely allowed token's are removed (kernels.probs).
+    min_p: float = 0.0
+    # No stop token (the sequence's stop set: EOS and any stop_token_ids) at output positions
+    # before this many output tokens (kernels.stop_suppression); 0 = off. A grammar that allows
+    # only a stop token there fails the sequence (FinishReason.ERROR) instead.
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -124,7 +136,8 @@ class NewSequence:
 @dataclass(frozen=True)
 class TokenLogprob:
     """One emitted token's log-probability under the target's grammar-masked distribution at its
-    position (log_softmax(masked logits / T), T = 1 for greedy, before top-k/top-p; see
+    position (log_softmax(masked logits / T), T = 1 for greedy, before min-p/top-k/top-p, with
+    the stop tokens a min_tokens request may not emit there masked too; see
     specmask.kernels.logprobs), and the most likely tokens there: (token id, logprob) pairs,
     most likely first, grammar-forbidden tokens never included (so there may be fewer than asked)."""
 

@@ -61,7 +61,10 @@ def greedy_constrained(
     stop_ids: tuple[int, ...],
     max_tokens: int,
     max_len: int | None = None,
+    min_tokens: int = 0,
 ) -> ReferenceOutput:
+    """``min_tokens``: stop tokens are removed before that many output tokens (vLLM's
+    min_tokens); a position where nothing is left ends the output with finish "conflict"."""
     import xgrammar as xgr
 
     model = _model(str(model_dir))
@@ -77,6 +80,10 @@ def greedy_constrained(
         if matcher is not None:
             matcher.fill_next_token_bitmask(bitmask)
             xgr.apply_token_bitmask_inplace(logits, bitmask)
+        if len(out) < min_tokens:
+            logits[0, list(stop_ids)] = float("-inf")
+            if not torch.isfinite(logits).any():
+                return ReferenceOutput(out, "conflict", min_gap)
         top2 = logits[0].topk(2).values
         if torch.isfinite(top2[1]):
             min_gap = min(min_gap, float(top2[0] - top2[1]))
