@@ -1,6 +1,6 @@
 """Measure the GPU path: bitmask kernels, worker step time, mask wait, tokens per second.
 
-    python -m bench.gpu                 # on a CUDA host: real shapes (Llama-3.1-8B + 3.2-1B pair, SmolLM2-135M)
+    python -m bench.gpu                 # on a CUDA host: real shapes (Llama 3 8B+1B, Qwen3 8B+0.6B, SmolLM2-135M)
     python -m bench.gpu --dry-run       # tiny shapes on CPU: checks the harness end to end (CI)
     make bench-gpu
 
@@ -9,7 +9,11 @@ Runs on a bare GPU host with no network, no Ray and no weights:
 * **Models** are random-initialised from configs at real shapes, directly on the
   device: a Llama-3.1-8B-shaped target with a Llama-3.2-1B-shaped draft in bf16
   and the real Llama-3 tokenizer (copied into ``bench/.tokenizers/llama3``, which
-  git ignores; ``make bench-gpu`` copies it from ``../shared/data``), and a
+  git ignores; ``make bench-gpu`` copies it from ``../shared/data``), a Qwen3-8B
+  target with a Qwen3-0.6B draft (the Qwen3 architecture: q/k norm, head_dim 128
+  on the 0.6B's 1,024-wide hidden state) with the real Qwen3 tokenizer
+  (``bench/.tokenizers/qwen3``, or ``../shared/data``; 151,669 tokens, the models'
+  vocabulary padded to 151,936 as the published checkpoints are), and a
   SmolLM2-135M-shaped target with an 8-layer early-exit-shaped draft. SmolLM2's
   tokenizer is not available offline: that pair uses a byte-level stand-in (257
   tokens, logits padded to SmolLM2's 49,152), so its masks are cheaper than the
@@ -63,7 +67,11 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 BENCH_DIR = Path(__file__).resolve().parent
-TOKENIZER_CACHE = BENCH_DIR / ".tokenizers"  # git-ignored; `make bench-gpu` fills llama3/ from ../shared/data
+# git-ignored; `make bench-gpu` fills llama3/ from ../shared/data, and prepare_tokenizer copies
+# what it finds there into it (a device host without ../shared/data gets this folder carried).
+TOKENIZER_CACHE = BENCH_DIR / ".tokenizers"
+# Real tokenizers a pair may use (folders of TOKENIZER_CACHE and of the shared data's tokenizers/).
+REAL_TOKENIZERS = ("llama3", "qwen3")
 
 # Modules beyond torch/triton/transformers that this path imports, with the wheel that provides each.
 REQUIRED_WHEELS: dict[str, str] = {
@@ -86,7 +94,8 @@ REQUIRED_WHEELS: dict[str, str] = {
 }
 CUDA_WHEELS = {"triton": "triton"}
 
-# Model shapes (LlamaConfig keyword arguments), as published in each model's config.json.
+# Model shapes (config keyword arguments of SHAPE_TYPES' model type, llama unless named there),
+# as published in each model's config.json.
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": dict(
         vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -109,6 +118,27 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
         rms_norm_eps=1e-5, tie_word_embeddings=True,
     ),
+    "qwen3-8b": dict(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    ),
+    "qwen3-0.6b": dict(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+    ),
+    # The Qwen3 pair's architecture and real tokenizer (padded vocabulary) at CPU sizes.
+    "tiny-qwen3": dict(
+        vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    ),
+    "tiny-qwen3-draft": dict(
+        vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    ),
     "tiny": dict(
         vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
@@ -118,19 +148,28 @@ SHAPES: dict[str, dict[str, Any]] = {
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True,
     ),
 }  # fmt: skip
+# transformers model_type of each shape not Llama's.
+SHAPE_TYPES: dict[str, str] = {
+    "qwen3-8b": "qwen3",
+    "qwen3-0.6b": "qwen3",
+    "tiny-qwen3": "qwen3",
+    "tiny-qwen3-draft": "qwen3",
+}
 
 
 @dataclass(frozen=True)
 class Pair:
     target: str  # key of SHAPES
     draft: str
-    tokenizer: str  # "llama3" (the real one, from TOKENIZER_CACHE) or "bytes" (byte-level stand-in)
+    tokenizer: str  # one of REAL_TOKENIZERS (from TOKENIZER_CACHE) or "bytes" (byte-level stand-in)
 
 
 PAIRS: dict[str, Pair] = {
     "llama3-8b-1b": Pair("llama-3.1-8b", "llama-3.2-1b", "llama3"),
+    "qwen3-8b-0.6b": Pair("qwen3-8b", "qwen3-0.6b", "qwen3"),
     "smollm2-135m": Pair("smollm2-135m", "smollm2-135m-exit8", "bytes"),
     "tiny": Pair("tiny", "tiny-draft", "bytes"),
+    "tiny-qwen3": Pair("tiny-qwen3", "tiny-qwen3-draft", "qwen3"),
 }
 
 
@@ -430,21 +469,27 @@ def install_phase_clocks(worker: Any, host_s: dict[str, float]) -> None:
 
 # -- set-up -----------------------------------------------------------------------------
 def prepare_tokenizer(kind: str, out_dir: Path) -> None:
-    """Write tokenizer files into ``out_dir``: the real Llama-3 one, or the byte-level stand-in."""
+    """Write tokenizer files into ``out_dir``: a real one (``REAL_TOKENIZERS``, from
+    TOKENIZER_CACHE or the shared data, which then fills the cache), or the byte-level stand-in."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    if kind == "llama3":
-        src = TOKENIZER_CACHE / "llama3"
+    if kind in REAL_TOKENIZERS:
+        cache = TOKENIZER_CACHE / kind
+        src = cache
         if not (src / "tokenizer.json").is_file():
             shared = Path(os.environ.get("SPECMASK_SHARED_DATA", BENCH_DIR.parent.parent / "shared" / "data"))
-            src = shared / "tokenizers" / "llama3"
+            src = shared / "tokenizers" / kind
+            if (src / "tokenizer.json").is_file():
+                # A device host has no ../shared/data: it gets the git-ignored cache carried.
+                cache.mkdir(parents=True, exist_ok=True)
+                for f in src.glob("tokenizer*.json"):
+                    shutil.copy2(f, cache / f.name)
         if not (src / "tokenizer.json").is_file():
             raise SystemExit(
-                f"the Llama-3 tokenizer is not in {TOKENIZER_CACHE / 'llama3'}: copy tokenizer.json and "
-                "tokenizer_config.json there (make bench-gpu does it from ../shared/data/tokenizers/llama3)"
+                f"the {kind} tokenizer is not in {cache}: copy tokenizer.json and tokenizer_config.json "
+                f"there (from ../shared/data/tokenizers/{kind})"
             )
-        for f in src.iterdir():
-            if f.name.startswith("tokenizer"):
-                shutil.copy2(f, out_dir / f.name)
+        for f in src.glob("tokenizer*.json"):
+            shutil.copy2(f, out_dir / f.name)
         return
     from specmask.gpu_worker.toy.tokenizer import save_tokenizer, train_bpe
 
@@ -453,14 +498,15 @@ def prepare_tokenizer(kind: str, out_dir: Path) -> None:
 
 
 def build_model(shape: str, dtype: Any, device: Any, seed: int) -> Any:
-    """A random-initialised LlamaForCausalLM of ``shape``, built directly on ``device``."""
+    """A random-initialised causal LM of ``shape`` (its SHAPE_TYPES model type, Llama by
+    default), built directly on ``device``."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(**SHAPES[shape])
+    config = AutoConfig.for_model(SHAPE_TYPES.get(shape, "llama"), **SHAPES[shape])
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype)
+        model = AutoModelForCausalLM.from_config(config).to(dtype)
     model.eval()
     return model
 
@@ -1018,7 +1064,7 @@ def apply_defaults(args: argparse.Namespace) -> None:
     """Fill what the flags left unset: full-size defaults, or tiny ones for ``--dry-run``.
     A value given on the command line is kept as given (``--dry-run --k 4`` runs k = 4)."""
     dry = args.dry_run
-    args.pairs = (args.pairs or ("tiny" if dry else "llama3-8b-1b,smollm2-135m")).split(",")
+    args.pairs = (args.pairs or ("tiny" if dry else "llama3-8b-1b,qwen3-8b-0.6b,smollm2-135m")).split(",")
     args.batches = [int(b) for b in (args.batches or ("1,2" if dry else "1,8,32,64")).split(",")]
     args.modes = [m for m in args.modes.split(",") if m]
     args.k_defaulted = args.k is None
@@ -1037,7 +1083,7 @@ def apply_defaults(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU (float32): checks the harness")
-    parser.add_argument("--pairs", default=None, help=f"comma list of {list(PAIRS)} (default: both real pairs)")
+    parser.add_argument("--pairs", default=None, help=f"comma list of {list(PAIRS)} (default: the real ones)")
     parser.add_argument("--batches", default=None, help="comma list of batch sizes (default 1,8,32,64)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma list of modes")
     parser.add_argument("--k", type=int, default=None, help="max drafts per step (default 4; 2 with --dry-run)")
@@ -1061,6 +1107,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-prime", dest="prime", action="store_false", help="skip the untimed pass per batch")
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel measurement")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available; cpu for --dry-run)")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto = bfloat16 (the checkpoints') on CUDA, float32 on a CPU; or a name"
+    )
     parser.add_argument("--log-dir", type=Path, default=None, help="where mask-service logs go (default: a temp dir)")
     parser.add_argument("--json-out", type=Path, default=None, help="also write the RESULT json here")
     return parser
@@ -1092,7 +1141,10 @@ def main(argv: list[str] | None = None) -> int:
     modes_named = args.modes + args.profile_modes
     for bad in [p for p in args.pairs if p not in PAIRS] + [m for m in modes_named if m not in MODES]:
         parser.error(f"unknown pair or mode {bad!r}; pairs {list(PAIRS)}, modes {list(MODES)}")
-    dtype = torch.float32 if dry else torch.bfloat16
+    from specmask.gpu_worker.loading import resolve_dtype
+
+    # The shapes are of bfloat16 checkpoints: auto = bfloat16 on CUDA, float32 for --dry-run's CPU.
+    dtype = resolve_dtype(args.dtype, device, "bfloat16")
 
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

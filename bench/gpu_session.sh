@@ -2,17 +2,20 @@
 # One lent-GPU session, in priority order, each stage under its own time limit so that a
 # stage that hangs still leaves the later ones (and the logs) their time:
 #   1. the CUDA tests (the worker on CUDA, CUDA graphs and compiled Triton included, equal
-#      to plain constrained greedy decoding on the CPU reference),
+#      to plain constrained greedy decoding on the CPU reference; every architecture's CUDA
+#      graphs equal to transformers' eager forward),
 #   2. bench.gpu at the batch size the step goals are set at (kernels included),
-#   3. bench.gpu at the other batch sizes,
-#   4. a torch.profiler pass at B=32 (op tables by host and by device time),
-#   5. bench.kernels' full grid (Triton against the reference and xgrammar).
-# STAGES picks and orders them (default "tests b32 rest prof kernels").
+#   3. the Qwen3-8B + 0.6B pair at that batch size,
+#   4. bench.gpu at the other batch sizes,
+#   5. a torch.profiler pass at B=32 (op tables by host and by device time),
+#   6. bench.kernels' full grid (Triton against the reference and xgrammar).
+# STAGES picks and orders them (default "tests b32 qwen3 rest prof kernels").
 # Logs and RESULT json go to $OUT (the device tool's folder; /tmp/specmask-gpu otherwise).
 #
 # The device machine has no network: Python packages its image lacks travel as wheels in
-# .whl/ (git-ignored), see bench/gpu.py REQUIRED_WHEELS; the Llama-3 tokenizer travels in
-# bench/.tokenizers/llama3 (`make bench-gpu` copies it there).
+# .whl/ (git-ignored), see bench/gpu.py REQUIRED_WHEELS; the Llama-3 and Qwen3 tokenizers
+# travel in bench/.tokenizers/{llama3,qwen3} (carried: `python -m bench.gpu --dry-run --pairs
+# tiny-qwen3` fills qwen3/ from ../shared/data, `make bench-gpu` llama3/).
 #
 #   bench/gpu_session.sh [TEST_S BENCH_MAIN_S BENCH_REST_S]
 set -uo pipefail
@@ -44,14 +47,21 @@ stage() {  # stage NAME SECONDS CMD...: run CMD under a limit, log to $OUT/NAME.
     return $rc
 }
 
-for s in ${STAGES:-tests b32 rest prof kernels}; do
+for s in ${STAGES:-tests b32 qwen3 rest prof kernels}; do
     case $s in
-    tests) stage cuda-tests "$TEST_S" python3 -m pytest -q -p no:cacheprovider tests/gpu_worker/test_gpu.py ;;
+    tests)
+        stage cuda-tests "$TEST_S" python3 -m pytest -q -p no:cacheprovider tests/gpu_worker/test_gpu.py \
+            tests/gpu_worker/test_architectures.py::test_cuda_graphs_match_transformers_eager
+        ;;
     b32)
         stage bench-b32 "$BENCH_MAIN_S" python3 -m bench.gpu --pairs llama3-8b-1b --batches 32 --rounds 3 \
             --json-out "$OUT/bench-b32.json" \
             || stage bench-b32-eager "$BENCH_MAIN_S" python3 -m bench.gpu --pairs llama3-8b-1b --batches 32 \
                 --rounds 2 --no-kernels --static-forward off --json-out "$OUT/bench-b32-eager.json"
+        ;;
+    qwen3)
+        stage bench-qwen3 "$BENCH_REST_S" python3 -m bench.gpu --pairs qwen3-8b-0.6b --batches 32 --rounds 2 \
+            --no-kernels --json-out "$OUT/bench-qwen3.json"
         ;;
     rest)
         stage bench-rest "$BENCH_REST_S" python3 -m bench.gpu --pairs llama3-8b-1b --batches 1,8,64 --no-kernels \

@@ -140,7 +140,8 @@ def _drive(runner: ModelRunner) -> list[tuple[list[int], torch.Tensor]]:
 @torch.inference_mode()
 def _reference(model: Any, seq: list[int], rows: int) -> torch.Tensor:
     """The last ``rows`` positions' logits of ``model``'s own forward over ``seq``: [rows, V]."""
-    return model(input_ids=torch.tensor([seq])).logits[0, len(seq) - rows :].float()
+    ids = torch.tensor([seq], device=next(model.parameters()).device)
+    return model(input_ids=ids).logits[0, len(seq) - rows :].float()
 
 
 @pytest.mark.parametrize("path", ["static-exact", "static-bucketed", "eager-packed"])
@@ -156,6 +157,23 @@ def test_forward_matches_transformers_eager(models: tuple[Any, Any], path: str) 
     for seq, got in blocks:
         want = _reference(reference, seq, got.shape[0])
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graphs_match_transformers_eager(family: str) -> None:
+    """On CUDA the static path captures and replays graphs at bucketed shapes (float32, so the
+    comparison is tight; the bf16 path is bench.gpu's)."""
+    model = _build(family).to("cuda")
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("eager")
+    runner = ModelRunner(model, static="on")
+    assert runner.static is not None and runner.static.use_graphs and runner.static.pad_to_buckets
+    blocks = _drive(runner)
+    assert runner.static.captures > 0 and runner.static.replays > 0
+    for seq, got in blocks:
+        want = _reference(reference, seq, got.shape[0])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
