@@ -18,6 +18,13 @@ with two API keys, so each client is one identity (orchestrator.client_identity)
 The light client's p50/p99 latency per phase, the ratios ``fair_p99 / alone_p99``
 (the goal: at most 3) and ``fifo_p99 / alone_p99``, and the flood's completed
 and refused requests. The last line is ``RESULT {json}``.
+
+``--saturate N`` keeps N busy processes spinning through every phase (alone
+included), as other work on the machine would; ``--case smollm2-saturated`` is
+the real-model case: SmolLM2-135M-Instruct (the registered default model, its
+default draft), every core saturated, a 40-request flood, 8-token light requests:
+
+    python -m bench.fairness --case smollm2-saturated
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import dataclasses
 import json
 import logging
 import multiprocessing
+import os
 import tempfile
 import threading
 import time
@@ -134,6 +142,44 @@ class Flood:
             raise RuntimeError(f"the flood process failed (exit status {self._proc.exitcode})")
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
+class Saturation:
+    """``n`` processes spinning on a core each until stopped: other work keeping the cores busy."""
+
+    def __init__(self, n: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._procs = [ctx.Process(target=_spin, daemon=True, name=f"bench-fairness-spin-{i}") for i in range(n)]
+
+    def __enter__(self) -> Saturation:
+        for proc in self._procs:
+            proc.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self._procs:
+            proc.terminate()
+        for proc in self._procs:
+            proc.join(timeout=10)
+
+
+# Named cases: argument defaults they set (the command line still overrides each).
+CASES: dict[str, dict[str, Any]] = {
+    "smollm2-saturated": {
+        "target": "smollm2-135m-instruct",
+        "saturate": os.cpu_count() or 2,
+        "requests": 5,
+        "max_tokens": 8,
+        "flood_concurrency": 40,
+        "flood_max_tokens": 48,
+        "no_control": True,
+    },
+}
+
+
 def wait_saturated(running: RunningStack, min_live: int, timeout_s: float = 120.0) -> None:
     """Until the flood holds at least ``min_live`` requests in the engine."""
     deadline = time.monotonic() + timeout_s
@@ -192,6 +238,10 @@ async def _run(args: argparse.Namespace, target: str, draft: str | None) -> dict
         "per_client_cap": default_cap,
         "max_batch": args.max_batch,
         "flood_concurrency": args.flood_concurrency,
+        "saturating_processes": args.saturate,
+        "cpus": os.cpu_count(),
+        "target": target,
+        "draft": draft,
         **control,
     }
     result["fair_p99_ratio"] = round(result["fair"]["p99_ms"] / base["p99_ms"], 2)
@@ -212,8 +262,12 @@ def print_table(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=None, help="HF model dir (default: the tiny test pair, built now)")
-    p.add_argument("--draft", default=None)
+    p.add_argument("--case", choices=sorted(CASES), default=None, help="a named case (sets the defaults below)")
+    p.add_argument(
+        "--target", default=None, help="HF model dir or registered name (default: the tiny test pair, built now)"
+    )
+    p.add_argument("--draft", default=None, help="draft dir or registered name; none = no draft model")
+    p.add_argument("--saturate", type=int, default=0, help="busy processes kept spinning through every phase")
     p.add_argument("--requests", type=int, default=30, help="light requests per phase")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens per light request")
     p.add_argument("--flood-concurrency", type=int, default=24, help="flood requests kept in flight")
@@ -222,16 +276,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-queue", type=int, default=64)
     p.add_argument("--no-control", action="store_true", help="skip the arrival-order control phase")
     p.add_argument("--log-level", default="WARNING")
+    pre, _ = p.parse_known_args(argv)
+    if pre.case is not None:
+        p.set_defaults(**CASES[pre.case])
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.target is not None:
-        result = asyncio.run(_run(args, args.target, args.draft))
-    else:
-        from tests.fixtures.tiny_models import build_tiny_model_pair
+    with Saturation(args.saturate):
+        if args.target is not None:
+            from specmask.gpu_worker.models.resolve import resolve_pair
 
-        with tempfile.TemporaryDirectory(prefix="bench-fairness-") as tmp:
-            t, d = build_tiny_model_pair(tmp)
-            result = asyncio.run(_run(args, str(t), str(d)))
+            target, draft = resolve_pair(args.target, args.draft)
+            result = asyncio.run(_run(args, target, draft))
+        else:
+            from tests.fixtures.tiny_models import build_tiny_model_pair
+
+            with tempfile.TemporaryDirectory(prefix="bench-fairness-") as tmp:
+                t, d = build_tiny_model_pair(tmp)
+                result = asyncio.run(_run(args, str(t), str(d)))
     print_table(result)
     print("RESULT " + json.dumps(result, sort_keys=True), flush=True)
     return 0

@@ -61,6 +61,7 @@ from typing import Any
 
 from ray.exceptions import ActorDiedError, RayTaskError
 
+from specmask.gpu_worker.config import CPU_ITERATION_TOKENS, GPU_ITERATION_TOKENS
 from specmask.gpu_worker.types import (
     LIVENESS_GROUP,
     FinishReason,
@@ -75,6 +76,7 @@ from specmask.orchestrator.detokenizer import Decoder
 from specmask.orchestrator.errors import DuplicateRequestId, Overloaded, ShuttingDown, Unavailable
 from specmask.orchestrator.metrics import OrchestratorMetrics
 from specmask.orchestrator.output_check import OutputChecker, OutputCheckError, Verdict
+from specmask.orchestrator.placement import BatchLoad, client_share, next_to_place, step_rows
 from specmask.orchestrator.request import Request
 from specmask.orchestrator.token_admission import PromptTokenBounds
 from specmask.orchestrator.types import GenerationRequest
@@ -103,11 +105,6 @@ _RECOVERY_PROBE_MAX_S = 10.0
 _REPLACE_ATTEMPTS = 5
 _REPLACE_BACKOFF_S = 2.0
 _REPLACE_BACKOFF_MAX_S = 30.0
-# Batch slots (all healthy workers together, rounded down: none below 8) kept from the
-# client holding the most, so another client's request is placed at once: the price is
-# this fraction of a lone client's batch, the gain that a second client does not wait for
-# one of a flood's requests to end.
-_RESERVED_SLOT_FRACTION = 1 / 8
 # Checked mode: attempt n of a seeded request uses seed + n * this (odd, so attempts never share a seed).
 _SEED_STRIDE = 0x9E3779B97F4A7C15
 # A worker whose heartbeat answers but whose progress count has not moved for this many
@@ -126,9 +123,16 @@ class EngineConfig:
     # Requests one end client (GenerationRequest.client) may have in flight; 0 = no cap. Bounds
     # one client's share of the batches, so its flood is its own queueing.
     max_inflight_per_client: int = 0
-    # Place the oldest request of the client holding the fewest batch slots (Engine._next_waiting);
+    # Place the oldest request of the client holding the fewest batch slots, and none past a
+    # client's share of the batch while others have work (orchestrator.placement);
     # False: strict arrival order (bench.fairness's control).
     fair_placement: bool = True
+    # A client counts as having work for this long after its last request ended, so one sending
+    # requests back to back keeps its share between them (orchestrator.placement). 0 = not at all.
+    fair_share_linger_s: float = 2.0
+    # The workers' iteration budget (WorkerConfig.max_iteration_tokens; 0 = by device): the rows
+    # of a step that fair placement shares between clients.
+    max_iteration_tokens: int = 0
     # Queue and per-worker batch bounded in prompt tokens (orchestrator.token_admission).
     prompt_token_bounds: PromptTokenBounds = field(default_factory=PromptTokenBounds)
     # With no healthy worker left while a lost one is being recovered or replaced: how long the
@@ -218,6 +222,7 @@ class Engine:
         self._slot_of: dict[str, WorkerSlot] = {}
         self._client_of: dict[str, str] = {}  # request id -> end client, while in _live
         self._per_client: collections.Counter[str] = collections.Counter()
+        self._client_idle_since: dict[str, float] = {}  # client -> when its last live request ended
         self._validating = 0
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
@@ -438,6 +443,12 @@ class Engine:
             self._per_client[client] -= 1
             if self._per_client[client] <= 0:
                 del self._per_client[client]
+                self._client_idle_since[client] = time.monotonic()
+                linger = self._config.fair_share_linger_s
+                if linger > 0:
+                    # When its linger ends, the share it kept may go to the others.
+                    with contextlib.suppress(RuntimeError):  # no loop: nothing waits to be placed
+                        asyncio.get_running_loop().call_later(linger, self._place)
 
     def _publish_load(self) -> None:
         """The load gauges (queue, placed requests, batch-slot usage) from the state now."""
@@ -477,31 +488,47 @@ class Engine:
         self._publish_load()
 
     def _next_waiting(self) -> Request | None:
-        """The next request to place, left in the queue for ``_place`` to take: the oldest waiting
-        one of the client that holds the fewest batch slots now. So batch slots are shared
-        round-robin between the clients that wait, and one client's flood cannot keep another's
-        request out of the batch. One client may hold all but a reserve of the slots
-        (``_RESERVED_SLOT_FRACTION``; none below 8), so another client's request finds a free slot
-        at once instead of waiting for one of the flood's to finish; None when every waiting
-        client is at that share."""
+        """The next request to place, left in the queue for ``_place`` to take
+        (orchestrator.placement): the oldest waiting one of the client holding the fewest batch
+        slots, among the clients it keeps within their share of the batch; None when no waiting
+        client may place another now."""
         if not self._config.fair_placement:
             return self._waiting[0]
-        total = sum(s.capacity for s in self._slots if s.healthy)
-        share = total - int(total * _RESERVED_SLOT_FRACTION)
-        placed = collections.Counter(self._client_of.get(rid, "") for rid in self._slot_of)
-        best: Request | None = None
-        best_load = share
-        seen: set[str] = set()
-        for request in self._waiting:
-            client = self._client_of.get(request.request_id, "")
-            if client in seen:
-                continue
-            seen.add(client)
-            if placed[client] < best_load:
-                best, best_load = request, placed[client]
-                if best_load == 0:
-                    break
-        return best
+        healthy = [s for s in self._slots if s.healthy]
+        capacity = BatchLoad(sum(s.capacity for s in healthy), sum(self._iteration_rows(s) for s in healthy))
+        held: dict[str, BatchLoad] = collections.defaultdict(BatchLoad)
+        for rid in self._slot_of:
+            placed = self._live.get(rid)
+            client = self._client_of.get(rid, "")
+            held[client] = held[client].plus(self._rows(placed) if placed is not None else step_rows(0))
+        share = client_share(capacity, len(self._clients_with_work()))
+        waiting = ((r, self._client_of.get(r.request_id, ""), self._rows(r)) for r in self._waiting)
+        return next_to_place(waiting, held, share)
+
+    def _clients_with_work(self) -> set[str]:
+        """Clients with a live request (validating, waiting or placed), or whose last one ended
+        within ``fair_share_linger_s``."""
+        clients = {self._client_of.get(rid, "") for rid in self._live}
+        now, linger = time.monotonic(), self._config.fair_share_linger_s
+        for client, since in list(self._client_idle_since.items()):
+            if client in clients or now - since >= linger:
+                del self._client_idle_since[client]
+            else:
+                clients.add(client)
+        return clients
+
+    def _iteration_rows(self, slot: WorkerSlot) -> int:
+        """The rows one iteration of ``slot``'s worker takes before it trims drafts (its budget,
+        gpu_worker.config.iteration_budget), or its full batch's rows when that is fewer."""
+        budget = self._config.max_iteration_tokens
+        if budget <= 0:
+            budget = GPU_ITERATION_TOKENS if slot.info.device.startswith("cuda") else CPU_ITERATION_TOKENS
+        return min(budget, slot.capacity * step_rows(slot.info.max_k))
+
+    @staticmethod
+    def _rows(request: Request) -> int:
+        spec = request.seq.speculation
+        return step_rows(spec.k if spec.enabled else 0)
 
     # ---- step loop -------------------------------------------------------
 
