@@ -107,7 +107,11 @@ class RowIndexCache:
             entry_of_row.append(inverse.reshape(-1).astype(np.int64) + base)
         if not entries:
             return
-        which = torch.from_numpy(np.concatenate(entry_of_row))  # [num_rows] entry per row, -1 = none
+        which_np = np.concatenate(entry_of_row)  # [num_rows] entry per row, -1 = none
+        # Which kinds of rows there are, decided on the host arrays: no tensor is read back.
+        row_sparse = np.array([e.sparse for e in entries], dtype=bool)[which_np[which_np >= 0]]
+        any_sparse, any_dense = bool(row_sparse.any()), bool((~row_sparse).any())
+        which = torch.from_numpy(which_np)
         lengths = torch.tensor([e.ids.shape[0] for e in entries], dtype=torch.int64)  # [E]
         sparse = torch.tensor([e.sparse for e in entries], dtype=torch.bool)  # [E]
         starts = torch.cumsum(lengths, 0) - lengths  # [E] where each entry's ids begin in ``ids``
@@ -125,13 +129,13 @@ class RowIndexCache:
             return ids[begin + torch.arange(row_of.shape[0])] + row_of * vocab_size
 
         is_sparse = sparse[ent]
-        if bool(is_sparse.any()):
+        if any_sparse:
             kept_ids = flat_ids(is_sparse)  # allowed entries of the sparse rows
             kept = flat.index_select(0, kept_ids)
             logits.index_fill_(0, rows[is_sparse], float("-inf"))
             flat.index_copy_(0, kept_ids, kept)
         dense = ~is_sparse
-        if bool(dense.any()):
+        if any_dense:
             drop = flat_ids(dense)  # disallowed entries of the dense rows
             if drop.shape[0]:
                 flat.index_fill_(0, drop, float("-inf"))

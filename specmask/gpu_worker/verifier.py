@@ -18,8 +18,10 @@ and no tokens, and the step finishes only that sequence with
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -75,7 +77,7 @@ def verify(
 
     ``mask_table``: the worker's device mirror of the mask rows (None: a private one)."""
     from specmask.kernels.bitmask import apply_token_bitmask_indirect_inplace
-    from specmask.kernels.rejection import rejection_sample
+    from specmask.kernels.rejection import HostLayout, rejection_sample
     from specmask.kernels.sampling_params import SamplingTensors
 
     if not inputs:
@@ -116,37 +118,37 @@ def verify(
     dead_rows = _suppress_stop_tokens(inputs, logits)
 
     flat_drafts = [t for inp in inputs for t in inp.drafts]
+    num_drafts = [len(inp.drafts) for inp in inputs]  # [B] k_r
     draft_token_ids = torch.tensor(flat_drafts, dtype=torch.int64, device=device)  # [num_draft_tokens]
-    cu = torch.tensor(
-        [sum(len(inp.drafts) for inp in inputs[: r + 1]) for r in range(len(inputs))],
-        dtype=torch.int32,
-        device=device,
-    )  # [B]
+    cu = torch.tensor(list(itertools.accumulate(num_drafts)), dtype=torch.int32, device=device)  # [B]
     # q rows matter only for random requests whose proposer gave a distribution;
     # otherwise None (= one-hot everywhere) avoids a [num_draft_tokens, V] tensor.
     needs_q = any(inp.temperature > 0 and any(q is not None for q in inp.q_rows) for inp in inputs)
     draft_probs = None
     if needs_q and flat_drafts:
-        draft_probs = torch.zeros(
-            len(flat_drafts), vocab_size, dtype=torch.float32, device=device
+        flat_q = [q for inp in inputs for q in inp.q_rows]
+        given = [i for i, q in enumerate(flat_q) if q is not None]
+        one_hot = torch.tensor([q is None for q in flat_q], dtype=torch.float32, device=device)  # [num_draft_tokens]
+        # One-hot rows at their draft (q = 1 there), then the given rows copied in, in two ops.
+        draft_probs = torch.zeros(len(flat_drafts), vocab_size, dtype=torch.float32, device=device).scatter_(
+            1, draft_token_ids.unsqueeze(1), one_hot.unsqueeze(1)
         )  # [num_draft_tokens, V]
-        row = 0
-        for inp in inputs:
-            for tok, q in zip(inp.drafts, inp.q_rows):
-                if q is None:
-                    draft_probs[row, tok] = 1.0
-                else:
-                    draft_probs[row] = q
-                row += 1
+        draft_probs[torch.tensor(given, dtype=torch.int64, device=device)] = torch.stack(
+            [flat_q[i] for i in given]  # type: ignore[misc]  # given: the rows whose q is not None
+        )
+    seeds = [inp.seed for inp in inputs]
+    steps = [inp.step for inp in inputs]
     sampling = SamplingTensors.from_lists(
         temperature=[inp.temperature for inp in inputs],
         top_k=[inp.top_k for inp in inputs],
         top_p=[inp.top_p for inp in inputs],
-        seeds=[inp.seed for inp in inputs],
-        step=[inp.step for inp in inputs],
+        seeds=seeds,
+        step=steps,
         device=device,
         min_p=[inp.min_p for inp in inputs],
     )
+    # What the sampler would otherwise read back from the device: the host holds it.
+    host = HostLayout(num_drafts, [inp.temperature == 0.0 for inp in inputs], seeds, steps)
     out = rejection_sample(
         draft_token_ids,
         cu,
@@ -156,12 +158,26 @@ def verify(
         mask_table=table,
         mask_row_ids=row_ids,
         backend=kernel_backend,
+        host=host,
     )
     scored = _score_logprobs(inputs, logits, out.output_token_ids)
-    tokens = out.output_token_ids.tolist()  # [B, K+1]
-    emitted = out.num_emitted.tolist()  # [B]
-    accepted = out.num_accepted.tolist()  # [B]
-    violation = out.violation.tolist()  # [B]
+    # The step's one read: tokens, counts and violation flags in one [B, K + 4] block.
+    width = out.output_token_ids.shape[1]
+    block = to_host(
+        torch.cat(
+            [
+                out.output_token_ids,
+                out.num_emitted.unsqueeze(1).to(torch.int64),
+                out.num_accepted.unsqueeze(1).to(torch.int64),
+                out.violation.unsqueeze(1).to(torch.int64),
+            ],
+            dim=1,
+        )
+    )
+    tokens = [row[:width] for row in block]  # [B, K+1]
+    emitted = [row[width] for row in block]  # [B]
+    accepted = [row[width + 1] for row in block]  # [B]
+    violation = [bool(row[width + 2]) for row in block]  # [B]
     results = [
         VerifyResult(tokens[r][: emitted[r]], accepted[r], logprobs=_emitted_logprobs(scored.get(r), emitted[r]))
         if not violation[r]
@@ -294,6 +310,21 @@ def _score_logprobs(
         top = tuple((t, v) for t, v in zip(top_ids[i][:n], top_lp[i][:n]) if v != float("-inf"))
         out.setdefault(r, []).append(TokenLogprob(token_ids[i], token_lp[i], top))
     return out
+
+
+def to_host(values: torch.Tensor) -> list[Any]:
+    """``values.tolist()``, through a page-locked buffer and an event on a GPU: the copy is queued
+    behind the work that produces ``values``, and the host waits for that event only, not for
+    the whole device (work queued later, e.g. the next step's first draft forward, is not waited
+    for)."""
+    if values.device.type != "cuda":
+        return values.tolist()
+    staged = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    staged.copy_(values, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return staged.tolist()
 
 
 def _emitted_logprobs(scored: list[TokenLogprob] | None, num_emitted: int) -> list[TokenLogprob] | None:

@@ -16,6 +16,8 @@ reproduces its drafts too.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from specmask.kernels.backend import Backend, resolve_backend
@@ -33,16 +35,24 @@ def sample_draft(
     *,
     position: int = 1,  # which draft d_i this is (1..K): selects a fresh noise stream
     backend: Backend | None = None,
+    greedy_host: Sequence[bool] | None = None,  # [B] temperature == 0, as the caller knows it
+    host_seeds: Sequence[int] | None = None,  # [B] sampling.seeds on the host (kernels.noise)
+    host_steps: Sequence[int] | None = None,  # [B] sampling.step on the host
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (tokens [B] int64, probs [B, V] float32)
-    """Sample d_i for every request; returns the tokens and their normalised q rows."""
+    """Sample d_i for every request; returns the tokens and their normalised q rows.
+
+    With the ``greedy_host``/``host_seeds``/``host_steps`` the caller holds, nothing is read
+    back from the device; an all-greedy batch computes no probabilities (q is one-hot)."""
     if logits.dim() != 2 or logits.shape[0] != sampling.batch_size:
         raise ValueError(f"logits must be [B = {sampling.batch_size}, V], got {tuple(logits.shape)}")
     ran = resolve_backend(backend, logits.device)
     batch, vocab = logits.shape
     device = logits.device
     greedy = sampling.temperature == 0.0  # [B]
-    probs = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)  # [B, V]
-    greedy_host = greedy.tolist()
+    greedy_host = list(greedy_host) if greedy_host is not None else greedy.tolist()
+    probs: torch.Tensor | None = None  # [B, V]; None: every row greedy, argmax only
+    if not all(greedy_host):
+        probs = logits_to_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p)
     _, inv_exp_noise = draw_noise(
         sampling.seeds,
         sampling.step,
@@ -51,6 +61,8 @@ def sample_draft(
         [not g for g in greedy_host],
         vocab,
         device,
+        host_seeds=host_seeds,
+        host_steps=host_steps,
     )
     tokens, _ = sample_recovered_tokens(
         logits,
@@ -63,6 +75,10 @@ def sample_draft(
         inv_exp_noise,
         backend=ran,
     )
+    if probs is None:
+        return tokens, torch.zeros(batch, vocab, dtype=torch.float32, device=device).scatter_(
+            1, tokens.unsqueeze(1), 1.0
+        )
     if any(greedy_host):
         one_hot = torch.zeros_like(probs).scatter_(1, tokens.unsqueeze(1), 1.0)
         probs = torch.where(greedy.unsqueeze(1), one_hot, probs)

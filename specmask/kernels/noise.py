@@ -64,14 +64,24 @@ def draw_noise(
     active: Sequence[bool],  # [B] host bools: False (greedy) -> no draws, placeholders
     vocab_size: int,
     device: torch.device,
+    *,
+    host_seeds: Sequence[int] | None = None,  # [B] ``seeds`` as the caller holds them on the host
+    host_steps: Sequence[int] | None = None,  # [B] ``steps`` likewise
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (uniforms [Σ num_uniforms] float32 in [0, 1), inv_exp_noise [B, V] float32 = 1/E).
 
-    Inactive requests get uniforms 0 and 1/E = 1; kernels never read them.
+    Inactive requests get uniforms 0 and 1/E = 1; kernels never read them. The generators are
+    seeded on the host: ``host_seeds``/``host_steps`` spare reading ``seeds``/``steps`` back from
+    the device (a sync on a GPU), and a batch with no active request reads nothing.
     """
     batch = len(num_uniforms)
-    seeds_host = seeds.tolist()
-    steps_host = steps.tolist()
+    if not any(active):
+        return (
+            torch.zeros(sum(num_uniforms), dtype=torch.float32, device=device),
+            torch.ones(batch, vocab_size, dtype=torch.float32, device=device),
+        )
+    seeds_host = list(host_seeds) if host_seeds is not None else seeds.tolist()
+    steps_host = list(host_steps) if host_steps is not None else steps.tolist()
     uniforms = torch.zeros(sum(num_uniforms), dtype=torch.float32, device=device)
     exp_noise = torch.ones(batch, vocab_size, dtype=torch.float32, device=device)
     offset = 0

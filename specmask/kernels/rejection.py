@@ -36,6 +36,7 @@ module's kernel). Every stage runs on the resolved backend.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +48,7 @@ from specmask.kernels.recovered import sample_recovered_tokens
 from specmask.kernels.rejection_reference import PLACEHOLDER_TOKEN_ID
 from specmask.kernels.sampling_params import SamplingTensors, expand_sampling_params
 
-__all__ = ["PLACEHOLDER_TOKEN_ID", "RejectionOutput", "rejection_sample"]
+__all__ = ["PLACEHOLDER_TOKEN_ID", "HostLayout", "RejectionOutput", "rejection_sample"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,24 @@ class RejectionOutput:
     num_accepted: torch.Tensor  # [B] int32, 0..k_r (0 on a violation)
     backend: Backend  # which backend ran every stage
     violation: torch.Tensor  # [B] bool; True: an emitted token broke its mask row, nothing emitted
+
+
+@dataclass(frozen=True)
+class HostLayout:
+    """The host-side facts of a batch that the sampler would otherwise read from the device."""
+
+    num_drafts: Sequence[int]  # [B] k_r
+    greedy: Sequence[bool]  # [B] temperature == 0
+    seeds: Sequence[int] | None = None  # [B] SamplingTensors.seeds, for the noise generators
+    steps: Sequence[int] | None = None  # [B] SamplingTensors.step
+
+
+def _num_drafts(cu_host: Sequence[int]) -> list[int]:
+    """k_r from the cumulative counts; raises unless they are non-decreasing."""
+    out = [b - a for a, b in zip([0, *cu_host[:-1]], cu_host)]
+    if any(k < 0 for k in out):
+        raise ValueError(f"cu_num_draft_tokens {list(cu_host)} is not a cumulative count of the drafts")
+    return out
 
 
 def _check_inputs(
@@ -106,24 +125,36 @@ def rejection_sample(
     mask_table: torch.Tensor | None = None,  # [num_table_rows, W] int32 rows the logits were masked with
     mask_row_ids: torch.Tensor | None = None,  # [num_tokens] int32/int64 table row of each target row
     backend: Backend | None = None,
+    host: HostLayout | None = None,
 ) -> RejectionOutput:
     """Verify a batch of drafts; see the module docstring for the algorithm and layout.
 
     With ``mask_table``/``mask_row_ids`` (the indirect layout of
     ``kernels.bitmask.apply_token_bitmask_indirect_inplace``), every emitted token is
-    checked against its target row's mask (``RejectionOutput.violation``)."""
+    checked against its target row's mask (``RejectionOutput.violation``).
+
+    ``host``: what the caller already knows on the host (k_r, which rows are greedy, seeds and
+    steps): given, the sampler reads nothing back from the device before its results."""
     _check_inputs(draft_token_ids, cu_num_draft_tokens, draft_probs, target_logits, sampling, mask_table, mask_row_ids)
     ran = resolve_backend(backend, target_logits.device)
     device = target_logits.device
     num_tokens, vocab = target_logits.shape
+    batch = sampling.batch_size
 
-    # One host sync for the ragged layout: K sizes the output, k_r sizes the noise.
-    cu_host = cu_num_draft_tokens.tolist()
-    num_drafts = [b - a for a, b in zip([0] + cu_host[:-1], cu_host)]  # [B] k_r
-    if any(k < 0 for k in num_drafts) or (cu_host and cu_host[-1] != draft_token_ids.shape[0]):
-        raise ValueError(f"cu_num_draft_tokens {cu_host} is not a cumulative count of the drafts")
+    if host is None:
+        # Host syncs for the ragged layout (K sizes the output, k_r sizes the noise) and the
+        # greedy rows: a caller that knows them passes ``host`` instead.
+        host = HostLayout(
+            num_drafts=_num_drafts(cu_num_draft_tokens.tolist()),
+            greedy=(sampling.temperature == 0.0).tolist(),
+        )
+    num_drafts = list(host.num_drafts)  # [B] k_r
+    if len(num_drafts) != batch or len(host.greedy) != batch or any(k < 0 for k in num_drafts):
+        raise ValueError(f"host layout {host} does not fit a batch of {batch}")
+    if sum(num_drafts) != draft_token_ids.shape[0]:
+        raise ValueError(f"k_r {num_drafts} (cu_num_draft_tokens) is not a cumulative count of the drafts")
     max_num_drafts = max(num_drafts, default=0)
-    greedy_host = (sampling.temperature == 0.0).tolist()
+    greedy_host = list(host.greedy)
 
     rows, _ = expand_sampling_params(sampling, cu_num_draft_tokens, num_tokens, backend=ran)
     target_probs = None
@@ -137,6 +168,8 @@ def rejection_sample(
         [not g for g in greedy_host],
         vocab,
         device,
+        host_seeds=host.seeds,
+        host_steps=host.steps,
     )
     recovered, _ = sample_recovered_tokens(
         target_logits,

@@ -25,6 +25,7 @@ first's to end.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
@@ -33,6 +34,9 @@ from typing import TypeVar
 # is alone, so another client's request is placed at once: the price is this fraction of a lone
 # client's batch, the gain that a second client does not wait for one of a flood's requests to end.
 RESERVED_SLOT_FRACTION = 1 / 8
+# A client alone has no cap on rows: past the iteration budget the worker trims drafts, and
+# capping a lone client's batch by the budget would idle slots no one else wants.
+UNCAPPED_ROWS = sys.maxsize
 
 T = TypeVar("T")
 
@@ -54,10 +58,10 @@ def step_rows(k: int) -> int:
 
 
 def client_share(capacity: BatchLoad, clients_with_work: int) -> BatchLoad:
-    """What one client may hold. Alone: every row, and every slot but the reserve. With ``n``
-    clients: 1/n of each, rounded up (so the shares cover the batch)."""
+    """What one client may hold. Alone: every slot but the reserve, rows uncapped. With ``n``
+    clients: 1/n of the slots and of the rows, rounded up (so the shares cover the batch)."""
     if clients_with_work <= 1:
-        return BatchLoad(capacity.slots - int(capacity.slots * RESERVED_SLOT_FRACTION), capacity.rows)
+        return BatchLoad(capacity.slots - int(capacity.slots * RESERVED_SLOT_FRACTION), UNCAPPED_ROWS)
     n = clients_with_work
     return BatchLoad(math.ceil(capacity.slots / n), math.ceil(capacity.rows / n))
 

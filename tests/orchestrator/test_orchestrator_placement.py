@@ -11,14 +11,23 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from specmask.orchestrator.placement import BatchLoad, client_share, next_to_place, step_rows, within_share
+from specmask.orchestrator.placement import (
+    UNCAPPED_ROWS,
+    BatchLoad,
+    client_share,
+    next_to_place,
+    step_rows,
+    within_share,
+)
 
 
 def test_shares() -> None:
-    # Alone: every slot but the reserve (an eighth, none below 8 slots), every row.
-    assert client_share(BatchLoad(8, 48), 1) == BatchLoad(7, 48)
-    assert client_share(BatchLoad(4, 48), 1) == BatchLoad(4, 48)
-    assert client_share(BatchLoad(64, 512), 0) == BatchLoad(56, 512)
+    # Alone: every slot but the reserve (an eighth, none below 8 slots); rows uncapped (past the
+    # budget the worker trims drafts: a lone client's batch is not cut to the budget).
+    assert client_share(BatchLoad(8, 48), 1) == BatchLoad(7, UNCAPPED_ROWS)
+    assert client_share(BatchLoad(4, 48), 1) == BatchLoad(4, UNCAPPED_ROWS)
+    assert client_share(BatchLoad(256, 512), 0) == BatchLoad(224, UNCAPPED_ROWS)
+    assert within_share(BatchLoad(200, 1000), 5, client_share(BatchLoad(256, 512), 1))
     # Several: 1/n of each, rounded up, so the shares cover the batch.
     assert client_share(BatchLoad(8, 48), 2) == BatchLoad(4, 24)
     assert client_share(BatchLoad(8, 48), 3) == BatchLoad(3, 16)

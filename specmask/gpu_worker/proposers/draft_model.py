@@ -106,16 +106,28 @@ class DraftModelProposer(Proposer):
             suppress_stop_tokens_(logits, suppressed, [tuple(slots[i].seq.stop_token_ids) for i in suppressed])
 
         params = [s.seq.request.sampling for s in slots]
+        seeds = [s.seq.seed for s in slots]
+        steps = [s.seq.step for s in slots]
         sampling = SamplingTensors.from_lists(
             temperature=[p.temperature for p in params],
             top_k=[p.top_k for p in params],
             top_p=[p.top_p for p in params],
-            seeds=[s.seq.seed for s in slots],
-            step=[s.seq.step for s in slots],
+            seeds=seeds,
+            step=steps,
             device=logits.device,
             min_p=[p.min_p for p in params],
         )
-        tokens, probs = sample_draft(logits, sampling, position=position, backend=self.kernel_backend)
+        # The host already holds what the sampler would read back (greedy rows, seeds, steps):
+        # the only read of this position is the tokens' below.
+        tokens, probs = sample_draft(
+            logits,
+            sampling,
+            position=position,
+            backend=self.kernel_backend,
+            greedy_host=[p.temperature == 0.0 for p in params],
+            host_seeds=seeds,
+            host_steps=steps,
+        )
         # A row with no finite logit left (a draft vocabulary holding none of the tokens the grammar
         # allows here) proposes nothing: its sample would be a token the target must reject.
         live = torch.isfinite(logits.amax(dim=1))  # [n] bool
