@@ -87,6 +87,11 @@ class SequenceState:
         min_tokens: their stop tokens are suppressed (kernels.stop_suppression)."""
         return max(0, min(num_positions, self.request.sampling.min_tokens - self.num_output))
 
+    @property
+    def min_tokens_stop_ids(self) -> tuple[int, ...]:
+        """Every id a position before min_tokens may not emit: the stop set and the request's own."""
+        return tuple(sorted(self.stop_token_ids | set(self.request.sampling.min_tokens_stop_ids)))
+
     def next_commit(self) -> tuple[list[int], int]:
         """(commit_tokens, commit_seq) to attach to this step's mask requests.
 

@@ -245,7 +245,7 @@ class StepRunner:
                         logprobs=p.logprobs,
                         min_p=p.min_p,
                         stop_suppressed=seq.stop_suppressed(len(s.drafts) + 1),
-                        stop_token_ids=tuple(sorted(seq.stop_token_ids)),
+                        stop_token_ids=seq.min_tokens_stop_ids,
                     ),
                 )
             )

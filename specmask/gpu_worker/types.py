@@ -91,6 +91,9 @@ class SamplingParams:
     # before this many output tokens (kernels.stop_suppression); 0 = off. A grammar that allows
     # only a stop token there fails the sequence (FinishReason.ERROR) instead.
     min_tokens: int = 0
+    # With min_tokens: ids removed before the minimum besides the stop set (the request's
+    # stop_token_ids, which the orchestrator ends the output on).
+    min_tokens_stop_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingOptions:
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        min_p=msg.min_p if msg.HasField("min_p") else 0.0,
+        min_tokens=msg.min_tokens if msg.HasField("min_tokens") else 0,
     )
 
 
@@ -171,6 +173,10 @@ def request_to_proto(req: GenerationRequest) -> pb.GenerateRequest:
     msg.sampling.ignore_eos = s.ignore_eos
     if s.logprobs is not None:
         msg.sampling.logprobs = s.logprobs
+    if s.min_p:
+        msg.sampling.min_p = s.min_p
+    if s.min_tokens:
+        msg.sampling.min_tokens = s.min_tokens
     p = req.speculation
     msg.speculation.enabled = p.enabled
     if p.k is not None:

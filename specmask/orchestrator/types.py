@@ -34,6 +34,8 @@ class SamplingOptions:
     # None: no logprobs. N (0..20): each returned token's logprob plus the N most likely tokens
     # at its position (gpu_worker.types.TokenLogprob).
     logprobs: int | None = None
+    min_p: float = 0.0  # [0, 1]; 0 = off (vLLM's min_p)
+    min_tokens: int = 0  # no stop token or stop string before this many output tokens; 0 = off
 
 
 @dataclass(frozen=True)

@@ -269,6 +269,16 @@ class RequestValidator:
                     f"the model's context ({self._info.max_model_len})"
                 )
             max_tokens = s.max_tokens
+        if not (math.isfinite(s.min_p) and 0.0 <= s.min_p <= 1.0):
+            raise InvalidRequest(f"min_p must be in [0, 1] (0 = off), got {s.min_p}", field="sampling.min_p")
+        if s.min_tokens < 0:
+            raise InvalidRequest(f"min_tokens must be >= 0, got {s.min_tokens}", field="sampling.min_tokens")
+        if s.min_tokens > max_tokens:
+            limit = "max_tokens" if s.max_tokens is not None else "the default max_tokens (set max_tokens)"
+            raise InvalidRequest(
+                f"min_tokens ({s.min_tokens}) must not exceed max_tokens ({max_tokens}, {limit})",
+                field="sampling.min_tokens",
+            )
         if s.logprobs is not None and not 0 <= s.logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest(
                 f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (alternatives per token), got {s.logprobs}",
@@ -283,6 +293,9 @@ class RequestValidator:
             seed=seed,
             max_tokens=max_tokens,
             logprobs=s.logprobs,
+            min_p=s.min_p,
+            min_tokens=s.min_tokens,
+            min_tokens_stop_ids=tuple(t for t in s.stop_token_ids if t < self._info.vocab_size) if s.min_tokens else (),
         )
 
     def _speculation(self, req: GenerationRequest) -> SpeculationParams:

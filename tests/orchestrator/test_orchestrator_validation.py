@@ -260,3 +260,22 @@ def test_separator_must_use_json_whitespace(validator) -> None:
         with pytest.raises(InvalidRequest, match="JSON whitespace"):
             validator.validate(_req("hello", dataclasses.replace(SCHEMA, separators=(bad, ":"))))
     assert validator.validate(_req("hello", dataclasses.replace(SCHEMA, separators=(",\t", " : "))))
+
+
+def test_min_p_and_min_tokens(validator) -> None:
+    seq = validator.validate(_req(min_p=0.25, min_tokens=4, max_tokens=10, stop_token_ids=(7, 9)))
+    assert seq.sampling.min_p == 0.25 and seq.sampling.min_tokens == 4
+    assert seq.sampling.min_tokens_stop_ids == (7, 9)  # suppressed beside EOS before the minimum
+    assert validator.validate(_req(min_p=1.0, min_tokens=10, max_tokens=10)).sampling.min_tokens == 10
+    for kw, needle in (
+        ({"min_p": -0.1}, "min_p must be in [0, 1]"),
+        ({"min_p": 1.5}, "min_p must be in [0, 1]"),
+        ({"min_p": math.nan}, "min_p must be in [0, 1]"),
+        ({"min_tokens": -1}, "min_tokens must be >= 0"),
+        ({"min_tokens": 11, "max_tokens": 10}, "min_tokens (11) must not exceed max_tokens (10"),
+        ({"min_tokens": 33}, "the default max_tokens"),  # the server default is 32
+    ):
+        with pytest.raises(InvalidRequest) as err:
+            validator.validate(_req(**kw))
+        assert needle in str(err.value), (kw, str(err.value))
+        assert err.value.code is ErrorCode.INVALID_ARGUMENT

@@ -103,7 +103,7 @@ class DraftModelProposer(Proposer):
         if suppressed:
             from specmask.kernels.stop_suppression import suppress_stop_tokens_
 
-            suppress_stop_tokens_(logits, suppressed, [tuple(slots[i].seq.stop_token_ids) for i in suppressed])
+            suppress_stop_tokens_(logits, suppressed, [slots[i].seq.min_tokens_stop_ids for i in suppressed])
 
         params = [s.seq.request.sampling for s in slots]
         seeds = [s.seq.seed for s in slots]

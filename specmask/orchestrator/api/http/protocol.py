@@ -147,6 +147,8 @@ class _Generation(_Body):
     user: str | None = None
     # Extensions.
     top_k: int | None = None
+    min_p: float | None = None  # vLLM's: [0, 1], 0 = off
+    min_tokens: int | None = None  # vLLM's: no EOS / stop_token_ids / stop string before this many tokens
     ignore_eos: bool | None = None
     guided_json: dict[str, Any] | bool | str | None = None
     guided_regex: str | None = None

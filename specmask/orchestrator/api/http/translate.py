@@ -243,6 +243,8 @@ def _request(
         temperature=OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
+        min_tokens=body.min_tokens or 0,
         seed=body.seed,
         max_tokens=max_tokens,
         stop=stop,

@@ -139,9 +139,9 @@ def test_supported_fields_are_declared_where_vllm_has_them() -> None:
         assert missing == set(), endpoint
 
 
-# Classified SUPPORTED, implemented end to end in the sampler (min_p, min_tokens); until their
-# request fields are declared, the walk proves they are refused, never ignored.
-PENDING = {"min_p", "min_tokens"}
+# SUPPORTED fields whose request fields are not declared yet (the walk proves they are refused,
+# never ignored); none left.
+PENDING: set[str] = set()
 
 
 def test_docs_table_is_the_code_table() -> None:
