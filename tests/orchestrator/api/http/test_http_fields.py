@@ -128,20 +128,10 @@ def test_field_walk(endpoint: str, name: str) -> None:
 
 
 def test_supported_fields_are_declared_where_vllm_has_them() -> None:
-    """Apart from fields another helper's work declares later, every SUPPORTED vLLM field is
-    parsed on each endpoint vLLM has it on (the walk above proves the rest are refused)."""
+    """Every SUPPORTED vLLM field is parsed on each endpoint vLLM has it on."""
     for endpoint, model in MODELS.items():
-        missing = {
-            n
-            for n in VLLM[endpoint]
-            if FIELDS[n].support is Support.SUPPORTED and n not in model.model_fields and n not in PENDING
-        }
+        missing = {n for n in VLLM[endpoint] if FIELDS[n].support is Support.SUPPORTED and n not in model.model_fields}
         assert missing == set(), endpoint
-
-
-# SUPPORTED fields whose request fields are not declared yet (the walk proves they are refused,
-# never ignored); none left.
-PENDING: set[str] = set()
 
 
 def test_docs_table_is_the_code_table() -> None:
