@@ -17,6 +17,12 @@ every running sequence waits), so the worker grows the pool for a whole ``add`` 
 once (``grow``) instead of letting each prompt chunk that passes the capacity grow
 it again.
 
+A pool may have a byte budget (``max_bytes``, the worker's KV budget: WorkerConfig
+.kv_cache_bytes or gpu_memory_utilization): growth is then clamped to it, and a resize
+past it raises ``KVBudgetExceeded`` instead of allocating. The worker admits a sequence
+only when the pool shape the batch then needs fits (actor._admit), so that is a bug
+signal, never an out-of-memory in the middle of a step.
+
 Rolling back after rejected drafts (``crop``) only moves ``length``; the next
 write overwrites the stale entries.
 
@@ -36,6 +42,15 @@ import torch
 _MIN_GROWTH = 64
 
 
+class KVBudgetExceeded(RuntimeError):
+    """A pool resize past the pool's byte budget."""
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one position of one sequence takes in a pool: keys and values of every layer."""
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed tensor. On a CPU, from calloc (numpy's zeros): the kernel hands out zero pages
     and backs them on first write, so a resize costs the copy of the rows in use, not a pass
@@ -52,10 +67,19 @@ class SlotPool:
     """Per-layer KV tensors ``[slots, H, capacity, D]`` of one model, shared by its sequences."""
 
     def __init__(
-        self, num_layers: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype, device: torch.device | str
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_bytes: int | None = None,
     ) -> None:
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
+        self.bytes_per_position = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+        self.max_bytes = max_bytes  # None = unbounded
         self.k: list[torch.Tensor] = []  # per layer: [slots, H, capacity, D]
         self.v: list[torch.Tensor] = []
         self._owners: list[SequenceKV] = []  # slot i -> its sequence; dense: slots 0..len-1 are in use
@@ -75,7 +99,16 @@ class SlotPool:
     def owner(self, slot: int) -> SequenceKV:
         return self._owners[slot]
 
+    def fits(self, slots: int, capacity: int) -> bool:
+        """Whether a pool of ``slots`` x ``capacity`` positions stays within the budget."""
+        return self.max_bytes is None or slots * capacity * self.bytes_per_position <= self.max_bytes
+
     def _resize(self, slots: int, capacity: int) -> None:
+        if not self.fits(slots, capacity):
+            raise KVBudgetExceeded(
+                f"a KV pool of {slots} slots x {capacity} positions "
+                f"({slots * capacity * self.bytes_per_position} bytes) exceeds its budget of {self.max_bytes} bytes"
+            )
         shape = (slots, self.num_kv_heads, capacity, self.head_dim)
         # Zeros, not empty: a forward reads every position of its rows up to the batch's end (the
         # mask hides the ones past a row's own length), and masked-out garbage NaNs would still
@@ -124,13 +157,26 @@ class SlotPool:
         capacity = self.capacity
         if positions > capacity:
             capacity = max(positions, capacity + max(capacity // 2, _MIN_GROWTH))
+        new_slots, capacity = max(new_slots, 1), max(capacity, _MIN_GROWTH)
+        # Under a budget the geometric part of the growth is what gives way: exactly what was
+        # asked (and the minimum capacity) is the last resort before refusing.
+        if not self.fits(new_slots, capacity):
+            capacity = max(positions, self.capacity, min(capacity, _MIN_GROWTH))
+        if not self.fits(new_slots, capacity):
+            new_slots = max(slots, self.num_slots, 1)
         if new_slots != self.num_slots or capacity != self.capacity:
-            self._resize(max(new_slots, 1), max(capacity, _MIN_GROWTH))
+            self._resize(new_slots, capacity)
 
     def ensure_slots(self, slots: int) -> None:
         """At least ``slots`` slots (used or free): a static-shape forward spans a whole bucket of them."""
         if slots > self.num_slots:
-            self._resize(slots, max(self.capacity, _MIN_GROWTH))
+            self._resize(slots, max(self.capacity, min(_MIN_GROWTH, self._budget_capacity(slots))))
+
+    def _budget_capacity(self, slots: int) -> int:
+        """The most positions per slot the budget allows at ``slots`` slots."""
+        if self.max_bytes is None:
+            return 1 << 62
+        return self.max_bytes // max(1, slots * self.bytes_per_position)
 
     def reserve(self, positions: int) -> None:
         """Room for ``positions`` positions in every slot (``grow``)."""

@@ -52,7 +52,7 @@ import torch
 from specmask.gpu_worker.architecture import check as check_architecture
 from specmask.gpu_worker.architecture import max_len, static_architecture
 from specmask.gpu_worker.attention import ATTENTION, PackedRows, RowSpan, register
-from specmask.gpu_worker.kv_cache import SequenceKV, SlotPool
+from specmask.gpu_worker.kv_cache import SequenceKV, SlotPool, kv_bytes_per_token
 from specmask.gpu_worker.static_forward import StaticForward
 from specmask.gpu_worker.static_forward import build as build_static
 from specmask.gpu_worker.token_cost import TokenCost
@@ -121,6 +121,9 @@ class ModelRunner:
         # [V] int64 token ids of the logit columns, on the logits' device; None = column j is token j.
         self.output_ids = None if output_ids is None else output_ids.to(self.device)
         self.pool: SlotPool | None = None  # every sequence's KV for this model (built at the first forward)
+        # The pool's byte budget (kv_cache.SlotPool.max_bytes), read when the pool is built; None =
+        # unbounded (the worker sets none yet: docs/models.md, KV memory).
+        self.kv_budget_bytes: int | None = None
         # Counters for benchmarks and metrics: batched forwards run, real token positions, and the
         # positions the linear layers computed (real + padding + dummy rows; equal when packed).
         self.num_forwards = 0
@@ -177,13 +180,24 @@ class ModelRunner:
         pool = self._pool()
         pool.grow(pool.num_used + new_sequences, min(positions, self.max_model_len))
 
+    def _kv_shape(self) -> tuple[int, int, int]:
+        """(layers, KV heads, head dim) of this model's pool."""
+        config = self.model.config.get_text_config(decoder=True)
+        heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        return int(config.num_hidden_layers), heads, head_dim
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one position of one sequence takes in this model's pool."""
+        return kv_bytes_per_token(*self._kv_shape(), next(self.model.parameters()).dtype)
+
     def _pool(self) -> SlotPool:
         if self.pool is None:
-            config = self.model.config.get_text_config(decoder=True)
-            heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-            head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
             param = next(self.model.parameters())
-            self.pool = SlotPool(config.num_hidden_layers, heads, head_dim, dtype=param.dtype, device=param.device)
+            self.pool = SlotPool(
+                *self._kv_shape(), dtype=param.dtype, device=param.device, max_bytes=self.kv_budget_bytes
+            )
         return self.pool
 
     def _pool_for(self, items: Sequence[ForwardItem]) -> SlotPool:
