@@ -361,6 +361,8 @@ class ScriptedLogits:
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
+        # runner name -> agreement x 1000 (set_agreement changes it between cells)
+        self.thresholds: dict[str, int] = {}
         # runner name -> host seconds spent inside its forward calls (launch time: no sync is added)
         self.host_s: dict[str, float] = {}
         self._by_prompt: dict[tuple[int, ...], tuple[int, ...]] = {}
@@ -382,10 +384,12 @@ class ScriptedLogits:
         import torch
 
         inner = runner.forward
-        threshold = round(agreement * 1000)
+        self.set_agreement(runner, agreement)
+        name = runner.name
 
         def scripted_token(script: tuple[int, ...], position: int) -> int:
             tok = script[position] if position < len(script) else script[-1]
+            threshold = self.thresholds[name]
             if threshold < 1000 and (position * 2654435761) % 1000 >= threshold:
                 tok = (tok + 1) % self.vocab_size
             return tok
@@ -416,6 +420,10 @@ class ScriptedLogits:
             return out
 
         runner.forward = forward
+
+    def set_agreement(self, runner: Any, agreement: float) -> None:
+        """The fraction of positions ``runner`` (installed) is scripted to get right from now on."""
+        self.thresholds[runner.name] = round(agreement * 1000)
 
 
 def _as_one(parts: Sequence[Any], total_rows: int) -> Any:
@@ -679,6 +687,7 @@ class Samples:
     tokens: int = 0
     proposed: int = 0
     accepted: int = 0
+    counts: list[Any] = field(default_factory=list)  # host_counter.StepCount per counted step
 
     def extend(self, other: Samples) -> None:
         self.times += other.times
@@ -717,6 +726,7 @@ def time_mode(
     *,
     k: int,
     on_step: Callable[[], None] | None = None,
+    counter: Any = None,
 ) -> Samples:
     """Add ``batch`` scripted sequences in ``mode``, time ``args.steps`` steps after
     ``args.warmup`` untimed ones, remove them. ``on_step`` runs after every timed step."""
@@ -747,7 +757,13 @@ def time_mode(
         for i in range(steps):
             before = dict(scripts.host_s)
             t0 = time.perf_counter()
-            outs = worker.step()
+            if counter is not None and i >= args.warmup:
+                # gpu_worker.host_counter.StepCounter: the counting hooks slow the step (its
+                # time is not what this cell reports), never change it.
+                outs, count = counter.step()
+                out_samples.counts.append(count)
+            else:
+                outs = worker.step()
             dt = time.perf_counter() - t0
             for out in outs:
                 if out.error or out.finish_reason is not None:
@@ -842,12 +858,15 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
                     dtype=str(dtype).removeprefix("torch."),
                     device=str(device),
                     mask_service_addresses=(service.address,),
-                    max_batch=max(args.batches),
+                    max_batch=max(*args.batches, *(HOST_COUNT_BATCHES if args.host_counts else ())),
                     max_k=args.k,
                     max_model_len=args.prompt_len + (args.warmup + args.steps + 2) * (args.k + 1) + 64,
                     torch_threads=args.torch_threads,
                     # Prompts prefilled in add(), untimed: the timed steps are decode steps.
                     step_prefill_tokens=1,
+                    # No iteration budget trims drafts: every cell (the host counts' B = 64 on a
+                    # CPU too) verifies the k it asked for.
+                    max_iteration_tokens=1 << 20,
                     static_forward=args.static_forward,
                 ),
                 target_model=target,
@@ -859,7 +878,7 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
             scripts = ScriptedLogits(vocab)
             scripts.install(worker.target)
             assert worker.draft is not None
-            scripts.install(worker.draft, agreement=args.agreement)
+            scripts.install(worker.draft, agreement=args.agreements[0])
             install_phase_clocks(worker, scripts.host_s)
             rows: dict[str, dict[str, Any]] = {}
             per_round: dict[str, dict[str, list[float]]] = {}  # ratio -> batch -> one value per round
@@ -919,6 +938,11 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
                             f"not k + 1 = {args.k + 1}: drafts were trimmed (verify width or iteration budget)",
                             flush=True,
                         )
+            by_agreement = {
+                str(args.agreements[0]): _spec_vs_nospec(rows, args.batches),
+                **agreement_sweep(worker, scripts, args),
+            }
+            counts = host_counts(worker, scripts, args) if args.host_counts else None
             if args.profile_batch:
                 profile_modes(worker, scripts, args.profile_batch, args, log_dir)
             static = {}
@@ -949,7 +973,95 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
         "kv_bytes_per_token": {"target": target_bytes.kv_per_token, "draft": draft_bytes.kv_per_token},
         "static_forward": static,
         "modes": rows,
+        "spec_vs_nospec_tokens_per_s_by_agreement": by_agreement,
+        "host_counts": counts,
         **ratios,
+    }
+
+
+# Speculative mode -> the mode with speculation off that it is compared with.
+SPEC_BASELINE = {
+    "spec/unconstrained": "nospec/unconstrained",
+    "spec/constrained/draft-masks-off": "nospec/constrained",
+    "spec/constrained/draft-masks-on": "nospec/constrained",
+}
+
+
+def _spec_vs_nospec(rows: dict[str, dict[str, Any]], batches: Sequence[int]) -> dict[str, dict[str, float]]:
+    """Per speculative mode and batch size: its tokens/s over the same batch's with speculation off."""
+    return {
+        mode: {str(b): rows[mode][str(b)]["tokens_per_s"] / rows[base][str(b)]["tokens_per_s"] for b in batches}
+        for mode, base in SPEC_BASELINE.items()
+        if mode in rows and base in rows
+    }
+
+
+def agreement_sweep(worker: Any, scripts: ScriptedLogits, args: argparse.Namespace) -> dict[str, Any]:
+    """spec/no-spec tokens/s at each agreement after the first (one round per cell): agreement ->
+    mode -> batch -> ratio. Speculation must never cost: every ratio should be at least 0.95."""
+    out: dict[str, Any] = {}
+    modes = [m for m in args.modes if m in SPEC_BASELINE or m in SPEC_BASELINE.values()]
+    for agreement in args.agreements[1:]:
+        scripts.set_agreement(worker.draft, agreement)
+        rows: dict[str, dict[str, Any]] = {}
+        for batch in args.batches:
+            for mode_name in modes:
+                stats = time_mode(worker, scripts, MODES[mode_name], batch, args, k=args.k).stats()
+                rows.setdefault(mode_name, {})[str(batch)] = asdict(stats)
+        out[str(agreement)] = _spec_vs_nospec(rows, args.batches)
+        for mode, by_batch in out[str(agreement)].items():
+            cells = ", ".join(f"B={b}: {v:.2f}" for b, v in by_batch.items())
+            print(f"  agreement {agreement}: {mode} spec/no-spec tokens/s {cells}", flush=True)
+    scripts.set_agreement(worker.draft, args.agreements[0])
+    return out
+
+
+# Batch sizes the host-path counts compare (ops at the larger over ops at the smaller).
+HOST_COUNT_BATCHES = (8, 64)
+
+
+def host_counts(worker: Any, scripts: ScriptedLogits, args: argparse.Namespace) -> dict[str, Any]:
+    """Reads of tensor values and torch ops per step (gpu_worker.host_counter), model forwards
+    excluded, for every speculative mode at ``HOST_COUNT_BATCHES``: the host path's own cost,
+    the same on a CPU as on a GPU. RESULT keys: ``host_reads_per_step`` (the largest over the
+    cells) with the ``mask_round_trips_per_step`` of that cell, ``host_ops_ratio_b64_b8`` (the
+    largest over the modes), and the per-cell counts."""
+    from specmask.gpu_worker.host_counter import StepCounter
+
+    small, large = HOST_COUNT_BATCHES
+    cells: dict[str, dict[str, Any]] = {}
+    with StepCounter(worker, worker.target.device) as counter:
+        for mode_name in [m for m in args.modes if MODES[m].speculate]:
+            for batch in HOST_COUNT_BATCHES:
+                got = time_mode(worker, scripts, MODES[mode_name], batch, args, k=args.k, counter=counter)
+                worst = max(got.counts, key=lambda c: (c.reads - c.round_trips, c.ops))
+                cells.setdefault(mode_name, {})[str(batch)] = {
+                    "reads": worst.reads,
+                    "round_trips": worst.round_trips,
+                    "ops": max(c.ops for c in got.counts),
+                    "read_sites": worst.read_sites,
+                }
+    if not cells:
+        return {}
+    worst_mode, worst_batch = max(
+        ((m, b) for m, by in cells.items() for b in by),
+        key=lambda mb: cells[mb[0]][mb[1]]["reads"] - cells[mb[0]][mb[1]]["round_trips"],
+    )
+    ratio = max(by[str(large)]["ops"] / by[str(small)]["ops"] for by in cells.values())
+    for m, by in cells.items():
+        print(
+            f"  host path {m}: "
+            + ", ".join(
+                f"B={b}: {c['reads']} reads ({c['round_trips']} mask trips), {c['ops']} ops" for b, c in by.items()
+            ),
+            flush=True,
+        )
+    return {
+        "host_reads_per_step": cells[worst_mode][worst_batch]["reads"],
+        "mask_round_trips_per_step": cells[worst_mode][worst_batch]["round_trips"],
+        "host_reads_cell": f"{worst_mode} B={worst_batch}",
+        f"host_ops_ratio_b{large}_b{small}": ratio,
+        "cells": cells,
     }
 
 
@@ -1046,6 +1158,10 @@ def print_tables(result: dict[str, Any]) -> None:
                 " / ".join(f"{by_batch[str(b)]['phase_host_ms'].get(ph, 0.0):.1f}" for ph in phases) for b in batches
             ]
             print(f"| {mode} | " + " | ".join(cells) + " |")
+        for agreement, by_mode in pair.get("spec_vs_nospec_tokens_per_s_by_agreement", {}).items():
+            for mode, by_batch in by_mode.items():
+                values = ", ".join(f"B={b}: {v:.2f}" for b, v in by_batch.items())
+                print(f"\nspec/no-spec tokens/s at agreement {agreement}, {mode}: {values}")
         for key in (
             "constrained_vs_unconstrained_step_time",
             "constrained_vs_unconstrained_step_time_draft_masks_off",
@@ -1075,6 +1191,12 @@ def apply_defaults(args: argparse.Namespace) -> None:
     args.steps = args.steps or (2 if dry else 8)
     args.rounds = args.rounds or (1 if dry else 2)
     args.profile_modes = [m for m in args.profile_modes.split(",") if m]
+    args.agreements = [float(a) for a in str(args.agreement).split(",") if a]
+    if not args.agreements or any(not 0.0 <= a <= 1.0 for a in args.agreements):
+        raise SystemExit(f"--agreement: fractions in [0, 1], got {args.agreement!r}")
+    args.agreement = args.agreements[0]  # the main tables' agreement
+    if args.host_counts is None:
+        args.host_counts = dry
     if dry:
         args.torch_threads = args.torch_threads or 1
         args.mask_threads = min(args.mask_threads, 2)
@@ -1090,7 +1212,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per sequence (default 256)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps per measurement (default 3)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per measurement and round (default 8)")
-    parser.add_argument("--agreement", type=float, default=1.0, help="fraction of positions the draft gets right")
+    parser.add_argument(
+        "--agreement",
+        default="1.0",
+        help="fraction of positions the draft gets right; a comma list (1.0,0.7,0.3,0.0) also measures "
+        "spec/no-spec tokens/s at each later value (one round per cell)",
+    )
+    parser.add_argument(
+        "--host-counts",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="count host reads and torch ops per step at B=8 and 64 (default: on with --dry-run)",
+    )
     parser.add_argument("--mask-threads", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--torch-threads", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=None, help="passes over the modes per batch (default 2)")
@@ -1155,6 +1288,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "timed_steps_per_cell": args.rounds * args.steps,
         "agreement": args.agreement,
+        "agreements": args.agreements,
         "acceptance": "fixed by scripted logits (greedy; the draft matches the script at a fixed "
         f"fraction {args.agreement} of positions), not measured",
         "pairs": {},
@@ -1175,6 +1309,11 @@ def main(argv: list[str] | None = None) -> int:
         log_dir.mkdir(parents=True, exist_ok=True)
         for name in args.pairs:
             result["pairs"][name] = run_pair(name, PAIRS[name], device, dtype, args, log_dir)
+    # The host-path checks (gpu_worker.host_counter) at the top level, from the first pair counted.
+    counted = [p["host_counts"] for p in result["pairs"].values() if p.get("host_counts")]
+    if counted:
+        for key in ("host_reads_per_step", "mask_round_trips_per_step", "host_reads_cell", "host_ops_ratio_b64_b8"):
+            result[key] = counted[0].get(key)
     print_tables(result)
     line = json.dumps(result, separators=(",", ":"))
     if args.json_out is not None:
