@@ -27,9 +27,10 @@ The schema is compiled for one engine exactly as the mask service does
 
 A schema an engine refuses counts as a failure unless the refusal is a
 documented one: xgrammar does not take property names that JSON must escape
-(``"``, ``\\``, controls: the service routes them to llguidance), and no pattern
-may require ``"``, ``\\`` or a control character (the generator keeps those out
-of patterns).
+(``"``, ``\\``, controls). Such a case is then compiled as a request naming no
+engine gets it (the service routes it to llguidance) and checked the same way
+(``xgrammar_refused_served_by_llguidance``). No pattern may require ``"``,
+``\\`` or a control character; the generator keeps those out of patterns.
 
 How each engine writes a literal (both are valid JSON; the grammars allow only
 this spelling, which the end check accepts as one of many): every character
@@ -256,20 +257,35 @@ class Runner:
                 return False
         return bool(matcher.accept_token(self.stop))
 
-    def run(self, case: Case, engine: str, rng: random.Random, tally: Tally) -> None:
+    def run(self, case: Case, changes: list[tuple[str, str]], engine: str, tally: Tally) -> None:
+        """One case on ``engine``; a documented refusal is then served by the service's own selection."""
         spec = GrammarSpec(
             GrammarKind.JSON_SCHEMA, json.dumps(case.schema, ensure_ascii=False), separators=case.separators
         )
-        key = f"{engine}/{case.placement.value}"
         tally.cases[f"{engine}_cases"] += 1
         try:
             compiled = self.backend.compile(self.compilers, dataclasses.replace(spec, backend=engine))
         except GrammarError as exc:
-            if documented_refusal(engine, case, exc.message):
-                tally.cases[f"{engine}_refused_documented"] += 1
+            if not documented_refusal(engine, case, exc.message):
+                tally.failures.append(f"{engine}/{case.placement.value}: refused {case.schema!r}: {exc.message}")
                 return
-            tally.failures.append(f"{key}: refused {case.schema!r}: {exc.message}")
+            tally.cases[f"{engine}_refused_documented"] += 1
+            try:  # what a request naming no engine gets
+                compiled = self.backend.compile(self.compilers, spec)
+            except GrammarError as again:
+                tally.failures.append(f"auto/{case.placement.value}: refused {case.schema!r}: {again.message}")
+                return
+            if self._check(case, changes, spec, compiled, tally):
+                tally.cases[f"{engine}_refused_served_by_{compiled.backend}"] += 1
             return
+        if self._check(case, changes, spec, compiled, tally):
+            tally.cases[f"{engine}_passed"] += 1
+
+    def _check(
+        self, case: Case, changes: list[tuple[str, str]], spec: GrammarSpec, compiled: Any, tally: Tally
+    ) -> bool:
+        engine = compiled.backend  # the engine that compiled it (a SelectedGrammar)
+        key = f"{engine}/{case.placement.value}"
 
         def check(literal: str) -> tuple[bool, bool, str]:
             text = spelling(case.document(literal), case, engine)
@@ -279,8 +295,9 @@ class Runner:
         grammar, end, text = check(case.literal)
         if not (grammar and end):
             tally.failures.append(f"{key}: literal {text!r} grammar={grammar} end_check={end} schema={case.schema!r}")
-            return
-        for kind, changed in mutations(rng, case.literal, case.placement is Placement.PATTERN):
+            return False
+        failed = len(tally.failures)
+        for kind, changed in changes:
             grammar, end, text = check(changed)
             tally.cases[f"{engine}_changes"] += 1
             if end and case.whole_literal:
@@ -289,16 +306,17 @@ class Runner:
                 tally.failures.append(
                     f"{key}: {kind} {text!r} grammar={grammar} end_check={end} schema={case.schema!r}"
                 )
-        tally.cases[f"{engine}_passed"] += 1
+        return len(tally.failures) == failed
 
 
 def run_cases(runner: Runner, engines: tuple[str, ...], cases: int, seed: int) -> Tally:
-    """``cases`` seeded cases per engine (the same cases for each engine)."""
+    """``cases`` seeded cases per engine (the same cases and changes for each engine)."""
     tally = Tally()
     for engine in engines:
         rng = random.Random(seed)
         for _ in range(cases):
-            runner.run(make_case(rng), engine, rng, tally)
+            case = make_case(rng)
+            runner.run(case, mutations(rng, case.literal, case.placement is Placement.PATTERN), engine, tally)
     return tally
 
 
