@@ -4,12 +4,15 @@
 #   1. the CUDA tests (the worker on CUDA, CUDA graphs and compiled Triton included, equal
 #      to plain constrained greedy decoding on the CPU reference; every architecture's CUDA
 #      graphs equal to transformers' eager forward),
-#   2. bench.gpu at the batch size the step goals are set at (kernels included),
-#   3. the Qwen3-8B + 0.6B pair at that batch size,
-#   4. bench.gpu at the other batch sizes,
-#   5. a torch.profiler pass at B=32 (op tables by host and by device time),
-#   6. bench.kernels' full grid (Triton against the reference and xgrammar).
-# STAGES picks and orders them (default "tests b32 qwen3 rest prof kernels").
+#   2. "cells": bench.gpu over every cell the goals are set at, B = 1, 8, 32, 64 at draft
+#      agreement 1.0 and 0.7 (spec/no-spec tokens/s for each), plus the host-path counts
+#      (reads and torch ops per step at B = 8 and 64, gpu_worker.host_counter); the tests and
+#      this stage stay within 7 minutes of device time, leaving room to rerun after a fix,
+#   3. the Qwen3-8B + 0.6B pair at B = 32,
+#   and, opt-in: "b32" (3 rounds at B = 32, kernels included), "rest" (B = 1, 8, 64),
+#   "prof" (a torch.profiler pass at B=32: op tables by host and by device time), "kernels"
+#   (bench.kernels' full grid: Triton against the reference and xgrammar).
+# STAGES picks and orders them (default "tests cells qwen3"). `bash -n` checks the syntax.
 # Logs and RESULT json go to $OUT (the device tool's folder; /tmp/specmask-gpu otherwise).
 #
 # The device machine has no network: Python packages its image lacks travel as wheels in
@@ -21,8 +24,8 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/specmask-gpu}
 mkdir -p "$OUT"
-TEST_S=${1:-150}
-BENCH_MAIN_S=${2:-240}
+TEST_S=${1:-120}
+BENCH_MAIN_S=${2:-300}
 BENCH_REST_S=${3:-150}
 export PYTHONUNBUFFERED=1
 
@@ -47,11 +50,17 @@ stage() {  # stage NAME SECONDS CMD...: run CMD under a limit, log to $OUT/NAME.
     return $rc
 }
 
-for s in ${STAGES:-tests b32 qwen3 rest prof kernels}; do
+for s in ${STAGES:-tests cells qwen3}; do
     case $s in
     tests)
         stage cuda-tests "$TEST_S" python3 -m pytest -q -p no:cacheprovider tests/gpu_worker/test_gpu.py \
             tests/gpu_worker/test_architectures.py::test_cuda_graphs_match_transformers_eager
+        ;;
+    cells)
+        # One round of 6 timed steps per cell: 4 batch sizes x 5 modes x 2 agreements in the limit.
+        stage bench-cells "$BENCH_MAIN_S" python3 -m bench.gpu --pairs llama3-8b-1b --batches 1,8,32,64 \
+            --agreement 1.0,0.7 --rounds 1 --warmup 2 --steps 6 --no-kernels --host-counts \
+            --json-out "$OUT/bench-cells.json"
         ;;
     b32)
         stage bench-b32 "$BENCH_MAIN_S" python3 -m bench.gpu --pairs llama3-8b-1b --batches 32 --rounds 3 \
