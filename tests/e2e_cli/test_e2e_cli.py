@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import jsonschema
 import pytest
 
@@ -35,6 +36,21 @@ def wait_until_up(proc: subprocess.Popen[str], command: str, lines: list[str]) -
         if line.startswith("specmask is up"):
             return line
         assert time.monotonic() < deadline, "".join(lines)
+
+
+def assert_mask_service_locked(up_line: str) -> None:
+    """Every mask service named in the "specmask is up" line listens on loopback and refuses a
+    MaskService call without the token its stack made for this start (real gRPC)."""
+    from specmask.mask_service.client.mask_client import MaskServiceClient, MaskServiceError
+
+    named = re.search(r"mask service (.+?), \d+ worker\(s\)", up_line)
+    assert named, up_line
+    for address in named.group(1).split(", "):
+        assert address.startswith("127.0.0.1:"), address
+        stranger = MaskServiceClient(address, auth_token="", deadline_s=10.0, max_retries=0, own_connection=True)
+        with stranger, pytest.raises(MaskServiceError) as info:
+            stranger.release_owner("anyone")
+        assert info.value.code is grpc.StatusCode.UNAUTHENTICATED, info.value
 
 
 def _descendants(pid: int) -> dict[int, bytes]:
@@ -111,6 +127,7 @@ def test_up_generate_and_ctrl_c(tiny_pair, tmp_path: Path) -> None:
         match = re.search(r"API 127\.0\.0\.1:(\d+)", wait_until_up(up, "up", lines))
         assert match, lines[-1]
         port = int(match.group(1))
+        assert_mask_service_locked(lines[-1])
         schema_file = tmp_path / "schema.json"
         schema_file.write_text(json.dumps(BOUNDED_SCHEMA))
         gen = subprocess.run(

@@ -1,7 +1,7 @@
 """`specmask serve MODEL` as a real process tree, driven with vLLM's flag names and the `openai`
 client: the served model name and context cap show in /v1/models, a chat answers, /metrics is on
-the HTTP port, and Ctrl-C stops everything. Its --speculative-config parsing is checked without
-a process."""
+the HTTP port, its mask service refuses a caller without this start's token, and Ctrl-C stops
+everything. Its --speculative-config parsing is checked without a process."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from specmask.orchestrator.dev.serve import Speculative, parse_speculative_config
-from tests.e2e_cli.test_e2e_cli import STOP_TIMEOUT_S, _cli, _descendants, wait_until_up
+from tests.e2e_cli.test_e2e_cli import STOP_TIMEOUT_S, _cli, _descendants, assert_mask_service_locked, wait_until_up
 from tests.fixtures.procs import exited
 
 pytestmark = pytest.mark.slow
@@ -86,6 +86,7 @@ def test_serve_with_vllm_flags(tiny_pair, tmp_path: Path) -> None:
             assert resp.usage.model_extra["specmask"]["drafts_proposed"] > 0  # the draft of --speculative-config
         metrics = httpx.get(root + "/metrics").text
         assert "vllm:e2e_request_latency_seconds_count" in metrics
+        assert_mask_service_locked(lines[-1])
         children = _descendants(serve.pid)
         serve.send_signal(signal.SIGINT)
         rest, _ = serve.communicate(timeout=STOP_TIMEOUT_S)
@@ -99,32 +100,3 @@ def test_serve_with_vllm_flags(tiny_pair, tmp_path: Path) -> None:
         if serve.poll() is None:
             serve.kill()
             serve.wait(30)
-
-
-def test_api_key_and_fairness_flags_are_passed_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`serve` takes `up`'s --api-key/--api-key-file, --max-inflight-per-client and --cors-origin, and
-    passes them to the orchestrator's config fields."""
-    import argparse
-
-    from specmask.orchestrator import config as cfg
-    from specmask.orchestrator.dev.serve import add_arguments, orchestrator_overrides
-
-    for name in ("SPECMASK_API_KEY", "SPECMASK_API_KEYS"):
-        monkeypatch.delenv(name, raising=False)
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    args = parser.parse_args(
-        ["some/model", "--api-key", "k1", "--served-model-name", "m", "--max-model-len", "64", "--cors-origin", "x"]
-    )
-    plain = orchestrator_overrides(parser.parse_args(["dir", "--host", "0.0.0.0"]), Speculative(None, 3))
-    assert plain == {
-        "host": "0.0.0.0",
-        "served_model_name": "dir",
-        "max_model_len": None,
-        "default_k": 3,
-        "api_keys": (),
-        "max_inflight_per_client": cfg.AUTO_INFLIGHT_PER_CLIENT,
-        "cors_origins": (),
-    }
-    keyed = orchestrator_overrides(args, Speculative(None, None))
-    assert keyed["api_keys"] == ("k1",) and keyed["cors_origins"] == ("x",)

@@ -27,6 +27,7 @@ import jsonschema
 
 from specmask.orchestrator.chat import DEFAULT_INSTRUCTION_NAME
 from specmask.orchestrator.client import FINISH_REASON_NAMES, StreamedResult, build_request, stream_retrying_overload
+from specmask.orchestrator.dev.launch import issue_stack_secrets
 from specmask.orchestrator.dev.local_stack import StackConfig, running_stack
 from specmask.orchestrator.output_check import validate_decimal
 from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
@@ -375,6 +376,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  ({hint})")
     print(f"  ready in {time.monotonic() - started:.1f} s", flush=True)
     stack = StackConfig(target_dir=target, draft_dir=draft, log_dir=".specmask/logs", worker_logs=False)
+    issue_stack_secrets()  # its mask service answers only this stack, as under `up` and `serve`
     # The toy pair is used with its own prompts (it has no chat template and knows only its schemas).
     if args.toy or (args.target is not None and not _has_chat_template(target)):
         cases, streamed, max_tokens = toy_cases(), len(TOY_STREAMED), TOY_MAX_TOKENS

@@ -17,24 +17,21 @@ Flags keep vLLM's names and meanings where SpecMask has the same knob:
 ``--api-key``              ``--api-key-file`` too: the orchestrator's API keys
 =========================  ==================================================
 
-Everything else (``--metrics-port``, ``--mask-replicas``, ``--num-workers``,
-``--max-queue``) is `up`'s. ``/metrics`` is also on the HTTP port.
+``--metrics-port`` is a separate Prometheus port, off by default (``/metrics`` is also on
+the HTTP port). Everything else (``--mask-replicas``, ``--num-workers``, ``--max-queue``,
+``--log-dir``, ...) is `up`'s, and so is the start-up (dev.launch): the ports checked
+before anything starts, a mask-service token made for this start, Ray on 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import logging
 from dataclasses import dataclass
 
+from specmask.common.startup import StartupError
 from specmask.orchestrator import config as cfg
-from specmask.orchestrator.auth_keys import api_keys_from_args
-from specmask.orchestrator.dev.local_stack import StackConfig
-from specmask.orchestrator.main import LOG_FORMAT, add_fairness_and_auth_arguments
-
-logger = logging.getLogger(__name__)
+from specmask.orchestrator.dev.launch import Launch, PortFlag, add_stack_arguments, launch
 
 SPECULATIVE_KEYS = frozenset({"model", "num_speculative_tokens", "method"})
 SPECULATIVE_METHODS = ("draft_model", "ngram")
@@ -88,60 +85,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='e.g. \'{"model": "DIR|NAME|ID", "num_speculative_tokens": 4}\' or \'{"method": "ngram"}\'',
     )
-    # --api-key / --api-key-file / --max-inflight-per-client / --cors-origin: the same as `specmask up`.
-    add_fairness_and_auth_arguments(parser)
     parser.add_argument("--metrics-port", type=int, default=-1, help="separate Prometheus port (-1 = off)")
-    parser.add_argument("--mask-replicas", type=int, default=1, help="mask-service processes")
-    parser.add_argument("--num-workers", type=int, default=1, help="GPU worker actors")
-    parser.add_argument("--max-queue", type=int, default=cfg.DEFAULT_MAX_QUEUE)
-    parser.add_argument("--log-dir", default=None, help="where mask-service logs go (default: discarded)")
-    parser.add_argument("--log-level", default="INFO")
+    # --mask-replicas, --num-workers, --max-queue, --api-key(-file), --max-inflight-per-client,
+    # --cors-origin, --log-dir, --log-level: `specmask up`'s, with its defaults.
+    add_stack_arguments(parser)
 
 
 def orchestrator_overrides(args: argparse.Namespace, speculative: Speculative) -> dict[str, object]:
-    """The OrchestratorConfig fields `serve` sets beyond `up`'s."""
+    """The OrchestratorConfig fields `serve` sets beyond the flags it shares with `up`."""
     overrides: dict[str, object] = {
-        "host": args.host,
         "served_model_name": args.served_model_name or args.model,
         "max_model_len": args.max_model_len,
     }
     if speculative.k is not None:
         overrides["default_k"] = speculative.k
-    overrides["api_keys"] = api_keys_from_args(args)
-    overrides["max_inflight_per_client"] = args.max_inflight_per_client
-    overrides["cors_origins"] = tuple(args.cors_origin)
     return overrides
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
-    from specmask.gpu_worker.models.errors import ModelError
     from specmask.gpu_worker.models.resolve import resolve_pair
-    from specmask.orchestrator.dev.up import _up
 
     try:
         speculative = parse_speculative_config(args.speculative_config)
-        overrides = orchestrator_overrides(args, speculative)
     except ValueError as exc:
-        logger.error("%s", exc)
-        return 2
-    try:
-        target, draft = resolve_pair(args.model, speculative.draft)
-    except ModelError as exc:
-        logger.error("bad model: %s", exc)
-        return 2
-    stack = StackConfig(
-        target_dir=target,
-        draft_dir=draft,
-        mask_replicas=args.mask_replicas,
-        port=args.grpc_port,
-        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-        num_workers=args.num_workers,
-        log_dir=args.log_dir,
-        restart_replicas=True,
+        raise StartupError(str(exc)) from None
+    return launch(
+        args,
+        Launch(
+            host=args.host,
+            grpc=PortFlag("--grpc-port", args.grpc_port),
+            http=PortFlag("--port", args.port),
+            metrics=PortFlag("--metrics-port", args.metrics_port),
+            models=lambda: resolve_pair(args.model, speculative.draft),
+            orchestrator=orchestrator_overrides(args, speculative),
+        ),
     )
-    try:
-        asyncio.run(_up(stack, max_queue=args.max_queue, http_port=args.port, **overrides))
-    except KeyboardInterrupt:
-        return 130
-    return 0
