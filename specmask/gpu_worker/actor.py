@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from specmask.gpu_worker.config import WorkerConfig, iteration_budget
-from specmask.gpu_worker.kv_cache import SequenceKV
+from specmask.gpu_worker.kv_budget import KVBudget, budget_bytes, longest_sequence
+from specmask.gpu_worker.kv_cache import MIN_CAPACITY, SequenceKV
 from specmask.gpu_worker.loading import (
     checkpoint_dtype,
     cpu_threads,
@@ -47,6 +48,7 @@ from specmask.gpu_worker.model_runner import ForwardItem, ModelRunner
 from specmask.gpu_worker.proposers.base import ProposerResources
 from specmask.gpu_worker.proposers.registry import build_proposers, order_names
 from specmask.gpu_worker.sequence import SequenceState
+from specmask.gpu_worker.static_forward import BATCH_BUCKETS, WIDTH_BUCKETS
 from specmask.gpu_worker.step import StepRunner, uncached
 from specmask.gpu_worker.types import (
     LIVENESS_GROUP,
@@ -134,6 +136,7 @@ class GpuWorker:
         self.max_model_len = self.target.max_model_len
         if config.max_model_len is not None:
             self.max_model_len = min(self.max_model_len, config.max_model_len)
+        self.kv_budget = self._size_kv_budget()  # None = unbounded; may lower max_model_len
         self.tokenizer_id = tokenizer_id_for_path(config.target_dir)
         self.eos_token_ids = eos_token_ids(config.target_dir, self.tokenizer)
         self.masks: MaskChannel | None = None
@@ -196,6 +199,71 @@ class GpuWorker:
             gc.collect()
             gc.freeze()
 
+    def _size_kv_budget(self) -> KVBudget | None:
+        """The KV budget from the config (gpu_worker.kv_budget), split between the target's and
+        the draft's pools by their bytes per position. A budget too small for a max_model_len
+        sequence alone lowers max_model_len to the longest that fits (with a warning), so a
+        request that could never fit is refused by the context check."""
+        total = free = 0
+        if self.config.gpu_memory_utilization is not None and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+        nbytes = budget_bytes(
+            kv_cache_bytes=self.config.kv_cache_bytes,
+            gpu_memory_utilization=self.config.gpu_memory_utilization,
+            device_type=self.device.type,
+            total_bytes=total,
+            free_bytes=free,
+        )
+        if nbytes is None:
+            return None
+        runners = [r for r in (self.target, self.draft) if r is not None]
+        per_position = sum(r.kv_bytes_per_token for r in runners)
+        positions = nbytes // per_position
+        # A static forward on a GPU pads its batch to a bucket of slots; every forward writes up
+        # to a verify row's k + 1 positions, or a static width bucket's, past a row's length.
+        padded = any(r.static is not None and r.static.pad_to_buckets for r in runners)
+        buckets = BATCH_BUCKETS if padded else ()
+        slack = max(self.config.max_k + 1, WIDTH_BUCKETS[-1])
+        longest = longest_sequence(positions, slack=slack, min_capacity=MIN_CAPACITY, slot_buckets=buckets)
+        if longest < 2:
+            raise ValueError(
+                f"a KV budget of {nbytes} bytes ({positions} positions of {per_position} bytes) holds no "
+                f"sequence: one needs at least {max(MIN_CAPACITY, 2 + slack)} positions"
+            )
+        if longest < self.max_model_len:
+            logger.warning(
+                "the KV budget (%d bytes, %d positions) holds one sequence of at most %d tokens: "
+                "max_model_len lowered from %d",
+                nbytes,
+                positions,
+                longest,
+                self.max_model_len,
+            )
+            self.max_model_len = longest
+        for runner in runners:
+            runner.kv_budget_bytes = positions * runner.kv_bytes_per_token
+        budget = KVBudget(positions, self.max_model_len, slack, MIN_CAPACITY, buckets)
+        logger.info(
+            "KV budget: %d bytes, %d slot-positions (%d bytes each, target and draft), e.g. %d sequences of %d",
+            nbytes,
+            positions,
+            per_position,
+            positions // budget.need(self.max_model_len, 0),
+            self.max_model_len,
+        )
+        return budget
+
+    def _need(self, s: SequenceState) -> int:
+        """Positions per slot ``s`` reserves under the KV budget (kv_budget.KVBudget.need)."""
+        assert self.kv_budget is not None
+        return self.kv_budget.need(s.prompt_len, s.request.sampling.max_tokens)
+
+    def kv_usage(self) -> float | None:
+        """The fraction of the KV budget the active sequences reserve; None without a budget."""
+        if self.kv_budget is None:
+            return None
+        return self.kv_budget.usage([self._need(s) for s in self._seqs.values()])
+
     def _check_shared_tokenizer(self, draft_dir: str) -> None:
         """Draft tokens are fed to the target as ids: both must use the same vocabulary."""
         if not has_tokenizer(draft_dir):
@@ -216,6 +284,7 @@ class GpuWorker:
             pid=os.getpid(),
             session_owner=self.session_owner,
             torch_threads=torch.get_num_threads(),
+            kv_budget=self.kv_budget,
         )
 
     def num_active(self) -> int:
@@ -240,7 +309,7 @@ class GpuWorker:
         seen: set[str] = set()
         for i, req in enumerate(seqs):
             try:
-                state = self._admit(req, seen, len(accepted))
+                state = self._admit(req, seen, [s for _, s in accepted])
             except (ValueError, TypeError) as exc:
                 errors[i] = str(exc)
                 rid = getattr(req, "request_id", "") or getattr(req, "seq_id", "?")
@@ -502,15 +571,16 @@ class GpuWorker:
             self.masks.close()
 
     # -- internals --------------------------------------------------------------
-    def _admit(self, req: Any, seen: set[str], num_accepted: int) -> SequenceState:
-        """Check one request and build its state (raises ValueError/TypeError with a clear message)."""
+    def _admit(self, req: Any, seen: set[str], accepted: Sequence[SequenceState]) -> SequenceState:
+        """Check one request and build its state (raises ValueError/TypeError with a clear message);
+        ``accepted``: the ones this add() has admitted before it."""
         if not isinstance(req, NewSequence):
             raise TypeError(f"expected NewSequence, got {type(req).__name__}")
         if not isinstance(req.seq_id, str) or not req.seq_id:
             raise ValueError("seq_id must be a non-empty string")
         if req.seq_id in self._seqs or req.seq_id in seen:
             raise ValueError(f"duplicate seq_id {req.seq_id!r}")
-        if len(self._seqs) + num_accepted >= self.config.max_batch:
+        if len(self._seqs) + len(accepted) >= self.config.max_batch:
             raise ValueError(f"worker is full ({self.config.max_batch} active sequences)")
         prompt = list(req.prompt_token_ids)
         if not prompt:
@@ -543,6 +613,16 @@ class GpuWorker:
             assert self.draft is not None
             if max(prompt) >= self.draft.input_vocab_size:
                 raise ValueError(f"prompt token id {max(prompt)} is outside the draft vocabulary")
+        if self.kv_budget is not None:
+            # The orchestrator places a request only where it fits (engine._place); this is the
+            # worker's own guard, so a pool never has to grow past its budget mid-step.
+            needs = [self._need(s) for s in (*self._seqs.values(), *accepted)]
+            needs.append(self.kv_budget.need(len(prompt), p.max_tokens))
+            if not self.kv_budget.fits(needs):
+                raise ValueError(
+                    f"KV budget full: {len(needs)} sequences would reserve {self.kv_budget.reserved(needs)} of its "
+                    f"{self.kv_budget.positions} slot-positions; retry when running ones finish"
+                )
         seed = p.seed if p.seed is not None else self._rng.getrandbits(_SEED_BITS)
         return SequenceState(
             request=req,
@@ -681,7 +761,11 @@ class GpuWorker:
             return f"{MASK_TIER_UNAVAILABLE}: opening the grammar session took over {waited:.0f} s; retry"
         state.session_opening = None
         try:
-            state.session_id = opening.result()
+            opened = opening.result()
+            state.session_id = opened.session_id
+            # The grammar is over once any of its stop tokens is taken, and the service walks
+            # no state past it (no row there is real): the sequence stops on each of them.
+            state.stop_token_ids = state.stop_token_ids | opened.stop_token_ids
         except Exception as exc:
             logger.warning(
                 "[request_id=%s] seq %s: opening mask session failed: %s", state.request_id, state.seq_id, exc

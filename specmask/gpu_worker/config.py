@@ -9,8 +9,8 @@ from dataclasses import dataclass
 # the target forward; past ~8 the expected gain (1 - a^(k+1)) / (1 - a) saturates
 # for any realistic acceptance rate a, so larger k only burns draft time.
 DEFAULT_MAX_K = 8
-# Active sequences per worker. KV caches are per sequence and unpaged, so this
-# is the memory guard: add() refuses sequences past it with a per-sequence error.
+# Active sequences per worker (vLLM's max_num_seqs). Without a KV budget (kv_cache_bytes,
+# gpu_memory_utilization) this is the memory guard: add() refuses sequences past it.
 DEFAULT_MAX_BATCH = 64
 # Prompt-lookup (n-gram) proposer: match the longest context suffix of at most
 # NGRAM_MAX tokens, at least NGRAM_MIN (prompt lookup decoding, Saxena 2023;
@@ -79,6 +79,11 @@ class WorkerConfig:
     ngram_max: int = DEFAULT_NGRAM_MAX
     step_prefill_tokens: int = DEFAULT_STEP_PREFILL_TOKENS
     max_iteration_tokens: int = DEFAULT_MAX_ITERATION_TOKENS  # target tokens per iteration (see above)
+    # The KV budget (gpu_worker.kv_budget), shared by the target's and the draft's pools: bytes
+    # (any device), or vLLM's fraction of the CUDA device's memory the worker may use, less what
+    # the loaded models take. Neither: unbounded pools, max_batch and max_model_len the only guard.
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
     # torch intra-op threads (process-wide). None keeps the process's default: in a Ray
     # actor without num_cpus that is 1, since Ray sets OMP_NUM_THREADS=1 there. 0 = every
     # CPU this process may run on, when the device is the CPU and the target is not tiny
@@ -114,6 +119,12 @@ class WorkerConfig:
             raise ValueError(f"max_iteration_tokens must be >= 0 (0 = by device), got {self.max_iteration_tokens}")
         if self.static_forward not in ("auto", "on", "off"):
             raise ValueError(f"static_forward must be auto, on or off, got {self.static_forward!r}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_bytes is not None and self.gpu_memory_utilization is not None:
+            raise ValueError("give kv_cache_bytes or gpu_memory_utilization, not both")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

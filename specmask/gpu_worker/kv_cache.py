@@ -17,11 +17,14 @@ every running sequence waits), so the worker grows the pool for a whole ``add`` 
 once (``grow``) instead of letting each prompt chunk that passes the capacity grow
 it again.
 
-A pool may have a byte budget (``max_bytes``, the worker's KV budget: WorkerConfig
-.kv_cache_bytes or gpu_memory_utilization): growth is then clamped to it, and a resize
-past it raises ``KVBudgetExceeded`` instead of allocating. The worker admits a sequence
-only when the pool shape the batch then needs fits (actor._admit), so that is a bug
-signal, never an out-of-memory in the middle of a step.
+A pool may have a byte budget (``max_bytes``, its share of the worker's KV budget:
+WorkerConfig.kv_cache_bytes or gpu_memory_utilization, gpu_worker.kv_budget). Growth is
+then clamped to it: the geometric part gives way first, then what the pool holds beyond
+its use (slots nobody has, positions past the longest sequence: otherwise a long sequence
+that has finished would leave every slot long); a resize past it raises
+``KVBudgetExceeded`` instead of allocating. The worker admits a sequence only when the
+pool shape the batch may come to need fits (kv_budget.KVBudget, actor._admit), so that is
+a bug signal, never an out-of-memory in the middle of a step.
 
 Rolling back after rejected drafts (``crop``) only moves ``length``; the next
 write overwrites the stale entries.
@@ -38,8 +41,10 @@ from collections.abc import Sequence
 import numpy
 import torch
 
-# Positions added at least when the pool grows (a step appends k + 1 at most).
+# Positions added at least when the pool grows (a step appends k + 1 at most), and the least
+# capacity a pool has (kv_budget.KVBudget.min_capacity).
 _MIN_GROWTH = 64
+MIN_CAPACITY = _MIN_GROWTH
 
 
 class KVBudgetExceeded(RuntimeError):
@@ -147,40 +152,48 @@ class SlotPool:
         self._owners.pop()
         kv.pool, kv.slot = None, None
 
-    def grow(self, slots: int, positions: int) -> None:
+    def grow(self, slots: int, positions: int, *, step: int = 1) -> None:
         """At least ``slots`` slots and ``positions`` positions per slot, in at most one resize;
-        each grows geometrically (slots by half, positions by half and at least ``_MIN_GROWTH``),
-        or straight to what is asked if that is more."""
+        each grows geometrically (slots by half, positions by half and at least ``_MIN_GROWTH``,
+        rounded up to a multiple of ``step``), or straight to what is asked if that is more.
+        Under a budget, the first of these shapes that fits: the geometric one; the slots asked
+        with the geometric capacity; the slots asked with what is asked; then, shrinking, the
+        slots in use and the positions the longest sequence holds (never less than asked)."""
+        exact_slots = max(slots, self.num_slots, 1)
         new_slots = self.num_slots
         if slots > new_slots:
             new_slots = max(slots, new_slots + max(1, new_slots // 2))
         capacity = self.capacity
         if positions > capacity:
             capacity = max(positions, capacity + max(capacity // 2, _MIN_GROWTH))
-        new_slots, capacity = max(new_slots, 1), max(capacity, _MIN_GROWTH)
-        # Under a budget the geometric part of the growth is what gives way: exactly what was
-        # asked (and the minimum capacity) is the last resort before refusing.
-        if not self.fits(new_slots, capacity):
-            capacity = max(positions, self.capacity, min(capacity, _MIN_GROWTH))
-        if not self.fits(new_slots, capacity):
-            new_slots = max(slots, self.num_slots, 1)
-        if new_slots != self.num_slots or capacity != self.capacity:
-            self._resize(new_slots, capacity)
+            capacity = -(-capacity // step) * step
+        capacity = max(capacity, _MIN_GROWTH)
+        asked = max(positions, self.capacity, _MIN_GROWTH)
+        floor = max(slots, self.num_used, 1), max(positions, self._longest(), _MIN_GROWTH)
+        shape = self._first_fit([(max(new_slots, 1), capacity), (exact_slots, capacity), (exact_slots, asked), floor])
+        if shape != (self.num_slots, self.capacity):
+            self._resize(*shape)
 
     def ensure_slots(self, slots: int) -> None:
-        """At least ``slots`` slots (used or free): a static-shape forward spans a whole bucket of them."""
+        """At least ``slots`` slots (used or free): a static-shape forward spans a whole bucket of
+        them. Under a budget, the capacity may shrink to the longest sequence's to make room."""
         if slots > self.num_slots:
-            self._resize(slots, max(self.capacity, min(_MIN_GROWTH, self._budget_capacity(slots))))
+            capacity = max(self.capacity, _MIN_GROWTH)
+            shape = self._first_fit([(slots, capacity), (slots, max(self._longest(), _MIN_GROWTH))])
+            self._resize(*shape)
 
-    def _budget_capacity(self, slots: int) -> int:
-        """The most positions per slot the budget allows at ``slots`` slots."""
-        if self.max_bytes is None:
-            return 1 << 62
-        return self.max_bytes // max(1, slots * self.bytes_per_position)
+    def _longest(self) -> int:
+        """Positions the longest sequence in the pool holds."""
+        return max((kv.length for kv in self._owners), default=0)
 
-    def reserve(self, positions: int) -> None:
-        """Room for ``positions`` positions in every slot (``grow``)."""
-        self.grow(self.num_slots, positions)
+    def _first_fit(self, shapes: Sequence[tuple[int, int]]) -> tuple[int, int]:
+        """The first (slots, capacity) within the budget, else the last (whose resize raises)."""
+        return next((shape for shape in shapes if self.fits(*shape)), shapes[-1])
+
+    def reserve(self, positions: int, *, step: int = 1, slots: int = 0) -> None:
+        """Room for ``positions`` positions in every slot (``grow``), keeping at least ``slots``
+        slots (a static forward's bucket) and the ones in use."""
+        self.grow(slots, positions, step=step)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))

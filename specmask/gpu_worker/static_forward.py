@@ -182,7 +182,8 @@ class StaticForward:
             ids[it.kv.slot, : len(it.token_ids)] = torch.as_tensor(list(it.token_ids), dtype=torch.long)
         positions = torch.tensor(lengths, dtype=torch.long).unsqueeze(1) + torch.arange(width)  # [B, T]
         need = max(lengths) + width  # every row, dummy ones too, writes T positions past its length
-        pool.reserve(-(-need // GPU_CAPACITY_STEP) * GPU_CAPACITY_STEP if self.use_graphs else need)
+        # On a GPU in large steps (each growth means new graphs), where the pool's budget allows.
+        pool.reserve(need, step=GPU_CAPACITY_STEP if self.use_graphs else 1, slots=rows)
         # Bucketed (what a graph runs): keys past the rows' lengths are read too, under the mask.
         keys = min(pool.capacity, -(-need // KEY_BUCKET) * KEY_BUCKET) if self.pad_to_buckets else need
         k_rows = [k[:rows] for k in pool.k]  # [B, H_kv, capacity, D] views: row b is slot b

@@ -15,6 +15,7 @@ import enum
 from dataclasses import dataclass, field
 
 from specmask.common.grammar_spec import GrammarSpec
+from specmask.gpu_worker.kv_budget import KVBudget
 
 
 class FinishReason(enum.Enum):
@@ -210,6 +211,9 @@ class WorkerInfo:
     # orchestrator release them when the worker is lost.
     session_owner: str = ""
     torch_threads: int = 0  # torch intra-op threads the worker process runs with
+    # The KV budget and its admission rule (gpu_worker.kv_budget): the orchestrator places a
+    # request only where it fits. None = unbounded pools.
+    kv_budget: KVBudget | None = None
 
     def serves_same_model(self, other: WorkerInfo) -> bool:
         """Interchangeable for the orchestrator: same tokenizer, logits width and length limit."""
