@@ -53,6 +53,17 @@ T = TypeVar("T")
 CONTROL_THREADS = 2
 
 
+@dataclass(frozen=True)
+class OpenedSession:
+    """A mask session the service opened for a sequence."""
+
+    session_id: str
+    # The tokens the session's grammar ends on (the service's stop set for the tokenizer, which
+    # may hold more than the worker's EOS: SmolLM2's ``<|endoftext|>`` beside ``<|im_end|>``).
+    # The service walks nothing past one, so the sequence must stop on every one of them.
+    stop_token_ids: frozenset[int]
+
+
 class MaskChannel:
     """One worker's access to the mask service: DraftMasks on the data thread, opens and closes
     on the control threads (see the module docstring)."""
@@ -97,13 +108,17 @@ class MaskChannel:
     def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         return self._pool.submit(fn, *args)
 
-    def open_session_async(self, spec: GrammarSpec, *, request_id: str = "") -> Future[str]:
+    def open_session_async(self, spec: GrammarSpec, *, request_id: str = "") -> Future[OpenedSession]:
         """Open a session for the target tokenizer and logits width, on a control thread; the
-        future gives the session id or raises MaskServiceError. ``request_id`` travels to the
-        service, which names it in its log lines about the session."""
-        return self._control.submit(
-            lambda: self._router.open_session(self.tokenizer_id, spec, self.vocab_size, request_id=request_id)
-        )
+        future gives the session (its id and the stop tokens its grammar ends on) or raises
+        MaskServiceError. ``request_id`` travels to the service, which names it in its log
+        lines about the session."""
+
+        def call() -> OpenedSession:
+            info = self._router.open_session_info(self.tokenizer_id, spec, self.vocab_size, request_id=request_id)
+            return OpenedSession(info.session_id, frozenset(int(t) for t in info.stop_token_ids))
+
+        return self._control.submit(call)
 
     def draft_masks_async(self, items: Sequence[DraftMaskItem]) -> Future[tuple[list[DraftMaskResult], float]]:
         """Submit a batched DraftMasks call; the future gives (results, seconds on the I/O thread)."""

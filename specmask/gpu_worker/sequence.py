@@ -12,9 +12,13 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specmask.gpu_worker.kv_cache import SequenceKV
 from specmask.gpu_worker.types import FinishReason, NewSequence
+
+if TYPE_CHECKING:
+    from specmask.gpu_worker.masks import OpenedSession
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +26,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class SequenceState:
     request: NewSequence
+    # The request's stop set (or the model's EOS), joined once the mask session opens by the
+    # tokens its grammar ends on (masks.OpenedSession): nothing may follow any of them.
     stop_token_ids: frozenset[int]
     proposers: tuple[str, ...]  # enabled proposer names, registry priority order; () = no speculation
     k: int  # max drafts per step for this sequence (0 = plain decoding)
@@ -32,7 +38,7 @@ class SequenceState:
     session_id: str | None = None  # mask session, once open; None = no grammar, or still opening
     # The session being opened (add() does not wait for it): the sequence sits out steps
     # until it resolves, so it never takes a step without its masks.
-    session_opening: Future[str] | None = None
+    session_opening: Future[OpenedSession] | None = None
     opening_since: float = 0.0  # time.monotonic() when the open was sent
     # How the open met the first steps (GpuWorker.step): steps sat out, a late join, and
     # whether the first output has reported them (StepOutput.session_wait).

@@ -46,6 +46,14 @@ class RecordingRouter:
     def open_session(self, *args: Any, **kwargs: Any) -> str:
         return self._run("open_session", *args, **kwargs)
 
+    def open_session_info(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.monotonic()
+        assert self.gates["open_session"].wait(GATE_S)
+        try:
+            return self.router.open_session_info(*args, **kwargs)
+        finally:
+            self.calls.append(("open_session", threading.current_thread().name, start, time.monotonic()))
+
     def draft_masks(self, items: Any) -> Any:
         return self._run("draft_masks", items)
 
@@ -81,7 +89,7 @@ def test_draft_masks_do_not_queue_behind_a_slow_session_open(channel, mask_servi
     the service; with one thread for both, it waited for the open (15 ms p99 per call under
     the soak's flood, seconds behind an open waiting on a compile)."""
     chan, router = channel
-    running = chan.open_session_async(SCHEMA).result(timeout=20)
+    running = chan.open_session_async(SCHEMA).result(timeout=20).session_id
     router.gates["open_session"].clear()
     opening = chan.open_session_async(OTHER)
     pending = chan.draft_masks_async([DraftMaskItem(running, [])])
@@ -89,11 +97,11 @@ def test_draft_masks_do_not_queue_behind_a_slow_session_open(channel, mask_servi
     assert len(results) == 1 and results[0].num_grammar_accepted == 0
     assert not opening.done(), "the open should still be held at its gate"
     router.gates["open_session"].set()
-    assert opening.result(timeout=20) != running
+    assert opening.result(timeout=20).session_id != running
     ((_, data_thread, _, _),) = router.of("draft_masks")
     assert data_thread.startswith("mask-io")
     assert all(thread.startswith("mask-control") for _, thread, _, _ in router.of("open_session"))
-    for sid in (running, opening.result()):
+    for sid in (running, opening.result().session_id):
         chan.close_session_later(sid, "seq")
 
 
@@ -104,7 +112,7 @@ def test_a_close_waits_for_the_draft_masks_sent_before_it(channel, mask_service)
     No session is left open on the service."""
     chan, router = channel
     rid = f"close-after-draft-{uuid.uuid4().hex[:8]}"
-    sid = chan.open_session_async(SCHEMA, request_id=rid).result(timeout=20)
+    sid = chan.open_session_async(SCHEMA, request_id=rid).result(timeout=20).session_id
     router.gates["draft_masks"].clear()
     pending = chan.draft_masks_async([DraftMaskItem(sid, [])])
     chan.close_session_later(sid, "seq")

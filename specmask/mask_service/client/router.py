@@ -22,6 +22,7 @@ is translated back, or cleared when the failure concerns no one session.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
@@ -60,6 +61,9 @@ class _SessionRecord:
     spec: GrammarSpec
     vocab_size: int | None
     request_id: str = ""  # the orchestrator request it serves, sent again on every (re)open
+    # The stop tokens the first replica's grammar ends on: the caller stops on them (a grammar
+    # is over once one is taken), so a replica the session moves to must end it on the same.
+    stop_token_ids: tuple[int, ...] | None = None
     address: str = ""
     remote_id: str = ""
     committed: list[int] = field(default_factory=list)
@@ -156,15 +160,27 @@ class MaskRouter:
             raise MaskServiceError(grpc.StatusCode.NOT_FOUND, f"unknown router session {session_id!r}", session_id)
         return rec
 
-    def _place(self, session_id: str, rec: _SessionRecord, avoid: str | None = None) -> None:
-        """(Re)open the session on the best live replica and replay its committed tokens."""
+    def _place(self, session_id: str, rec: _SessionRecord, avoid: str | None = None) -> pb.OpenSessionResponse:
+        """(Re)open the session on the best live replica and replay its committed tokens;
+        returns that replica's answer to the open (its session id, not the router's)."""
         last_exc: MaskServiceError | None = None
         for address in self._candidates(session_id, avoid):
             client = self._client(address)
             try:
-                remote = client.open_session(
+                info = client.open_session_info(
                     rec.tokenizer_id, rec.spec, rec.vocab_size, owner=self.owner, request_id=rec.request_id
                 )
+                remote = info.session_id
+                stops = tuple(sorted(info.stop_token_ids))
+                if rec.stop_token_ids is not None and stops != rec.stop_token_ids:
+                    with contextlib.suppress(MaskServiceError):  # else the replica's TTL reclaims it
+                        client.close_session(remote, owner=self.owner)
+                    raise MaskServiceError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"replica {address} ends this grammar on stop tokens {list(stops)}, "
+                        f"the session was opened with {list(rec.stop_token_ids)}",
+                        session_id,
+                    )
                 if rec.committed:
                     client.commit(remote, rec.last_seq, rec.committed)
             except MaskServiceError as exc:
@@ -181,8 +197,8 @@ class MaskRouter:
                     address,
                     len(rec.committed),
                 )
-            rec.address, rec.remote_id = address, remote
-            return
+            rec.address, rec.remote_id, rec.stop_token_ids = address, remote, stops
+            return info
         raise last_exc or MaskServiceError(grpc.StatusCode.UNAVAILABLE, "no mask-service replica reachable")
 
     # -- API ----------------------------------------------------------------
@@ -201,16 +217,27 @@ class MaskRouter:
     def open_session(
         self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None, *, request_id: str = ""
     ) -> str:
+        return self.open_session_info(tokenizer_id, spec, vocab_size, request_id=request_id).session_id
+
+    def open_session_info(
+        self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None, *, request_id: str = ""
+    ) -> pb.OpenSessionResponse:
+        """The replica's answer to the open (width, the stop tokens the grammar ends on), with
+        the router's session id. A replica the session later moves to must end the grammar on
+        the same stop tokens (``_place`` refuses one that does not)."""
         session_id = uuid.uuid4().hex
         rec = _SessionRecord(tokenizer_id, spec, vocab_size, request_id)
         try:
-            self._place(session_id, rec)
+            info = self._place(session_id, rec)
         except MaskServiceError as exc:
             exc.session_id = None  # the id was never handed out: there is nothing to attribute to
             raise
         with self._lock:
             self._sessions[session_id] = rec
-        return session_id
+        out = pb.OpenSessionResponse()
+        out.CopyFrom(info)
+        out.session_id = session_id
+        return out
 
     def _recover(self, session_id: str, rec: _SessionRecord, exc: MaskServiceError) -> None:
         failed = rec.address

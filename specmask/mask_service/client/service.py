@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from specmask.common.grammar_spec import GrammarSpec
     from specmask.mask_service.client.mask_client import DraftMaskItem, DraftMaskResult
+    from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
 
 __all__ = ["MaskService"]
 
@@ -24,6 +25,13 @@ class MaskService(Protocol):
     def open_session(
         self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None, *, request_id: str = ""
     ) -> str: ...
+
+    def open_session_info(
+        self, tokenizer_id: str, spec: GrammarSpec, vocab_size: int | None = None, *, request_id: str = ""
+    ) -> pb.OpenSessionResponse:
+        """``open_session`` with what the session is: its id (``session_id``), width and the
+        stop tokens its grammar ends on (``stop_token_ids``)."""
+        ...
 
     def commit(self, session_id: str, seq: int, tokens: Sequence[int]) -> bool: ...
 
