@@ -52,8 +52,17 @@ def clean_env() -> dict[str, str]:
 
 
 def make(*args: str) -> str:
+    """``make args`` in the repository, as a fresh clone runs it: PyPI alone (TORCH_INDEX empty),
+    none of the variables a calling `make test` hands its children (MAKEFLAGS carries its
+    command-line variables)."""
+    env = {k: v for k, v in os.environ.items() if k not in {"MAKEFLAGS", "MFLAGS", "MAKELEVEL", "TORCH_INDEX"}}
     done = subprocess.run(
-        ["make", "--no-print-directory", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+        ["make", "--no-print-directory", "TORCH_INDEX=", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, f"make {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
