@@ -20,7 +20,7 @@ The light client's p50/p99 latency per phase, the ratios ``fair_p99 / alone_p99`
 and refused requests. The last line is ``RESULT {json}``.
 
 ``--saturate N`` keeps N busy processes spinning through every phase (alone
-included), as other work on the machine would; ``--case smollm2-saturated`` is
+included; not during the stack's start), as other work on the machine would; ``--case smollm2-saturated`` is
 the real-model case: SmolLM2-135M-Instruct (the registered default model, its
 default draft), every core saturated, a 40-request flood, 8-token light requests:
 
@@ -214,21 +214,23 @@ async def _run(args: argparse.Namespace, target: str, draft: str | None) -> dict
         stack, max_queue=args.max_queue, max_batch=args.max_batch, api_keys=(LIGHT_KEY, FLOOD_KEY)
     ) as running:
         default_cap = running.config.inflight_cap_per_client
-        # Warm-up: the first requests pay for compiles and lazy initialisation.
-        await asyncio.to_thread(light_phase, running.address, 2, args.max_tokens)
-        alone = await asyncio.to_thread(light_phase, running.address, args.requests, args.max_tokens)
-        set_fair(running, True, default_cap)
-        fair, fair_flood = await asyncio.to_thread(flood_phase, running, args)
-        control: dict[str, Any] = {}
-        if not args.no_control:
-            set_fair(running, False, 0)
-            fifo, fifo_flood = await asyncio.to_thread(flood_phase, running, args)
+        # Saturated from the warm-up on, not during start-up: Ray's start has a deadline.
+        with Saturation(args.saturate):
+            # Warm-up: the first requests pay for compiles and lazy initialisation.
+            await asyncio.to_thread(light_phase, running.address, 2, args.max_tokens)
+            alone = await asyncio.to_thread(light_phase, running.address, args.requests, args.max_tokens)
             set_fair(running, True, default_cap)
-            control = {
-                "fifo": summary(fifo),
-                "fifo_flood_completed": fifo_flood.completed,
-                "fifo_flood_refused": fifo_flood.refused,
-            }
+            fair, fair_flood = await asyncio.to_thread(flood_phase, running, args)
+            control: dict[str, Any] = {}
+            if not args.no_control:
+                set_fair(running, False, 0)
+                fifo, fifo_flood = await asyncio.to_thread(flood_phase, running, args)
+                set_fair(running, True, default_cap)
+                control = {
+                    "fifo": summary(fifo),
+                    "fifo_flood_completed": fifo_flood.completed,
+                    "fifo_flood_refused": fifo_flood.refused,
+                }
     base = summary(alone)
     result: dict[str, Any] = {
         "alone": base,
@@ -281,18 +283,17 @@ def main(argv: list[str] | None = None) -> int:
         p.set_defaults(**CASES[pre.case])
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    with Saturation(args.saturate):
-        if args.target is not None:
-            from specmask.gpu_worker.models.resolve import resolve_pair
+    if args.target is not None:
+        from specmask.gpu_worker.models.resolve import resolve_pair
 
-            target, draft = resolve_pair(args.target, args.draft)
-            result = asyncio.run(_run(args, target, draft))
-        else:
-            from tests.fixtures.tiny_models import build_tiny_model_pair
+        target, draft = resolve_pair(args.target, args.draft)
+        result = asyncio.run(_run(args, target, draft))
+    else:
+        from tests.fixtures.tiny_models import build_tiny_model_pair
 
-            with tempfile.TemporaryDirectory(prefix="bench-fairness-") as tmp:
-                t, d = build_tiny_model_pair(tmp)
-                result = asyncio.run(_run(args, str(t), str(d)))
+        with tempfile.TemporaryDirectory(prefix="bench-fairness-") as tmp:
+            t, d = build_tiny_model_pair(tmp)
+            result = asyncio.run(_run(args, str(t), str(d)))
     print_table(result)
     print("RESULT " + json.dumps(result, sort_keys=True), flush=True)
     return 0
