@@ -102,6 +102,10 @@ class OrchestratorConfig:
     # Prompt tokens waiting for a worker, and placed on one worker (orchestrator.token_admission); 0 = off.
     max_queued_prompt_tokens: int = DEFAULT_MAX_QUEUED_PROMPT_TOKENS
     max_worker_prompt_tokens: int = DEFAULT_MAX_WORKER_PROMPT_TOKENS
+    # Each worker's KV budget (gpu_worker.kv_budget): bytes, or vLLM's fraction of its CUDA
+    # device's memory; None for both = unbounded pools. Requests are placed only where they fit.
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float | None = None
     mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S
     mask_max_retries: int = DEFAULT_MASK_MAX_RETRIES
     validation_threads: int = DEFAULT_VALIDATION_THREADS
@@ -160,6 +164,8 @@ class OrchestratorConfig:
             raise ValueError(
                 f"max_inflight_per_client must be >= 0 (0 = no cap) or -1 (auto), got {self.max_inflight_per_client}"
             )
+        if self.kv_cache_bytes is not None or self.gpu_memory_utilization is not None:
+            self.worker_config()  # the budget's bounds: WorkerConfig raises ValueError
         if not 0 <= self.default_k <= self.max_k:
             raise ValueError(f"need 0 <= default_k <= max_k, got {self.default_k}, {self.max_k}")
 
@@ -198,6 +204,8 @@ class OrchestratorConfig:
             torch_threads=self.worker_torch_threads,
             step_prefill_tokens=self.step_prefill_tokens,
             max_iteration_tokens=self.max_iteration_tokens,
+            kv_cache_bytes=self.kv_cache_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
             log_level=self.worker_log_level,
             log_format=self.log_format,
         )

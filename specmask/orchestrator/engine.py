@@ -62,6 +62,7 @@ from typing import Any
 from ray.exceptions import ActorDiedError, RayTaskError
 
 from specmask.gpu_worker.config import CPU_ITERATION_TOKENS, GPU_ITERATION_TOKENS
+from specmask.gpu_worker.kv_budget import KVBudget
 from specmask.gpu_worker.types import (
     LIVENESS_GROUP,
     FinishReason,
@@ -453,10 +454,16 @@ class Engine:
     def _publish_load(self) -> None:
         """The load gauges (queue, placed requests, batch-slot usage) from the state now."""
         healthy = [s for s in self._slots if s.healthy]
+        budgeted = [(s, s.info.kv_budget) for s in healthy if s.info.kv_budget is not None]
+        kv_usage = None
+        if budgeted:
+            reserved = sum(budget.reserved(_kv_needs(s, budget)) for s, budget in budgeted)
+            kv_usage = reserved / sum(budget.positions for _, budget in budgeted)
         self._metrics.observe_load(
             waiting=self.queue_depth,
             running=sum(s.load for s in healthy),
             slots=sum(s.capacity for s in healthy),
+            kv_usage=kv_usage,
         )
 
     def _queued_prompt_tokens(self) -> int:
@@ -476,10 +483,15 @@ class Engine:
                 break
             n = len(request.seq.prompt_token_ids)
             candidates = [
-                s for s in self._slots if s.healthy and s.load < s.capacity and bounds.fits_worker(s.prompt_tokens, n)
+                s
+                for s in self._slots
+                if s.healthy and s.load < s.capacity and bounds.fits_worker(s.prompt_tokens, n) and _kv_fits(s, request)
             ]
             if not candidates:
-                break  # it waits at its place in the queue for room in a worker's batch
+                # It waits at its place in the queue for room in a worker's batch (slots, prompt
+                # tokens, KV memory), and the ones behind it wait too: a long request is not
+                # overtaken for ever by short ones that keep fitting before it.
+                break
             self._waiting.remove(request)
             slot = min(candidates, key=lambda s: s.load)
             slot.to_add.append(request)
@@ -946,6 +958,25 @@ class Engine:
         slot.gone = True
         if not self.healthy and not any(not s.healthy and not s.gone for s in self._slots):
             self._fail_waiting()
+
+
+def _kv_needs(slot: WorkerSlot, budget: KVBudget) -> list[int]:
+    """Positions per slot each request placed on ``slot`` reserves (gpu_worker.kv_budget): the
+    worker holds a superset of them at each add(), which removes before it adds."""
+    return [
+        budget.need(len(r.seq.prompt_token_ids), r.seq.sampling.max_tokens)
+        for r in (*slot.running.values(), *slot.to_add)
+    ]
+
+
+def _kv_fits(slot: WorkerSlot, request: Request) -> bool:
+    """Whether ``request`` fits ``slot``'s KV budget beside what is placed there (no budget: yes)."""
+    budget = slot.info.kv_budget
+    if budget is None:
+        return True
+    needs = _kv_needs(slot, budget)
+    needs.append(budget.need(len(request.seq.prompt_token_ids), request.seq.sampling.max_tokens))
+    return budget.fits(needs)
 
 
 def _fresh_seed(sampling: SamplingParams, attempt: int) -> SamplingParams:

@@ -64,7 +64,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=cfg.DEFAULT_MAX_QUEUE,
         help="requests validating or waiting before RESOURCE_EXHAUSTED",
     )
-    parser.add_argument("--max-batch", type=int, default=cfg.DEFAULT_MAX_BATCH, help="active sequences per worker")
+    parser.add_argument(
+        "--max-batch",
+        "--max-num-seqs",
+        dest="max_batch",
+        type=int,
+        default=cfg.DEFAULT_MAX_BATCH,
+        help="active sequences per worker (vLLM's --max-num-seqs)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="KV budget of each worker (CUDA): the fraction of its device's memory it may use, less the "
+        "loaded models and an activation reserve; requests wait in the queue until their prompt + max_tokens "
+        "fit beside the running ones (docs/models.md). Default: no budget",
+    )
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help="KV budget of each worker in bytes, on any device (instead of --gpu-memory-utilization)",
+    )
     parser.add_argument("--max-k", type=int, default=cfg.DEFAULT_MAX_K, help="largest k a request may ask for")
     parser.add_argument("--default-k", type=int, default=cfg.DEFAULT_K, help="k for requests that name none")
     parser.add_argument(
@@ -121,12 +142,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-iteration-tokens",
+        "--max-num-batched-tokens",
+        dest="max_iteration_tokens",
         type=int,
         default=cfg.DEFAULT_MAX_ITERATION_TOKENS,
         help="target tokens one worker iteration may process, each weighted by the keys it attends over "
         "(a token deep in a long prompt counts more than one): running sequences' decode rows first, then "
         "chunks of prompts being prefilled, in the same forward; 0 = by device, 512 on a GPU and 48 on a "
-        "CPU (docs/scheduling.md)",
+        "CPU (docs/scheduling.md); vLLM's --max-num-batched-tokens, but weighted",
     )
     parser.add_argument(
         "--max-queued-prompt-tokens",
@@ -245,6 +268,8 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         max_iteration_tokens=args.max_iteration_tokens,
         max_queued_prompt_tokens=args.max_queued_prompt_tokens,
         max_worker_prompt_tokens=args.max_worker_prompt_tokens,
+        kv_cache_bytes=args.kv_cache_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         mask_deadline_s=args.mask_deadline_s,
         shutdown_grace_s=args.shutdown_grace_s,
         checked_max_attempts=args.checked_max_attempts,

@@ -185,6 +185,12 @@ class OrchestratorMetrics:
             "Fraction of the healthy workers' batch slots held by placed requests (1 when none is healthy)",
             registry=r,
         )
+        self.kv_usage = Gauge(
+            "specmask_kv_cache_usage_ratio",
+            "Fraction of the healthy workers' KV budgets the placed requests reserve (gpu_worker.kv_budget); "
+            "without a budget, specmask_batch_slot_usage",
+            registry=r,
+        )
         self._vllm_series(r)
         # Acceptance by draft position: position i (1-based) is *reached* in a step that proposed at
         # least i drafts and accepted the i - 1 before it; acceptance at i = accepted / reached (the
@@ -219,12 +225,14 @@ class OrchestratorMetrics:
             labels,
             registry=r,
         ).labels(**model)
-        # Each running sequence holds one row of its worker's KV slot pool, so the batch-slot
-        # fraction is the pool's row usage; it is not a byte figure (a row grows with its
-        # sequence), and reads 1 exactly when a new request would wait for a slot.
+        # With a KV budget: the fraction of it the placed requests reserve (each its prompt and
+        # max_tokens, gpu_worker.kv_budget), which reads near 1 when a new request would wait for
+        # memory. Without one, each running sequence holds one row of its worker's KV slot pool,
+        # so it is the batch-slot fraction: not a byte figure (a row grows with its sequence).
         self.vllm_kv_cache_usage = Gauge(
             "vllm:kv_cache_usage_perc",
-            "KV-cache usage, 1 = full: the fraction of the workers' KV pool rows (batch slots) in use",
+            "KV-cache usage, 1 = full: the fraction of the workers' KV budgets reserved (without a budget, "
+            "of their KV pool rows, the batch slots, in use)",
             labels,
             registry=r,
         ).labels(**model)
@@ -315,15 +323,18 @@ class OrchestratorMetrics:
                 self.session_waits.labels(outcome=o.session_wait.value).inc()
                 self.steps_sat_out.inc(o.steps_sat_out)
 
-    def observe_load(self, *, waiting: int, running: int, slots: int) -> None:
+    def observe_load(self, *, waiting: int, running: int, slots: int, kv_usage: float | None = None) -> None:
         """The engine's load now: requests validating or queued, requests placed on a worker,
-        and the batch slots of the healthy workers."""
+        the batch slots of the healthy workers, and the fraction of their KV budgets reserved
+        (None: they have none)."""
         self.queue_depth.set(waiting)
         self.vllm_waiting.set(waiting)
         self.vllm_running.set(running)
         usage = min(1.0, running / slots) if slots > 0 else 1.0  # no healthy worker: no room at all
         self.slot_usage.set(usage)
-        self.vllm_kv_cache_usage.set(usage)
+        kv = usage if kv_usage is None else min(1.0, kv_usage)
+        self.kv_usage.set(kv)
+        self.vllm_kv_cache_usage.set(kv)
 
     def observe_queued(self, seconds: float) -> None:
         """Admission to being sent to a worker, once per request."""

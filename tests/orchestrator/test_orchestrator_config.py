@@ -49,3 +49,26 @@ def test_step_prefill_tokens_reach_the_workers() -> None:
     assert cfg.worker_config().step_prefill_tokens == 1
     with pytest.raises(ValueError, match="step_prefill_tokens"):
         OrchestratorConfig(target_dir="/m", mask_service_addresses=("m:1",), step_prefill_tokens=0)
+
+
+def test_vllm_flag_names_and_the_kv_budget_reach_the_workers() -> None:
+    import argparse
+
+    from specmask.orchestrator.main import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--target", "/m", "--mask-service", "127.0.0.1:1"]
+    args = parser.parse_args([*base, "--max-num-seqs", "12", "--max-num-batched-tokens", "96", "--kv-cache-bytes", "5"])
+    worker = config_from_args(args).worker_config()
+    assert (worker.max_batch, worker.max_iteration_tokens, worker.kv_cache_bytes) == (12, 96, 5)
+    assert worker.gpu_memory_utilization is None
+    args = parser.parse_args([*base, "--gpu-memory-utilization", "0.9"])
+    assert config_from_args(args).worker_config().gpu_memory_utilization == 0.9
+    for bad in (
+        ["--gpu-memory-utilization", "1.5"],
+        ["--kv-cache-bytes", "0"],
+        ["--kv-cache-bytes", "9", "--gpu-memory-utilization", "0.5"],
+    ):
+        with pytest.raises(ValueError):
+            config_from_args(parser.parse_args([*base, *bad]))

@@ -114,6 +114,24 @@ def test_load_gauges_at_the_edges() -> None:
     assert value("vllm:kv_cache_usage_perc", {"model_name": "specmask"}) == 0.0
 
 
+def test_kv_usage_under_a_budget_is_the_reserved_fraction() -> None:
+    """With a KV budget both KV gauges read the reserved fraction of it, not the slot usage."""
+    from specmask.gpu_worker.kv_budget import KVBudget
+
+    m = OrchestratorMetrics()
+    value = m.registry.get_sample_value
+    budget = KVBudget(positions=4096, max_model_len=512, slack=16, min_capacity=64)
+    reserved = budget.usage([budget.need(6, 30)] * 3 + [budget.need(150, 40)])  # 4 slots x 206 positions
+    m.observe_load(waiting=1, running=4, slots=64, kv_usage=reserved)
+    assert value("specmask_batch_slot_usage") == 4 / 64
+    assert value("specmask_kv_cache_usage_ratio") == 4 * 206 / 4096
+    assert value("vllm:kv_cache_usage_perc", {"model_name": "specmask"}) == 4 * 206 / 4096
+    m.observe_load(waiting=0, running=2, slots=8)  # no budget: the slot usage
+    assert (
+        value("specmask_kv_cache_usage_ratio") == 0.25 == value("vllm:kv_cache_usage_perc", {"model_name": "specmask"})
+    )
+
+
 def test_inter_token_latency_spreads_a_burst_over_its_tokens() -> None:
     """A speculative step delivering 4 tokens 0.4 s after the last counts 4 tokens of 0.1 s:
     sum / count is the time per output token, as a dashboard computes it."""
