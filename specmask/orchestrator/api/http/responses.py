@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specmask.gpu_worker.mask_errors import MASK_TIER_UNAVAILABLE
-from specmask.gpu_worker.types import FinishReason
+from specmask.gpu_worker.types import MIN_TOKENS_UNREACHABLE, FinishReason
 from specmask.orchestrator.api.http.errors import (
     GENERATION_FAILED,
     GRAMMAR_VIOLATION,
@@ -45,6 +45,10 @@ def finish_error(reason: FinishReason, error: str | None) -> ApiError | None:
         return ApiError(GRAMMAR_VIOLATION, error or "grammar violation")
     if error and error.startswith(MASK_TIER_UNAVAILABLE):
         return ApiError(MASK_TIER_DOWN, error)
+    if error and error.startswith(MIN_TOKENS_UNREACHABLE):
+        # The request asked for what its own grammar forbids (the grammar ends before
+        # min_tokens): the caller's to fix, so a 400 naming the field, not a server error.
+        return ApiError.invalid(error, param="min_tokens")
     detail = f": {error}" if error else ""
     return ApiError(GENERATION_FAILED, f"generation failed ({reason.value}){detail}")
 

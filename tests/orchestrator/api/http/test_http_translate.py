@@ -265,6 +265,13 @@ def test_only_successful_finishes_are_successes() -> None:
         assert error is not None and error.status >= 500
 
 
+def test_min_tokens_its_grammar_forbids_is_the_callers_error() -> None:
+    from specmask.gpu_worker.types import MIN_TOKENS_UNREACHABLE
+
+    error = finish_error(FinishReason.ERROR, f"{MIN_TOKENS_UNREACHABLE}: the grammar ends at token 3 of 8")
+    assert error is not None and error.status == 400 and error.param == "min_tokens"
+
+
 @pytest.mark.parametrize("text", ["", "plain", 'quote " and \\ slash', "ünïcödé \u2028 \n\t", "\x00\x1f"])
 def test_delta_encoder_matches_full_serialisation(text: str) -> None:
     from specmask.orchestrator.api.http import responses
