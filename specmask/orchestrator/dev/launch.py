@@ -32,7 +32,12 @@ from specmask.mask_service.auth import OWNER_SECRET_ENV, TOKEN_ENV
 from specmask.orchestrator import config as cfg
 from specmask.orchestrator.auth_keys import ApiKeyError, api_keys_from_args
 from specmask.orchestrator.dev.local_stack import LOOPBACK, StackConfig, running_stack
-from specmask.orchestrator.main import LOG_FORMAT, add_fairness_and_auth_arguments, install_stop_signals
+from specmask.orchestrator.main import (
+    LOG_FORMAT,
+    add_dtype_argument,
+    add_fairness_and_auth_arguments,
+    install_stop_signals,
+)
 
 # The token's and the owner secret's entropy, in bytes (secrets.token_urlsafe).
 SECRET_BYTES = 32
@@ -66,6 +71,23 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mask-replicas", type=int, default=1, help="mask-service processes")
     parser.add_argument("--num-workers", type=int, default=1, help="GPU worker actors")
     parser.add_argument("--max-queue", type=int, default=cfg.DEFAULT_MAX_QUEUE)
+    # vLLM's names for the batch and memory bounds (`specmask orchestrator`'s --max-batch and
+    # --max-iteration-tokens; docs/scheduling.md, docs/models.md).
+    parser.add_argument("--max-num-seqs", type=int, default=cfg.DEFAULT_MAX_BATCH, help="active sequences per worker")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=cfg.DEFAULT_MAX_ITERATION_TOKENS,
+        help="target tokens per worker iteration, weighted by the keys they attend over (0 = by device)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="KV budget per worker (CUDA): this fraction of its device's memory, less the loaded models",
+    )
+    parser.add_argument("--kv-cache-bytes", type=int, default=None, help="KV budget per worker in bytes")
+    add_dtype_argument(parser)
     # --max-inflight-per-client, --api-key, --api-key-file, --cors-origin.
     add_fairness_and_auth_arguments(parser)
     parser.add_argument("--log-dir", default=".specmask/logs", help="where mask-service logs go")
@@ -128,6 +150,11 @@ def config_overrides(args: argparse.Namespace, plan: Launch, *, http_port: int |
         "max_inflight_per_client": args.max_inflight_per_client,
         "api_keys": api_keys,
         "cors_origins": tuple(args.cors_origin),
+        "max_batch": args.max_num_seqs,
+        "max_iteration_tokens": args.max_num_batched_tokens,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "kv_cache_bytes": args.kv_cache_bytes,
+        "dtype": args.dtype,
         **plan.orchestrator,
     }
 

@@ -149,7 +149,8 @@ def test_up_and_serve_share_flags_and_defaults() -> None:
 
 def test_shared_flags_reach_the_orchestrator_alike() -> None:
     flags = ["--api-key", "k1", "--cors-origin", "https://a.example", "--max-inflight-per-client", "3"]
-    flags += ["--max-queue", "7"]
+    flags += ["--max-queue", "7", "--max-num-seqs", "9", "--max-num-batched-tokens", "96", "--kv-cache-bytes", "4096"]
+    flags += ["--dtype", "bfloat16"]
 
     def models() -> tuple[str, str | None]:
         raise AssertionError("building the fields resolves no model")
@@ -167,6 +168,11 @@ def test_shared_flags_reach_the_orchestrator_alike() -> None:
         "max_inflight_per_client": 3,
         "api_keys": ("k1",),
         "cors_origins": ("https://a.example",),
+        "max_batch": 9,  # vLLM's names for --max-batch and --max-iteration-tokens
+        "max_iteration_tokens": 96,
+        "gpu_memory_utilization": None,
+        "kv_cache_bytes": 4096,
+        "dtype": "bfloat16",
     }
     assert up_fields == {"host": "127.0.0.1", **shared}
     assert serve_fields == {"host": "0.0.0.0", **shared, **own}
