@@ -144,6 +144,7 @@ class Request:
         self._text_parts: list[str] = []
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._stop = StopStringMatcher(stop, stop_may_end, include=include_stop)
+        self._fed = 0  # output tokens fed to the stop strings (min_tokens' floor)
         # Requests with logprobs: the entries sent so far (the result's), and the cursor that
         # pairs the rest with text; None otherwise (the request then pays nothing for them).
         self._logprobs: list[OutputLogprob] | None = [] if seq.sampling.logprobs is not None else None
@@ -228,11 +229,32 @@ class Request:
     def _feed(
         self, ids: tuple[int, ...], entries: Sequence[TokenLogprob] | None
     ) -> tuple[str, bool, tuple[OutputLogprob, ...] | None]:
+        """Detokenize ``ids`` through the stop strings, split where ``min_tokens`` ends: the
+        text of the first min_tokens tokens is fed with ``may_stop=False`` (vLLM counts a stop
+        string only if it ends in the text of a later token)."""
+        floor = max(0, min(len(ids), self.seq.sampling.min_tokens - self._fed))
+        self._fed += len(ids)
+        if floor == 0:
+            return self._feed_part(ids, entries, may_stop=True)
+        head, _, head_lp = self._feed_part(
+            ids[:floor], entries[:floor] if entries is not None else None, may_stop=False
+        )
+        if floor == len(ids):
+            return head, False, head_lp
+        tail, stopped, tail_lp = self._feed_part(
+            ids[floor:], entries[floor:] if entries is not None else None, may_stop=True
+        )
+        logprobs = None if head_lp is None or tail_lp is None else head_lp + tail_lp
+        return head + tail, stopped, logprobs
+
+    def _feed_part(
+        self, ids: tuple[int, ...], entries: Sequence[TokenLogprob] | None, *, may_stop: bool
+    ) -> tuple[str, bool, tuple[OutputLogprob, ...] | None]:
         if self._cursor is not None:
             assert entries is not None
-            text, stopped = self._stop.feed(self._cursor.push(self._detokenizer, entries))
+            text, stopped = self._stop.feed(self._cursor.push(self._detokenizer, entries), may_stop=may_stop)
             return text, stopped, self._cursor.take(len(text), cut=stopped)
-        text, stopped = self._stop.feed(self._detokenizer.push(ids))
+        text, stopped = self._stop.feed(self._detokenizer.push(ids), may_stop=may_stop)
         return text, stopped, None
 
     def _end_at_stop_token(
@@ -276,6 +298,7 @@ class Request:
         if self._cursor is not None:
             self._cursor = LogprobCursor()
         self._stop = StopStringMatcher(self._stop_strings, self._stop_may_end, include=self._include_stop)
+        self._fed = 0
 
     def _report(self) -> GrammarReport | None:
         return None if self.grammar is None else dataclasses.replace(self.grammar, attempts=self.attempts)
@@ -300,7 +323,8 @@ class Request:
             # Text held for an incomplete character or a possible stop-string
             # prefix is released now: it will never be completed.
             flushed = self._detokenizer.flush() if self._cursor is None else self._cursor.flush(self._detokenizer)
-            tail, stopped = self._stop.feed(flushed)
+            # The flushed text is the last fed tokens': before the floor if they all were.
+            tail, stopped = self._stop.feed(flushed, may_stop=self._fed > self.seq.sampling.min_tokens)
             if not stopped:
                 tail += self._stop.flush()
         tail_logprobs: tuple[OutputLogprob, ...] | None = None

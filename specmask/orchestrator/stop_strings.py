@@ -7,6 +7,10 @@ it at a token instead (``end``). While streaming, text that could be
 the beginning of a stop string is held back, so a client never receives
 characters that are later cut off.
 
+Before ``min_tokens`` (vLLM's): an occurrence counts only if it ends in the text of a token
+after the ``min_tokens``-th (it may start before). The caller feeds the first tokens' text
+with ``may_stop=False``; that text is the floor no counted occurrence ends within.
+
 Beside a grammar, a stop string ends the output only where the grammar may end:
 an occurrence counts only if the text before it is a complete sentence of the
 grammar (``may_end``, the end-of-request check), the returned text (with the stop
@@ -51,6 +55,7 @@ class StopStringMatcher:
         self._include = include
         self._checks_left = max_end_checks
         self._text = ""  # everything fed so far
+        self._floor = 0  # characters fed with may_stop=False: no occurrence ending within them counts
         self._emitted = 0  # characters of _text returned; no occurrence can start before this but refused ones
         self._refused: set[int] = set()  # positions whose preceding text is not a sentence of the grammar
         # include: (position, stop string) pairs whose text through the stop is not a sentence.
@@ -80,14 +85,18 @@ class StopStringMatcher:
         out, self._emitted = self._text[self._emitted :], len(self._text)
         return out
 
-    def feed(self, text: str) -> tuple[str, bool]:
+    def feed(self, text: str, *, may_stop: bool = True) -> tuple[str, bool]:
         """Return (text safe to emit now, whether a stop string was hit).
 
-        After a hit, further calls return ("", True).
+        ``may_stop=False``: the text of tokens before ``min_tokens``; no occurrence that ends
+        within it counts (one that ends in later text does, wherever it starts). After a hit,
+        further calls return ("", True).
         """
         if self.matched is not None:
             return "", True
         self._text += text
+        if not may_stop:
+            self._floor = len(self._text)
         if not self._stops:
             self._emitted = len(self._text)  # kept for a stop token's end check (``end``)
             return text, False
@@ -112,7 +121,8 @@ class StopStringMatcher:
         while True:
             best: tuple[int, str] | None = None
             for stop in self._stops:
-                i = self._text.find(stop, self._emitted)
+                # An occurrence at i ends at i + len(stop): past the floor from here on.
+                i = self._text.find(stop, max(self._emitted, self._floor - len(stop) + 1))
                 while i != -1 and (i in self._refused or stop in self._refused_stops.get(i, ())):
                     i = self._text.find(stop, i + 1)
                 if i != -1 and (best is None or i < best[0]):

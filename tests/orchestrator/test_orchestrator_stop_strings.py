@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from specmask.orchestrator.stop_strings import StopStringMatcher
@@ -123,3 +125,35 @@ def test_checks_are_bounded_and_fail_closed() -> None:
 
 def test_without_a_grammar_every_occurrence_counts() -> None:
     assert _run(["l", "e"], ["alpha"]) == ("a", True, "l")
+
+
+def test_text_before_the_floor_never_stops_but_an_occurrence_ending_after_it_does() -> None:
+    """vLLM's min_tokens: an occurrence counts only if it ends in text fed with may_stop."""
+    m = StopStringMatcher(["ab"])
+    assert m.feed("xab", may_stop=False) == ("xab", False)  # ends within the floor: not a stop
+    assert m.feed("a", may_stop=False) == ("", False)  # may begin an "ab" that ends after the floor
+    assert m.feed("b") == ("", True) and m.text_before_match == "xab"
+    late = StopStringMatcher(["ab"])
+    assert late.feed("ab", may_stop=False) == ("ab", False)
+    assert late.feed("cab") == ("c", True) and late.text_before_match == "abc"
+
+
+@pytest.mark.parametrize("floor", range(8))
+def test_floor_at_every_position_of_every_split(floor: int) -> None:
+    """Against the rule itself: the first occurrence ending past ``floor`` characters, whatever
+    the deltas (each split of the text into three, the floor's own split among them)."""
+    text, stops = "abXYabXYab", ["XY", "bX", "ab"]
+    hits = [(i, s) for i in range(len(text)) for s in stops if text.startswith(s, i) and i + len(s) > floor]
+    expected = min(hits, key=lambda h: (h[0], stops.index(h[1])))
+    for a in range(len(text) + 1):
+        for b in range(a, len(text) + 1):
+            cuts = sorted({0, a, b, floor, len(text)})
+            m = StopStringMatcher(stops)
+            out, stopped = [], False
+            for lo, hi in itertools.pairwise(cuts):
+                piece, stopped = m.feed(text[lo:hi], may_stop=hi > floor)
+                out.append(piece)
+                if stopped:
+                    break
+            assert stopped and m.matched == expected[1], (a, b)
+            assert "".join(out) == text[: expected[0]] == m.text_before_match, (a, b)

@@ -110,3 +110,32 @@ def test_matcher_end_releases_held_text_and_checks_the_whole_output() -> None:
     assert m.end("") is None  # "abc ST" may not end the output
     assert m.end("!") == "ST!" and m.text_before_match == "abc ST!"
     assert m.feed("more") == ("", True)
+
+
+def _min_tokens_seq(min_tokens: int, logprobs: int | None = None) -> NewSequence:
+    return NewSequence("req-1", (1, 2, 3), None, SamplingParams(min_tokens=min_tokens, logprobs=logprobs))
+
+
+def test_a_stop_string_counts_only_if_it_ends_after_the_min_tokens_th_token(bpe_tokenizer) -> None:
+    """vLLM's rule: an occurrence ending in the text of the first min_tokens tokens is ignored;
+    one ending in a later token's text counts, wherever it starts. Checked for every min_tokens,
+    one token per step and all in one (speculative) step, with and without logprobs."""
+    text = "ab END cd END ef END gh"
+    ids = _text(bpe_tokenizer, text)
+    assert bpe_tokenizer.decode(ids) == text
+    for min_tokens in range(len(ids) + 1):
+        floor = len(bpe_tokenizer.decode(ids[:min_tokens]))
+        ends = [i for i in range(len(text)) if text.startswith("END", i) and i + 3 > floor]
+        for steps in ([[t] for t in ids], [ids]):
+            for logprobs in (None, 0):
+                request = Request(_min_tokens_seq(min_tokens, logprobs), tokenizer=bpe_tokenizer, stop=("END",))
+                hits = _run(request, steps, logprobs=logprobs is not None)
+                result = asyncio.run(request.result())
+                case = (min_tokens, len(steps), logprobs)
+                if ends:
+                    assert hits[-1] and result.text == text[: ends[0]], case
+                else:
+                    assert not any(hits) and result.text == text, case
+                if logprobs is not None:  # one entry per token whose text starts in the returned text
+                    assert all(e.text_offset < len(result.text) for e in result.logprobs), case
+                    assert "".join(bpe_tokenizer.decode([e.token_id]) for e in result.logprobs) == result.text, case

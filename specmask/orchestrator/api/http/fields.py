@@ -96,7 +96,7 @@ FIELDS: Mapping[str, FieldRule] = {
     "stop_token_ids": _s("token ids that end generation when sampled", "under a grammar: only where it may end"),
     "include_stop_str_in_output": _s("return the stop string (or stop token's text) with the output"),
     "ignore_eos": _s("keep generating past end-of-sequence"),
-    "min_tokens": _s("end-of-sequence and stop_token_ids cannot end the output before this many tokens"),
+    "min_tokens": _s("no EOS, stop token or stop string (one ending in them) ends the output within this many tokens"),
     "skip_special_tokens": _r("drop special tokens from the text", True, here="only true"),
     "spaces_between_special_tokens": _r("spaces between special tokens in the text", True, here="only true"),
     "truncate_prompt_tokens": _r("keep only the prompt's last N tokens", here="a prompt too long is a 400"),
