@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from specmask.common.ecma_regex import ecma_schema
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.mask_service.grammar.llguidance_check import strict_schema as llguidance_strict
 from specmask.mask_service.grammar.schema_check import unverifiable_formats
@@ -226,15 +227,16 @@ def _json_schema_checker(spec: GrammarSpec, engine: str) -> Callable[[str], Verd
     # (``if``, ``not``, a ``oneOf`` branch) would make the check LOOSER (a document the
     # strict ``if`` no longer matches skips its ``then``), so strict mode only adds a
     # second validator; a document must pass both.
-    validators = [cls(schema, format_checker=cls.FORMAT_CHECKER)]
+    # Regexes as ECMA-262 reads them (ecma_schema): Python's ``re`` alone is looser.
+    validators = [cls(ecma_schema(schema), format_checker=cls.FORMAT_CHECKER)]
     if spec.strict:
         strict = STRICT_READINGS.get(engine, strict_schema)(schema)
-        validators.append(cls(strict, format_checker=cls.FORMAT_CHECKER))
+        validators.append(cls(ecma_schema(strict), format_checker=cls.FORMAT_CHECKER))
     if isinstance(schema, dict) and "$schema" not in schema and _uses_keyword(schema, "dependencies"):
         # No declared draft, and a keyword only drafts 4-7 define (2020-12 ignores it): the mask
         # service took the schema under any draft, so the output must satisfy draft 7's reading too.
         draft7 = exact_multiples(jsonschema.Draft7Validator)
-        validators.append(draft7(schema, format_checker=draft7.FORMAT_CHECKER))
+        validators.append(draft7(ecma_schema(schema), format_checker=draft7.FORMAT_CHECKER))
 
     def check(text: str) -> Verdict:
         try:
@@ -286,7 +288,7 @@ def validate_decimal(instance: Any, schema: Any, **kwargs: Any) -> None:
 
     cls = exact_multiples(jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator))
     cls.check_schema(schema)
-    error = jsonschema.exceptions.best_match(cls(schema, **kwargs).iter_errors(instance))
+    error = jsonschema.exceptions.best_match(cls(ecma_schema(schema), **kwargs).iter_errors(instance))
     if error is not None:
         raise error
 

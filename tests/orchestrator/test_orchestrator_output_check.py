@@ -204,3 +204,52 @@ def test_strict_reading_keeps_a_required_name_missing_from_properties(checker: O
         assert not checker.check(grammar, '{"colors":"grey","color":1}', engine).ok, engine  # enum
     # xgrammar's reading stays closed to names neither declared nor required.
     assert not checker.check(grammar, '{"color":1,"other":2}', "xgrammar").ok
+
+
+# ECMA-262 reads these JSON Schema regexes more strictly than Python's ``re`` does; the end
+# check must agree with ECMA-262 (specmask/common/ecma_regex.py), never be looser.
+@pytest.mark.parametrize(
+    ("pattern", "value", "ok"),
+    [
+        ("^a$", "a", True),
+        ("^a$", "a\n", False),  # Python's $ also matches before a final newline
+        ("^\\d+$", "123", True),
+        ("^\\d+$", "\u0661\u0662", False),  # Arabic-Indic digits: \d is ASCII in ECMA-262
+        ("^\\w+$", "caf\u00e9", False),
+        ("^\\w+$", "cafe_9", True),
+        ("^[\\d\\w-]+$", "a-1", True),
+        ("^[\\d]+$", "\u0661", False),
+        ("^a.b$", "a\rb", False),  # '.' excludes every ECMA-262 line terminator
+        ("^a.b$", "a\u2028b", False),
+        ("^a.b$", "a\u00e9b", True),
+        ("^\\s$", "\x1c", False),  # Python's \s takes U+001C..U+001F, ECMA-262's does not
+        ("^\\s$", "\u00a0", True),
+        ("^\\S$", "\x1c", True),
+        ("\\bcat\\b", "\u00e9cat", True),  # \b between a non-ASCII letter and 'c' is a boundary
+        ("^a\\$$", "a$", True),  # escaped '$' stays a literal
+        ("^[$.]+$", "$.", True),  # '$' and '.' in a class stay literals
+        ("^[$.]+$", "$x", False),
+        ("^x[]$", "x", False),  # ECMA-262: [] matches nothing
+        ("^x[^]$", "x\n", True),  # ECMA-262: [^] matches anything
+    ],
+)
+def test_patterns_are_read_as_ecma_262(checker: OutputChecker, pattern: str, value: str, ok: bool) -> None:
+    schema = {"type": "object", "properties": {"v": {"type": "string", "pattern": pattern}}, "required": ["v"]}
+    text = json.dumps({"v": value})
+    assert checker.check(spec(GrammarKind.JSON_SCHEMA, schema), text).ok is ok
+    # patternProperties keys decide which keys a schema sees, and which keys are "additional".
+    keyed = {"type": "object", "patternProperties": {pattern: {"type": "integer"}}, "additionalProperties": False}
+    assert checker.check(spec(GrammarKind.JSON_SCHEMA, keyed, strict=False), json.dumps({value: 1})).ok is ok
+
+
+def test_ecma_rewrite_leaves_data_and_property_names_alone() -> None:
+    from specmask.common.ecma_regex import ecma_schema
+
+    schema = {
+        "properties": {"pattern": {"const": "^a$"}, "b": {"pattern": "a$", "enum": ["$", "."]}},
+        "default": {"pattern": "$"},
+    }
+    assert ecma_schema(schema) == {
+        "properties": {"pattern": {"const": "^a$"}, "b": {"pattern": "a\\Z", "enum": ["$", "."]}},
+        "default": {"pattern": "$"},
+    }
