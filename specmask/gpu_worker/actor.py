@@ -43,7 +43,7 @@ from specmask.gpu_worker.loading import (
 )
 from specmask.gpu_worker.mask_errors import MASK_TIER_UNAVAILABLE, describe_mask_failure
 from specmask.gpu_worker.mask_table import DeviceMaskTable
-from specmask.gpu_worker.masks import MaskChannel
+from specmask.gpu_worker.masks import MaskChannel, OpenedSession
 from specmask.gpu_worker.model_runner import ForwardItem, ModelRunner
 from specmask.gpu_worker.proposers.base import ProposerResources
 from specmask.gpu_worker.proposers.registry import build_proposers, order_names
@@ -805,11 +805,11 @@ class GpuWorker:
             self.masks.close_session_later(state.session_id, state.seq_id, request_id=state.request_id)
             state.session_id = None
 
-    def _close_late(self, seq_id: str, request_id: str, opening: Future[str]) -> None:
+    def _close_late(self, seq_id: str, request_id: str, opening: Future[OpenedSession]) -> None:
         if self.masks is None or opening.cancelled() or opening.exception() is not None:
             return
         try:
-            self.masks.close_session_later(opening.result(), seq_id, request_id=request_id)
+            self.masks.close_session_later(opening.result().session_id, seq_id, request_id=request_id)
         except RuntimeError as exc:  # the channel is closed (shutdown): the service's TTL reclaims it
             logger.warning("[request_id=%s] seq %s: mask session left to expire: %s", request_id, seq_id, exc)
 

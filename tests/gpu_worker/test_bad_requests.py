@@ -135,7 +135,7 @@ def test_sessions_open_during_the_prefill_and_a_refused_one_frees_its_kv(make_wo
     events: list[str] = []
     lock = threading.Lock()
     router = worker.masks._router
-    real_open, real_forward = router.open_session, worker.target.forward
+    real_open, real_forward = router.open_session_info, worker.target.forward
 
     def slow_open(*args, **kwargs):
         with lock:
@@ -149,7 +149,7 @@ def test_sessions_open_during_the_prefill_and_a_refused_one_frees_its_kv(make_wo
                 events.append("prefill")
         return real_forward(items)
 
-    router.open_session = slow_open
+    router.open_session_info = slow_open
     worker.target.forward = forward
     seqs = [_seq(f"g{i}", max_tokens=4) for i in range(3)] + [BAD["bad grammar"][0]()]
     t0 = time.monotonic()
@@ -179,14 +179,14 @@ def _running_worker_with_gated_opens(make_worker):
     assert worker.add([_seq("running", max_tokens=40, grammar=None, speculation=SpeculationParams(k=0))]) == [None]
     worker.step()
     router = worker.masks._router
-    real_open = router.open_session
+    real_open = router.open_session_info
     gate = threading.Event()
 
     def gated_open(*args, **kwargs):
         gate.wait(10)
         return real_open(*args, **kwargs)
 
-    router.open_session = gated_open
+    router.open_session_info = gated_open
     return worker, gate
 
 
