@@ -104,6 +104,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingOptions:
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         min_p=msg.min_p if msg.HasField("min_p") else 0.0,
         min_tokens=msg.min_tokens if msg.HasField("min_tokens") else 0,
+        stop_token_ids=tuple(dict.fromkeys(msg.stop_token_ids)),  # a repeat changes nothing
+        include_stop_str_in_output=msg.include_stop_str_in_output,
     )
 
 
@@ -177,6 +179,8 @@ def request_to_proto(req: GenerationRequest) -> pb.GenerateRequest:
         msg.sampling.min_p = s.min_p
     if s.min_tokens:
         msg.sampling.min_tokens = s.min_tokens
+    msg.sampling.stop_token_ids.extend(s.stop_token_ids)
+    msg.sampling.include_stop_str_in_output = s.include_stop_str_in_output
     p = req.speculation
     msg.speculation.enabled = p.enabled
     if p.k is not None:

@@ -43,6 +43,8 @@ GREEDY_TEMPERATURE_FLOOR = 1e-5
 # streamed text is held back; bound both.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+# stop_token_ids per request: each step's tokens are scanned for them on the event loop.
+MAX_STOP_TOKEN_IDS = 256
 # A grammar larger than this is refused before any compilation work (the
 # largest JSONSchemaBench schemas are a few hundred KB).
 MAX_GRAMMAR_CHARS = 1 << 20
@@ -256,6 +258,13 @@ class RequestValidator:
         for stop in s.stop:
             if not stop or len(stop) > MAX_STOP_STRING_CHARS:
                 raise _fail(f"stop strings must be 1-{MAX_STOP_STRING_CHARS} characters")
+        if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(s.stop_token_ids)}",
+                field="sampling.stop_token_ids",
+            )
+        if any(t < 0 for t in s.stop_token_ids):
+            raise InvalidRequest("stop_token_ids must be >= 0", field="sampling.stop_token_ids")
         room = self._info.max_model_len - prompt_len
         if s.max_tokens is None:
             default = self._defaults.max_tokens

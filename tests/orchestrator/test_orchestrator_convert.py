@@ -44,11 +44,21 @@ def test_request_round_trip(grammar) -> None:
             seed=2**64 - 1,
             max_tokens=9,
             stop=("x", "yz"),
+            stop_token_ids=(0, 5, 2**31 - 1),
+            include_stop_str_in_output=True,
             ignore_eos=grammar is None,
+            logprobs=2,
+            min_p=0.5,
+            min_tokens=3,
         ),
         speculation=SpeculationOptions(enabled=True, k=3, proposers=("ngram", "draft_model"), draft_masking=False),
     )
     assert convert.request_from_proto(convert.request_to_proto(req), "abc") == req
+
+
+def test_repeated_stop_token_ids_count_once() -> None:
+    msg = pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(stop_token_ids=[4, 2, 4, 2, 9]))
+    assert convert.request_from_proto(msg, "id").sampling.stop_token_ids == (4, 2, 9)
 
 
 def test_defaults_when_unset() -> None:

@@ -274,6 +274,8 @@ def test_min_p_and_min_tokens(validator) -> None:
         ({"min_tokens": -1}, "min_tokens must be >= 0"),
         ({"min_tokens": 11, "max_tokens": 10}, "min_tokens (11) must not exceed max_tokens (10"),
         ({"min_tokens": 33}, "the default max_tokens"),  # the server default is 32
+        ({"stop_token_ids": (3, -1)}, "stop_token_ids must be >= 0"),  # gRPC's int32 can be negative
+        ({"stop_token_ids": tuple(range(257))}, "at most 256 stop_token_ids"),
     ):
         with pytest.raises(InvalidRequest) as err:
             validator.validate(_req(**kw))

@@ -37,6 +37,7 @@ from specmask.orchestrator.api.http.protocol import (
 from specmask.orchestrator.api.http.tool_grammar import AutoTools, auto_tools, tools_prompt, with_system_text
 from specmask.orchestrator.chat import ChatMessage, ChatPrompt
 from specmask.orchestrator.types import GenerationRequest, SamplingOptions, SpeculationOptions
+from specmask.orchestrator.validation import MAX_STOP_TOKEN_IDS
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0
 # Alternatives per token: chat's top_logprobs (OpenAI: 0..20), the legacy completions' logprobs (0..5).
@@ -45,8 +46,6 @@ MAX_COMPLETION_LOGPROBS = 5
 # guided_decoding_backend values -> GrammarSpec.backend ("" = the mask service picks). vLLM calls
 # llguidance "guidance"; its other backends (outlines, lm-format-enforcer) are not here: a 400.
 BACKEND_NAMES = {"auto": "", "xgrammar": "xgrammar", "llguidance": "llguidance", "guidance": "llguidance"}
-# stop_token_ids per request: each step's tokens are scanned for them on the event loop.
-MAX_STOP_TOKEN_IDS = 256
 # chat_template_kwargs keys that are apply_chat_template's own arguments, not template variables:
 # a request may not re-render the conversation, the tools or the prompt's shape through them.
 RESERVED_TEMPLATE_KWARGS = frozenset(

@@ -395,6 +395,8 @@ class SamplingParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     MIN_P_FIELD_NUMBER: _builtins.int
     MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """>= 0; unset or 0 = greedy"""
     top_p: _builtins.float
@@ -426,10 +428,22 @@ class SamplingParams(_message.Message):
     output tokens. With a grammar that allows only a stop token before then, the
     request fails (FINISH_REASON_ERROR) rather than break the grammar.
     """
+    include_stop_str_in_output: _builtins.bool
+    """vLLM's include_stop_str_in_output: the matched stop string (or the stop token's text)
+    ends the returned text.
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Generation stops at the first occurrence of any of these; the stop
-        string itself is not part of the returned text.
+        string itself is not part of the returned text (unless include_stop_str_in_output).
+        """
+
+    @_builtins.property
+    def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """vLLM's stop_token_ids (each >= 0, at most 256): sampling one ends the output. The token
+        counts in token_ids and usage; its text is returned only with include_stop_str_in_output.
+        With a grammar, one ends the output only where the grammar may end (elsewhere it is an
+        ordinary token), as a stop string does.
         """
 
     def __init__(
@@ -445,10 +459,12 @@ class SamplingParams(_message.Message):
         logprobs: _builtins.int | None = ...,
         min_p: _builtins.float | None = ...,
         min_tokens: _builtins.int | None = ...,
+        stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        include_stop_str_in_output: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__logprobs: _TypeAlias = _typing.Literal["logprobs"]  # noqa: Y015
     _WhichOneofArgType__logprobs: _TypeAlias = _typing.Literal["_logprobs", b"_logprobs"]  # noqa: Y015
