@@ -27,23 +27,24 @@ Found on maskbench (Github_easy):
 * a standard ``format`` xgrammar does not know (``iri``, ``regex``, ``idn-*``):
   xgrammar treats it as a plain string (``"not-an-iri"``, ``"*"`` passed).
 * ``format: date`` / ``date-time``: xgrammar's date allows day 31 in every month
-  (``2020-02-31``); llguidance checks days per month. (Neither checks leap years:
-  both accept ``2021-02-29``; README "Grammar backends" lists it.)
+  (``2020-02-31``). Both engines get ``format_patterns``' exact regex instead
+  (``schema_rewrite.fold_format``); where it cannot be folded into one pattern
+  (beside a ``pattern``, or lengths that cut a variable-length format) the
+  schema goes to llguidance, which intersects them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from specmask.mask_service.grammar.format_patterns import FORMAT_REGEXES
 from specmask.mask_service.grammar.llguidance_check import STANDARD_FORMATS
-from specmask.mask_service.grammar.schema_rewrite import XGRAMMAR_FORMATS
+from specmask.mask_service.grammar.schema_rewrite import XGRAMMAR_FORMATS, fold_format, types_of
 
 _DATA_KEYS = ("const", "enum", "default", "examples", "example")
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 
 
-# Formats xgrammar enforces less exactly than llguidance (see module doc).
-_DATE_FORMATS = frozenset({"date", "date-time"})
 # Formats JSON Schema defines; validators assert them, and maskbench labels instances
 # that break them invalid. xgrammar treats the ones it does not know as plain strings
 # (iri, regex, ...: "not-an-iri" and "*" passed).
@@ -180,8 +181,10 @@ def xgrammar_gap(schema: Any, path: str = "#", root: Any = None) -> str | None:
     if isinstance(fmt, str):
         if fmt in XGRAMMAR_FORMATS and "type" not in schema:
             return f"{path}/format: xgrammar ignores 'format' on a schema without 'type'"
-        if fmt in _DATE_FORMATS:
-            return f"{path}/format: xgrammar's {fmt} allows day 31 in every month"
+        if fmt in FORMAT_REGEXES and types_of(schema.get("type")) & {"string"} and fold_format(schema) is None:
+            # Folded, the format is format_patterns' exact regex; else xgrammar would use its own
+            # (day 31 in every month) or drop the pattern or lengths beside it.
+            return f"{path}/format: xgrammar cannot enforce {fmt!r} exactly beside pattern/minLength/maxLength"
         if fmt in _STANDARD_FORMATS and fmt not in XGRAMMAR_FORMATS:
             return f"{path}/format: xgrammar does not enforce the standard format {fmt!r}"
     props = schema.get("properties")

@@ -96,6 +96,7 @@ from specmask.mask_service.grammar.code_points import bad_code_point
 from specmask.mask_service.grammar.llguidance_check import STANDARD_FORMATS
 from specmask.mask_service.grammar.schema_rewrite import (
     XGRAMMAR_FORMATS,
+    fold_format,
     is_stringish,
     is_subtype,
     push_type,
@@ -335,7 +336,7 @@ def _check_node(schema: dict[str, Any], path: str, root: Any = None) -> None:
                 "enforced by the grammar engine (it enforces one or the other, not both); move them into the subschema"
             )
     fmt = schema.get("format")
-    if isinstance(fmt, str) and fmt in XGRAMMAR_FORMATS and is_stringish(schema):
+    if isinstance(fmt, str) and fmt in XGRAMMAR_FORMATS and is_stringish(schema) and fold_format(schema) is None:
         dropped = [k for k in ("pattern", "minLength", "maxLength") if k in schema]
         if dropped:
             raise GrammarError(

@@ -46,9 +46,11 @@ length-limited strings (stricter, always valid).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from specmask.mask_service.errors import GrammarError
+from specmask.mask_service.grammar.format_patterns import FORMAT_REGEXES, pattern_for
 from specmask.mask_service.grammar.json_regex import json_safe_pattern
 
 # Formats xgrammar 0.2.8 turns into a regex (any other value is ignored, i.e. a
@@ -72,40 +74,19 @@ XGRAMMAR_FORMATS = frozenset(
     }
 )
 _JSON_CHAR = r'[^"\\\x00-\x1f'  # prefix of a negated class of JSON-safe characters
-_ATEXT = r"[A-Za-z0-9_!#$%&'*+/=?^`{|}~-]"
-_DOMAIN = r"[A-Za-z0-9](?:[-A-Za-z0-9]*[A-Za-z0-9])?(?:\.[A-Za-z0-9][-A-Za-z0-9]*[A-Za-z0-9])*"
 _POINTER = rf"(?:/(?:{_JSON_CHAR}/~]|~[01])*)*"
-# RFC 3339 full-date with the days of each month and leap years; year 0000 is left out
-# (the end check reads dates with Python's datetime, which has no year 0).
-_YEAR = r"(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
-_LEAP_YEAR = r"(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
-_DATE = (
-    rf"(?:{_YEAR}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
-    rf"|02-(?:0[1-9]|1[0-9]|2[0-8]))|{_LEAP_YEAR}-02-29)"
-)
-# RFC 3339 full-time, offset required. Second 60 is left out: a leap second is valid only at
-# 23:59:60 UTC on the days one was inserted, and the end check refuses every :60.
-_TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
-_OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"  # no leading zeros
-# RFC 1123 labels of 1..63 characters; at most 4 labels, the last of 61 at most, keeps the
-# whole name within 253 characters.
-_LABEL = r"[A-Za-z0-9](?:[-A-Za-z0-9]{0,61}[A-Za-z0-9])?"
-_LAST_LABEL = r"[A-Za-z0-9](?:[-A-Za-z0-9]{0,59}[A-Za-z0-9])?"
-# Stricter-or-equal replacements for the formats whose xgrammar regex is not JSON-safe, or is
-# looser than the RFC the end check verifies (each caught violation costs the caller a request).
+# Stricter-or-equal replacements for the formats whose engine regex is not JSON-safe, or is
+# looser than what the end check verifies (each caught violation costs the caller a request):
+# the standard formats of format_patterns (exact against the end check's checkers, see there)
+# and the two JSON pointers.
 FORMAT_PATTERNS = {
-    "date": rf"^{_DATE}$",
-    "time": rf"^{_TIME}$",
-    "date-time": rf"^{_DATE}T{_TIME}$",
-    "ipv4": rf"^{_OCTET}(?:\.{_OCTET}){{3}}$",
-    "hostname": rf"^(?:{_LABEL}\.){{0,3}}{_LAST_LABEL}$",
-    # xgrammar's email regex minus the quoted-string local part.
-    "email": rf"^{_ATEXT}+(?:\.{_ATEXT}+)*@{_DOMAIN}$",
+    **{fmt: f"^{regex}$" for fmt, regex in FORMAT_REGEXES.items()},
     "json-pointer": rf"^{_POINTER}$",
     # No 0 followed by another digit: the end check's reading (jsonschema's checker refuses
     # "100"), stricter than the draft's non-negative integer.
     "relative-json-pointer": rf"^(?:0|[1-9]+0?)(?:#|{_POINTER})$",
 }
+
 
 # Keys that make xgrammar parse a schema as something other than "any value".
 _DISPATCH_KEYS = frozenset(
@@ -334,10 +315,10 @@ def _rewrite_node(
             }
     t = out.get("type")
     if t == "string" or (isinstance(t, list) and "string" in t) or (property_names and t is None):
-        fmt = out.get("format")  # on a schema without a type, xgrammar ignores format
-        if isinstance(fmt, str) and fmt in FORMAT_PATTERNS and "pattern" not in out:
-            del out["format"]
-            out["pattern"] = FORMAT_PATTERNS[fmt]
+        # On a schema without a type, xgrammar ignores format (backends_routing sends it on).
+        folded = fold_format(out)
+        if folded is not None:
+            out = folded
     if isinstance(out.get("pattern"), str):
         out["pattern"] = json_safe_pattern(out["pattern"], f"{path}/pattern")
     return out
@@ -401,14 +382,58 @@ def repair_ebnf(ebnf: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def fold_format(node: dict[str, Any]) -> dict[str, Any] | None:
+    """``node`` with its ``format`` (and ``minLength``/``maxLength``) replaced by one ``pattern``
+    of exactly the same strings, or None where that is not possible: no such format, a
+    ``pattern`` beside it (an intersection of two regexes), or lengths that cut a format of
+    variable length (``format_patterns.pattern_for``). Strings only, as both keywords are."""
+    fmt = node.get("format")
+    if not isinstance(fmt, str) or fmt not in FORMAT_PATTERNS or "pattern" in node:
+        return None
+    lo, hi = node.get("minLength", 0), node.get("maxLength", math.inf)
+    if fmt in FORMAT_REGEXES:
+        if not (isinstance(lo, int) and isinstance(hi, (int, float))):
+            return None
+        pattern = pattern_for(fmt, lo, hi)
+    else:  # the JSON pointers: no lengths folded in
+        pattern = FORMAT_PATTERNS[fmt] if "minLength" not in node and "maxLength" not in node else None
+    if pattern is None:
+        return None
+    out = {k: v for k, v in node.items() if k not in ("format", "minLength", "maxLength")}
+    out["pattern"] = pattern
+    return out
+
+
 # Formats whose engine grammar (xgrammar's and llguidance's built-in regexes) is looser than
-# the RFC the end check verifies: both engines get FORMAT_PATTERNS' tighter pattern instead.
-TIGHTENED_FORMATS = ("date", "time", "date-time", "ipv4", "hostname")
+# or different from what the end check verifies: both engines get format_patterns' regex.
+TIGHTENED_FORMATS = tuple(FORMAT_REGEXES)
+
+
+def _tighten_node(node: dict[str, Any]) -> dict[str, Any]:
+    """llguidance: a standard format as format_patterns' regex. Folded with the lengths where
+    exact (``fold_format``); else the regex beside the lengths (llguidance intersects a
+    pattern with lengths); beside a caller's pattern, an ``allOf`` branch (llguidance
+    intersects the two regexes) on a plain string schema, else the format is left to llguidance."""
+    fmt = node.get("format")
+    if fmt not in TIGHTENED_FORMATS or not types_of(node.get("type")) & {"string", None}:
+        return node
+    folded = fold_format(node)
+    if folded is not None:
+        return folded
+    out = {k: v for k, v in node.items() if k != "format"}
+    if "pattern" not in node:
+        out["pattern"] = FORMAT_PATTERNS[fmt]
+        return out
+    if node.get("type") != "string":
+        return node
+    all_of = node.get("allOf")
+    out["allOf"] = [*(all_of if isinstance(all_of, list) else []), {"pattern": FORMAT_PATTERNS[fmt]}]
+    return out
 
 
 def tighten_formats(schema: Any) -> Any:
-    """A copy of ``schema`` where a string schema's ``format`` in TIGHTENED_FORMATS (and no
-    ``pattern``) becomes FORMAT_PATTERNS' pattern: the same or a smaller language."""
+    """A copy of ``schema`` where each string schema's ``format`` in TIGHTENED_FORMATS becomes
+    format_patterns' regex (``_tighten_node``): the same language as the end check's, or a smaller one."""
     if isinstance(schema, list):
         return [tighten_formats(s) for s in schema]
     if not isinstance(schema, dict):
@@ -421,8 +446,4 @@ def tighten_formats(schema: Any) -> Any:
             out[key] = {name: tighten_formats(sub) for name, sub in value.items()}
         else:
             out[key] = tighten_formats(value)
-    fmt = out.get("format")
-    if fmt in TIGHTENED_FORMATS and "pattern" not in out and out.get("type") == "string":
-        del out["format"]
-        out["pattern"] = FORMAT_PATTERNS[fmt]
-    return out
+    return _tighten_node(out)
