@@ -660,6 +660,11 @@ class StepStats:
     tokens_per_step: float
     acceptance: float | None  # accepted / proposed drafts (fixed by the script)
     steps: int
+    # Tokens per second with every step timed at the median of the steps like it (drafting or
+    # plain: the speculation gate mixes both in a speculative cell): the odd step a shared host
+    # stretches does not swing it, the mix of steps and what each kind costs still count.
+    tokens_per_s_steady: float
+    drafting_steps: float  # the fraction of steps that proposed drafts
     # Median host ms per step inside each model's forward calls (no sync added: the time the
     # host spends launching them, plus any sync the forward itself does).
     target_forward_host_ms: float
@@ -688,6 +693,7 @@ class Samples:
     proposed: int = 0
     accepted: int = 0
     counts: list[Any] = field(default_factory=list)  # host_counter.StepCount per counted step
+    drafted: list[bool] = field(default_factory=list)  # per step: whether it proposed drafts
 
     def extend(self, other: Samples) -> None:
         self.times += other.times
@@ -699,6 +705,13 @@ class Samples:
         self.tokens += other.tokens
         self.proposed += other.proposed
         self.accepted += other.accepted
+        self.drafted += other.drafted
+
+    def steady_seconds(self) -> float:
+        """The cell's time with each step timed at the median of the steps of its kind (drafting or not)."""
+        kinds = {d: statistics.median(t for t, dd in zip(self.times, self.drafted, strict=True) if dd == d)
+                 for d in set(self.drafted)}  # fmt: skip
+        return sum(kinds[d] for d in self.drafted)
 
     def stats(self) -> StepStats:
         ordered = sorted(self.times)
@@ -709,6 +722,8 @@ class Samples:
             mask_wait_ms=1e3 * statistics.median(self.waits),
             tokens_per_s=self.tokens / sum(self.times),
             tokens_per_step=self.tokens / len(self.times),
+            tokens_per_s_steady=self.tokens / self.steady_seconds(),
+            drafting_steps=sum(self.drafted) / len(self.drafted),
             acceptance=self.accepted / self.proposed if self.proposed else None,
             steps=len(self.times),
             target_forward_host_ms=1e3 * statistics.median(self.target_host),
@@ -782,6 +797,7 @@ def time_mode(
                 out_samples.phases.setdefault("rest", []).append(dt - inside)
                 out_samples.tokens += sum(len(o.new_token_ids) for o in outs)
                 out_samples.proposed += sum(o.drafts_proposed for o in outs)
+                out_samples.drafted.append(any(o.drafts_proposed for o in outs))
                 out_samples.accepted += sum(o.drafts_accepted for o in outs)
                 if on_step is not None:
                     on_step()
@@ -858,7 +874,7 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
                     dtype=str(dtype).removeprefix("torch."),
                     device=str(device),
                     mask_service_addresses=(service.address,),
-                    max_batch=max(*args.batches, *(HOST_COUNT_BATCHES if args.host_counts else ())),
+                    max_batch=max((*args.batches, *(HOST_COUNT_BATCHES if args.host_counts else ()))),
                     max_k=args.k,
                     max_model_len=args.prompt_len + (args.warmup + args.steps + 2) * (args.k + 1) + 64,
                     torch_threads=args.torch_threads,
@@ -938,9 +954,11 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
                             f"not k + 1 = {args.k + 1}: drafts were trimmed (verify width or iteration budget)",
                             flush=True,
                         )
-            by_agreement = {
-                str(args.agreements[0]): _spec_vs_nospec(rows, args.batches),
-                **agreement_sweep(worker, scripts, args),
+            swept, swept_steady = agreement_sweep(worker, scripts, args)
+            by_agreement = {str(args.agreements[0]): _spec_vs_nospec(rows, args.batches), **swept}
+            by_agreement_steady = {
+                str(args.agreements[0]): _spec_vs_nospec(rows, args.batches, "tokens_per_s_steady"),
+                **swept_steady,
             }
             counts = host_counts(worker, scripts, args) if args.host_counts else None
             if args.profile_batch:
@@ -974,6 +992,7 @@ def run_pair(name: str, pair: Pair, device: Any, dtype: Any, args: argparse.Name
         "static_forward": static,
         "modes": rows,
         "spec_vs_nospec_tokens_per_s_by_agreement": by_agreement,
+        "spec_vs_nospec_steady_by_agreement": by_agreement_steady,
         "host_counts": counts,
         **ratios,
     }
@@ -987,19 +1006,28 @@ SPEC_BASELINE = {
 }
 
 
-def _spec_vs_nospec(rows: dict[str, dict[str, Any]], batches: Sequence[int]) -> dict[str, dict[str, float]]:
-    """Per speculative mode and batch size: its tokens/s over the same batch's with speculation off."""
+def _spec_vs_nospec(
+    rows: dict[str, dict[str, Any]], batches: Sequence[int], figure: str = "tokens_per_s"
+) -> dict[str, dict[str, float]]:
+    """Per speculative mode and batch size: its tokens/s (``figure``) over the same batch's with
+    speculation off."""
     return {
-        mode: {str(b): rows[mode][str(b)]["tokens_per_s"] / rows[base][str(b)]["tokens_per_s"] for b in batches}
+        mode: {str(b): rows[mode][str(b)][figure] / rows[base][str(b)][figure] for b in batches}
         for mode, base in SPEC_BASELINE.items()
         if mode in rows and base in rows
     }
 
 
-def agreement_sweep(worker: Any, scripts: ScriptedLogits, args: argparse.Namespace) -> dict[str, Any]:
+def agreement_sweep(
+    worker: Any, scripts: ScriptedLogits, args: argparse.Namespace
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """spec/no-spec tokens/s at each agreement after the first (one round per cell): agreement ->
-    mode -> batch -> ratio. Speculation must never cost: every ratio should be at least 0.95."""
+    mode -> batch -> ratio, as measured and steady (``StepStats.tokens_per_s_steady``), and the
+    fraction of the speculative cells' steps that drafted. Speculation must never cost: every
+    ratio should be at least 0.95 (the speculation gate decodes plainly where drafts do not pay;
+    the cells' warm-up steps are where it learns that)."""
     out: dict[str, Any] = {}
+    steady: dict[str, Any] = {}
     modes = [m for m in args.modes if m in SPEC_BASELINE or m in SPEC_BASELINE.values()]
     for agreement in args.agreements[1:]:
         scripts.set_agreement(worker.draft, agreement)
@@ -1009,11 +1037,16 @@ def agreement_sweep(worker: Any, scripts: ScriptedLogits, args: argparse.Namespa
                 stats = time_mode(worker, scripts, MODES[mode_name], batch, args, k=args.k).stats()
                 rows.setdefault(mode_name, {})[str(batch)] = asdict(stats)
         out[str(agreement)] = _spec_vs_nospec(rows, args.batches)
+        steady[str(agreement)] = _spec_vs_nospec(rows, args.batches, "tokens_per_s_steady")
         for mode, by_batch in out[str(agreement)].items():
-            cells = ", ".join(f"B={b}: {v:.2f}" for b, v in by_batch.items())
+            cells = ", ".join(
+                f"B={b}: {v:.2f} (steady {steady[str(agreement)][mode][b]:.2f}, "
+                f"{rows[mode][b]['drafting_steps']:.0%} of steps drafting)"
+                for b, v in by_batch.items()
+            )
             print(f"  agreement {agreement}: {mode} spec/no-spec tokens/s {cells}", flush=True)
     scripts.set_agreement(worker.draft, args.agreements[0])
-    return out
+    return out, steady
 
 
 # Batch sizes the host-path counts compare (ops at the larger over ops at the smaller).
@@ -1158,9 +1191,12 @@ def print_tables(result: dict[str, Any]) -> None:
                 " / ".join(f"{by_batch[str(b)]['phase_host_ms'].get(ph, 0.0):.1f}" for ph in phases) for b in batches
             ]
             print(f"| {mode} | " + " | ".join(cells) + " |")
+        steady = pair.get("spec_vs_nospec_steady_by_agreement", {})
         for agreement, by_mode in pair.get("spec_vs_nospec_tokens_per_s_by_agreement", {}).items():
             for mode, by_batch in by_mode.items():
-                values = ", ".join(f"B={b}: {v:.2f}" for b, v in by_batch.items())
+                values = ", ".join(
+                    f"B={b}: {v:.2f} (steady {steady[agreement][mode][b]:.2f})" for b, v in by_batch.items()
+                )
                 print(f"\nspec/no-spec tokens/s at agreement {agreement}, {mode}: {values}")
         for key in (
             "constrained_vs_unconstrained_step_time",

@@ -65,6 +65,7 @@ from bench.soak import cpu_seconds
 from bench.worker import tally_outputs
 from specmask.gpu_worker.drafting import Drafter
 from specmask.gpu_worker.proposers.base import DraftSlot, Proposal, Proposer
+from specmask.gpu_worker.speculation_gate import SpeculationGate
 from specmask.gpu_worker.step import StepRunner
 from specmask.gpu_worker.verify_width import _DECAY, WidthChooser
 
@@ -551,6 +552,8 @@ def _run(args: argparse.Namespace) -> int:
             "max_model_len": base.max_model_len,
             "draft_max_len": base.draft_max_len,
             "mask_timeout_s": config.mask_deadline_s * 4,
+            # Both runs speculate at every step: the replay follows the recording step for step.
+            "gate": SpeculationGate(enabled=False),
         }
         counters = {id(w): _CallCounter(w.masks) for w in workers}
         greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)

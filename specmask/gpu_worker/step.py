@@ -25,6 +25,7 @@ and by the verifier.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -34,6 +35,7 @@ from specmask.gpu_worker.masks import MaskChannel, mask_item
 from specmask.gpu_worker.model_runner import ForwardItem, ModelRunner
 from specmask.gpu_worker.proposers.base import DraftSlot, Proposer
 from specmask.gpu_worker.sequence import SequenceState
+from specmask.gpu_worker.speculation_gate import Arm, BatchKind, SpeculationGate
 from specmask.gpu_worker.token_cost import TokenCost
 from specmask.gpu_worker.types import MIN_TOKENS_UNREACHABLE, FinishReason, StepOutput
 from specmask.gpu_worker.verifier import VerifyInput, verify
@@ -78,11 +80,15 @@ class StepRunner:
         kernel_backend: Backend | None = None,
         mask_table: DeviceMaskTable | None = None,
         width: WidthChooser | None = None,
+        gate: SpeculationGate | None = None,
     ) -> None:
         self.target = target
         # Picks each slot's verify width (drafts kept) after proposal; each runner learns its own
         # acceptance rates unless given a chooser (benchmarks replaying recorded widths).
         self.width: WidthChooser = width if width is not None else WidthChooser.for_device(target.device.type)
+        # Decides before proposal whether a step drafts at all (speculation_gate.py): from the
+        # measured tokens per second of steps with and without drafts.
+        self.gate: SpeculationGate = gate if gate is not None else SpeculationGate()
         # The device mirror of the mask rows, shared with the draft-side masking.
         self.mask_table = mask_table if mask_table is not None else DeviceMaskTable(target.device)
         self.masks = masks
@@ -134,8 +140,13 @@ class StepRunner:
         weights once. Their caches advance; nothing else in the step sees them. If that forward
         fails, the step's rows are forwarded again alone and the riders are told
         (``Riders.failed``): a prompt that cannot be read fails only its own sequence."""
+        started = time.perf_counter()
         errors: dict[str, str] = {}
         ks = [self.plan_k(seq) for seq in seqs]
+        kind = self.batch_kind(seqs)
+        arm = self.gate.choose(kind) if any(ks) else Arm.PLAIN
+        if arm is Arm.PLAIN:
+            ks = [0] * len(ks)  # plain decoding this step: speculation measured slower (or off)
         if token_budget is not None:
             ks = trim_to_budget(
                 [seq.target_kv.length for seq in seqs],
@@ -147,8 +158,8 @@ class StepRunner:
         slots = [DraftSlot(seq, k=k) for seq, k in zip(seqs, ks, strict=True)]
         mask_wait = self.drafter.propose(slots, errors)
         self.width.trim([s for s in slots if s.seq.seq_id not in errors])
-        if joiners is not None:
-            slots.extend(DraftSlot(seq, k=0) for seq in joiners())
+        late = joiners() if joiners is not None else ()
+        slots.extend(DraftSlot(seq, k=0) for seq in late)
 
         # Verify-path masks M_0..M_k: in flight while the target forward runs. Rows the
         # proposal phase already received are not computed again: a sequence drafted
@@ -295,12 +306,33 @@ class StepRunner:
             outputs[seq_id] = StepOutput(seq_id, [], FinishReason.ERROR, error=message)
         for out in outputs.values():
             out.mask_time_s = mask_wait
+        if not late and not riding:
+            # Only the batch's own steps measure it: joiners' prompts and riders are not its cost.
+            self.gate.record(
+                kind,
+                arm,
+                seconds=time.perf_counter() - started,
+                rows=len(seqs),
+                tokens=sum(len(outputs[seq.seq_id].new_token_ids) for seq in seqs),
+            )
         # Position-1 masks of the next step depend only on this commit: send them now,
-        # so they are computed while the caller handles this step's outputs.
-        self.drafter.prefetch_first(
-            [s.seq for s in slots if outputs[s.seq.seq_id].finish_reason is None and self.plan_k(s.seq) > 0]
-        )
+        # so they are computed while the caller handles this step's outputs (unless the
+        # next step is expected to decode plainly: nothing would read them).
+        going_on = [s.seq for s in slots if outputs[s.seq.seq_id].finish_reason is None]
+        speculating = self.gate.choose(self.batch_kind(going_on)) is Arm.SPECULATE
+        self.drafter.prefetch_first([seq for seq in going_on if speculating and self.plan_k(seq) > 0])
         return [outputs[s.seq.seq_id] for s in slots]
+
+    def batch_kind(self, seqs: Sequence[SequenceState]) -> BatchKind:
+        """What the speculation gate measures a batch of ``seqs`` under."""
+        return BatchKind.of(
+            len(seqs),
+            constrained=any(seq.has_grammar for seq in seqs),
+            draft_masks=any(
+                seq.has_grammar and seq.request.speculation.draft_masking and "draft_model" in seq.proposers
+                for seq in seqs
+            ),
+        )
 
     def _commit(self, slot: DraftSlot, emitted: list[int], num_accepted: int) -> StepOutput:
         seq = slot.seq

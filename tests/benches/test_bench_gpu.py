@@ -6,6 +6,7 @@ a missing wheel is reported by name instead of an import error."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,27 @@ def test_k_is_the_requested_one(argv: list[str], k: int, defaulted: bool) -> Non
     args = gpu.build_parser().parse_args(argv)
     gpu.apply_defaults(args)
     assert (args.k, args.k_defaulted) == (k, defaulted)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(BENCH_TIMEOUT_S + 100)
+def test_agreement_sweep_decodes_plainly_where_drafts_do_not_pay(tmp_path: Path) -> None:
+    """With the draft scripted to agree nowhere, the speculation gate (gpu_worker.speculation_gate)
+    turns drafting off after the cells' warm-up: the speculative cells' timed steps draft only
+    for its probes. Every ratio is reported as measured and steady; on a shared CPU their values
+    are the host's noise as much as the step's, so the drafting share is what is checked."""
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, "-m", "bench.gpu", "--dry-run", "--batches", "2", "--no-prime", "--no-kernels",
+           "--no-host-counts", "--agreement", "1.0,0.0", "--warmup", "40", "--steps", "40",
+           "--json-out", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=BENCH_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    pair = json.loads(out.read_text())["pairs"]["tiny"]
+    for by_agreement in (pair["spec_vs_nospec_tokens_per_s_by_agreement"], pair["spec_vs_nospec_steady_by_agreement"]):
+        assert set(by_agreement) == {"1.0", "0.0"}
+        assert all(v > 0 for by_mode in by_agreement.values() for by_b in by_mode.values() for v in by_b.values())
+    drafting = re.findall(r"agreement 0\.0: (\S+) spec/no-spec .*?(\d+)% of steps drafting", proc.stdout)
+    assert {mode for mode, _ in drafting} == set(gpu.SPEC_BASELINE), proc.stdout[-3000:]
+    for mode, share in drafting:
+        # Probes (one step in 16 at most once settled), and the odd probe a busy host misjudged.
+        assert int(share) <= 25, (mode, share)

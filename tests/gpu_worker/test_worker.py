@@ -8,6 +8,7 @@ import uuid
 import pytest
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.gpu_worker.speculation_gate import Arm
 from specmask.gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
 from tests.gpu_worker.helpers import run_to_completion, torch_threads, wait_sessions_closed, wait_sessions_open
 from tests.gpu_worker.reference import compile_grammar, greedy_constrained
@@ -217,7 +218,7 @@ def test_mask_traffic_per_step(make_worker):
     ]
     assert worker.add(seqs) == [None, None]
     state = worker._seqs["g"]
-    session = state.session_id or state.session_opening.result(timeout=20)  # add() does not wait for it
+    session = state.session_id or state.session_opening.result(timeout=20).session_id  # add() does not wait
     prefetched = False  # whether the previous step ended by sending this step's M_0
     steps = 0
     while "g" in worker._seqs:
@@ -225,7 +226,10 @@ def test_mask_traffic_per_step(make_worker):
         out = {o.seq_id: o for o in worker.step()}["g"]
         steps += 1
         assert all(len(r) == 1 and r[0].session_id == session and r[0].last_row_only for r in requests)
-        prefetch = out.finish_reason is None and worker.stepper.plan_k(worker._seqs["g"]) > 0
+        # The next step's M_0 goes out when the next step will draft (speculation_gate.py).
+        stepper = worker.stepper
+        speculating = stepper.gate.choose(stepper.batch_kind(list(worker._seqs.values()))) is Arm.SPECULATE
+        prefetch = out.finish_reason is None and stepper.plan_k(worker._seqs["g"]) > 0 and speculating
         positions = list(range(1 if prefetched else 0, out.drafts_proposed))
         verify = [out.drafts_proposed]
         assert [len(r[0].draft_tokens) for r in requests] == positions + verify + ([0] if prefetch else [])

@@ -1,0 +1,174 @@
+"""Whether a step speculates at all: speculation must never cost tokens per second.
+
+The verify-width chooser (verify_width.py) trims drafts after they were proposed; by then
+the draft forwards, the draft-side mask round trips and the draft sampling are paid. When
+acceptance is low (a draft model that disagrees with the target, text the n-gram lookup
+cannot predict), a step with drafts emits little more than one token per row and costs
+more than a step without: speculation then lowers throughput. This gate decides before
+proposal, per batch, whether the step drafts (k_r as planned) or decodes plainly (k_r = 0
+for every row), from what this worker measured:
+
+    tokens per second with drafts    = (tokens per row per step with drafts) / (seconds per step with drafts)
+    tokens per second without drafts = (tokens per row per step without)     / (seconds per step without)
+
+Both come from the arm's last ``WINDOW`` steps (wall clock: a step ends with the host reading
+its tokens, so device time is in it): the mean step time less the slowest step (the odd step
+a busy host or a first-time cost, a new graph or a grammar compile, stretches; a median would
+misjudge steps whose cost alternates), and the mean tokens per row, which acceptance makes
+vary from step to step. They are kept per kind of batch (``BatchKind``: its size bucket,
+whether it is constrained, whether it masks drafts), because a step's cost depends on them.
+Steps with prompt chunks riding in the target forward or joiners entering are not measured
+(their cost is not the batch's). The gate speculates while speculation measures at least as
+fast, and decodes plainly otherwise.
+
+Each arm is measured only while it runs, so the other is probed now and then:
+
+* speculating, the plain step is measured once after ``WARMUP_STEPS`` speculative steps,
+  again every ``probe_every`` steps, and at once when speculation's figure falls below the
+  plain step's last one;
+* decoding plainly, a speculative step is tried every ``probe_every`` steps, so speculation
+  comes back when acceptance improves (a new request mix, a draft model that suits the text).
+
+A probe runs ``PROBE_STEPS`` steps of the other arm, whose figures replace that arm's old
+ones (stale by then); steps of the other arm the gate did not ask for (a batch with
+speculation off by request) add to its figures as they come. A probe that confirms the current arm
+doubles ``probe_every`` (up to ``MAX_PROBE_EVERY``), so a batch where speculation never pays
+spends about PROBE_STEPS / MAX_PROBE_EVERY of its steps drafting once settled; a switch
+resets it.
+
+Exactness does not depend on the choice: a step with k_r = 0 is plain decoding, the draft
+cache catches up on the tokens it missed at its next forward (proposers/draft_model.py), and
+speculative decoding is exact for any k_r (docs/design.md).
+"""
+
+from __future__ import annotations
+
+import enum
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+# Speculative steps of a batch kind before the plain step is first measured: the first
+# steps of a kind carry one-off costs (new graphs, new cache sizes) and too few acceptances.
+WARMUP_STEPS = 8
+# Steps between probes of the arm not running, at first and at most (doubled by each
+# probe that confirms the current arm).
+MIN_PROBE_EVERY = 16
+MAX_PROBE_EVERY = 64
+# Steps an arm's figures are taken over, and the steps of one probe. One probe step is
+# enough: a single step misjudges the other arm only where the two are close, and there
+# the wrong arm costs little; a longer probe costs its steps every time.
+WINDOW = 8
+PROBE_STEPS = 1
+
+
+class Arm(enum.Enum):
+    """What a step does with its drafts."""
+
+    SPECULATE = enum.auto()  # k_r as planned
+    PLAIN = enum.auto()  # k_r = 0 for every row
+
+
+@dataclass(frozen=True)
+class BatchKind:
+    """The batch properties a step's cost depends on most; the gate measures each apart."""
+
+    size_bucket: int  # the batch size rounded up to a power of two
+    constrained: bool  # any row has a grammar
+    draft_masks: bool  # any row masks its draft model's logits (a mask round trip per position)
+
+    @classmethod
+    def of(cls, size: int, *, constrained: bool, draft_masks: bool) -> BatchKind:
+        return cls(1 << max(0, size - 1).bit_length(), constrained, draft_masks)
+
+
+@dataclass
+class _Arm:
+    """One arm's recent steps, for one batch kind."""
+
+    seconds: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # per step
+    tokens: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # per row, per step
+    steps: int = 0  # measured steps, all told
+    stale: bool = False  # the next step starts the figures afresh (a probe)
+
+    def add(self, seconds: float, tokens_per_row: float) -> None:
+        if self.stale:
+            self.seconds.clear()
+            self.tokens.clear()
+            self.stale = False
+        self.seconds.append(seconds)
+        self.tokens.append(tokens_per_row)
+        self.steps += 1
+
+    @property
+    def rate(self) -> float:
+        """Tokens per row per second."""
+        kept = sorted(self.seconds)[:-1] if len(self.seconds) > 2 else list(self.seconds)
+        mean = statistics.fmean(kept) if kept else 0.0
+        return statistics.fmean(self.tokens) / mean if mean > 0 else float("inf")
+
+
+@dataclass
+class _KindState:
+    arms: dict[Arm, _Arm] = field(default_factory=lambda: {arm: _Arm() for arm in Arm})
+    current: Arm = Arm.SPECULATE  # the arm the measurements favour (optimistic at first)
+    since_probe: int = 0  # steps of ``current`` since the other arm last ran
+    probe_every: int = MIN_PROBE_EVERY
+    other_run: int = 0  # steps of the other arm in a row (a probe under way)
+
+
+@dataclass
+class SpeculationGate:
+    """Chooses, per step, between speculating and plain decoding (see the module doc)."""
+
+    # False: always speculate (benches replaying a recorded run step for step).
+    enabled: bool = True
+    kinds: dict[BatchKind, _KindState] = field(default_factory=dict)
+
+    def choose(self, kind: BatchKind) -> Arm:
+        """The arm for the next step of a batch of ``kind``; changes nothing (``record`` learns)."""
+        state = self.kinds.get(kind)
+        if state is None or not self.enabled:
+            return Arm.SPECULATE
+        if state.other_run:
+            return Arm.PLAIN if state.current is Arm.SPECULATE else Arm.SPECULATE  # the probe goes on
+        spec, plain = state.arms[Arm.SPECULATE], state.arms[Arm.PLAIN]
+        if state.current is Arm.PLAIN:
+            return Arm.SPECULATE if state.since_probe >= state.probe_every else Arm.PLAIN
+        if spec.steps < WARMUP_STEPS:
+            return Arm.SPECULATE
+        if not plain.seconds or state.since_probe >= state.probe_every or spec.rate < plain.rate:
+            return Arm.PLAIN  # the plain step's first measurement, a probe, or speculation fell below it
+        return Arm.SPECULATE
+
+    def record(self, kind: BatchKind, arm: Arm, *, seconds: float, rows: int, tokens: int) -> None:
+        """Learn from one step of ``kind`` that ran ``arm``: ``seconds`` of wall clock, ``tokens``
+        emitted over ``rows`` rows."""
+        if rows <= 0 or seconds <= 0:
+            return
+        state = self.kinds.setdefault(kind, _KindState())
+        measured = state.arms[arm]
+        if arm is state.current:
+            measured.add(seconds, tokens / rows)
+            state.since_probe += 1
+            state.other_run = 0
+            return
+        if not state.arms[state.current].seconds:
+            measured.add(seconds, tokens / rows)
+            return  # nothing to compare with yet: its steps just add up
+        if state.other_run == 0:
+            measured.stale = True  # a probe starts: its steps replace the arm's old ones
+        measured.add(seconds, tokens / rows)
+        state.other_run += 1
+        if state.other_run < PROBE_STEPS:
+            return  # the probe goes on
+        spec, plain = state.arms[Arm.SPECULATE], state.arms[Arm.PLAIN]
+        best = Arm.SPECULATE if spec.rate >= plain.rate else Arm.PLAIN
+        if best is state.current:
+            state.probe_every = min(MAX_PROBE_EVERY, 2 * state.probe_every)  # confirmed: probe less
+        else:
+            state.current = best  # the probe's arm, measured faster just now
+            state.probe_every = MIN_PROBE_EVERY
+        state.arms[Arm.PLAIN if best is Arm.SPECULATE else Arm.SPECULATE].stale = True
+        state.since_probe = 0
+        state.other_run = 0
