@@ -7,10 +7,13 @@ and orchestrator can build specs without importing xgrammar.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import json
 from dataclasses import dataclass
+
+from specmask.common.reasoning_section import ReasoningSection
 
 
 class GrammarKind(enum.Enum):
@@ -41,10 +44,19 @@ class GrammarSpec:
     # because of keywords ``schema_relax`` can relax, compile that relaxation (a superset) instead of
     # refusing; the caller must then check every output against this spec's schema (orchestrator does).
     checked: bool = False
+    # A reasoning model's free section before the grammar (reasoning_section.py): the output is
+    # ``section`` then this grammar, compiled as one grammar; None = the grammar from the first token.
+    reasoning: ReasoningSection | None = None
+
+    def without_reasoning(self) -> GrammarSpec:
+        """The caller's grammar alone: what the content after the section must match."""
+        return dataclasses.replace(self, reasoning=None) if self.reasoning is not None else self
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, GrammarKind):
             raise TypeError(f"kind must be a GrammarKind, got {self.kind!r}")
+        if self.reasoning is not None and not isinstance(self.reasoning, ReasoningSection):
+            raise TypeError(f"reasoning must be a ReasoningSection, got {self.reasoning!r}")
         if self.separators is not None and len(self.separators) != 2:
             raise ValueError("separators must be (item_separator, key_separator)")
 
@@ -83,6 +95,7 @@ class GrammarSpec:
                 self.strict if self.kind is GrammarKind.JSON_SCHEMA else None,
                 *([self.backend] if self.backend else []),
                 *([{"checked": True}] if self.checked else []),  # an object: never equal to a backend name
+                *([{"reasoning": self.reasoning.key()}] if self.reasoning is not None else []),
             ],
             separators=(",", ":"),
         )

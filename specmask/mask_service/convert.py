@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.common.reasoning_section import ReasoningSection
 from specmask.mask_service.errors import InvalidArgument
 from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
 
@@ -28,6 +29,9 @@ def grammar_to_proto(spec: GrammarSpec) -> pb.Grammar:
     if spec.separators is not None:
         msg.has_separators = True
         msg.item_separator, msg.key_separator = spec.separators
+    if spec.reasoning is not None:
+        r = spec.reasoning
+        msg.reasoning.CopyFrom(pb.ReasoningSection(open=r.open, close=r.close, gap=r.gap))
     return msg
 
 
@@ -36,6 +40,13 @@ def grammar_from_proto(msg: pb.Grammar) -> GrammarSpec:
     if kind is None:
         raise InvalidArgument(f"grammar kind {msg.kind} is unspecified or unknown")
     seps = (msg.item_separator, msg.key_separator) if msg.has_separators else None
+    reasoning = None
+    if msg.HasField("reasoning"):
+        try:
+            r = msg.reasoning
+            reasoning = ReasoningSection(open=r.open, close=r.close, gap=r.gap)
+        except ValueError as exc:
+            raise InvalidArgument(f"reasoning section: {exc}") from None
     return GrammarSpec(
         kind=kind,
         text=msg.text,
@@ -44,4 +55,5 @@ def grammar_from_proto(msg: pb.Grammar) -> GrammarSpec:
         strict=msg.strict,
         backend=msg.backend,
         checked=msg.checked,
+        reasoning=reasoning,
     )

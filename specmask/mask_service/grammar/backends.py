@@ -30,6 +30,7 @@ from specmask.mask_service.grammar.grammar_checks import check_language, engine_
 from specmask.mask_service.grammar.schema_check import check_schema
 from specmask.mask_service.grammar.schema_relax import relax_schema
 from specmask.mask_service.grammar.schema_rewrite import needs_ebnf_repair, repair_ebnf, rewrite_schema
+from specmask.mask_service.grammar.sections import compose_xgrammar
 from specmask.mask_service.protocols import GrammarMatcher
 
 
@@ -52,6 +53,11 @@ def any_json_ebnf(item_separator: str, key_separator: str) -> str:
             'number ::= "-"? ( "0" | [1-9] [0-9]* ) ( "." [0-9]+ )? ( [eE] [+-]? [0-9]+ )?',
         ]
     )
+
+
+def _with_section(grammar: Any, spec: GrammarSpec) -> Any:
+    """The caller's xgrammar ``Grammar`` with the spec's reasoning section in front (sections.py)."""
+    return grammar if spec.reasoning is None else compose_xgrammar(grammar, spec.reasoning)
 
 
 class GrammarBackend(Protocol):
@@ -111,10 +117,20 @@ class XGrammarBackend:
             strict_mode=spec.strict,
         )
         # No raw control characters in length-limited strings, no ED A0..BF anywhere.
-        return compile_scalar_only(compiler, grammar, repair=lambda t: repair_ebnf(t) if needs_ebnf_repair(t) else t)
+        return compile_scalar_only(
+            compiler, _with_section(grammar, spec), repair=lambda t: repair_ebnf(t) if needs_ebnf_repair(t) else t
+        )
 
     @staticmethod
     def _any_json(compiler: Any, spec: GrammarSpec) -> Any:
+        if spec.reasoning is not None:
+            import xgrammar as xgr
+
+            if spec.any_whitespace and spec.separators is None:
+                caller = xgr.Grammar.builtin_json_grammar()
+            else:
+                caller = xgr.Grammar.from_ebnf(any_json_ebnf(*spec.effective_separators()))
+            return compile_scalar_only(compiler, _with_section(caller, spec))
         if spec.any_whitespace and spec.separators is None:
             return compiler.compile_builtin_json_grammar()
         # xgrammar 0.2.8's builtin grammar allows any whitespace and only
@@ -134,7 +150,9 @@ class XGrammarBackend:
             GrammarKind.REGEX: xgr.Grammar.from_regex,
             GrammarKind.LARK: xgr.Grammar.from_lark,
         }
-        return compile_scalar_only(compiler, parse.get(spec.kind, xgr.Grammar.from_ebnf)(spec.text))
+        return compile_scalar_only(
+            compiler, _with_section(parse.get(spec.kind, xgr.Grammar.from_ebnf)(spec.text), spec)
+        )
 
     def compile(self, compiler: Any, spec: GrammarSpec) -> Any:
         fn = self._by_kind.get(spec.kind)
@@ -247,6 +265,8 @@ class SelectingBackend:
         return EngineCompilers(tokenizer_info, max_threads)
 
     def compile(self, compilers: EngineCompilers, spec: GrammarSpec) -> SelectedGrammar:
+        if spec.reasoning is not None:
+            return self._compile_with_section(compilers, spec)
         precheck(spec)  # refusals no engine changes (metaschema, Unicode, depth), said once
         if spec.backend and spec.backend not in ENGINES:  # never relaxed: a caller's typo
             raise GrammarError(f"unknown grammar backend {spec.backend!r}; known: {', '.join(sorted(ENGINES))}")
@@ -258,6 +278,20 @@ class SelectingBackend:
             if not spec.checked:
                 raise _with_checked_hint(exc, spec) from None
             return self._select_relaxed(compilers, spec, exc)
+
+    def _compile_with_section(self, compilers: EngineCompilers, spec: GrammarSpec) -> SelectedGrammar:
+        """``section caller`` (sections.py) on the engine the caller's grammar alone selects.
+
+        The caller's grammar is compiled alone first, so it is refused exactly as without a
+        section (an empty language too: behind the section's first row ``check_language``
+        could not see it), picks the same engine and, in checked mode, the same relaxation.
+        That costs a second compile per new grammar (the cache keeps the composed one)."""
+        alone = self.compile(compilers, spec.without_reasoning())
+        text = spec.text
+        if alone.enforcement == "checked":
+            text = json.dumps(relax_schema(load_schema(spec.text))[0], ensure_ascii=False)
+        composed = dataclasses.replace(spec, text=text, backend=alone.backend, checked=False)
+        return dataclasses.replace(alone, compiled=self._compile_exact(alone.backend, compilers, composed))
 
     def _select_relaxed(self, compilers: EngineCompilers, spec: GrammarSpec, refusal: GrammarError) -> SelectedGrammar:
         """Checked mode: the selection run on the schema's relaxation (schema_relax), else the refusal."""

@@ -51,7 +51,9 @@ from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.mask_service.errors import GrammarError, LimitExceeded
 from specmask.mask_service.grammar.grammar_checks import check_language, precheck
 from specmask.mask_service.grammar.llguidance_check import check_llguidance_schema, strict_schema
+from specmask.mask_service.grammar.oneof_disjoint import oneof_as_anyof
 from specmask.mask_service.grammar.schema_rewrite import tighten_formats
+from specmask.mask_service.grammar.sections import compose_llguidance
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +113,8 @@ def _json_schema(spec: GrammarSpec) -> str:
     if not isinstance(schema, (dict, bool)):
         raise GrammarError("a JSON schema must be an object or a boolean")
     check_llguidance_schema(schema)
-    schema = tighten_formats(schema)  # RFC-tight dates, times, IPv4, hostnames
+    schema = tighten_formats(schema)  # format_patterns' regexes
+    schema = oneof_as_anyof(schema)  # a oneOf proven disjoint is an anyOf (llguidance's own proof is narrower)
     if spec.strict:
         schema = strict_schema(schema)
     return _json_grammar(schema, spec)
@@ -154,7 +157,7 @@ def grammar_for_spec(spec: GrammarSpec) -> str:
         )
     if spec.kind is not GrammarKind.ANY_JSON and not spec.text:
         raise GrammarError(f"{spec.kind.value} grammar text is empty")
-    return fn(spec)
+    return compose_llguidance(fn(spec), spec)
 
 
 def validate_grammar(grammar: str, tokenizer: Any, kind: GrammarKind) -> None:

@@ -190,7 +190,9 @@ class CompilerCache:
         except BaseException as exc:
             self._finish(key, fut, exc)
             return
-        json_keys = spec.kind in (GrammarKind.JSON_SCHEMA, GrammarKind.ANY_JSON)
+        # The duplicate-key guard reads every accepted byte as JSON; free reasoning text before the
+        # JSON would mislead it, so with a section a repeated key is left to the end check.
+        json_keys = spec.kind in (GrammarKind.JSON_SCHEMA, GrammarKind.ANY_JSON) and spec.reasoning is None
         if json_keys:
             try:  # built once per tokenizer, here rather than on the first OpenSession
                 key_vocab(key[0], compiled.tokenizer_info, (key[1] + 31) // 32)

@@ -89,6 +89,7 @@ class Grammar(_message.Message):
     STRICT_FIELD_NUMBER: _builtins.int
     BACKEND_FIELD_NUMBER: _builtins.int
     CHECKED_FIELD_NUMBER: _builtins.int
+    REASONING_FIELD_NUMBER: _builtins.int
     kind: Global___GrammarKind.ValueType
     text: _builtins.str
     """schema JSON / regex / grammar; empty for ANY_JSON"""
@@ -110,6 +111,12 @@ class Grammar(_message.Message):
     if/then/else, contains), compile a relaxation of it (a superset) instead of refusing.
     The caller must check every output against the original schema.
     """
+    @_builtins.property
+    def reasoning(self) -> Global___ReasoningSection:
+        """A reasoning model's free section before this grammar (the output is the section
+        then the grammar, compiled as one grammar); absent = the grammar from the first token.
+        """
+
     def __init__(
         self,
         *,
@@ -122,14 +129,45 @@ class Grammar(_message.Message):
         strict: _builtins.bool = ...,
         backend: _builtins.str = ...,
         checked: _builtins.bool = ...,
+        reasoning: Global___ReasoningSection | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["reasoning", b"reasoning"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["any_whitespace", b"any_whitespace", "backend", b"backend", "checked", b"checked", "has_separators", b"has_separators", "item_separator", b"item_separator", "key_separator", b"key_separator", "kind", b"kind", "strict", b"strict", "text", b"text"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["any_whitespace", b"any_whitespace", "backend", b"backend", "checked", b"checked", "has_separators", b"has_separators", "item_separator", b"item_separator", "key_separator", b"key_separator", "kind", b"kind", "reasoning", b"reasoning", "strict", b"strict", "text", b"text"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Grammar: _TypeAlias = Grammar  # noqa: Y015
+
+@_typing.final
+class ReasoningSection(_message.Message):
+    """open, any text not containing close, close, then gap (common/reasoning_section.py)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPEN_FIELD_NUMBER: _builtins.int
+    CLOSE_FIELD_NUMBER: _builtins.int
+    GAP_FIELD_NUMBER: _builtins.int
+    open: _builtins.str
+    """"" = the output starts inside the section"""
+    close: _builtins.str
+    """not empty; its first character occurs nowhere else in it"""
+    gap: _builtins.str
+    """the exact text between close and the grammar"""
+    def __init__(
+        self,
+        *,
+        open: _builtins.str = ...,
+        close: _builtins.str = ...,
+        gap: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "gap", b"gap", "open", b"open"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReasoningSection: _TypeAlias = ReasoningSection  # noqa: Y015
 
 @_typing.final
 class GrammarTarget(_message.Message):
