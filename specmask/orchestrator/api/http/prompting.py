@@ -24,7 +24,8 @@ from typing import Any, Protocol
 
 from specmask.orchestrator.api.http.errors import ApiError
 from specmask.orchestrator.api.http.protocol import ChatMessage, Tool
-from specmask.orchestrator.api.http.tools import describe_tools
+from specmask.orchestrator.api.http.tool_formats import HERMES, ToolCallFormat, ToolCallParser, resolve
+from specmask.orchestrator.api.http.tool_grammar import tools_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,10 @@ logger = logging.getLogger(__name__)
 class ChatPrompter(Protocol):
     # Whether ``render`` puts ``tools`` into the prompt in the model's own format.
     supports_tools: bool
+    # The variables the template reads (a reasoning parser's thinking switch only acts where read).
+    template_variables: frozenset[str]
+    # The format the model writes tool calls in (tool_formats; ``--tool-call-parser``).
+    tool_format: ToolCallFormat
 
     def render(
         self, messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: Mapping[str, Any] | None = None
@@ -68,13 +73,15 @@ class TranscriptPrompter:
     """The fallback: ``role: content`` blocks, then ``assistant:``."""
 
     supports_tools = False
+    template_variables: frozenset[str] = frozenset()
+    tool_format = HERMES
 
     def render(
         self, messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: Mapping[str, Any] | None = None
     ) -> str:
         blocks = []
         if tools:
-            blocks.append(f"system: {describe_tools(tools)}")
+            blocks.append(f"system: {tools_prompt(tools, self.tool_format)}")
         for msg in messages:
             text = msg.text
             if msg.tool_calls:
@@ -95,9 +102,16 @@ class TemplatePrompter:
     ``tojson`` options, loop controls), and ``tools`` reach templates that read them.
     """
 
-    def __init__(self, tokenizer: Any) -> None:  # transformers.PreTrainedTokenizerBase
+    def __init__(
+        self, tokenizer: Any, tool_call_parser: ToolCallParser = ToolCallParser.AUTO
+    ) -> None:  # tokenizer: transformers.PreTrainedTokenizerBase
         self._tokenizer = tokenizer
         template = tokenizer.chat_template
+        texts = template.values() if isinstance(template, dict) else [template]
+        self.tool_format = resolve(tool_call_parser, "\n".join(texts))
+        self.template_variables = frozenset(
+            v for t in (template.values() if isinstance(template, dict) else [template]) for v in _variables(t)
+        )
         # A template that never reads ``tools`` would drop them silently.
         self.supports_tools = any(
             _reads_tools(t) for t in (template.values() if isinstance(template, dict) else [template])
@@ -124,6 +138,12 @@ class TemplatePrompter:
         return str(text)
 
 
+def _variables(template: str) -> set[str]:
+    from jinja2 import Environment, meta
+
+    return meta.find_undeclared_variables(Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template))
+
+
 def _reads_tools(template: str) -> bool:
     from jinja2 import Environment, meta
 
@@ -132,9 +152,10 @@ def _reads_tools(template: str) -> bool:
     )
 
 
-def load_prompter(model_dir: str) -> ChatPrompter:
+def load_prompter(model_dir: str, tool_call_parser: ToolCallParser = ToolCallParser.AUTO) -> ChatPrompter:
     """The model's chat template (``chat_template`` in tokenizer_config.json or a
     ``chat_template.jinja`` beside it) if it ships one, else the transcript fallback.
+    ``tool_call_parser``: the tool-call format (``auto``: read from the template).
 
     A directory whose template is there but whose tokenizer transformers cannot load is a
     start-up error, not a silent fall back to a prompt format the model was not trained on.
@@ -144,7 +165,9 @@ def load_prompter(model_dir: str) -> ChatPrompter:
     config: dict[str, Any] = json.loads(config_path.read_text()) if config_path.is_file() else {}
     if not config.get("chat_template") and not (path / "chat_template.jinja").is_file():
         logger.info("%s has no chat template: chat prompts use the plain transcript format", model_dir)
-        return TranscriptPrompter()
+        transcript = TranscriptPrompter()
+        transcript.tool_format = resolve(tool_call_parser, None)
+        return transcript
     # Imported here, not at module level: the orchestrator's modules import without model
     # libraries (tests/test_import_hygiene.py); transformers loads a tokenizer without torch.
     from transformers import PreTrainedTokenizerFast
@@ -155,4 +178,6 @@ def load_prompter(model_dir: str) -> ChatPrompter:
         raise RuntimeError(f"{model_dir} has a chat template but its tokenizer does not load: {exc}") from exc
     if not tokenizer.chat_template:
         raise RuntimeError(f"{model_dir} has a chat template that transformers does not read")
-    return TemplatePrompter(tokenizer)
+    prompter = TemplatePrompter(tokenizer, tool_call_parser)
+    logger.info("tool calls in the %s format", prompter.tool_format.parser.value)
+    return prompter

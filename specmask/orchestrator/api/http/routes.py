@@ -20,8 +20,9 @@ from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from specmask.gpu_worker.types import FinishReason
+from specmask.orchestrator import reasoning
 from specmask.orchestrator.api.http import responses as rsp
-from specmask.orchestrator.api.http import tool_grammar, tools, translate
+from specmask.orchestrator.api.http import tool_grammar, translate
 from specmask.orchestrator.api.http.errors import GRAMMAR_VIOLATION, NOT_FOUND, ApiError
 from specmask.orchestrator.api.http.input_checks import check_content_type, refuse_lone_surrogates
 from specmask.orchestrator.api.http.lenient import UnknownFieldLog
@@ -35,7 +36,7 @@ from specmask.orchestrator.metrics import OrchestratorMetrics
 from specmask.orchestrator.output_check import OutputChecker
 from specmask.orchestrator.request import Request
 from specmask.orchestrator.token_text import TokenTexts, VocabTokenizer
-from specmask.orchestrator.types import GenerationResult, GrammarReport, OutputLogprob, Usage
+from specmask.orchestrator.types import GenerationResult, GrammarReport, OutputLogprob, RequestOutput, Usage
 from specmask.orchestrator.validation import RequestValidator
 
 logger = logging.getLogger(__name__)
@@ -82,8 +83,10 @@ class OpenAIRoutes:
         max_model_len: int,
         ready: Callable[[], bool] | None = None,
         tokenizer: VocabTokenizer | None = None,
+        reasoning_parser: reasoning.ReasoningParser | None = None,
     ) -> None:
         """``ready``: readiness as gRPC health reports it (None: the engine's worker health alone).
+        ``reasoning_parser``: chat outputs start with the model's thinking in this format (reasoning.py).
         ``tokenizer``: the target's, for the token strings and bytes of logprobs (None: logprobs
         are refused)."""
         self._engine = engine
@@ -97,6 +100,7 @@ class OpenAIRoutes:
         self._unknown = UnknownFieldLog(metrics.http_unknown_fields)
         self._tokenizer = tokenizer
         self._token_texts: TokenTexts | None = None  # built on the first logprobs request
+        self._reasoning_parser = reasoning_parser
 
     def _texts(self, translated: translate.Translated) -> TokenTexts | None:
         """The token texts for a request with logprobs (None: it asked for none)."""
@@ -168,6 +172,10 @@ class OpenAIRoutes:
         request_id = self._request_id(request)
         self._unknown.note(body, request_id)
         translated = _guard_depth(translate.chat_request, body, request_id, self._prompter)
+        thinking = reasoning.format_for(
+            self._reasoning_parser, body.chat_template_kwargs, self._prompter.template_variables
+        )
+        translated = dataclasses.replace(translated, request=reasoning.with_section(translated.request, thinking))
         texts = self._texts(translated)
         admitted = await self._submit(translated, request)
         env = rsp.Envelope(id=f"chatcmpl-{request_id}", model=self._model)
@@ -175,13 +183,17 @@ class OpenAIRoutes:
         try:
             if body.stream:
                 include_usage = body.stream_options is not None and body.stream_options.include_usage
-                return await self._stream_chat(request, admitted, env, headers, translated, include_usage, texts)
+                return await self._stream_chat(
+                    request, admitted, env, headers, translated, include_usage, texts, thinking
+                )
             result = await admitted.result()
             _raise_for_finish(result.finish_reason, result.error)
-            if translated.auto_tools is not None:
-                message, finish = self._auto_message(result.text, result.finish_reason, translated.auto_tools)
-            else:
-                message, finish = _chat_message(result.text, result.finish_reason, translated.tool_call)
+            answer = reasoning.split_answer(thinking, result.text) if thinking is not None else None
+            if answer is not None:  # the grammar, and every check, governed only the content
+                result = dataclasses.replace(result, text=answer.content or "")
+            message, finish = self._chat_message(result.text, result.finish_reason, translated.tools)
+            if answer is not None:
+                message = rsp.with_reasoning(message, answer.reasoning, answer.content is None)
             logprobs = None
             if texts is not None:
                 # Tool calls are not content: their tokens have no content logprobs (OpenAI's shape).
@@ -217,20 +229,28 @@ class OpenAIRoutes:
         finally:
             self._engine.cancel(admitted.request_id)
 
-    def _auto_message(
-        self, text: str, reason: FinishReason, auto: tool_grammar.AutoTools
+    def _chat_message(
+        self, text: str, reason: FinishReason, calls: tool_grammar.ToolGrammar | None
     ) -> tuple[dict[str, Any], str]:
-        """``tool_choice: "auto"``: text is content; complete calls are ``tool_calls``, each checked
-        against its tool's schema (a failure is an error, never a success)."""
-        if reason is FinishReason.GRAMMAR_COMPLETE and tool_grammar.is_call_output(text):
+        """The assistant message and finish_reason of a successful finish.
+
+        With tools, complete calls are ``tool_calls``, each checked against its tool's schema
+        (a failure is an error, never a success); text (tool_choice "auto") is content. Calls
+        cut short (length, stop string) are plain content with that finish reason.
+        """
+        if calls is None:
+            return {"role": "assistant", "content": text}, rsp.FINISH_REASONS[reason]
+        if reason is FinishReason.GRAMMAR_COMPLETE and (
+            not calls.text_allowed or tool_grammar.is_call_output(text, calls)
+        ):
             try:
-                calls = tool_grammar.parse_calls(text, auto, self._checker)
+                parsed = tool_grammar.parse_calls(text, calls, self._checker)
             except ValueError as exc:
                 raise ApiError(
                     GRAMMAR_VIOLATION, f"grammar violation: the generated tool call is not valid: {exc}"
                 ) from None
-            return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
-        return {"role": "assistant", "content": text}, rsp.FINISH_REASONS[reason]
+            return {"role": "assistant", "content": None, "tool_calls": parsed}, "tool_calls"
+        return {"role": "assistant", "content": tool_grammar.text_content(text, calls)}, rsp.FINISH_REASONS[reason]
 
     # ---- streaming -------------------------------------------------------
 
@@ -243,28 +263,35 @@ class OpenAIRoutes:
         translated: translate.Translated,
         include_usage: bool,
         texts: TokenTexts | None = None,
+        thinking: reasoning.ReasoningFormat | None = None,
     ) -> web.StreamResponse:
-        """``texts``: the request asked for logprobs; each text chunk then carries its tokens'."""
+        """``texts``: the request asked for logprobs; each text chunk then carries its tokens'.
+        ``thinking``: the output starts with reasoning, streamed as its own deltas first."""
         stream = await EventStream.open(request, headers)
         deltas = DeltaEncoder(rsp.chat_chunk(env, {"content": DeltaEncoder.PLACEHOLDER}))
-        auto = translated.auto_tools
-        # A tool call is sent whole, once it is complete and parsed; text is streamed.
-        split = tool_grammar.StreamSplit(translated.tool_call, auto is not None)
+        sections = reasoning.ReasoningStream(thinking) if thinking is not None else None
+        calls = translated.tools
+        # Tool calls are sent once complete and checked; text is streamed (its start is held
+        # while it could still begin a call).
+        split = tool_grammar.StreamSplit(calls)
         try:
             await stream.send(rsp.chat_chunk(env, {"role": "assistant", "content": ""}))
             held: list[str] = []
             held_logprobs: list[OutputLogprob] = []
             async for out in admitted.events():
-                if out.text and split.holds(out.text):
-                    held.append(out.text)
-                    held_logprobs.extend(out.logprobs or ())
-                elif texts is not None and out.logprobs and split.calls:
-                    held_logprobs.extend(out.logprobs)  # tokens without text of their own, after held text
-                elif texts is not None and (out.text or out.logprobs):
-                    lp = rsp.chat_logprobs(out.logprobs or (), texts)
-                    await stream.send(rsp.chat_chunk(env, {"content": out.text}, logprobs=lp))
-                elif out.text:
-                    await stream.send_raw(deltas.encode(out.text))
+                if sections is not None:  # what follows sees only the content
+                    out = await self._send_reasoning(stream, env, sections, out, texts)
+                content, call_text = split.feed(out.text) if out.text else ("", "")
+                if call_text:
+                    held.append(call_text)
+                if split.calls or (out.text and not content):
+                    held_logprobs.extend(out.logprobs or ())  # held text's tokens (or tokens after it)
+                elif texts is not None and (content or out.logprobs):
+                    lp = rsp.chat_logprobs([*held_logprobs, *(out.logprobs or ())], texts)
+                    held_logprobs = []
+                    await stream.send(rsp.chat_chunk(env, {"content": content}, logprobs=lp))
+                elif content:
+                    await stream.send_raw(deltas.encode(content))
                 if not out.finished:
                     continue
                 assert out.finish_reason is not None and out.usage is not None
@@ -274,28 +301,66 @@ class OpenAIRoutes:
                     return stream.response
                 if split.calls:
                     try:
-                        if auto is not None:
-                            message, finish = self._auto_message("".join(held), out.finish_reason, auto)
-                        else:
-                            message, finish = _chat_message("".join(held), out.finish_reason, True)
+                        message, finish = self._chat_message("".join(held), out.finish_reason, calls)
                     except ApiError as exc:
                         await stream.error(exc)
                         return stream.response
-                    delta = {k: v for k, v in message.items() if k != "role"}
-                    if "tool_calls" in delta:
-                        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(delta["tool_calls"])]
-                    call_lp: dict[str, Any] | None = None
-                    if texts is not None:
-                        entries = held_logprobs if delta.get("content") is not None else None
-                        call_lp = rsp.chat_logprobs(entries, texts)
-                    await stream.send(rsp.chat_chunk(env, delta, logprobs=call_lp))
+                    await self._send_calls(stream, env, message, held_logprobs, texts)
                 else:
                     finish = rsp.FINISH_REASONS[out.finish_reason]
+                    pending = split.pending()  # a start that never became either branch: text
+                    if pending or (texts is not None and held_logprobs):
+                        last = None if texts is None else rsp.chat_logprobs(held_logprobs, texts)
+                        await stream.send(rsp.chat_chunk(env, {"content": pending}, logprobs=last))
                 await stream.send(rsp.chat_chunk(env, {}, finish))
                 await self._finish_stream(stream, env, "chat.completion.chunk", out.usage, include_usage, out.grammar)
         except ConnectionResetError:
             logger.info("[request_id=%s] client went away mid-stream", admitted.request_id)
         return stream.response
+
+    @staticmethod
+    async def _send_reasoning(
+        stream: EventStream,
+        env: rsp.Envelope,
+        sections: reasoning.ReasoningStream,
+        out: RequestOutput,
+        texts: TokenTexts | None,
+    ) -> RequestOutput:
+        """Send the event's reasoning as a reasoning delta; return the event holding only its content.
+        Its tokens' logprobs go with the reasoning delta when it has no content, else with the content."""
+        thought, content = sections.feed(out.text)
+        if out.finished:
+            more_thought, more_content = sections.finish()
+            thought, content = thought + more_thought, content + more_content
+        if thought:
+            logprobs = None
+            if texts is not None and not content:
+                logprobs, out = rsp.chat_logprobs(out.logprobs or (), texts), dataclasses.replace(out, logprobs=None)
+            await stream.send(rsp.chat_chunk(env, rsp.reasoning_delta(thought), logprobs=logprobs))
+        return dataclasses.replace(out, text=content)
+
+    @staticmethod
+    async def _send_calls(
+        stream: EventStream,
+        env: rsp.Envelope,
+        message: dict[str, Any],
+        held_logprobs: list[OutputLogprob],
+        texts: TokenTexts | None,
+    ) -> None:
+        """The held output's deltas, as vLLM streams calls: per call, one delta with its id and
+        name, then one with its arguments; or content, when the calls were cut short."""
+        calls = message.get("tool_calls")
+        if not calls:
+            lp = None if texts is None else rsp.chat_logprobs(held_logprobs, texts)
+            await stream.send(rsp.chat_chunk(env, {"content": message["content"]}, logprobs=lp))
+            return
+        # Tool calls are not content: their tokens have no content logprobs (OpenAI's shape).
+        no_content = None if texts is None else rsp.chat_logprobs(None, texts)
+        for i, call in enumerate(calls):
+            head = {"index": i, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"]}}
+            await stream.send(rsp.chat_chunk(env, {"tool_calls": [head]}, logprobs=no_content if i == 0 else None))
+            arguments = {"index": i, "function": {"arguments": call["function"]["arguments"]}}
+            await stream.send(rsp.chat_chunk(env, {"tool_calls": [arguments]}))
 
     async def _stream_completion(
         self,
@@ -355,20 +420,3 @@ def _raise_for_finish(reason: FinishReason, error: str | None) -> None:
     exc = rsp.finish_error(reason, error)
     if exc is not None:
         raise exc
-
-
-def _chat_message(text: str, reason: FinishReason, tool_call: bool) -> tuple[dict[str, Any], str]:
-    """The assistant message and finish_reason of a successful finish.
-
-    A tool call is returned as ``tool_calls`` only when its grammar completed;
-    cut short (length, stop string) it is plain content with that finish reason.
-    """
-    if tool_call and reason is FinishReason.GRAMMAR_COMPLETE:
-        try:
-            call = tools.parse_call(text)
-        except ValueError as exc:  # a complete grammar that does not parse: never a success
-            raise ApiError(
-                GRAMMAR_VIOLATION, f"grammar violation: the generated tool call does not parse: {exc}"
-            ) from None
-        return {"role": "assistant", "content": None, "tool_calls": [call]}, "tool_calls"
-    return {"role": "assistant", "content": text}, rsp.FINISH_REASONS[reason]

@@ -1,37 +1,44 @@
-"""``tool_choice: "auto"``: a grammar of "free text, or tool calls", and its output back to calls.
+"""Tool calls as a grammar in the model's own format, and the output back to OpenAI ``tool_calls``.
 
-The model either answers in text or calls tools, and which one is its own choice
-(the grammar admits both). A call is written the Hermes way most tool-tuned chat
-models were trained on, one block per call::
+One grammar serves every ``tool_choice`` that calls tools: ``"auto"`` (and tools
+without ``tool_choice``) admits plain text or calls, ``"required"`` one or more
+calls to any tool, a named function one call to that tool. ``parallel_tool_calls:
+false`` (or a format with one call per turn) allows one call. The calls are written
+in the format of ``tool_formats`` the server serves (``--tool-call-parser``), e.g.
+Hermes (Qwen3)::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
 The grammar (xgrammar EBNF, built with ``xgrammar.Grammar`` union/concat so every
-tool's JSON Schema keeps its own rules) is::
+tool's JSON Schema keeps its own rules)::
 
-    root  ::= text | block ("\\n" block){0, max_calls - 1}
-    text  ::= "" | [^<] any*           (free text never starts with "<")
-    block ::= "<tool_call>\\n" call "\\n</tool_call>"
-    call  ::= {"name": "<tool>", "arguments": <that tool's parameters>} | ...
+    root  ::= text | calls                     ("auto"; otherwise root ::= calls)
+    calls ::= calls_open call (separator call){0, max_calls - 1} calls_close
+    call  ::= head("get_weather") <its parameters> tail | ...
+    text  ::= text_open body
 
-Text therefore cannot begin like a call, so the first character decides: "<"
-opens tool calls (held back when streaming until they are complete and checked),
-anything else is text (streamed as it comes). Text may still mention
-``<tool_call>`` later on; it is then text, never parsed as a call.
+``body`` is free text with two exclusions, so a call can never hide in content:
+it does not start (after whitespace) with ``<``, ``{`` or ``[`` (every format's call,
+and the Llama parsers' "output starting with {", start with one of them), and it
+never contains a call trigger of any known format (``<tool_call>``, ``{"name"``,
+``[TOOL_CALLS]``, harmony's ``<|channel|>``, ...): the grammar's text is what a
+vLLM-style parser of any of those formats reads as text only. The exclusion is a
+right-linear grammar of the Aho-Corasick automaton of the triggers.
 
-The end check: every call returned is parsed and its arguments validated against
-its tool's own schema with the orchestrator's output checker (``jsonschema``, the
-caller's original schema), beyond the engine's end check of the EBNF; a call that
-fails is an error, never a success.
+Which branch the output took is decided by its start: a call output starts with the
+format's ``call_start``, text never does (``StreamSplit`` holds back only while the
+output could still be either). The end check: every call is parsed and its
+arguments validated against its tool's own schema with the orchestrator's output
+checker (``jsonschema``, the caller's schema), beyond the engine's end check of the
+EBNF; a call that fails is an error, never a success.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,28 +47,27 @@ from specmask.mask_service.errors import MaskError
 from specmask.mask_service.grammar.ebnf_escapes import unambiguous_escapes
 from specmask.mask_service.grammar.grammar_checks import precheck
 from specmask.orchestrator.api.http.errors import ApiError
-from specmask.orchestrator.api.http.protocol import ChatMessage, Tool
+from specmask.orchestrator.api.http.protocol import ChatMessage, NamedToolChoice, Tool
+from specmask.orchestrator.api.http.tool_formats import HERMES, ToolCallFormat, all_triggers
 from specmask.orchestrator.output_check import OutputChecker, OutputCheckError
 
-CALL_OPEN = "<tool_call>\n"
-CALL_CLOSE = "\n</tool_call>"
-CALL_SEPARATOR = "\n"
 # Calls one answer may make when parallel_tool_calls allows several (OpenAI sets no bound;
 # a small one keeps the grammar, which repeats the call rule per call, small).
 MAX_PARALLEL_CALLS = 4
-_NAME_KEY = '{"name": "'
-_ARGUMENTS_KEY = '", "arguments": '
-_BLOCK_RULE = "tool_call_block"
-_TEXT_RULE = "tool_call_free_text"
-_BLOCK_RE = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
+_CALL_RULE = "tool_call_one"
+_RULE_PREFIX = "tool_call_"
+_LEADING_SPACE = " \t\r\n"
 
 
 @dataclass(frozen=True)
-class AutoTools:
-    """The tools of one ``auto`` request: their grammar and what a call must satisfy."""
+class ToolGrammar:
+    """The tools of one request that may call them: the grammar and what each call must satisfy."""
 
     grammar: GrammarSpec
     params: dict[str, dict[str, Any]]  # tool name -> its parameters schema (the caller's, unchanged)
+    format: ToolCallFormat
+    text_allowed: bool  # tool_choice "auto": the answer may be text instead of calls
+    max_calls: int
 
 
 def _literal(text: str) -> str:
@@ -69,22 +75,48 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def auto_tools(tools: list[Tool], parallel: bool) -> AutoTools:
-    """The "text or calls" grammar for ``tools``; ``parallel``: up to MAX_PARALLEL_CALLS calls."""
-    import xgrammar as xgr
+def _char(ch: str) -> str:
+    """One character inside an EBNF character class, escaped whatever it is."""
+    code = ord(ch)
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
+
+def chosen_tools(tools: list[Tool], choice: str | NamedToolChoice | None) -> list[Tool]:
+    """The tools a call may name under ``choice`` (not "none"), checked."""
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise ApiError.invalid("tool function names must be unique", param="tools")
+    if isinstance(choice, NamedToolChoice):
+        chosen = [t for t in tools if t.function.name == choice.function.name]
+        if not chosen:
+            raise ApiError.invalid(
+                f"tool_choice names {choice.function.name!r}, which is not in tools", param="tool_choice"
+            )
+        return chosen
+    if choice not in (None, "auto", "required"):
+        raise ApiError.invalid(f"unknown tool_choice {choice!r}", param="tool_choice")
+    return tools
+
+
+def tool_grammar(
+    tools: list[Tool], choice: str | NamedToolChoice | None, parallel: bool, fmt: ToolCallFormat = HERMES
+) -> ToolGrammar:
+    """The grammar of ``choice`` over ``tools`` in ``fmt``; ``parallel``: up to MAX_PARALLEL_CALLS calls."""
+    import xgrammar as xgr
+
+    chosen = chosen_tools(tools, choice)
+    text_allowed = choice in (None, "auto")
+    max_calls = MAX_PARALLEL_CALLS if parallel and fmt.parallel and not isinstance(choice, NamedToolChoice) else 1
     params: dict[str, dict[str, Any]] = {}
     calls = []
-    for tool in tools:
+    for tool in chosen:
         name = tool.function.name
         schema = dict(tool.function.parameters) if tool.function.parameters is not None else {"type": "object"}
         params[name] = schema
+        _local_refs_only(schema, name)
         try:
-            # The mask service's own checks of a JSON Schema (metaschema, depth, code points), so a
-            # tool refused under "required" is refused under "auto" too, with the same message.
+            # The mask service's own checks of a JSON Schema (metaschema, depth, code points): the
+            # same refusal, with the same message, as response_format would give.
             precheck(GrammarSpec(kind=GrammarKind.JSON_SCHEMA, text=json.dumps(schema)))
         except MaskError as exc:
             raise ApiError.invalid(f"tool {name!r}: {exc}", param="tools") from None
@@ -96,98 +128,202 @@ def auto_tools(tools: list[Tool], parallel: bool) -> AutoTools:
             raise ApiError.invalid(
                 f"tool {name!r}: its parameters are not a usable JSON Schema: {exc}", param="tools"
             ) from None
-        head = xgr.Grammar.from_ebnf(f"root ::= {_literal(_NAME_KEY + name + _ARGUMENTS_KEY)}")
-        calls.append(xgr.Grammar.concat(head, args, xgr.Grammar.from_ebnf('root ::= "}"')))
+        head = xgr.Grammar.from_ebnf(f"root ::= {_literal(fmt.call_head(name))}")
+        calls.append(xgr.Grammar.concat(head, args, xgr.Grammar.from_ebnf(f"root ::= {_literal(fmt.tail)}")))
     call = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
-    block = xgr.Grammar.concat(
-        xgr.Grammar.from_ebnf(f"root ::= {_literal(CALL_OPEN)}"),
-        call,
-        xgr.Grammar.from_ebnf(f"root ::= {_literal(CALL_CLOSE)}"),
-    )
-    # The block's printed grammar names it ``root`` on its first line and nowhere else (concat
+    # The call's printed grammar names it ``root`` on its first line and nowhere else (concat
     # made it the top): renamed, it is repeated by reference instead of copied per call.
     # Written so it reads back as printed: "\xe7ade" (the printer's "çade") would read as U+E7ADE.
-    printed = unambiguous_escapes(str(block))
+    printed = unambiguous_escapes(str(call))
     taken = set(re.findall(r"^([A-Za-z0-9_]+) ::=", printed, re.MULTILINE))
-    if not printed.startswith("root ::= ") or {_BLOCK_RULE, _TEXT_RULE} & taken:
+    if not printed.startswith("root ::= ") or any(t.startswith(_RULE_PREFIX) for t in taken):
         raise RuntimeError("unexpected printed tool-call grammar")  # an xgrammar change, not a client error
-    more = f" ({_literal(CALL_SEPARATOR)} {_BLOCK_RULE}){{0, {MAX_PARALLEL_CALLS - 1}}}" if parallel else ""
-    text = "\n".join(
-        [
-            f"root ::= {_TEXT_RULE} | {_BLOCK_RULE}{more}",
-            f'{_TEXT_RULE} ::= "" | [^<] [^]*',
-            _BLOCK_RULE + printed.removeprefix("root"),
-        ]
-    )
+    more = f" ({_literal(fmt.separator)} {_CALL_RULE}){{0, {max_calls - 1}}}" if max_calls > 1 else ""
+    calls_rule = f"{_literal(fmt.calls_open)} {_CALL_RULE}{more} {_literal(fmt.calls_close)}"
+    lines = [f"root ::= {_RULE_PREFIX}text | {_RULE_PREFIX}calls" if text_allowed else f"root ::= {calls_rule}"]
+    if text_allowed:
+        lines.append(f"{_RULE_PREFIX}calls ::= {calls_rule}")
+        lines += _text_rules(fmt)
+    lines.append(_CALL_RULE + printed.removeprefix("root"))
+    text = "\n".join(lines)
     xgr.Grammar.from_ebnf(text)  # parses (the mask service and the end check parse it again)
-    return AutoTools(GrammarSpec(kind=GrammarKind.EBNF, text=text), params)
+    return ToolGrammar(GrammarSpec(kind=GrammarKind.EBNF, text=text), params, fmt, text_allowed, max_calls)
 
 
-def is_call_output(text: str) -> bool:
-    """Whether (the start of) an output is tool calls rather than text: text never starts with "<"."""
-    return text.startswith("<")
+def _local_refs_only(node: Any, tool: str) -> None:
+    """Refuses a ``$ref`` outside the tool's own parameters: no engine fetches it, and xgrammar
+    would read it as "anything" (a dropped constraint, never an answer)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str) and not value.startswith("#"):
+                raise ApiError.invalid(
+                    f"tool {tool!r}: $ref {value!r} is not supported in tool parameters "
+                    "(only references inside the parameters themselves)",
+                    param="tools",
+                )
+            _local_refs_only(value, tool)
+    elif isinstance(node, list):
+        for value in node:
+            _local_refs_only(value, tool)
+
+
+def _text_rules(fmt: ToolCallFormat) -> list[str]:
+    """``text ::= text_open body``: body free text that starts with no call and holds no trigger.
+
+    The triggers' Aho-Corasick automaton, one rule per state (a trie node that is not a
+    whole trigger): each rule may end, or read a character and go on in the next state;
+    characters that would complete a trigger have no branch. Every trigger starts with
+    one of the excluded first characters, so after the first character the automaton
+    starts in its root state.
+    """
+    triggers = all_triggers()
+    lead = sorted({t[0] for t in triggers} | set(_LEADING_SPACE))
+    states = [""]  # trie nodes, by the prefix they stand for
+    for trig in triggers:
+        for i in range(1, len(trig)):
+            if trig[:i] not in states:
+                states.append(trig[:i])
+
+    def step(prefix: str, ch: str) -> str | None:
+        """The longest suffix of ``prefix + ch`` that is a state; None if it ends in a trigger."""
+        s = prefix + ch
+        if any(s.endswith(t) for t in triggers):
+            return None
+        for k in range(len(s)):
+            if s[k:] in states:
+                return s[k:]
+        return ""
+
+    alphabet = sorted({ch for t in triggers for ch in t})
+    index = {s: i for i, s in enumerate(states)}
+    rules = [
+        f"{_RULE_PREFIX}text ::= {_literal(fmt.text_open)} {_RULE_PREFIX}body",
+        f'{_RULE_PREFIX}body ::= "" | [{"".join(_char(c) for c in _LEADING_SPACE)}] {_RULE_PREFIX}body'
+        f" | [^{''.join(_char(c) for c in lead)}] {_RULE_PREFIX}s0",
+    ]
+    for prefix in states:
+        branches = ['""']
+        special: list[str] = []  # characters that do not lead back to the root state
+        for ch in alphabet:
+            nxt = step(prefix, ch)
+            if nxt == "":
+                continue
+            special.append(ch)
+            if nxt is not None:
+                branches.append(f"{_literal(ch)} {_RULE_PREFIX}s{index[nxt]}")
+        branches.append(
+            f"[^{''.join(_char(c) for c in special)}] {_RULE_PREFIX}s0" if special else f"[^] {_RULE_PREFIX}s0"
+        )
+        rules.append(f"{_RULE_PREFIX}s{index[prefix]} ::= {' | '.join(branches)}")
+    return rules
+
+
+def is_call_output(text: str, tools: ToolGrammar) -> bool:
+    """Whether a complete output is tool calls rather than text (text never starts like a call)."""
+    return text.startswith(tools.format.call_start)
 
 
 class StreamSplit:
     """Which streamed text is held back (tool calls, sent whole once complete and checked) and
-    which is sent as it comes (text). With ``auto`` the answer's first text decides, once: text
-    never starts with "<", and text that mentions "<" later stays text."""
+    which is sent as content as it comes. With text allowed, the output's start decides, once:
+    held while it could still begin either branch, then text (after the format's ``text_open``)
+    or calls for the rest of the answer."""
 
-    def __init__(self, tool_call: bool, auto: bool) -> None:
-        self.calls: bool = tool_call
-        self._undecided = auto
+    def __init__(self, tools: ToolGrammar | None) -> None:
+        self._tools = tools
+        self.calls: bool = tools is not None and not tools.text_allowed
+        self._undecided = tools is not None and tools.text_allowed
+        self._start = ""
 
-    def holds(self, text: str) -> bool:
-        """Whether ``text`` (a non-empty delta) is held back."""
-        if self._undecided:
-            self.calls, self._undecided = is_call_output(text), False
-        return self.calls
+    def feed(self, text: str) -> tuple[str, str]:
+        """``text`` (a delta) -> (content to send now, text held back as calls)."""
+        if not self._undecided:
+            return ("", text) if self.calls else (text, "")
+        assert self._tools is not None
+        fmt = self._tools.format
+        start = self._start + text
+        if start.startswith(fmt.call_start):
+            self.calls, self._undecided, self._start = True, False, ""
+            return "", start
+        if fmt.call_start.startswith(start) or fmt.text_open.startswith(start):
+            self._start = start  # still a prefix of either branch
+            return "", ""
+        self._undecided, self._start = False, ""
+        return start.removeprefix(fmt.text_open), ""
+
+    def pending(self) -> str:
+        """Text still undecided when the output ends (a prefix of both branches): content."""
+        assert self._tools is not None or not self._start
+        return self._start.removeprefix(self._tools.format.text_open) if self._tools else ""
 
 
-def parse_calls(text: str, tools: AutoTools, checker: OutputChecker) -> list[dict[str, Any]]:
+def text_content(text: str, tools: ToolGrammar) -> str:
+    """The content of a text answer (or of an output cut short): without the format's ``text_open``."""
+    return text.removeprefix(tools.format.text_open)
+
+
+def parse_calls(text: str, tools: ToolGrammar, checker: OutputChecker) -> list[dict[str, Any]]:
     """The calls of a complete tool-call output as OpenAI ``tool_calls`` entries.
 
-    Raises ``ValueError`` when the text is not well-formed calls or a call's arguments
-    break its tool's schema: with a complete grammar that is a broken output, which
-    the caller reports as an error.
+    ``function.arguments`` is the arguments' JSON text exactly as generated (and checked).
+    Raises ``ValueError`` when the text is not well-formed calls in the format, names a tool
+    outside the request's choice, makes more calls than allowed, or a call's arguments break
+    its tool's schema: with a complete grammar that is a broken output, which the caller
+    reports as an error.
     """
-    blocks = _BLOCK_RE.findall(text)
-    rebuilt = CALL_SEPARATOR.join(CALL_OPEN + b + CALL_CLOSE for b in blocks)
-    if not blocks or rebuilt != text:
-        raise ValueError(f"not a sequence of tool-call blocks: {text[:200]!r}")
-    out = []
-    for block in blocks:
-        call = json.loads(block)
-        if not isinstance(call, dict) or set(call) != {"name", "arguments"}:
-            raise ValueError(f"not a tool call object: {block[:200]!r}")
-        name = call["name"]
-        if name not in tools.params:
-            raise ValueError(f"a call names {name!r}, which is not in tools")
-        arguments = json.dumps(call["arguments"], ensure_ascii=False)
-        spec = GrammarSpec(kind=GrammarKind.JSON_SCHEMA, text=json.dumps(tools.params[name]))
+    fmt = tools.format
+    if not text.startswith(fmt.calls_open) or not text.endswith(fmt.calls_close):
+        raise ValueError(f"not {fmt.parser.value} tool calls: {text[:200]!r}")
+    body = text[len(fmt.calls_open) : len(text) - len(fmt.calls_close)]
+    # Longest head first: no tool's head may be read as another's.
+    heads = sorted(((fmt.call_head(n), n) for n in tools.params), key=lambda h: -len(h[0]))
+    decoder = json.JSONDecoder()
+    out: list[dict[str, Any]] = []
+    pos = 0
+    while True:
+        head = next(((h, n) for h, n in heads if body.startswith(h, pos)), None)
+        if head is None:
+            raise ValueError(f"a call at offset {pos} names none of the tools: {body[pos : pos + 200]!r}")
+        start = pos + len(head[0])
         try:
-            verdict = checker.check(spec, arguments, "xgrammar")
-        except OutputCheckError as exc:
-            raise ValueError(f"the arguments of {name!r} could not be checked: {exc}") from None
-        if not verdict.ok:
-            raise ValueError(f"the arguments of {name!r} break its parameters schema: {verdict.reason}")
-        out.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": name, "arguments": arguments},
-            }
-        )
+            _, end = decoder.raw_decode(body, start)
+        except ValueError as exc:
+            raise ValueError(f"the arguments of {head[1]!r} are not JSON: {exc}") from None
+        if not body.startswith(fmt.tail, end):
+            raise ValueError(f"the call to {head[1]!r} does not end with {fmt.tail!r}")
+        out.append(_checked_call(head[1], body[start:end], tools, checker))
+        pos = end + len(fmt.tail)
+        if pos == len(body):
+            break
+        if not fmt.separator or not body.startswith(fmt.separator, pos):
+            raise ValueError(f"text after a call: {body[pos : pos + 200]!r}")
+        pos += len(fmt.separator)
+    if len(out) > tools.max_calls:
+        raise ValueError(f"{len(out)} calls where at most {tools.max_calls} are allowed")
     return out
 
 
-def tools_prompt(tools: list[Tool]) -> str:
+def _checked_call(name: str, arguments: str, tools: ToolGrammar, checker: OutputChecker) -> dict[str, Any]:
+    if not isinstance(json.loads(arguments), dict):
+        raise ValueError(f"the arguments of {name!r} are not a JSON object")
+    spec = GrammarSpec(kind=GrammarKind.JSON_SCHEMA, text=json.dumps(tools.params[name]))
+    try:
+        verdict = checker.check(spec, arguments, "xgrammar")
+    except OutputCheckError as exc:
+        raise ValueError(f"the arguments of {name!r} could not be checked: {exc}") from None
+    if not verdict.ok:
+        raise ValueError(f"the arguments of {name!r} break its parameters schema: {verdict.reason}")
+    return {
+        "id": tools.format.call_id(),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def tools_prompt(tools: list[Tool], fmt: ToolCallFormat = HERMES) -> str:
     """System text for templates that cannot render tools: the tools and the call format."""
-    lines = [
-        "Answer in plain text, or call tools, one block per call:",
-        f'{CALL_OPEN}{{"name": <tool>, "arguments": <object>}}{CALL_CLOSE}',
-        "Tools:",
-    ]
+    example = fmt.calls_open + fmt.call_head("<tool>") + "<arguments object>" + fmt.tail + fmt.calls_close
+    lines = ["Answer in plain text, or call tools, one call per tool:", example, "Tools:"]
     for tool in tools:
         fn = tool.function
         params = json.dumps(fn.parameters or {"type": "object"}, separators=(",", ":"), ensure_ascii=False)

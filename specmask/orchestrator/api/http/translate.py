@@ -24,7 +24,6 @@ from typing import Any
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.orchestrator.api.http import fields
-from specmask.orchestrator.api.http import tools as tool_calls
 from specmask.orchestrator.api.http.errors import ApiError
 from specmask.orchestrator.api.http.prompting import ChatPrompter
 from specmask.orchestrator.api.http.protocol import (
@@ -34,7 +33,7 @@ from specmask.orchestrator.api.http.protocol import (
     StructuredOutputs,
     _Generation,
 )
-from specmask.orchestrator.api.http.tool_grammar import AutoTools, auto_tools, tools_prompt, with_system_text
+from specmask.orchestrator.api.http.tool_grammar import ToolGrammar, tool_grammar, tools_prompt, with_system_text
 from specmask.orchestrator.chat import ChatMessage, ChatPrompt
 from specmask.orchestrator.types import GenerationRequest, SamplingOptions, SpeculationOptions
 from specmask.orchestrator.validation import MAX_STOP_TOKEN_IDS
@@ -75,8 +74,9 @@ _GRAMMAR_COMMENT = re.compile(r"(#|//).*$")
 @dataclass(frozen=True)
 class Translated:
     request: GenerationRequest
-    tool_call: bool = False  # the output is a tool call to parse into message.tool_calls
-    auto_tools: AutoTools | None = None  # tool_choice "auto": the output is text or calls (tool_grammar)
+    # Tools that may be called: the output is calls (or, with tool_choice "auto", text) in the
+    # model's tool-call format, parsed into message.tool_calls (tool_grammar).
+    tools: ToolGrammar | None = None
 
 
 def chat_request(body: ChatCompletionRequest, request_id: str, prompter: ChatPrompter) -> Translated:
@@ -85,21 +85,17 @@ def chat_request(body: ChatCompletionRequest, request_id: str, prompter: ChatPro
         raise ApiError.invalid("max_tokens and max_completion_tokens disagree; send one", param="max_tokens")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     grammars: list[tuple[str, GrammarSpec]] = []
-    tool_schema = None
-    auto = None
-    if body.tools and body.tool_choice in (None, "auto"):
-        # OpenAI's default with tools: the model answers in text or calls tools.
-        auto = auto_tools(body.tools, parallel=body.parallel_tool_calls is not False)
-        grammars.append(("tools", auto.grammar))
-    elif body.tools:
-        tool_schema = tool_calls.call_schema(body.tools, body.tool_choice)
-        if tool_schema is not None:
-            grammars.append(("tools", _schema_spec(tool_schema)))
+    calls = None
+    if body.tools and body.tool_choice != "none":
+        # "auto" (OpenAI's default with tools): text or calls; "required" / named: calls.
+        parallel = body.parallel_tool_calls is not False
+        calls = tool_grammar(body.tools, body.tool_choice, parallel, prompter.tool_format)
+        grammars.append(("tools", calls.grammar))
     elif body.tool_choice not in (None, "none"):
         raise ApiError.invalid("tool_choice was given without tools", param="tool_choice")
     grammars += _format_grammar(body.response_format)
     grammars += _guided_grammars(body)
-    if auto is not None and len(grammars) > 1:
+    if calls is not None and calls.text_allowed and len(grammars) > 1:
         # "text or a call" leaves no room for a second constraint on the text.
         raise ApiError.invalid(
             f'tools with tool_choice "auto" cannot be combined with {grammars[1][0]}; '
@@ -107,14 +103,13 @@ def chat_request(body: ChatCompletionRequest, request_id: str, prompter: ChatPro
             param=grammars[1][0],
         )
     template_kwargs = _template_kwargs(body)
-    if auto is not None:
-        prompt: str | ChatPrompt = _auto_prompt(body, prompter, template_kwargs)
+    if calls is not None:
+        prompt: str | ChatPrompt = _tools_prompt(body, prompter, template_kwargs)
     else:
-        prompt = _chat_prompt(body, prompter, tool_schema is not None, template_kwargs)
+        prompt = _chat_prompt(body, prompter, template_kwargs)
     return Translated(
         request=_request(body, request_id, prompt, max_tokens, _one_grammar(grammars, body), logprobs),
-        tool_call=tool_schema is not None,
-        auto_tools=auto,
+        tools=calls,
     )
 
 
@@ -147,7 +142,9 @@ def _template_kwargs(body: ChatCompletionRequest) -> dict[str, Any] | None:
     return kwargs or None
 
 
-def _auto_prompt(body: ChatCompletionRequest, prompter: ChatPrompter, template_kwargs: Mapping[str, Any] | None) -> str:
+def _tools_prompt(
+    body: ChatCompletionRequest, prompter: ChatPrompter, template_kwargs: Mapping[str, Any] | None
+) -> str:
     """The conversation with the tools: the chat template renders them when it knows how;
     otherwise a system message lists them and shows the call format the grammar admits."""
     if body.schema_instruction is not None:
@@ -155,19 +152,18 @@ def _auto_prompt(body: ChatCompletionRequest, prompter: ChatPrompter, template_k
     assert body.tools is not None
     if prompter.supports_tools:
         return prompter.render(body.messages, body.tools, template_kwargs)
-    return prompter.render(with_system_text(body.messages, tools_prompt(body.tools)), None, template_kwargs)
+    text = tools_prompt(body.tools, prompter.tool_format)
+    return prompter.render(with_system_text(body.messages, text), None, template_kwargs)
 
 
 def _chat_prompt(
-    body: ChatCompletionRequest, prompter: ChatPrompter, tool_call: bool, template_kwargs: Mapping[str, Any] | None
+    body: ChatCompletionRequest, prompter: ChatPrompter, template_kwargs: Mapping[str, Any] | None
 ) -> str | ChatPrompt:
     """Plain conversations go to the engine as a ``ChatPrompt`` and are rendered by its validator,
     exactly as gRPC chat requests are (off the event loop, with the JSON Schema instruction).
-    Tool calls, and conversations carrying tool calls or results, are rendered here: the
-    template gets the tools and the calls, which ``ChatPrompt`` does not carry."""
-    plain = not tool_call and all(
-        m.tool_calls is None and m.tool_call_id is None and m.name is None for m in body.messages
-    )
+    Conversations carrying tool calls or results are rendered here: the template gets the
+    calls, which ``ChatPrompt`` does not carry."""
+    plain = all(m.tool_calls is None and m.tool_call_id is None and m.name is None for m in body.messages)
     if plain:
         messages = tuple(ChatMessage(role=m.role, content=m.text) for m in body.messages)
         instruction = body.schema_instruction
@@ -184,7 +180,7 @@ def _chat_prompt(
         )
     if body.schema_instruction is not None:
         raise ApiError.invalid("schema_instruction applies to plain chats only (no tools)", param="schema_instruction")
-    return prompter.render(body.messages, body.tools if tool_call else None, template_kwargs)
+    return prompter.render(body.messages, None, template_kwargs)
 
 
 def completion_request(body: CompletionRequest, request_id: str) -> Translated:
@@ -272,6 +268,7 @@ def _request(
         sampling=sampling,
         speculation=speculation,
         max_attempts=body.guided_max_attempts,
+        checked=body.guided_checked,
     )
 
 
@@ -395,6 +392,5 @@ def _one_grammar(grammars: list[tuple[str, GrammarSpec]], body: _Generation) -> 
                 param="guided_decoding_backend",
             )
         spec = dataclasses.replace(spec, backend=BACKEND_NAMES[backend])
-    if body.guided_checked:
-        spec = dataclasses.replace(spec, checked=True)
+    # guided_checked travels as GenerationRequest.checked: unset means the server's --grammar-fallback.
     return spec

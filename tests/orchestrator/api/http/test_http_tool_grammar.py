@@ -1,4 +1,4 @@
-"""tool_choice "auto": the "text or calls" grammar (checked with a fresh xgrammar matcher, as the
+"""tool_choice "auto" in the Hermes format: the "text or calls" grammar (checked with a fresh xgrammar matcher, as the
 engine's end check does), parsing calls back with each call's arguments checked against its own
 tool's schema, the request translation, and unknown request fields (ignored, logged, counted)."""
 
@@ -15,7 +15,8 @@ from specmask.orchestrator.api.http import translate
 from specmask.orchestrator.api.http.lenient import MAX_NAMED_FIELDS, OTHER, UnknownFieldLog, unknown_fields
 from specmask.orchestrator.api.http.prompting import TranscriptPrompter
 from specmask.orchestrator.api.http.protocol import ChatCompletionRequest, Tool
-from specmask.orchestrator.api.http.tool_grammar import CALL_CLOSE, CALL_OPEN, auto_tools, is_call_output, parse_calls
+from specmask.orchestrator.api.http.tool_formats import HERMES
+from specmask.orchestrator.api.http.tool_grammar import StreamSplit, is_call_output, parse_calls, tool_grammar
 from specmask.orchestrator.metrics import OrchestratorMetrics
 from specmask.orchestrator.output_check import OutputChecker
 
@@ -40,7 +41,7 @@ CHECKER = OutputChecker()
 
 
 def _call(name: str, arguments: object) -> str:
-    return CALL_OPEN + json.dumps({"name": name, "arguments": arguments}) + CALL_CLOSE
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
 
 
 @pytest.mark.parametrize(
@@ -48,7 +49,11 @@ def _call(name: str, arguments: object) -> str:
     [
         ("", True, True),
         ("It is sunny.", True, True),
-        ("Let me see <tool_call> later is text", True, True),
+        ("Let me see <b>bold</b> later is text", True, True),
+        ("Let me see <tool_call> later", False, False),  # a call hidden in text: never content
+        ('{"name": "stop", "parameters": {}}', False, False),  # another format's call
+        ('[TOOL_CALLS] [{"name": "stop", "arguments": {}}]', False, False),
+        ('Sure. {"name": "stop", "parameters": {}}', False, False),
         (_call("weather", {"city": "Paris", "days": 3}), True, True),
         (_call("move", {"p": [1, 2]}), True, True),
         (_call("stop", {}), True, True),
@@ -60,20 +65,20 @@ def _call(name: str, arguments: object) -> str:
         (_call("jump", {}), False, False),
         (_call("stop", {}) + " trailing", False, False),
         ("<b>bold</b>", False, False),
-        (CALL_OPEN + '{"name": "stop", "arguments": {}', False, False),
+        ('<tool_call>\n{"name": "stop", "arguments": {}', False, False),
     ],
 )
 def test_auto_grammar_admits_text_or_valid_calls(text: str, single: bool, parallel: bool) -> None:
     for allow_parallel, expected in ((False, single), (True, parallel)):
-        grammar = auto_tools(TOOLS, parallel=allow_parallel).grammar
+        grammar = tool_grammar(TOOLS, "auto", allow_parallel).grammar
         assert grammar.kind is GrammarKind.EBNF
         assert CHECKER.check(grammar, text).ok is expected, (allow_parallel, text)
 
 
 def test_parse_calls_checks_each_call_against_its_tool() -> None:
-    auto = auto_tools(TOOLS, parallel=True)
+    auto = tool_grammar(TOOLS, "auto", True)
     text = _call("stop", {}) + "\n" + _call("weather", {"city": "Oslo", "days": 7})
-    assert is_call_output(text) and not is_call_output("Hi <tool_call>")
+    assert is_call_output(text, auto) and not is_call_output("Hi <tool_call>", auto)
     calls = parse_calls(text, auto, CHECKER)
     assert [c["function"]["name"] for c in calls] == ["stop", "weather"]
     assert json.loads(calls[1]["function"]["arguments"]) == {"city": "Oslo", "days": 7}
@@ -98,8 +103,8 @@ def test_translate_auto_and_default_choice() -> None:
             {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools, **extra}
         )
         out = translate.chat_request(body, "r", TranscriptPrompter())
-        assert out.auto_tools is not None and not out.tool_call
-        assert out.request.grammar == out.auto_tools.grammar
+        assert out.tools is not None and out.tools.text_allowed and out.tools.format is HERMES
+        assert out.request.grammar == out.tools.grammar
         # A template without tool support gets the tools and the call format in a system turn.
         assert isinstance(out.request.prompt, str) and out.request.prompt.startswith(
             "system: Answer in plain text, or call tools"
@@ -109,7 +114,7 @@ def test_translate_auto_and_default_choice() -> None:
         {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": "none"}
     )
     none = translate.chat_request(body, "r", TranscriptPrompter())
-    assert none.auto_tools is None and none.request.grammar is None
+    assert none.tools is None and none.request.grammar is None
 
 
 def test_unknown_fields_are_ignored_logged_once_and_counted(caplog: pytest.LogCaptureFixture) -> None:
@@ -145,18 +150,24 @@ def test_auto_refuses_a_tool_schema_the_mask_service_refuses() -> None:
         {"type": "function", "function": {"name": "bad", "parameters": {"type": "object", "minProperties": "two"}}}
     )
     with pytest.raises(ApiError) as exc:
-        auto_tools([bad], parallel=False)
+        tool_grammar([bad], "auto", parallel=False)
     assert exc.value.param == "tools" and "'bad'" in exc.value.message
 
 
-def test_stream_split_decides_once_on_the_first_text() -> None:
-    from specmask.orchestrator.api.http.tool_grammar import StreamSplit
-
-    text = StreamSplit(tool_call=False, auto=True)
-    assert [text.holds(t) for t in ("Hi", " <b>", "<tool_call>")] == [False, False, False] and not text.calls
-    calls = StreamSplit(tool_call=False, auto=True)
-    assert [calls.holds(t) for t in ("<tool", "_call>\n", "{")] == [True, True, True] and calls.calls
-    assert StreamSplit(tool_call=True, auto=False).holds("{") and not StreamSplit(False, False).holds("<")
+def test_stream_split_decides_once_on_the_start() -> None:
+    auto = tool_grammar(TOOLS, "auto", True)
+    text = StreamSplit(auto)
+    assert [text.feed(t) for t in ("Hi", " <b>", "<tool_call>")] == [("Hi", ""), (" <b>", ""), ("<tool_call>", "")]
+    assert not text.calls
+    calls = StreamSplit(auto)
+    fed = [calls.feed(t) for t in ("<tool", "_call>\n", '{"name": "st', "op")]
+    assert fed == [("", ""), ("", ""), ("", '<tool_call>\n{"name": "st'), ("", "op")]
+    assert calls.calls
+    # Held while it could be either, then released as text.
+    late = StreamSplit(auto)
+    assert [late.feed(t) for t in ("<", "b>")] == [("", ""), ("<b>", "")] and not late.calls
+    assert StreamSplit(tool_grammar(TOOLS, "required", True)).feed("<") == ("", "<")
+    assert StreamSplit(None).feed("<") == ("<", "")
 
 
 def test_auto_grammar_keeps_non_ascii_literals() -> None:
@@ -164,7 +175,8 @@ def test_auto_grammar_keeps_non_ascii_literals() -> None:
     which would read back as U+E7ADE unless the escape is rewritten."""
     params = {"type": "object", "properties": {"c": {"enum": ["façade", "Ñandú"]}}, "required": ["c"]}
     tools = [Tool.model_validate({"type": "function", "function": {"name": "pick", "parameters": params}})]
-    grammar = auto_tools(tools, parallel=False).grammar
-    good = CALL_OPEN + json.dumps({"name": "pick", "arguments": {"c": "façade"}}, ensure_ascii=False) + CALL_CLOSE
+    grammar = tool_grammar(tools, "auto", parallel=False).grammar
+    good = "<tool_call>\n" + json.dumps({"name": "pick", "arguments": {"c": "façade"}}, ensure_ascii=False)
+    good += "\n</tool_call>"
     assert CHECKER.check(grammar, good).ok
     assert not CHECKER.check(grammar, good.replace("façade", "fa\U000e7ade")).ok

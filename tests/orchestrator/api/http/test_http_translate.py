@@ -5,17 +5,19 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import jsonschema
 import pytest
 
 from specmask.common.grammar_spec import GrammarKind
 from specmask.gpu_worker.types import FinishReason
-from specmask.orchestrator.api.http import tools, translate
+from specmask.orchestrator.api.http import translate
 from specmask.orchestrator.api.http.errors import ApiError
 from specmask.orchestrator.api.http.prompting import TemplatePrompter, TranscriptPrompter, load_prompter
-from specmask.orchestrator.api.http.protocol import ChatCompletionRequest, CompletionRequest, Tool
+from specmask.orchestrator.api.http.protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice, Tool
 from specmask.orchestrator.api.http.responses import finish_error
+from specmask.orchestrator.api.http.tool_formats import HERMES
+from specmask.orchestrator.api.http.tool_grammar import tool_grammar
 from specmask.orchestrator.chat import ChatMessage, ChatPrompt
+from specmask.orchestrator.output_check import OutputChecker
 from tests.fixtures.tokenizers import build_bpe_tokenizer
 
 PROMPTER = TranscriptPrompter()
@@ -138,40 +140,37 @@ TOOLS = [
 ]
 
 
-def test_tool_schema_accepts_exactly_valid_calls() -> None:
-    schema = tools.call_schema(TOOLS, "required")
-    validator = jsonschema.Draft202012Validator(schema)
-    assert validator.is_valid({"name": "move", "arguments": {"p": [1, 2]}})
-    assert validator.is_valid({"name": "stop", "arguments": {}})
-    assert not validator.is_valid({"name": "move", "arguments": {"p": [1]}})
-    assert not validator.is_valid({"name": "jump", "arguments": {}})
-    assert not validator.is_valid({"name": "move", "arguments": {"p": [1, 2]}, "extra": 1})
-    named = tools.call_schema(
-        TOOLS, tools.NamedToolChoice.model_validate({"type": "function", "function": {"name": "stop"}})
+def test_tool_choice_grammars_accept_exactly_valid_calls() -> None:
+    """ "required": one or more calls to any tool; named: one call to that tool (Hermes here, the
+    format of a model without a template); each tool's own $defs resolve inside its arguments."""
+    checker = OutputChecker()
+
+    def call(name: str, arguments: object) -> str:
+        return HERMES.call_head(name) + json.dumps(arguments) + HERMES.tail
+
+    required = tool_grammar(TOOLS, "required", parallel=True).grammar
+    assert checker.check(required, call("move", {"p": [1, 2]})).ok
+    assert checker.check(required, call("stop", {}) + "\n" + call("move", {"p": [3, 4]})).ok
+    assert not checker.check(required, call("move", {"p": [1]})).ok
+    assert not checker.check(required, call("jump", {})).ok
+    assert not checker.check(required, "plain text").ok
+    named = tool_grammar(
+        TOOLS, NamedToolChoice.model_validate({"type": "function", "function": {"name": "stop"}}), True
     )
-    assert not jsonschema.Draft202012Validator(named).is_valid({"name": "move", "arguments": {"p": [1, 2]}})
-    assert tools.call_schema(TOOLS, "none") is None
+    assert checker.check(named.grammar, call("stop", {})).ok and named.max_calls == 1
+    assert not checker.check(named.grammar, call("move", {"p": [1, 2]})).ok
+    assert not checker.check(named.grammar, call("stop", {}) + "\n" + call("stop", {})).ok
 
 
 def test_tool_choice_refusals() -> None:
-    for choice in ("auto", None):
-        with pytest.raises(ApiError, match="auto"):
-            tools.call_schema(TOOLS, choice)
     with pytest.raises(ApiError, match="not in tools"):
-        tools.call_schema(TOOLS, tools.NamedToolChoice.model_validate({"type": "function", "function": {"name": "x"}}))
+        tool_grammar(TOOLS, NamedToolChoice.model_validate({"type": "function", "function": {"name": "x"}}), True)
     remote = Tool.model_validate(
         {"type": "function", "function": {"name": "f", "parameters": {"$ref": "https://example.com/s.json"}}}
     )
-    with pytest.raises(ApiError, match=r"\$ref"):
-        tools.call_schema([remote], "required")
-
-
-def test_parse_call() -> None:
-    call = tools.parse_call('{"name":"move","arguments":{"p":[1,2]}}')
-    assert call["type"] == "function" and call["id"].startswith("call_")
-    assert call["function"] == {"name": "move", "arguments": '{"p": [1, 2]}'}
-    with pytest.raises(ValueError):
-        tools.parse_call('{"name": 3}')
+    with pytest.raises(ApiError) as exc:
+        tool_grammar([remote], "required", parallel=True)
+    assert exc.value.param == "tools"
 
 
 # ---- prompts and finish reasons ---------------------------------------------
@@ -305,15 +304,13 @@ def test_backend_and_checked_mode_extensions() -> None:
     """vLLM-style ``guided_decoding_backend`` plus our ``guided_checked``/``guided_max_attempts``."""
     schema = {"type": "array", "uniqueItems": True}
     req = chat(guided_json=schema, guided_decoding_backend="llguidance", guided_checked=True, guided_max_attempts=3)
-    assert (req.request.grammar.backend, req.request.grammar.checked, req.request.max_attempts) == (
-        "llguidance",
-        True,
-        3,
-    )
+    assert (req.request.grammar.backend, req.request.checked, req.request.max_attempts) == ("llguidance", True, 3)
+    assert chat(guided_json=schema, guided_checked=False).request.checked is False  # demands exact
     assert chat(guided_json=schema, guided_decoding_backend="guidance").request.grammar.backend == "llguidance"
     assert chat(guided_json=schema, guided_decoding_backend="auto").request.grammar.backend == ""
     plain = chat(guided_json=schema).request
-    assert (plain.grammar.backend, plain.grammar.checked, plain.max_attempts) == ("", False, None)
+    # Unset: the server's --grammar-fallback decides (validation), not the translation.
+    assert (plain.grammar.backend, plain.grammar.checked, plain.checked, plain.max_attempts) == ("", False, None, None)
     with pytest.raises(ApiError) as exc:
         chat(guided_json=schema, guided_decoding_backend="outlines")
     assert exc.value.param == "guided_decoding_backend" and "known: auto, guidance, llguidance, xgrammar" in str(

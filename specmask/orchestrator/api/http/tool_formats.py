@@ -1,0 +1,162 @@
+"""Tool-call formats: how each model family writes a call, in one registry.
+
+A model writes its tool calls the way its chat template shows past calls (and the way it
+was trained): Qwen3 and Hermes models wrap JSON in ``<tool_call>`` tags, Llama 3.1+
+writes a bare ``{"name": ..., "parameters": ...}`` object, Mistral a ``[TOOL_CALLS]``
+list, gpt-oss a harmony ``commentary`` message. Each format here is data, not code:
+the literal text around each call's JSON (the name is part of the literal, so the
+grammar pins it), the separator between parallel calls, and the markers that
+identify it in a chat template. The strings are the ones of xgrammar's
+``get_model_structural_tag`` (llama, qwen_3, harmony) and of the published Mistral
+template; ``tool_grammar`` builds the grammar from them and parses the output back.
+
+Markers that are special tokens in the model's vocabulary (harmony's ``<|channel|>``,
+Mistral's ``[TOOL_CALLS]``) are written as their text: grammar engines never sample
+special tokens, and the output is detokenized without them. Such a model writes the
+marker out in ordinary tokens, which it was not trained on; the call is still exact.
+
+``auto`` detection (``--tool-call-parser auto``) reads the chat template's text for
+each format's markers, in registry order; a template with none of them (or no
+template) gets Hermes, the format ``tool_grammar.tools_prompt`` describes to a model
+whose template cannot render tools.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+import uuid
+from dataclasses import dataclass
+from enum import StrEnum
+
+NAME = "{name}"  # where a call's literal text carries the tool's name
+
+
+class ToolCallParser(StrEnum):
+    """The values of ``--tool-call-parser`` (vLLM's names where vLLM has the format)."""
+
+    AUTO = "auto"
+    HERMES = "hermes"
+    LLAMA3_JSON = "llama3_json"
+    MISTRAL = "mistral"
+    HARMONY = "openai"
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """One family's call syntax. A complete tool-call output is::
+
+        calls_open call (separator call)* calls_close
+        call = head(name) <arguments JSON> tail
+
+    ``head`` holds ``{name}`` once (the name is written as JSON string content).
+    ``text_open``: what a plain-text answer starts with (harmony's final channel), "" for
+    most. ``triggers``: text that, written in a plain-text answer, a parser of this format
+    would take for a call (the text branch of any grammar never contains one).
+    ``parallel``: whether several calls may follow one another in one answer.
+    """
+
+    parser: ToolCallParser
+    calls_open: str
+    head: str
+    tail: str
+    separator: str
+    calls_close: str
+    markers: tuple[str, ...]  # in a chat template: any of them identifies the format
+    triggers: tuple[str, ...]
+    text_open: str = ""
+    parallel: bool = True
+    # Call ids the template takes back in later turns: Mistral's refuses any but 9 alphanumerics.
+    call_id_length: int = 0  # 0: OpenAI-style "call_" + 24 hex digits
+
+    def call_head(self, name: str) -> str:
+        """The literal before a call's arguments (``name`` as JSON string content)."""
+        return self.head.replace(NAME, json.dumps(name, ensure_ascii=False)[1:-1])
+
+    def call_id(self) -> str:
+        """A fresh id for one call, in the shape the format's template accepts back."""
+        if self.call_id_length:
+            alphabet = string.ascii_letters + string.digits
+            return "".join(secrets.choice(alphabet) for _ in range(self.call_id_length))
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+    @property
+    def call_start(self) -> str:
+        """What every tool-call output starts with, whichever tool it names."""
+        return self.calls_open + self.head.split(NAME, 1)[0]
+
+
+HERMES = ToolCallFormat(
+    parser=ToolCallParser.HERMES,
+    calls_open="",
+    head='<tool_call>\n{"name": "' + NAME + '", "arguments": ',
+    tail="}\n</tool_call>",
+    separator="\n",
+    calls_close="",
+    markers=("<tool_call>",),
+    triggers=("<tool_call>",),
+)
+LLAMA3_JSON = ToolCallFormat(
+    parser=ToolCallParser.LLAMA3_JSON,
+    calls_open="",
+    head='{"name": "' + NAME + '", "parameters": ',
+    tail="}",
+    separator="; ",  # vLLM's llama3_json parser splits parallel calls on "; "
+    calls_close="",
+    markers=("<|python_tag|>", '"parameters"'),
+    triggers=('{"name"', "<|python_tag|>"),
+)
+MISTRAL = ToolCallFormat(
+    parser=ToolCallParser.MISTRAL,
+    calls_open="[TOOL_CALLS] [",
+    head='{"name": "' + NAME + '", "arguments": ',
+    tail="}",
+    separator=", ",
+    calls_close="]",
+    markers=("[TOOL_CALLS]",),
+    triggers=("[TOOL_CALLS]",),
+    call_id_length=9,
+)
+HARMONY = ToolCallFormat(
+    parser=ToolCallParser.HARMONY,
+    calls_open="",
+    head="<|channel|>commentary to=functions." + NAME + "<|constrain|>json<|message|>",
+    tail="<|call|>",
+    separator="",
+    calls_close="",
+    markers=("<|channel|>", "<|call|>"),
+    triggers=("<|channel|>", "<|call|>", "<|start|>"),
+    text_open="<|channel|>final<|message|>",
+    parallel=False,  # harmony ends the turn at <|call|>: one call per assistant turn
+)
+
+# Detection order: the more specific markers first (a harmony template mentions none of
+# the others; a Mistral template may quote "parameters").
+FORMATS: dict[ToolCallParser, ToolCallFormat] = {f.parser: f for f in (HARMONY, MISTRAL, HERMES, LLAMA3_JSON)}
+# Calls in formats this server does not write, which no plain-text answer may hide either.
+FOREIGN_TRIGGERS = ("<｜tool▁calls▁begin｜>", "<|tool_calls_section_begin|>")
+
+
+def all_triggers() -> tuple[str, ...]:
+    """Every text a parser of some format reads as a call, for the text branch to exclude."""
+    out: dict[str, None] = {}
+    for fmt in FORMATS.values():
+        out.update(dict.fromkeys(fmt.triggers))
+    out.update(dict.fromkeys(FOREIGN_TRIGGERS))
+    return tuple(out)
+
+
+def detect(template: str | None) -> ToolCallFormat:
+    """The format a chat template shows calls in; Hermes when it shows none (see module doc)."""
+    if template:
+        for fmt in FORMATS.values():
+            if any(marker in template for marker in fmt.markers):
+                return fmt
+    return HERMES
+
+
+def resolve(parser: ToolCallParser | str, template: str | None) -> ToolCallFormat:
+    """``--tool-call-parser``: a named format, or ``auto`` (read from the template)."""
+    parser = ToolCallParser(parser)
+    return detect(template) if parser is ToolCallParser.AUTO else FORMATS[parser]
