@@ -16,8 +16,8 @@ with two API keys, so each client is one identity (orchestrator.client_identity)
   order and no per-client cap, i.e. what the orchestrator did before.
 
 The light client's p50/p99 latency per phase, the ratios ``fair_p99 / alone_p99``
-(the goal: at most 3) and ``fifo_p99 / alone_p99``, and the flood's completed
-and refused requests. The last line is ``RESULT {json}``.
+(the goal: at most 3) and ``fifo_p99 / alone_p99``, and the flood's completed,
+refused and timed-out requests. The last line is ``RESULT {json}``.
 
 ``--saturate N`` keeps N busy processes spinning through every phase (alone
 included; not during the stack's start), as other work on the machine would; ``--case smollm2-saturated`` is
@@ -78,7 +78,9 @@ def light_phase(address: str, n: int, max_tokens: int) -> list[float]:
     return latencies
 
 
-def _flood_thread(address: str, index: int, max_tokens: int, stop: Any, completed: Any, refused: Any) -> None:
+def _flood_thread(
+    address: str, index: int, max_tokens: int, stop: Any, completed: Any, refused: Any, timed_out: Any
+) -> None:
     with OrchestratorClient(address) as client:
         seed = index * 100_000
         while not stop.is_set():
@@ -89,6 +91,12 @@ def _flood_thread(address: str, index: int, max_tokens: int, stop: Any, complete
                 with completed.get_lock():
                     completed.value += 1
             except grpc.RpcError as exc:
+                if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # Held back past the client's deadline (the flood's share, a slow machine):
+                    # counted, and the thread sends its next request.
+                    with timed_out.get_lock():
+                        timed_out.value += 1
+                    continue
                 if exc.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise
                 with refused.get_lock():
@@ -96,9 +104,13 @@ def _flood_thread(address: str, index: int, max_tokens: int, stop: Any, complete
                 time.sleep(_RETRY_PAUSE_S)
 
 
-def _flood_process(address: str, concurrency: int, max_tokens: int, stop: Any, completed: Any, refused: Any) -> None:
+def _flood_process(
+    address: str, concurrency: int, max_tokens: int, stop: Any, completed: Any, refused: Any, timed_out: Any
+) -> None:
     threads = [
-        threading.Thread(target=_flood_thread, args=(address, i, max_tokens, stop, completed, refused), daemon=True)
+        threading.Thread(
+            target=_flood_thread, args=(address, i, max_tokens, stop, completed, refused, timed_out), daemon=True
+        )
         for i in range(concurrency)
     ]
     for t in threads:
@@ -117,9 +129,10 @@ class Flood:
         self._stop = ctx.Event()
         self._completed = ctx.Value("i", 0)
         self._refused = ctx.Value("i", 0)
+        self._timed_out = ctx.Value("i", 0)
         self._proc = ctx.Process(
             target=_flood_process,
-            args=(address, concurrency, max_tokens, self._stop, self._completed, self._refused),
+            args=(address, concurrency, max_tokens, self._stop, self._completed, self._refused, self._timed_out),
             daemon=True,
         )
 
@@ -130,6 +143,10 @@ class Flood:
     @property
     def refused(self) -> int:
         return int(self._refused.value)
+
+    @property
+    def timed_out(self) -> int:
+        return int(self._timed_out.value)
 
     def __enter__(self) -> Flood:
         self._proc.start()
@@ -230,6 +247,7 @@ async def _run(args: argparse.Namespace, target: str, draft: str | None) -> dict
                     "fifo": summary(fifo),
                     "fifo_flood_completed": fifo_flood.completed,
                     "fifo_flood_refused": fifo_flood.refused,
+                    "fifo_flood_timed_out": fifo_flood.timed_out,
                 }
     base = summary(alone)
     result: dict[str, Any] = {
@@ -237,6 +255,7 @@ async def _run(args: argparse.Namespace, target: str, draft: str | None) -> dict
         "fair": summary(fair),
         "fair_flood_completed": fair_flood.completed,
         "fair_flood_refused": fair_flood.refused,
+        "fair_flood_timed_out": fair_flood.timed_out,
         "per_client_cap": default_cap,
         "max_batch": args.max_batch,
         "flood_concurrency": args.flood_concurrency,
