@@ -48,6 +48,7 @@ from typing import Any
 
 from specmask.common.ecma_regex import ecma_schema
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.common.reasoning_section import split_output
 from specmask.mask_service.grammar.llguidance_check import strict_schema as llguidance_strict
 from specmask.mask_service.grammar.schema_check import unverifiable_formats
 
@@ -177,6 +178,13 @@ class OutputChecker:
         ``engine``: the engine that masked the output (the mask service's GrammarReport). It
         picks what ``strict`` means for a JSON schema (see ``_json_schema_checker``); "" or
         an unknown name takes xgrammar's reading, the stricter one."""
+        if spec.reasoning is not None:
+            # The output is the reasoning section then the caller's document (reasoning_section.py):
+            # only the document is the caller's, and an output whose section never closed has none.
+            split = split_output(spec.reasoning, text)
+            if split is None or not split.closed:
+                return Verdict(False, f"the reasoning section of the output {_preview(text)} never closed")
+            spec, text = spec.without_reasoning(), split.content
         # One name per reading, so "" and "xgrammar" share a cached validator.
         if spec.kind is not GrammarKind.JSON_SCHEMA:
             engine = ""

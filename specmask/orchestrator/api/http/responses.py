@@ -111,6 +111,25 @@ def chat_completion(
     return _body(env, "chat.completion", [choice], usage_body(usage, grammar))
 
 
+# The reasoning's field names: vLLM's current one, and its former one (DeepSeek's API), which
+# many clients still read. Both carry the same text.
+REASONING_FIELDS = ("reasoning", "reasoning_content")
+
+
+def with_reasoning(message: dict[str, Any], reasoning: str | None, unanswered: bool) -> dict[str, Any]:
+    """The assistant message with its reasoning (None: the output had no section); ``unanswered``:
+    the section never closed, so there is no content (vLLM sends ``content: null`` then)."""
+    out = {**message, **{name: reasoning for name in REASONING_FIELDS}}
+    if unanswered and not out.get("tool_calls"):
+        out["content"] = None
+    return out
+
+
+def reasoning_delta(text: str) -> dict[str, Any]:
+    """A stream delta carrying reasoning text."""
+    return {name: text for name in REASONING_FIELDS}
+
+
 def chat_chunk(
     env: Envelope, delta: dict[str, Any], finish_reason: str | None = None, logprobs: dict[str, Any] | None = None
 ) -> dict[str, Any]:
