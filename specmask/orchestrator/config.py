@@ -63,6 +63,8 @@ DEFAULT_WORKER_RECOVERY_WAIT_S = 120.0
 DEFAULT_WORKER_TORCH_THREADS = 0
 # Checked mode: the most generations (1 + resamples) a request may ask for.
 DEFAULT_CHECKED_MAX_ATTEMPTS = validation.DEFAULT_CHECKED_MAX_ATTEMPTS
+# A JSON Schema no engine enforces exactly, for a request that does not say: checked mode, or a refusal.
+DEFAULT_GRAMMAR_FALLBACK = validation.DEFAULT_GRAMMAR_FALLBACK
 DEFAULT_MAX_QUEUED_PROMPT_TOKENS = token_admission.DEFAULT_MAX_QUEUED_PROMPT_TOKENS
 DEFAULT_MAX_WORKER_PROMPT_TOKENS = token_admission.DEFAULT_MAX_WORKER_PROMPT_TOKENS
 DEFAULT_GRAMMAR_VERDICT_CACHE_ENTRIES = verdict_cache.DEFAULT_MAX_ENTRIES
@@ -111,6 +113,7 @@ class OrchestratorConfig:
     validation_threads: int = DEFAULT_VALIDATION_THREADS
     shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     checked_max_attempts: int = DEFAULT_CHECKED_MAX_ATTEMPTS  # checked mode: cap on a request's max_attempts
+    grammar_fallback: validation.GrammarFallback = DEFAULT_GRAMMAR_FALLBACK  # --grammar-fallback checked|refuse
     # JSON Schema chats get the schema in a system message by default (orchestrator.chat); off: only on request.
     schema_instruction: bool = False
     # Requests one end client (orchestrator.client_identity) may have in flight; 0 = no cap,
@@ -148,6 +151,8 @@ class OrchestratorConfig:
         if self.max_iteration_tokens < 0:
             raise ValueError(f"max_iteration_tokens must be >= 0 (0 = by device), got {self.max_iteration_tokens}")
         self.prompt_token_bounds()  # negative bounds raise ValueError
+        if not isinstance(self.grammar_fallback, validation.GrammarFallback):
+            raise ValueError(f"grammar_fallback must be a GrammarFallback, got {self.grammar_fallback!r}")
         if self.grammar_verdict_cache_entries < 0:
             raise ValueError(
                 f"grammar_verdict_cache_entries must be >= 0 (0 = off), got {self.grammar_verdict_cache_entries}"

@@ -72,7 +72,8 @@ def grammar_from_proto(msg: pb.Grammar) -> GrammarSpec:
         separators=separators,
         strict=not msg.allow_additional_properties,
         backend=msg.backend,
-        checked=msg.checked,
+        # ``checked`` is the request's choice (GenerationRequest.checked, tri-state), not the spec's:
+        # validation resolves it with the server's --grammar-fallback.
     )
 
 
@@ -81,8 +82,9 @@ def grammar_to_proto(spec: GrammarSpec) -> pb.Grammar:
         any_whitespace=spec.any_whitespace,
         allow_additional_properties=not spec.strict,
         backend=spec.backend,
-        checked=spec.checked,
     )
+    if spec.checked:  # unset otherwise: False on the wire demands exact enforcement
+        msg.checked = True
     if spec.kind is GrammarKind.ANY_JSON:
         msg.any_json.SetInParent()
     else:
@@ -145,6 +147,8 @@ def request_from_proto(msg: pb.GenerateRequest, request_id: str) -> GenerationRe
         sampling=sampling_from_proto(msg.sampling),
         speculation=speculation_from_proto(msg.speculation),
         max_attempts=msg.grammar.max_attempts if has_grammar and msg.grammar.HasField("max_attempts") else None,
+        # Unset: the server's --grammar-fallback decides (validation), not False.
+        checked=msg.grammar.checked if has_grammar and msg.grammar.HasField("checked") else None,
     )
 
 
@@ -163,6 +167,8 @@ def request_to_proto(req: GenerationRequest) -> pb.GenerateRequest:
         msg.grammar.CopyFrom(grammar_to_proto(req.grammar))
         if req.max_attempts is not None:
             msg.grammar.max_attempts = req.max_attempts
+        if req.checked is not None:  # else as grammar_to_proto set it (the spec's own opt-in)
+            msg.grammar.checked = req.checked
     s = req.sampling
     msg.sampling.temperature = s.temperature
     msg.sampling.top_p = s.top_p

@@ -30,8 +30,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="", help="grammar engine: auto (default), xgrammar or llguidance")
     parser.add_argument(
         "--checked",
-        action="store_true",
-        help="JSON Schema: opt into checked mode (a relaxation, the output checked at the end, resampled)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="JSON Schema no engine enforces exactly: --checked = a relaxation, the output checked at the end "
+        "and resampled; --no-checked = refuse rather than relax; neither = the server's --grammar-fallback",
     )
     parser.add_argument("--max-attempts", type=int, default=None, help="checked mode: generations to try")
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
@@ -84,9 +86,10 @@ def run(args: argparse.Namespace) -> int:
         draft_masking=False if args.no_draft_masking else None,
         request_id=args.request_id,
     )
-    if args.backend or args.checked or args.max_attempts is not None:
+    if args.backend or args.checked is not None or args.max_attempts is not None:
         req.grammar.backend = args.backend  # the server refuses these without a grammar (INVALID_ARGUMENT)
-        req.grammar.checked = args.checked
+        if args.checked is not None:
+            req.grammar.checked = args.checked
         if args.max_attempts is not None:
             req.grammar.max_attempts = args.max_attempts
     with OrchestratorClient(args.address) as client:

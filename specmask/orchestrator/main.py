@@ -15,6 +15,7 @@ from specmask.gpu_worker.config import DTYPES
 from specmask.orchestrator import config as cfg
 from specmask.orchestrator.auth_keys import add_api_key_arguments, api_keys_from_args
 from specmask.orchestrator.config import OrchestratorConfig
+from specmask.orchestrator.validation import GrammarFallback
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +177,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=cfg.DEFAULT_CHECKED_MAX_ATTEMPTS,
         help="checked mode: most generations one request may ask for (Grammar.max_attempts)",
     )
+    add_grammar_fallback_argument(parser)
     parser.add_argument(
         "--schema-instruction",
         action="store_true",
@@ -200,6 +202,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument(
         "--log-format", default="text", choices=LOG_FORMATS, help="text (for people) or json (one object a line)"
+    )
+
+
+def add_grammar_fallback_argument(parser: argparse.ArgumentParser) -> None:
+    """``--grammar-fallback``: shared by `specmask orchestrator`, `up` and `serve`."""
+    parser.add_argument(
+        "--grammar-fallback",
+        choices=[f.value for f in GrammarFallback],
+        default=cfg.DEFAULT_GRAMMAR_FALLBACK.value,
+        help="a JSON Schema no engine enforces exactly, for a request that does not say (guided_checked / "
+        "Grammar.checked unset): checked = generate under a relaxation, check the output against the schema, "
+        "resample (never an invalid output returned); refuse = INVALID_ARGUMENT",
     )
 
 
@@ -273,6 +287,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         mask_deadline_s=args.mask_deadline_s,
         shutdown_grace_s=args.shutdown_grace_s,
         checked_max_attempts=args.checked_max_attempts,
+        grammar_fallback=GrammarFallback(args.grammar_fallback),
         schema_instruction=args.schema_instruction,
         grammar_verdict_cache_entries=args.grammar_verdict_cache,
         grammar_verdict_ttl_s=args.grammar_verdict_ttl_s,

@@ -73,6 +73,9 @@ class GenerationRequest:
     speculation: SpeculationOptions = field(default_factory=SpeculationOptions)
     # Checked mode (grammar.checked): generations to try; None = the server default.
     max_attempts: int | None = None
+    # JSON Schema no engine enforces exactly: True = checked mode (a relaxation, the output
+    # checked at the end), False = exact or refused, None = the server's --grammar-fallback.
+    checked: bool | None = None
     # Who sent it (orchestrator.client_identity): the mask service's compile queue is fair by it.
     client: str = ""
 

@@ -13,6 +13,7 @@ engine runs it on a thread pool, never on the event loop.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import re
 import uuid
@@ -66,6 +67,20 @@ MAX_CHARS_PER_TOKEN = 64
 # default server cap (--checked-max-attempts).
 DEFAULT_CHECKED_ATTEMPTS = 4
 DEFAULT_CHECKED_MAX_ATTEMPTS = 8
+
+
+class GrammarFallback(enum.Enum):
+    """What a JSON Schema no engine enforces exactly gets when its request does not say
+    (``--grammar-fallback``; a request's ``checked``/``guided_checked`` overrides it either way)."""
+
+    # Generate under the closest relaxation the engines enforce, check the output against the
+    # original schema at the end, resample within max_attempts: never an invalid output returned.
+    CHECKED = "checked"
+    # Refuse the schema (INVALID_ARGUMENT) unless the request opts into checked mode itself.
+    REFUSE = "refuse"
+
+
+DEFAULT_GRAMMAR_FALLBACK = GrammarFallback.CHECKED
 # Engine names a request may give (GrammarSpec.backend); "auto" is the same as "" (the service picks).
 KNOWN_BACKENDS = ("auto", "llguidance", "xgrammar")
 # Seeds arrive as uint64; kernels take int64.
@@ -103,6 +118,7 @@ class ServingDefaults:
     max_tokens: int | None  # None = the room the prompt leaves in the context
     k: int
     checked_max_attempts: int = DEFAULT_CHECKED_MAX_ATTEMPTS  # server cap on GenerationRequest.max_attempts
+    grammar_fallback: GrammarFallback = DEFAULT_GRAMMAR_FALLBACK  # a request with checked=None gets this
 
 
 @dataclass(frozen=True)
@@ -157,9 +173,9 @@ class RequestValidator:
             prompt_ids = self._prompt_ids(req.prompt)
         sampling = self._sampling(req, len(prompt_ids))
         speculation = self._speculation(req)
-        grammar = req.grammar
+        grammar = self._with_fallback(req)
         report: GrammarReport | None = None
-        max_attempts = self._max_attempts(req)
+        max_attempts = self._max_attempts(req, grammar)
         if grammar is not None:
             if req.sampling.ignore_eos:
                 raise _fail("ignore_eos cannot be combined with a grammar (a grammar ends where it admits EOS)")
@@ -183,12 +199,28 @@ class RequestValidator:
             max_attempts = 1  # exact: a violation is a bug, not resampled; greedy: a resample repeats itself
         return ValidatedRequest(seq, report, max_attempts)
 
-    def _max_attempts(self, req: GenerationRequest) -> int:
+    def _with_fallback(self, req: GenerationRequest) -> GrammarSpec | None:
+        """The grammar with ``checked`` resolved: the request's choice, else (``checked`` None)
+        the server's ``grammar_fallback`` for a JSON Schema. ``checked=False`` demands exact
+        enforcement: a schema no engine enforces exactly is refused, never relaxed."""
+        spec = req.grammar
+        if spec is None:
+            return None
+        if req.checked is not None:
+            return dataclasses.replace(spec, checked=req.checked)
+        if spec.checked or spec.kind is not GrammarKind.JSON_SCHEMA:
+            return spec  # opted in on the spec itself; other kinds have no relaxation
+        return dataclasses.replace(spec, checked=self._defaults.grammar_fallback is GrammarFallback.CHECKED)
+
+    def _max_attempts(self, req: GenerationRequest, grammar: GrammarSpec | None) -> int:
         cap = self._defaults.checked_max_attempts
         if req.max_attempts is None:
             return min(DEFAULT_CHECKED_ATTEMPTS, cap)
-        if req.grammar is None or not req.grammar.checked:
-            raise _fail("max_attempts applies to checked mode only (a JSON Schema grammar with checked set)")
+        if grammar is None or not grammar.checked:
+            raise _fail(
+                "max_attempts applies to checked mode only (a JSON Schema grammar, checked set or the "
+                "server's --grammar-fallback checked)"
+            )
         if not 1 <= req.max_attempts <= cap:
             raise _fail(
                 f"max_attempts must be in [1, {cap}] (the server's --checked-max-attempts), got {req.max_attempts}"

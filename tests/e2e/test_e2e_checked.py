@@ -1,9 +1,11 @@
 """Checked mode and engine choice through the whole stack.
 
-A schema no engine enforces exactly (``uniqueItems``) is refused unless the
-request opts in; opted in, it is generated under its relaxation, checked at the
-end against the original schema and regenerated on a violation: a violating
-output is never returned, and a stream sends nothing of a discarded attempt.
+A schema no engine enforces exactly (``uniqueItems``) is served in checked mode
+by default (the server's ``--grammar-fallback checked``) or when the request opts
+in, and refused when the request demands exact enforcement (``checked`` false):
+it is generated under its relaxation, checked at the end against the original
+schema and regenerated on a violation: a violating output is never returned, and
+a stream sends nothing of a discarded attempt.
 """
 
 from __future__ import annotations
@@ -44,9 +46,20 @@ def test_checked_unique_items_never_returns_a_violation(stack: ThreadStack) -> N
     resampled_before = _attempts_metric(stack, "resampled")
     attempts, completed = 0, 0
     with OrchestratorClient(stack.address) as client:
-        with pytest.raises(grpc.RpcError) as exc:  # without opting in: refused as before
-            client.generate(build_request("x", schema=UNIQUE, max_tokens=24))
+        exact = build_request("x", schema=UNIQUE, max_tokens=24)
+        exact.grammar.checked = False  # demands exact enforcement: refused, never relaxed
+        with pytest.raises(grpc.RpcError) as exc:
+            client.generate(exact)
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "uniqueItems" in exc.value.details()
+        # Unset: the server's default fallback (checked) serves it.
+        default = client.generate(build_request("x", schema=UNIQUE, max_tokens=24, temperature=1.0, seed=2))
+        assert default.grammar.enforcement == pb.ENFORCEMENT_CHECKED and list(default.grammar.relaxed) == [
+            "uniqueItems"
+        ]
+        if default.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE:
+            jsonschema.validate(json.loads(default.text), UNIQUE)
+        else:
+            assert default.finish_reason == pb.FINISH_REASON_GRAMMAR_VIOLATION and default.text == ""
         for seed in range(8):
             result = client.generate(_checked(UNIQUE, max_attempts=6, temperature=1.0, seed=seed))
             report = result.grammar
@@ -135,8 +148,32 @@ def test_http_extensions(stack: ThreadStack) -> None:
         assert grammar["enforcement"] == "checked" and grammar["relaxed"] == ["uniqueItems"]
     else:
         assert status == 500 and "checked mode" in body["error"]["message"]
-    status, body = post({"guided_json": UNIQUE})
+    # No guided_checked: the server's default fallback (checked) serves it, reported in usage.
+    # guided_max_attempts alone is allowed: the server falls back to checked mode.
+    assert stack.running is not None
+    registry = stack.running.server.metrics.registry
+    finished = {
+        e: registry.get_sample_value("specmask_grammar_requests_total", {"enforcement": e}) or 0.0
+        for e in ("exact", "checked")
+    }
+    served = 0
+    for seed in (2, 3):
+        status, body = post({"guided_json": UNIQUE, "temperature": 1.0, "seed": seed, "guided_max_attempts": 8})
+        if status == 200:
+            jsonschema.validate(json.loads(body["choices"][0]["text"]), UNIQUE)
+            assert body["usage"]["specmask"]["grammar"]["enforcement"] == "checked"
+            served += 1
+        else:  # every attempt failed the end check: an error, never the invalid text
+            assert status == 500 and "checked mode" in body["error"]["message"], body
+    assert served >= 1  # half the relaxation's outputs pass: 8 attempts fail with p = 1/256
+    status, body = post({"guided_json": UNIQUE, "guided_checked": False})  # demands exact: refused
     assert status == 400 and "uniqueItems" in body["error"]["message"]
+    status, body = post({"guided_json": {"type": "integer"}})  # exact wherever it can be
+    assert status == 200 and body["usage"]["specmask"]["grammar"]["enforcement"] == "exact"
+    after = {
+        e: registry.get_sample_value("specmask_grammar_requests_total", {"enforcement": e}) or 0.0 for e in finished
+    }
+    assert after["checked"] >= finished["checked"] + 2 and after["exact"] >= finished["exact"] + 1
     status, body = post({"guided_json": {"type": "integer"}, "guided_decoding_backend": "llguidance"})
     assert status == 200 and body["usage"]["specmask"]["grammar"]["backend"] == "llguidance"
     status, body = post({"guided_json": {"type": "integer"}, "guided_decoding_backend": "outlines"})
@@ -153,7 +190,7 @@ def test_generate_cli_flags(stack: ThreadStack, tmp_path, capsys: pytest.Capture
     parser = argparse.ArgumentParser()
     generate_cli.add_arguments(parser)
     base = ["--address", stack.address, "--prompt", "x", "--schema", str(schema), "--max-tokens", "24", "--json"]
-    assert generate_cli.run(parser.parse_args(base)) == 1  # refused without opting in
+    assert generate_cli.run(parser.parse_args([*base, "--no-checked"])) == 1  # exact demanded: refused
     assert "uniqueItems" in capsys.readouterr().err
     checked = ["--checked", "--max-attempts", "6", "--temperature", "1", "--seed", "1", "--backend", "xgrammar"]
     generate_cli.run(parser.parse_args(base + checked))

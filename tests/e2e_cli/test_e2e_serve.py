@@ -59,6 +59,8 @@ def test_serve_with_vllm_flags(tiny_pair, tmp_path: Path) -> None:
             "256",
             "--speculative-config",
             json.dumps({"model": str(draft), "num_speculative_tokens": 2}),
+            "--grammar-fallback",
+            "refuse",  # a schema no engine enforces exactly: refused unless the request opts in
             "--log-level",
             "WARNING",
         ),
@@ -84,6 +86,25 @@ def test_serve_with_vllm_flags(tiny_pair, tmp_path: Path) -> None:
             )
             assert resp.choices[0].finish_reason in ("stop", "length")
             assert resp.usage.model_extra["specmask"]["drafts_proposed"] > 0  # the draft of --speculative-config
+            unique = {"type": "array", "items": {"enum": [1, 2]}, "minItems": 2, "maxItems": 2, "uniqueItems": True}
+            fmt = {"type": "json_schema", "json_schema": {"name": "pair", "schema": unique}}
+            with pytest.raises(openai.BadRequestError) as refused:  # --grammar-fallback refuse
+                client.completions.create(
+                    model="tiny-chat", prompt="x", max_tokens=16, extra_body={"guided_json": unique}
+                )
+            assert "uniqueItems" in refused.value.message and "checked mode" in refused.value.message
+            opted = client.chat.completions.create(  # the request opts in: served under the relaxation
+                model="tiny-chat",
+                messages=[{"role": "user", "content": "hi"}],
+                response_format=fmt,
+                max_tokens=16,
+                temperature=1.0,
+                seed=1,
+                extra_body={"guided_checked": True, "guided_max_attempts": 8},
+            )
+            assert opted.usage.model_extra["specmask"]["grammar"]["enforcement"] == "checked"
+            pair = json.loads(opted.choices[0].message.content)
+            assert sorted(pair) == [1, 2]
         metrics = httpx.get(root + "/metrics").text
         assert "vllm:e2e_request_latency_seconds_count" in metrics
         assert_mask_service_locked(lines[-1])

@@ -4,6 +4,7 @@ and the proto round trip."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -153,7 +154,7 @@ def test_validator_tokenizes_the_rendered_chat(validator: RequestValidator, rend
     chat = _chat(("user", "Give me a name."))
     seq = validator.validate(GenerationRequest(request_id="c1", prompt=chat, grammar=SCHEMA_SPEC))
     assert list(seq.prompt_token_ids) == tokenizer.encode(renderer.render(chat, SCHEMA_SPEC)).ids
-    assert seq.grammar == SCHEMA_SPEC
+    assert seq.grammar == dataclasses.replace(SCHEMA_SPEC, checked=True)  # the server's default fallback
     assert seq.speculation.proposers == ("grammar_forced", "ngram")  # no draft model: the free drafts
     with pytest.raises(InvalidRequest, match="role must be one of"):
         validator.validate(GenerationRequest(request_id="c2", prompt=_chat(("robot", "x"))))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
@@ -101,11 +103,21 @@ def test_backend_checked_mode_and_grammar_report() -> None:
     """The grammar-engine fields: engine choice, checked mode, max_attempts in; the GrammarReport out."""
     from specmask.orchestrator.types import GrammarReport
 
-    spec = GrammarSpec(GrammarKind.JSON_SCHEMA, '{"uniqueItems":true}', backend="llguidance", checked=True)
-    req = GenerationRequest(request_id="abc", prompt="hi", grammar=spec, max_attempts=5)
+    spec = GrammarSpec(GrammarKind.JSON_SCHEMA, '{"uniqueItems":true}', backend="llguidance")
+    req = GenerationRequest(request_id="abc", prompt="hi", grammar=spec, max_attempts=5, checked=True)
     msg = convert.request_to_proto(req)
     assert (msg.grammar.backend, msg.grammar.checked, msg.grammar.max_attempts) == ("llguidance", True, 5)
     assert convert.request_from_proto(msg, "abc") == req
+    # Tri-state: false demands exact, unset leaves it to the server's --grammar-fallback.
+    for checked in (False, None):
+        sent = convert.request_to_proto(dataclasses.replace(req, checked=checked))
+        assert sent.grammar.HasField("checked") is (checked is not None)
+        assert convert.request_from_proto(sent, "abc").checked is checked
+    # A spec that opts in itself (in-process callers) still says so on the wire.
+    legacy = convert.request_to_proto(GenerationRequest("abc", "hi", dataclasses.replace(spec, checked=True)))
+    assert legacy.grammar.HasField("checked") and legacy.grammar.checked
+    plain = convert.request_to_proto(GenerationRequest("abc", "hi", spec))
+    assert not plain.grammar.HasField("checked")
     msg.grammar.ClearField("max_attempts")
     assert convert.request_from_proto(msg, "abc").max_attempts is None
     report = GrammarReport("checked", "xgrammar", attempts=3, relaxed=("uniqueItems",))

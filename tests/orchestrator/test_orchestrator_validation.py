@@ -14,7 +14,7 @@ from specmask.gpu_worker.types import WorkerInfo
 from specmask.orchestrator.errors import ErrorCode, InvalidRequest, Unavailable
 from specmask.orchestrator.grammar_check import MaskServiceGrammarChecker
 from specmask.orchestrator.types import GenerationRequest, SamplingOptions, SpeculationOptions
-from specmask.orchestrator.validation import MAX_STOP_STRINGS, RequestValidator, ServingDefaults
+from specmask.orchestrator.validation import MAX_STOP_STRINGS, GrammarFallback, RequestValidator, ServingDefaults
 
 MAX_MODEL_LEN = 64
 MAX_K = 6
@@ -65,7 +65,7 @@ def test_valid_request_becomes_a_sequence(validator, bpe_tokenizer) -> None:
     assert seq.seq_id == "r1"
     assert seq.request_id == "r1"  # travels to the worker and its mask session (one id in all logs)
     assert seq.prompt_token_ids == tuple(bpe_tokenizer.encode("hello").ids)
-    assert seq.grammar == SCHEMA
+    assert seq.grammar == dataclasses.replace(SCHEMA, checked=True)  # the server's fallback: checked
     assert seq.sampling.temperature == pytest.approx(0.7)
     assert seq.sampling.top_k == 0  # >= vocab size means off
     assert 0 <= seq.sampling.seed < 2**63  # kernels take int64
@@ -157,8 +157,8 @@ def test_invalid_requests(validator, req: GenerationRequest, needle: str) -> Non
     ],
 )
 def test_grammar_refused_by_the_mask_service_carries_its_message(validator, spec: GrammarSpec) -> None:
-    with pytest.raises(InvalidRequest) as exc:
-        validator.validate(_req(grammar=spec))
+    with pytest.raises(InvalidRequest) as exc:  # checked=False: exact or refused, never relaxed
+        validator.validate(dataclasses.replace(_req(grammar=spec), checked=False))
     assert exc.value.message.startswith("grammar refused: ")
     assert len(exc.value.message) > len("grammar refused: ")
 
@@ -173,7 +173,10 @@ def test_grammar_refused_by_the_mask_service_carries_its_message(validator, spec
     ],
 )
 def test_grammar_kinds_accepted(validator, spec: GrammarSpec) -> None:
-    assert validator.validate(_req(grammar=spec)).grammar == spec
+    # A JSON Schema carries the server's fallback (checked by default); an exact one stays exact.
+    expected = dataclasses.replace(spec, checked=True) if spec.kind is GrammarKind.JSON_SCHEMA else spec
+    got = validator.validate_request(_req(grammar=spec))
+    assert got.seq.grammar == expected and got.grammar is not None and got.grammar.enforcement == "exact"
 
 
 def test_unreachable_mask_service_is_unavailable(bpe_tokenizer, info) -> None:
@@ -221,8 +224,8 @@ def test_backend_and_checked_mode(validator) -> None:
         validator.validate(_req(grammar=dataclasses.replace(SCHEMA, backend="outlines")))
     assert "known: auto, llguidance, xgrammar" in exc.value.message and exc.value.reason == "UNKNOWN_BACKEND"
     unique = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(UNIQUE))
-    with pytest.raises(InvalidRequest, match="uniqueItems"):  # refused as before without opting in
-        validator.validate(_req(grammar=unique, temperature=1.0))
+    with pytest.raises(InvalidRequest, match="uniqueItems"):  # checked=False demands exact: refused
+        validator.validate(dataclasses.replace(_req(grammar=unique, temperature=1.0), checked=False))
     checked = dataclasses.replace(unique, checked=True)
     got = validator.validate_request(_req(grammar=checked, temperature=1.0))
     assert (got.grammar.enforcement, got.grammar.relaxed, got.max_attempts) == ("checked", ("uniqueItems",), 4)
@@ -233,7 +236,9 @@ def test_backend_and_checked_mode(validator) -> None:
         with pytest.raises(InvalidRequest, match="max_attempts must be in"):
             validator.validate(dataclasses.replace(_req(grammar=checked, temperature=1.0), max_attempts=bad))
     with pytest.raises(InvalidRequest, match="checked mode only"):
-        validator.validate(dataclasses.replace(_req(grammar=SCHEMA), max_attempts=2))
+        validator.validate(dataclasses.replace(_req(grammar=SCHEMA), max_attempts=2, checked=False))
+    with pytest.raises(InvalidRequest, match="checked mode only"):
+        validator.validate(dataclasses.replace(_req(grammar=GrammarSpec(GrammarKind.REGEX, "[a-z]+")), max_attempts=2))
     with pytest.raises(InvalidRequest, match="JSON Schema grammars only"):
         validator.validate(_req(grammar=GrammarSpec(GrammarKind.REGEX, "[a-z]+", checked=True)))
 
@@ -281,3 +286,34 @@ def test_min_p_and_min_tokens(validator) -> None:
             validator.validate(_req(**kw))
         assert needle in str(err.value), (kw, str(err.value))
         assert err.value.code is ErrorCode.INVALID_ARGUMENT
+
+
+def test_grammar_fallback_default_and_per_request(bpe_tokenizer, info, checker) -> None:
+    """--grammar-fallback is what a request that does not say gets; ``checked`` overrides it either way."""
+    unique = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(UNIQUE))
+    fallback = {
+        mode: RequestValidator(bpe_tokenizer, info, checker, ServingDefaults(max_tokens=32, k=4, grammar_fallback=mode))
+        for mode in GrammarFallback
+    }
+    assert ServingDefaults(max_tokens=1, k=1).grammar_fallback is GrammarFallback.CHECKED  # safe by default
+    served = fallback[GrammarFallback.CHECKED].validate_request(_req(grammar=unique, temperature=1.0))
+    assert (served.grammar.enforcement, served.seq.grammar.checked, served.max_attempts) == ("checked", True, 4)
+    with pytest.raises(InvalidRequest, match="uniqueItems") as exc:
+        fallback[GrammarFallback.REFUSE].validate(_req(grammar=unique, temperature=1.0))
+    assert "checked mode" in exc.value.message  # the refusal says what would serve it
+    for mode, v in fallback.items():
+        opted = v.validate_request(dataclasses.replace(_req(grammar=unique, temperature=1.0), checked=True))
+        assert opted.grammar.enforcement == "checked", mode
+        with pytest.raises(InvalidRequest, match="uniqueItems"):
+            v.validate(dataclasses.replace(_req(grammar=unique, temperature=1.0), checked=False))
+        # An exactly enforceable schema is exact whatever the setting, and max_attempts stays 1.
+        exact = v.validate_request(_req(grammar=SCHEMA, temperature=1.0))
+        assert (exact.grammar.enforcement, exact.max_attempts) == ("exact", 1), mode
+        # Grammars other than JSON Schema have no relaxation: the setting leaves them alone.
+        regex = v.validate_request(_req(grammar=GrammarSpec(GrammarKind.REGEX, "[a-z]+")))
+        assert regex.seq.grammar.checked is False and regex.grammar.enforcement == "exact"
+    # max_attempts without saying checked: allowed where the server falls back to checked mode.
+    req = dataclasses.replace(_req(grammar=unique, temperature=1.0), max_attempts=3)
+    assert fallback[GrammarFallback.CHECKED].validate_request(req).max_attempts == 3
+    with pytest.raises(InvalidRequest, match="checked mode only"):
+        fallback[GrammarFallback.REFUSE].validate(req)

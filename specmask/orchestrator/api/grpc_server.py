@@ -189,6 +189,7 @@ async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer,
             max_tokens=config.default_max_tokens,
             k=min(config.default_k, info.max_k),
             checked_max_attempts=config.checked_max_attempts,
+            grammar_fallback=config.grammar_fallback,
         )
         chat = await asyncio.to_thread(
             ChatRenderer.for_model, config.target_dir, DEFAULT_SCHEMA_INSTRUCTION if config.schema_instruction else ""

@@ -36,8 +36,10 @@ from specmask.orchestrator.main import (
     LOG_FORMAT,
     add_dtype_argument,
     add_fairness_and_auth_arguments,
+    add_grammar_fallback_argument,
     install_stop_signals,
 )
+from specmask.orchestrator.validation import GrammarFallback
 
 # The token's and the owner secret's entropy, in bytes (secrets.token_urlsafe).
 SECRET_BYTES = 32
@@ -90,6 +92,7 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     add_dtype_argument(parser)
     # --max-inflight-per-client, --api-key, --api-key-file, --cors-origin.
     add_fairness_and_auth_arguments(parser)
+    add_grammar_fallback_argument(parser)
     parser.add_argument("--log-dir", default=".specmask/logs", help="where mask-service logs go")
     parser.add_argument("--log-level", default="INFO")
 
@@ -155,6 +158,7 @@ def config_overrides(args: argparse.Namespace, plan: Launch, *, http_port: int |
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "kv_cache_bytes": args.kv_cache_bytes,
         "dtype": args.dtype,
+        "grammar_fallback": GrammarFallback(args.grammar_fallback),
         **plan.orchestrator,
     }
 

@@ -157,8 +157,9 @@ class _Generation(_Body):
     guided_choice: list[str] | None = None
     speculation: Speculation | None = None
     # Grammar engine, named like vLLM's field: "auto" (the service picks), "xgrammar", "llguidance"
-    # ("guidance", vLLM's name for llguidance, is taken too). Checked mode (opt-in):
-    # ``guided_checked`` + optional ``guided_max_attempts``. All three need an output constraint.
+    # ("guidance", vLLM's name for llguidance, is taken too). Checked mode: ``guided_checked``
+    # true / false / unset (the server's --grammar-fallback) + optional ``guided_max_attempts``.
+    # All three need an output constraint.
     guided_decoding_backend: str | None = None
     guided_checked: bool | None = None
     guided_max_attempts: int | None = None

@@ -289,8 +289,9 @@ class Grammar(_message.Message):
     refusal. Any other name is INVALID_ARGUMENT (the message lists the known ones).
     """
     checked: _builtins.bool
-    """JSON Schema only, opt-in checked mode (never the default). A schema no engine
-    enforces exactly only because of uniqueItems, not, non-disjoint oneOf,
+    """JSON Schema only, checked mode: true = on, false = exact enforcement or a refusal
+    (never a relaxation), unset = the server's --grammar-fallback (default checked).
+    A schema no engine enforces exactly only because of uniqueItems, not, non-disjoint oneOf,
     dependencies/dependent*, if/then/else or contains is generated under a
     relaxation of it (a superset), every output is checked against the original
     schema at the end, and a violating output is regenerated with a fresh seed, up
@@ -324,17 +325,21 @@ class Grammar(_message.Message):
         separators: Global___JsonSeparators | None = ...,
         allow_additional_properties: _builtins.bool = ...,
         backend: _builtins.str = ...,
-        checked: _builtins.bool = ...,
+        checked: _builtins.bool | None = ...,
         max_attempts: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_attempts", b"_max_attempts", "any_json", b"any_json", "ebnf", b"ebnf", "json_schema", b"json_schema", "kind", b"kind", "lark", b"lark", "max_attempts", b"max_attempts", "regex", b"regex", "separators", b"separators"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_checked", b"_checked", "_max_attempts", b"_max_attempts", "any_json", b"any_json", "checked", b"checked", "ebnf", b"ebnf", "json_schema", b"json_schema", "kind", b"kind", "lark", b"lark", "max_attempts", b"max_attempts", "regex", b"regex", "separators", b"separators"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_attempts", b"_max_attempts", "allow_additional_properties", b"allow_additional_properties", "any_json", b"any_json", "any_whitespace", b"any_whitespace", "backend", b"backend", "checked", b"checked", "ebnf", b"ebnf", "json_schema", b"json_schema", "kind", b"kind", "lark", b"lark", "max_attempts", b"max_attempts", "regex", b"regex", "separators", b"separators"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_checked", b"_checked", "_max_attempts", b"_max_attempts", "allow_additional_properties", b"allow_additional_properties", "any_json", b"any_json", "any_whitespace", b"any_whitespace", "backend", b"backend", "checked", b"checked", "ebnf", b"ebnf", "json_schema", b"json_schema", "kind", b"kind", "lark", b"lark", "max_attempts", b"max_attempts", "regex", b"regex", "separators", b"separators"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__checked: _TypeAlias = _typing.Literal["checked"]  # noqa: Y015
+    _WhichOneofArgType__checked: _TypeAlias = _typing.Literal["_checked", b"_checked"]  # noqa: Y015
     _WhichOneofReturnType__max_attempts: _TypeAlias = _typing.Literal["max_attempts"]  # noqa: Y015
     _WhichOneofArgType__max_attempts: _TypeAlias = _typing.Literal["_max_attempts", b"_max_attempts"]  # noqa: Y015
     _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json_schema", "regex", "ebnf", "lark", "any_json"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__checked) -> _WhichOneofReturnType__checked | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_attempts) -> _WhichOneofReturnType__max_attempts | None: ...
     @_typing.overload
