@@ -86,7 +86,12 @@ FIELDS: Mapping[str, FieldRule] = {
     "suffix": _r("completions: text after the insertion point", "", here="only empty"),
     "best_of": _r("completions: server-side candidates, the best returned", 1, here="only 1"),
     "reasoning_effort": _s("passed to the chat template (reasoning models)", "a template variable, as in vLLM"),
-    "include_reasoning": _n("return the reasoning parser's output", "no reasoning parser here"),
+    "include_reasoning": _n(
+        "return the reasoning parser's output", "with --reasoning-parser the reasoning is always returned apart"
+    ),
+    "max_reasoning_tokens": _r(
+        "a cap on the reasoning section's tokens (SpecMask)", here="not yet: max_tokens bounds thinking and answer"
+    ),
     # vLLM's sampling extensions.
     "use_beam_search": _r("beam search instead of sampling", False),
     "top_k": _s("top-k sampling (0: off)"),
