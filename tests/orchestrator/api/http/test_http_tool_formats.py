@@ -213,6 +213,7 @@ def _walk(engine: Any, compiled: Any, ids: list[int], stop: int) -> int | None:
     return None if matcher.accept_token(stop) else len(ids)
 
 
+@pytest.mark.slow  # the Qwen3 vocabulary's token tables and two compiles: ~30 s on 2 cores
 def test_auto_refuses_other_formats_token_by_token_on_qwen3(shared: Path) -> None:
     """The mask service's xgrammar engine over the real Qwen3 vocabulary (where <tool_call> is
     one token): under each format's "auto" grammar, crafted token sequences of another family's
