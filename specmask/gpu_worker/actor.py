@@ -193,7 +193,7 @@ class GpuWorker:
         )
         if _session_owner():
             # A Ray actor process of its own: keep what loading left (torch, transformers, the
-            # models' modules, the tokenizer: ~200k objects, a ~100 ms full GC pass) out of full
+            # models' modules, the tokenizer: hundreds of thousands of objects) out of full
             # GC passes between steps, as the orchestrator and mask-service mains do. Not in a
             # process that merely builds a worker (tests, benches): it would freeze theirs.
             gc.collect()
@@ -519,8 +519,8 @@ class GpuWorker:
 
     def iterate(self, removes: Sequence[str] = (), adds: Sequence[NewSequence] = ()) -> Iteration:
         """``remove(removes)``, ``add(adds)``, then ``step()``: one Ray call for what the
-        orchestrator's step loop does each iteration (each call costs both processes ~0.4 ms
-        of CPU here; three a step under a flood of short requests). Removes go first: the
+        orchestrator's step loop does each iteration (each call costs both processes CPU on
+        the step's path; three a step under a flood of short requests). Removes go first: the
         slots they free may be the ones the adds take. Ids this worker does not hold are
         reported, not raised."""
         unknown = self._remove(removes)

@@ -5,10 +5,9 @@ each pool row attends to its own past). For a GQA model (SmolLM2-135M: 9 query
 heads over 3 KV heads) transformers' SDPA path then repeats K and V to every query
 head whenever more than one query token is in flight (``repeat_kv``: a copy of the
 whole past per layer), because it enables SDPA's native GQA only without a mask.
-On CPU that copy dominated a verify forward: B = 9 rows over 1,200 cached tokens
-took 136 ms for 1 token per row but 670 ms for 2 and 853 ms for 5 (62% of it
-``aten::copy_``). Torch's SDPA takes ``enable_gqa`` with a mask on CPU (the
-flash-attention CPU kernel): 127 / 180 / 273 ms for the same forwards.
+On CPU that copy dominated a verify forward as soon as rows were more than one
+token wide (most of it ``aten::copy_``). Torch's SDPA takes ``enable_gqa`` with a
+mask on CPU (the flash-attention CPU kernel), which avoids the copy.
 
 Packed forwards (model_runner.py): the runner feeds the decoder only the real
 new tokens of every row, concatenated as one ``[1, N]`` sequence, so the linear
@@ -21,9 +20,7 @@ L_r + T_r keys (a view of its pool row), under that row's corner of the
 runner's ``[R, 1, T_max, end]`` mask (none for a one-token row, which sees all
 of them). Per row, not on the padded ``[R, T_max]`` grid: attention reads every
 row's K/V, so a wide grid and keys up to the batch's longest row cost more than
-the per-call overhead (one thread, CPU time per layer, 9 rows 1..5 tokens wide
-over ~1,200 cached tokens: 5.5 ms on the grid, 3.9 ms per row; all rows one
-token wide: 2.1 vs 1.9 ms).
+the per-call overhead, even when every row is one token wide.
 
 ``ATTENTION`` is registered with transformers' ``AttentionInterface`` when a model
 is loaded (``register``), never at import. Without a mask, or without grouped
@@ -121,9 +118,9 @@ def _packed_attention(
             continue
         # Several queries under a mask with grouped heads: fold each KV head's G query heads into
         # its query axis ([1, H_kv, G·T_r, D], rows ordered (g, t)) and repeat the mask rows G
-        # times, so SDPA sees as many query heads as KV heads. Torch's enable_gqa path costs
-        # ~0.26 ms per call here for 2-5 queries over ~1,200 keys (9 over 3 heads, 2 threads)
-        # against ~0.17-0.23 ms folded: 270 calls per SmolLM2 verify forward of 9 rows.
+        # times, so SDPA sees as many query heads as KV heads. Torch's enable_gqa path was the
+        # slower of the two on CPU for a few queries over a long past, and a verify forward
+        # makes this call once per row per layer.
         mask = attention_mask[r : r + 1, :, :t, :s].repeat(1, 1, groups, 1)  # [1, 1, G·T_r, L_r + T_r]
         folded = q.reshape(1, kv_heads, groups * t, dim)  # [1, H_kv, G·T_r, D]
         out = sdpa(folded, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling)  # [1, H_kv, G·T_r, D]

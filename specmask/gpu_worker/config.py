@@ -87,8 +87,8 @@ class WorkerConfig:
     # torch intra-op threads (process-wide). None keeps the process's default: in a Ray
     # actor without num_cpus that is 1, since Ray sets OMP_NUM_THREADS=1 there. 0 = every
     # CPU this process may run on, when the device is the CPU and the target is not tiny
-    # (loading.cpu_threads: SmolLM2 on 2 cores, 1 -> 2 threads made bench.e2e 1.38x faster
-    # with speculation and 1.24x without; the toy pair stays at 1). In-process tests pass 1.
+    # (loading.cpu_threads: a real model gains from a second thread, the toy pair stays at 1).
+    # In-process tests pass 1.
     torch_threads: int | None = None
     # Seed for sequences that bring none (their per-request seeds are drawn from it).
     seed: int = 0

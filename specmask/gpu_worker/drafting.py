@@ -1,89 +1,10 @@
-"""The proposal phase of a step: d_1..d_k per sequence, position by position,
-with the draft-side mask traffic kept off the critical path (docs/design.md step 1).
+"""The proposal phase of a step: d_1..d_k per sequence, position by position.
 
-A grammar sequence that drafts with masks (draft-side masking, or grammar-forced
-drafts) needs, at draft position i, the row M_{i-1}: tokens allowed after its
-committed tokens and d_1..d_{i-1}. That request depends on exactly the inputs of
-the draft forward for position i, so the two run at the same time:
-
-    position i:  send mask request (I/O thread) ──────────────┐
-                 draft forward over d_{i-1} (this thread) ─────┴─ wait -> mask logits, sample d_i
-
-and the step waits for the masks only once the draft logits exist, as the
-verify path does with the target forward. A grammar-forced position (M_{i-1}
-allows one token) cannot be recognised before its row arrives, so the forward
-also runs for slots that turn out forced: a wasted row in a batched forward,
-in exchange for never serialising a round trip in front of the forward. Its
-logits are dropped; the tokens it fed stay cached (they are context either way).
-
-Position 1 is cheaper still: M_0 is the mask after the committed tokens, so it
-can be requested as soon as the previous step has committed. ``prefetch_first``
-sends it then (carrying the commit, which the step's later requests repeat as
-no-ops), and it arrives while the orchestrator handles the step's outputs; a
-sequence it does not cover (just added) sends its own position-1 request, in
-flight with the forward like any other position. With M_0 in hand, forced
-first positions skip the draft forward outright.
-
-Forced continuations: for a sequence with grammar-forced drafts,
-every draft-side request also asks the service for the grammar's forced
-continuation after its drafts (``forced_up_to``). A reply with f_1..f_m
-makes them the next drafts at once, q = 1 (one-hot) like any grammar-forced
-draft: no draft forward and no round trip for those positions. The row the reply
-carried is then stale (it is for the state before the run); the request also
-asked for the row after each forced token (``forced_rows``), so the slot keeps
-them as its M_j and drafts the position after the run from the last one
-(``DraftSlot.next_row``) without asking that state again, and the verify path,
-holding every row, asks nothing for the slot. A run is the common case on JSON
-(a key's closing quote, colon and the next key), and the rows cost the service a
-few fills against a round trip per state. From a service without such rows the
-slot asks again, with the run among its drafts, for the position after it (at
-position 1 that second request is the position's own), and the verify path asks
-it for all k+1 rows. The target verifies forced drafts exactly like any other.
-
-Lookahead (step cost). A sequence drafting with grammar-forced and n-gram
-drafts only has no draft forward for a position's round trip to hide behind, so
-each position's request was a wait on the critical path (~5 round trips and ~6 ms
-per step on SmolLM2, CPU). Its drafts need no model, though: the n-gram lookup
-can run ahead of the grammar. So its request carries the n-gram continuation
-c_1..c_m of its context (``NgramProposer.chain``) after its drafts, and asks for
-every row along it; on the reply the slot walks the chain exactly as the
-proposers would, position by position: the grammar-forced token where a row
-allows a single token, else c_j if its row allows it. One round trip then covers
-a whole run of n-gram drafts. The walk leaves the chain (and the next position
-asks again) where a forced token differs from c_j, and where c_j is refused: the
-forced continuation a reply carries is for the state after the whole chain, so
-that state is asked again without a lookahead, for its own (position-by-position
-drafting would have had it; with nothing forced there, drafting stops). The
-position-1 request sent after the commit carries the lookahead too, and when the
-walk ends with every row M_0..M_k known the verify path asks for nothing. The
-drafts differ from position-by-position drafting only where the grammar forces a
-multi-token text at a state the chain passes through with an allowed token (the
-chain's spelling is kept); exactness never depends on the drafts.
-
-A sequence that also drafts with the draft model sends the lookahead too: the
-draft model ranks after the n-gram proposer, so position by position it would
-only have filled the positions the lookup has nothing for, which is where the
-chain ends and the slot goes back to the proposers. Separately, a slot whose
-n-gram lookup has a token for the position gets no draft forward at all
-(``Proposer.foresees``; the draft model prepares on demand if the row then
-refuses that token): the n-gram proposal outranks the draft's, so the forward
-would have been thrown away.
-
-Where the chain meets a refused n-gram token, the service's walk stops at that state
-and (``forced_up_to``) sends the forced continuation there in the same
-reply: the slot takes that run at once instead of asking that state again (the
-re-ask was ~1 exposed round trip per step on SmolLM2); with nothing forced there,
-the proposers see that state's row, as they would have after a re-ask. The drafts are
-those the re-ask gave (a row there that allows one token is still taken on its own by
-the walk, and the next lookahead starts after it). A sequence that takes no forced
-drafts asks for no run (``forced_at_stop`` false) and still gets the re-ask.
-
-Sequences without a grammar, or whose proposers need no masks, never wait on a
-position's mask request: their whole position (cheap proposers, forward,
-sampling) completes before the wait. (Position 1 waits for the prefetched rows
-first, so that forced first positions are known before the one batched forward;
-those rows were sent a whole inter-step gap earlier.) Sequences with speculation
-off never reach this phase (k_r = 0) and are never prefetched for.
+Owns ``Drafter``: the per-position loop over the proposers, the draft-side mask
+requests sent beside each draft forward (and ``prefetch_first``'s M_0 after a
+commit), forced continuations and n-gram lookahead taken from a reply. How the
+mask traffic stays off the critical path is in docs/design.md, "Mask traffic
+during proposal".
 """
 
 from __future__ import annotations

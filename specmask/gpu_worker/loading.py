@@ -23,9 +23,9 @@ def resolve_device(name: str) -> torch.device:
 
 # Below this many target parameters a CPU worker keeps one torch thread. Per-op work is then
 # too small to split, and OpenMP's second thread spin-waits between regions: with the tiny
-# test pair at 2 threads, bench.soak's worker used 1.36 cores at a 16 ms step (0.73 at one
-# thread; steady p50 112 vs 106 ms): the spin takes the cores the mask service and orchestrator share.
-# SmolLM2-135M at 2 threads on the same box: bench.e2e 1.38x faster with speculation.
+# test pair at 2 threads the worker nearly doubled its CPU use for no faster step, taking
+# the cores the mask service and orchestrator share. A real model (SmolLM2-135M) gains from
+# the second thread (docs/benchmarks.md, "End to end, SmolLM2 speed").
 MIN_PARAMS_FOR_THREADS = 20_000_000
 
 

@@ -5,9 +5,9 @@
   path, the draft forward during proposal; torch and gRPC both release the GIL while
   they wait), and the step waits on nothing but its own mask calls.
 * **Control** (``mask-control`` threads): session opens and closes. They used to
-  share the data thread, and under a flood of new requests (~25 opens and
-  ~25 closes a second, ~3 ms each against a busy service) a step's DraftMasks call
-  queued behind them: 2.3 ms mean, 20 ms p99 per call, 30% of the thread's time.
+  share the data thread, and under a flood of new requests (dozens of opens
+  and closes a second, each slow against a busy service) a step's DraftMasks call
+  queued behind them, on the step's critical path.
   A sequence's first DraftMasks is sent only once its open has answered (the step
   waits for ``session_opening``), so an open never races a data call.
 * A close is handed to the control threads *through* the data thread: it runs after

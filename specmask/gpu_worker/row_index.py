@@ -2,8 +2,8 @@
 
 The packed-bitmask kernels (kernels.bitmask) unpack every row's 32*W bits and
 rewrite all V logits of every masked row, every step. On a GPU that is one
-cheap pass; on the CPU path (the reference backend) it was ~1.7 ms of a ~170 ms
-SmolLM2 step (V = 49,152, ~40 rows), all of it grammar overhead.
+cheap pass; on the CPU path (the reference backend) it was a visible share of
+a SmolLM2 step (V = 49,152, ~40 rows), all of it grammar overhead.
 
 A mask row is interned (mask_service.row_table: a slot of the client's table,
 unchanged for its epoch's life) and real grammars reuse few distinct rows, so

@@ -1,8 +1,8 @@
 """A static-shape decoder forward over the slot KV pool, replayed as a CUDA graph on a GPU.
 
 The eager path (model_runner.py) builds a fresh packed layout per forward and
-runs transformers' module tree: on a GPU the host spends ~100 µs per layer
-launching kernels while the device idles. This path runs the same decoder
+runs transformers' module tree: on a GPU the host spends longer launching
+each layer's kernels than the device spends running them. This path runs the same decoder
 (Llama's layer: embeddings, RMSNorm, rotary, grouped-query attention, gated MLP,
 called through the model's own submodules, so the weights are the same tensors; the
 families it runs and their differences, such as Qwen3's q/k norm, are described in

@@ -11,7 +11,7 @@ without extra plumbing.
 A shared token authenticates the *tier*, not each caller: in production run
 the mask service behind mTLS as well (grpc.ssl_server_credentials with
 require_client_auth=True, one client certificate per worker identity), which
-also encrypts the traffic; see README "Security".
+also encrypts the traffic; see docs/security-and-fairness.md, "The mask-service token".
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ ALL_ONES_ID = 0
 # Rows allowing/forbidding at most this many tokens travel as a uint32 id list
 # (4 bytes/token); above it zlib of the dense row is smaller for typical masks.
 SPARSE_MAX_TOKENS = 256
-# zlib level 1: ~4x faster than the default and within a few % of its size on
+# zlib level 1: several times faster than the default and within a few % of its size on
 # mask rows (long runs of 0x00 / 0xff); compression runs once per distinct row.
 ZLIB_LEVEL = 1
 
@@ -64,7 +64,7 @@ def _set_bit_ids(words: np.ndarray) -> np.ndarray:
     """Token ids whose bit is set, ascending. words: [W] uint32 -> [n] <u4.
 
     Unpacks only the non-zero words: a sparse row has few, so this costs
-    microseconds where unpacking all W*32 bits cost ~200 us per row.
+    little where unpacking all W*32 bits would touch the whole vocabulary.
     """
     nz = np.flatnonzero(words)
     bits = np.unpackbits(words[nz].astype("<u4").view(np.uint8), bitorder="little").reshape(nz.size, 32)
@@ -147,7 +147,7 @@ class RowInterner:
     Lookup is by a keyed 128-bit XXH3 of the row bytes, read straight from the
     engine's buffer. It replaced a sampled-key bucket plus a compare of the
     whole row against the stored copy: that compare read 16 KB from memory per
-    Llama-3 row and was ~3 us of GIL-held time per row, the largest Python cost
+    Llama-3 row with the GIL held, the largest Python cost
     on the hot path. Two distinct rows share a key with probability ~2^-128.
     XXH3 is not a cryptographic hash, but its seed is a per-process secret,
     which makes a collision hard to aim at. The wire's own 64-bit content ids

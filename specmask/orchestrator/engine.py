@@ -566,7 +566,7 @@ class Engine:
 
         Adds placed while a step runs wait for the next call: the worker could not take them
         sooner (an actor runs one call at a time), and each Ray call costs both processes
-        ~0.4 ms of CPU; sent one per placement, a flood of short requests (bench.soak,
+        CPU; sent one per placement, a flood of short requests (bench.soak,
         ~2 arrivals a step) made each iteration three calls. The worker starts their
         mask-session opens in the call and steps at once: a sequence whose open answers while
         the drafts are proposed joins that step, else it sits the step out."""

@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from specmask.gpu_worker.types import FinishReason, StepOutput
 from specmask.orchestrator.types import Usage
 
-# Latency buckets spanning a sub-10 ms GPU step to a multi-minute CPU request.
+# Latency buckets spanning one GPU step to a multi-minute CPU request.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TPS_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
 # vLLM's buckets for its names (vllm/v1/metrics/loggers.py), so a board's le="..." matches.
@@ -414,6 +414,6 @@ class OrchestratorMetrics:
             self.vllm_time_to_first_token.observe(first_token - arrival)
             # Tokens arrive in bursts of up to k+1 per step, so over a request of a few
             # tokens (finish - first_token) may span no step at all: 2 tokens of one burst
-            # read as >5,000 tok/s. Shorter requests are not rated.
+            # read as thousands of tokens a second. Shorter requests are not rated.
             if finish > first_token and usage.completion_tokens >= MIN_TOKENS_FOR_RATE:
                 self.request_tokens_per_second.observe((usage.completion_tokens - 1) / (finish - first_token))

@@ -2,8 +2,8 @@
 
 Every grammar request used to cost a ValidateGrammar round trip to the mask
 tier before placement, even for a schema the tier had accepted a moment ago: on
-the critical path of every request (2.3 ms p50 and 5.7 ms p99 in bench.soak's
-steady stream; 4.1 and 15.5 ms while a flood kept the tier busy), and one RPC
+the critical path of every request (longest while a flood kept the tier busy),
+and one RPC
 per request on the tier. A flood that repeats one 300 KB pathological schema
 sent all 300 KB to a replica each time, to be refused from its cache there.
 

@@ -32,13 +32,13 @@ def _early_exit_name(base: str, num_layers: int) -> str:
 
 
 # Early-exit self-drafts of the default model (built locally from the cached target in seconds).
-# Measured and NOT the default: without training, exiting after layer L of 30 agrees with the
-# target's greedy token on 0-4% of JSON positions for L <= 18 and 42% at L = 29, and a live run
-# (k=4, draft masks) accepted 11% of ee8's drafts: a 0.5x slow-down. README, "Real model".
+# NOT the default: without training, an early exit agrees with the target's greedy token on
+# too few JSON positions for its drafts to pay for their forwards (a live run was slower than
+# no speculation); the distilled draft below is what training buys.
 for _n in (8, 16, 24):
     register(_early_exit_name(DEFAULT_MODEL, _n), EarlyExitSource(base=DEFAULT_MODEL, num_layers=_n))
 
-# Drafts distilled here from a target (`specmask models distill TARGET`; ~20 min on 2 CPU cores):
+# Drafts distilled here from a target (`specmask models distill TARGET`; docs/draft-model.md):
 # the target's first and last layers, its frozen tied embedding and tokenizer, trained on
 # its own grammar-constrained outputs for generated schemas (specmask/gpu_worker/models/distill.py).
 DISTILLED_DRAFTS: dict[str, str] = {DEFAULT_MODEL: f"{DEFAULT_MODEL}-draft"}
@@ -49,7 +49,7 @@ register(
 
 # The draft `specmask up/demo/bench` pair with a registered target when none is named. None: no
 # draft model; requests then draft with grammar-forced tokens and prompt lookup (n-gram), which
-# measured best on this model (README, "Real model").
+# measured best on this model without a trained draft (docs/benchmarks.md, "End to end, SmolLM2 speed").
 # A target's distilled draft (DISTILLED_DRAFTS) takes precedence when it is already in the cache:
 # it is never built implicitly (resolve.default_draft).
 DEFAULT_DRAFTS: dict[str, str | None] = {DEFAULT_MODEL: None}

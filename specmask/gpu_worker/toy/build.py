@@ -48,7 +48,7 @@ class ToyBuildConfig:
     num_train_docs: int = 12_800  # one epoch of target training at 400 x 32
     num_eval_docs: int = 256  # per split (train-distribution, held-out schemas)
     max_position_embeddings: int = 512
-    # Feasibility note (shared/data/README.md): 4x128 target, 400 steps x 32 ~ 70 s on 2 cores.
+    # Sized to train on a 2-core box in about a minute (shared/data/README.md).
     target: ModelShape = TARGET_SHAPE
     draft: ModelShape = DRAFT_SHAPE
     target_steps: int = 400

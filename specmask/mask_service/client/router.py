@@ -329,8 +329,8 @@ class MaskRouter:
         the batch is still running against a client when the caller resends it)."""
         if len(groups) == 1:
             # One replica (the usual case): call it on this thread. A hop through the pool
-            # cost ~0.2 ms per round trip on a loaded 2-core host, on the step's critical
-            # path whenever the worker has nothing to overlap the round trip with.
+            # adds a thread handoff to every round trip, on the step's critical path
+            # whenever the worker has nothing to overlap the round trip with.
             ((address, idx),) = groups.items()
             fut: Future[list[DraftMaskResult]] = Future()
             try:

@@ -230,7 +230,7 @@ class SelectedGrammar:
 
 
 # xgrammar first: where both enforce a grammar exactly, xgrammar's masks are cheaper
-# (README "Grammar backends": measured per-row cost of each on the same schemas).
+# (docs/benchmarks.md, "Mask service": the per-row cost of each on the same schemas).
 SELECTION_ORDER = ("xgrammar", "llguidance")
 # Kinds that fall through to the next engine when the first refuses. JSON schema only:
 # a regex or Lark text xgrammar rejects is a syntax error for the caller to fix, and

@@ -119,8 +119,8 @@ class TokenizerView:
 class TokenizerViews:
     """``TokenizerView`` per (tokenizer id, vocab size), built once and shared by all sessions.
 
-    Building one takes a while (SmolLM2's 49k-token vocab: ~0.15 s and up, the
-    Llama-3 vocab several times that), so it is started off the request path with
+    Building one walks the whole vocabulary (a large one such as Llama-3's takes
+    far longer than a request should wait), so it is started off the request path with
     ``warm`` when a session opens for a (tokenizer, vocab size) pair (OpenSession),
     on one background thread; ``get`` on the request path then finds it built, or
     waits only for the rest of that one build. Each key is built exactly once, and

@@ -13,7 +13,7 @@ cannot prove disjoint. What it enforces beyond xgrammar: sibling keywords beside
 ``pattern``/lengths, ``minProperties``/``maxProperties``.
 
 This module adds the refusals found by instance checks (JSON-Schema-Test-Suite
-and maskbench, see README "Grammar backends"): each entry below names what
+and maskbench, see docs/grammars.md, "What each engine enforces"): each entry below names what
 llguidance accepts without enforcing.
 
 Unknown keywords (``nullable``, ``discriminator``, ``contentEncoding``, ...)

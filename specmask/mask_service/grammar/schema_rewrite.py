@@ -39,7 +39,8 @@ And one repair on xgrammar's output rather than its input:
 ``minLength``/``maxLength`` strings compile to ``[^"\\\\\\r\\n]{m,n}``, which admits
 raw U+0000-U+001F. ``repair_ebnf`` narrows that class to ``[^\\0-\\x1f"\\\\]``,
 keeping xgrammar's cheap counted repetition (a ``pattern`` doing the same costs
-about maxLength x vocabulary at compile time: ~20 s for maxLength 4096 on GPT-2).
+about maxLength x vocabulary at compile time, far past the compile budget for
+a long maximum).
 Length is still counted in code points, and escapes stay unavailable inside
 length-limited strings (stricter, always valid).
 """

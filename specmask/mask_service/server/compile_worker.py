@@ -8,10 +8,9 @@ whose draft-mask calls, commits and health keep their latency.
 The child is a *trial*: it reports whether the grammar compiles within budget
 (and how long it took, and the compiled size), and the parent then compiles the
 accepted grammar itself. A compiled grammar could be shipped back instead
-(xgrammar 0.2.8 has ``CompiledGrammar.serialize_json``), but measured on
-xgrammar 0.2.8 serialising costs ~10x the compile and parsing back ~5x (a
-400-property schema: 0.16 s compile, 4.7 s serialise, 2.2 s parse, 45 MB of
-JSON), so compiling twice is the cheaper way to get a proven grammar into the
+(xgrammar 0.2.8 has ``CompiledGrammar.serialize_json``), but on xgrammar
+0.2.8 serialising and parsing back each cost several compiles and the JSON is
+large, so compiling twice is the cheaper way to get a proven grammar into the
 parent. It also keeps the worker backend-agnostic: it needs nothing from a
 backend but ``make_compiler`` and ``compile``.
 

@@ -19,12 +19,11 @@ chunks run on a thread pool, one chunk inline on the calling thread.
 xgrammar's ``fill_next_token_bitmask`` / ``accept_token`` run in C++ through
 tvm-ffi, and row hashing (hashlib) releases the GIL for large buffers, so the
 per-row work overlaps across cores; the per-call Python wrapper still holds the
-GIL, so cheap rows gain less. Measured with bench/mask_service.py --strategies
-(Llama-3 vocab, B=32, k=4, 48 real schemas, 2-core shared box): step p50
-serial loop 6.5 ms, per-request chunks on 2 threads 3.3 ms, xgrammar
-``BatchGrammarMatcher`` (one batched call per draft position, synchronising
-all requests at every position) 4.3 ms; on a heavily loaded box threads and
-serial tie. ``traverse_draft_tree`` was slower still in a probe (per-request
+GIL, so cheap rows gain less. bench/mask_service.py compares per-request
+chunks against the serial loop and xgrammar's ``BatchGrammarMatcher`` (one
+batched call per draft position, synchronising all requests at every position);
+chunks win (docs/benchmarks.md, "Mask service"), and on a heavily loaded box
+threads and serial tie. ``traverse_draft_tree`` was slower still in a probe (per-request
 tensor set-up dominates for a linear chain) and is not used.
 """
 
@@ -358,9 +357,8 @@ class DraftMaskEngine:
         results: list[DraftOutcome] = [DraftOutcome()] * len(requests)
         # A chunk on another thread is worth its hop only with enough rows: on a 2-core host
         # shared with a client, splitting cost more than it saved up to ~80 rows a call
-        # (bench.mask_service, Llama-3: p50 3.0 -> 4.3 ms at 19 rows, 2.9 -> 5.0 at 38,
-        # 4.1 -> 4.8 at 78; 8.2 -> 7.1 ms at 155), and the serving path's calls are mostly
-        # smaller still (draft-side calls ask one row per sequence).
+        # (bench.mask_service with a row count per call), and the serving path's calls
+        # are mostly smaller still (draft-side calls ask one row per sequence).
         n_chunks = min(self._threads, len(jobs), max(1, total // MIN_ROWS_PER_CHUNK))
         if n_chunks <= 1 or self._pool is None:
             self._chunk(jobs, results)
