@@ -215,16 +215,19 @@ class Checker:
             GrammarKind.JSON_SCHEMA, text, strict=self.strict, backend=self.explicit, checked=self.checked
         )
 
-    def end_check(self, schema: Any, text: str) -> bool:
-        """The orchestrator's end-of-request check of ``text`` against the original schema (fails closed)."""
+    def end_check(self, schema: Any, text: str, engine: str) -> tuple[bool, str]:
+        """The orchestrator's end-of-request check of ``text`` against the original schema (fails closed):
+        (passes, why not). ``engine``: the engine that masked the output, as the orchestrator passes it
+        (GrammarReport.backend): it picks what strict mode means (output_check.STRICT_READINGS)."""
         from specmask.orchestrator.output_check import OutputChecker, OutputCheckError
 
         if self._end_check is None:
             self._end_check = OutputChecker()
         try:
-            return bool(self._end_check.check(self.spec(schema), text).ok)
-        except OutputCheckError:
-            return False
+            verdict = self._end_check.check(self.spec(schema), text, engine)
+        except OutputCheckError as exc:
+            return False, f"unverifiable: {exc}"
+        return bool(verdict.ok), verdict.reason
 
     def compile(self, schema: Any) -> Any:
         return self.backend.compile(self.compilers, self.spec(schema))
@@ -301,13 +304,14 @@ def _run_checked_instances(checker: Checker, case: Case, selected: Any, tally: T
         tally.add(case.subset, "checked_valid_instances" if valid else "checked_invalid_instances")
         if valid and ok:
             tally.add(case.subset, "checked_valid_accepted")
-            if not checker.end_check(case.schema, texts[0]):
+            passed, why = checker.end_check(case.schema, texts[0], selected.backend)
+            if not passed:
                 tally.add(case.subset, "checked_end_check_rejects_valid")
                 if verbose:
-                    print(f"end check rejects valid [{selected.backend}] {case.name}: {texts[0][:160]}")
+                    print(f"end check rejects valid [{selected.backend}] {case.name}: {texts[0][:160]} ({why[:200]})")
         elif not valid and ok:
             tally.add(case.subset, "checked_grammar_invalid_accepted")
-            if checker.end_check(case.schema, texts[0]):
+            if checker.end_check(case.schema, texts[0], selected.backend)[0]:
                 tally.add(case.subset, "checked_lies")
                 lie = f"CHECKED LIE [{selected.backend}] {case.name}: end check passes invalid {texts[0][:200]}"
                 tally.lies.append(lie)
