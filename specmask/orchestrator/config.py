@@ -14,6 +14,8 @@ from specmask.gpu_worker.config import (
 )
 from specmask.mask_service.client.replicas import parse_targets
 from specmask.orchestrator import token_admission, validation, verdict_cache
+from specmask.orchestrator.api.http.tool_formats import ToolCallParser
+from specmask.orchestrator.reasoning import ReasoningParser
 
 # Local runs listen on loopback only (a dev box should not expose an
 # unauthenticated API); the images and the Helm chart pass --host 0.0.0.0,
@@ -116,6 +118,10 @@ class OrchestratorConfig:
     grammar_fallback: validation.GrammarFallback = DEFAULT_GRAMMAR_FALLBACK  # --grammar-fallback checked|refuse
     # JSON Schema chats get the schema in a system message by default (orchestrator.chat); off: only on request.
     schema_instruction: bool = False
+    # --reasoning-parser: the model thinks in this format before its answer (orchestrator/reasoning.py)
+    reasoning_parser: ReasoningParser | None = None
+    # --tool-call-parser: the format tool calls are written in (api/http/tool_formats.py); auto: the template's
+    tool_call_parser: ToolCallParser = ToolCallParser.AUTO
     # Requests one end client (orchestrator.client_identity) may have in flight; 0 = no cap,
     # AUTO_INFLIGHT_PER_CLIENT = every batch slot plus half the admission queue (inflight_cap_per_client).
     max_inflight_per_client: int = AUTO_INFLIGHT_PER_CLIENT
@@ -151,6 +157,10 @@ class OrchestratorConfig:
         if self.max_iteration_tokens < 0:
             raise ValueError(f"max_iteration_tokens must be >= 0 (0 = by device), got {self.max_iteration_tokens}")
         self.prompt_token_bounds()  # negative bounds raise ValueError
+        if self.reasoning_parser is not None and not isinstance(self.reasoning_parser, ReasoningParser):
+            raise ValueError(f"reasoning_parser must be a ReasoningParser or None, got {self.reasoning_parser!r}")
+        if not isinstance(self.tool_call_parser, ToolCallParser):
+            raise ValueError(f"tool_call_parser must be a ToolCallParser, got {self.tool_call_parser!r}")
         if not isinstance(self.grammar_fallback, validation.GrammarFallback):
             raise ValueError(f"grammar_fallback must be a GrammarFallback, got {self.grammar_fallback!r}")
         if self.grammar_verdict_cache_entries < 0:

@@ -13,8 +13,10 @@ from specmask.common.log_format import LOG_FORMATS, configure_logging
 from specmask.common.startup import PORT_OFF, StartupError, check_model_dir, check_ports_free, port_flag
 from specmask.gpu_worker.config import DTYPES
 from specmask.orchestrator import config as cfg
+from specmask.orchestrator.api.http.tool_formats import ToolCallParser
 from specmask.orchestrator.auth_keys import add_api_key_arguments, api_keys_from_args
 from specmask.orchestrator.config import OrchestratorConfig
+from specmask.orchestrator.reasoning import ReasoningParser
 from specmask.orchestrator.validation import GrammarFallback
 
 logger = logging.getLogger(__name__)
@@ -178,6 +180,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="checked mode: most generations one request may ask for (Grammar.max_attempts)",
     )
     add_grammar_fallback_argument(parser)
+    add_reasoning_parser_argument(parser)
+    add_tool_call_parser_argument(parser)
     parser.add_argument(
         "--schema-instruction",
         action="store_true",
@@ -215,6 +219,33 @@ def add_grammar_fallback_argument(parser: argparse.ArgumentParser) -> None:
         "Grammar.checked unset): checked = generate under a relaxation, check the output against the schema, "
         "resample (never an invalid output returned); refuse = INVALID_ARGUMENT",
     )
+
+
+def add_reasoning_parser_argument(parser: argparse.ArgumentParser) -> None:
+    """``--reasoning-parser``: shared by `specmask orchestrator`, `up` and `serve` (vLLM's flag)."""
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=[p.value for p in ReasoningParser],
+        default=None,
+        help="the model thinks before it answers, in this family's format: the thinking is free, any "
+        "grammar applies to the answer after it, and the HTTP API returns the thinking as "
+        "reasoning / reasoning_content apart from content (docs/openai-api.md)",
+    )
+
+
+def add_tool_call_parser_argument(parser: argparse.ArgumentParser) -> None:
+    """``--tool-call-parser``: shared by `specmask orchestrator`, `up` and `serve` (vLLM's flag)."""
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=[p.value for p in ToolCallParser],
+        default=ToolCallParser.AUTO.value,
+        help="the format the model writes tool calls in (the HTTP API's tools); auto = read from the "
+        "chat template, Hermes when it shows none (docs/openai-api.md)",
+    )
+
+
+def reasoning_parser_of(args: argparse.Namespace) -> ReasoningParser | None:
+    return ReasoningParser(args.reasoning_parser) if args.reasoning_parser else None
 
 
 def add_fairness_and_auth_arguments(parser: argparse.ArgumentParser) -> None:
@@ -288,6 +319,8 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         shutdown_grace_s=args.shutdown_grace_s,
         checked_max_attempts=args.checked_max_attempts,
         grammar_fallback=GrammarFallback(args.grammar_fallback),
+        reasoning_parser=reasoning_parser_of(args),
+        tool_call_parser=ToolCallParser(args.tool_call_parser),
         schema_instruction=args.schema_instruction,
         grammar_verdict_cache_entries=args.grammar_verdict_cache,
         grammar_verdict_ttl_s=args.grammar_verdict_ttl_s,

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from specmask.common.startup import StartupError, check_ports_free, port_flag
 from specmask.mask_service.auth import OWNER_SECRET_ENV, TOKEN_ENV
 from specmask.orchestrator import config as cfg
+from specmask.orchestrator.api.http.tool_formats import ToolCallParser
 from specmask.orchestrator.auth_keys import ApiKeyError, api_keys_from_args
 from specmask.orchestrator.dev.local_stack import LOOPBACK, StackConfig, running_stack
 from specmask.orchestrator.main import (
@@ -37,7 +38,10 @@ from specmask.orchestrator.main import (
     add_dtype_argument,
     add_fairness_and_auth_arguments,
     add_grammar_fallback_argument,
+    add_reasoning_parser_argument,
+    add_tool_call_parser_argument,
     install_stop_signals,
+    reasoning_parser_of,
 )
 from specmask.orchestrator.validation import GrammarFallback
 
@@ -93,6 +97,8 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     # --max-inflight-per-client, --api-key, --api-key-file, --cors-origin.
     add_fairness_and_auth_arguments(parser)
     add_grammar_fallback_argument(parser)
+    add_reasoning_parser_argument(parser)
+    add_tool_call_parser_argument(parser)
     parser.add_argument("--log-dir", default=".specmask/logs", help="where mask-service logs go")
     parser.add_argument("--log-level", default="INFO")
 
@@ -159,6 +165,8 @@ def config_overrides(args: argparse.Namespace, plan: Launch, *, http_port: int |
         "kv_cache_bytes": args.kv_cache_bytes,
         "dtype": args.dtype,
         "grammar_fallback": GrammarFallback(args.grammar_fallback),
+        "reasoning_parser": reasoning_parser_of(args),
+        "tool_call_parser": ToolCallParser(args.tool_call_parser),
         **plan.orchestrator,
     }
 

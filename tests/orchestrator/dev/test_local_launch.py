@@ -18,8 +18,11 @@ import pytest
 from specmask.common.startup import EXIT_USAGE
 from specmask.mask_service.auth import OWNER_SECRET_ENV, TOKEN_ENV
 from specmask.orchestrator import cli
+from specmask.orchestrator.api.http.tool_formats import ToolCallParser
 from specmask.orchestrator.dev import serve, up
 from specmask.orchestrator.dev.launch import Launch, PortFlag, add_stack_arguments, config_overrides
+from specmask.orchestrator.reasoning import ReasoningParser
+from specmask.orchestrator.validation import GrammarFallback
 
 # Ports that are never reached: every refusal below comes before any bind.
 FREE = ["--port", "0"]
@@ -150,7 +153,7 @@ def test_up_and_serve_share_flags_and_defaults() -> None:
 def test_shared_flags_reach_the_orchestrator_alike() -> None:
     flags = ["--api-key", "k1", "--cors-origin", "https://a.example", "--max-inflight-per-client", "3"]
     flags += ["--max-queue", "7", "--max-num-seqs", "9", "--max-num-batched-tokens", "96", "--kv-cache-bytes", "4096"]
-    flags += ["--dtype", "bfloat16"]
+    flags += ["--dtype", "bfloat16", "--reasoning-parser", "qwen3"]
 
     def models() -> tuple[str, str | None]:
         raise AssertionError("building the fields resolves no model")
@@ -173,6 +176,9 @@ def test_shared_flags_reach_the_orchestrator_alike() -> None:
         "gpu_memory_utilization": None,
         "kv_cache_bytes": 4096,
         "dtype": "bfloat16",
+        "reasoning_parser": ReasoningParser.QWEN3,
+        "grammar_fallback": GrammarFallback.CHECKED,  # the defaults of the other shared flags
+        "tool_call_parser": ToolCallParser.AUTO,
     }
     assert up_fields == {"host": "127.0.0.1", **shared}
     assert serve_fields == {"host": "0.0.0.0", **shared, **own}

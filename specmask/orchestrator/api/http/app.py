@@ -27,6 +27,7 @@ from specmask.orchestrator.auth_keys import ApiKeys
 from specmask.orchestrator.config import OrchestratorConfig
 from specmask.orchestrator.engine import Engine
 from specmask.orchestrator.metrics import OrchestratorMetrics
+from specmask.orchestrator.reasoning import ReasoningParser
 from specmask.orchestrator.token_text import VocabTokenizer
 from specmask.orchestrator.validation import Tokenizer
 
@@ -83,6 +84,7 @@ class HttpFrontDoor:
         prompter: ChatPrompter,
         tokenizer: HttpTokenizer | None = None,  # None: no /tokenize, no logprobs
         ready: Callable[[], bool] | None = None,
+        reasoning_parser: ReasoningParser | None = None,
     ) -> None:
         """``ready``: the orchestrator's readiness (what gRPC health says); None = the engine's worker health."""
         self.config = config
@@ -102,6 +104,7 @@ class HttpFrontDoor:
             max_model_len=config.max_model_len,
             ready=ready,
             tokenizer=tokenizer,
+            reasoning_parser=reasoning_parser,
         ).add_to(self.app)
         ObservabilityRoutes(metrics, tokenizer, prompter, config.model_name, config.max_model_len).add_to(self.app)
         self._runner = web.AppRunner(
@@ -142,4 +145,12 @@ def front_door_for(
         api_keys=config.api_keys,
         cors_origins=config.cors_origins,
     )
-    return HttpFrontDoor(http_config, engine, metrics, load_prompter(config.target_dir), tokenizer, ready)
+    return HttpFrontDoor(
+        http_config,
+        engine,
+        metrics,
+        load_prompter(config.target_dir, config.tool_call_parser),
+        tokenizer,
+        ready,
+        config.reasoning_parser,
+    )

@@ -1,0 +1,163 @@
+"""A reasoning model through the whole stack and the OpenAI SDK: thinking, then a schema answer.
+
+The model is a real Qwen3 checkpoint with the real Qwen3 tokenizer and chat
+template, built so its greedy output is known: every layer's attention and MLP
+write nothing (``o_proj`` and ``down_proj`` are zero), so each position's hidden
+state is its token's embedding and ``lm_head`` maps it to a chosen next token, a
+bigram machine. From the generation prompt (``...assistant\\n``) it writes
+``<think>Hmm ok</think>\\n\\n{"n":42}<|im_end|>``; from Qwen3's thinking-off prompt
+(which ends with ``</think>\\n\\n``) it writes the answer alone.
+
+With ``--reasoning-parser qwen3`` the answer comes back as ``content``, the thinking
+as ``reasoning`` / ``reasoning_content``, streamed and not, with speculation on
+(the draft is the same model, so drafts cross the end of the section) and off,
+and under a JSON Schema, a regex and no constraint at all.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from specmask.orchestrator.dev.local_stack import StackConfig
+from specmask.orchestrator.reasoning import ReasoningParser
+from tests.e2e.stack import ThreadStack
+from tests.fixtures.shared_data import shared_data_dir
+
+pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
+
+THINKING = "Hmm ok"
+ANSWER = '{"n":42}'
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+MESSAGES = [{"role": "user", "content": "Give n as JSON."}]
+
+
+def _build_bigram_qwen3(out: Path, tokenizer_dir: Path) -> None:
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(tokenizer_dir))
+    chain = [198, *tok.encode(f"<think>{THINKING}</think>\n\n{ANSWER}", add_special_tokens=False)]
+    chain.append(tok.convert_tokens_to_ids("<|im_end|>"))
+    assert chain[1] == tok.convert_tokens_to_ids("<think>") and len(set(chain)) == len(chain)  # a bigram chain
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=151936,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=1024,
+            tie_word_embeddings=False,
+            eos_token_id=chain[-1],
+        )
+    )
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        head.zero_()
+        for a, b in itertools.pairwise(chain):
+            # After the final RMSNorm the state is sqrt(64) * e_a / |e_a|: token b scores 10 * 8,
+            # every other token of the chain 80 * cos(e_a, e_other) (random 64-d vectors), the rest 0.
+            head[b] = 10 * embed[a] / embed[a].norm()
+    model.save_pretrained(out)
+    for f in tokenizer_dir.glob("tokenizer*.json"):
+        shutil.copy2(f, out / f.name)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadStack]:
+    shared = shared_data_dir()
+    if shared is None or not (shared / "tokenizers" / "qwen3" / "tokenizer.json").is_file():
+        pytest.skip("the Qwen3 tokenizer is not in the shared data")
+    model_dir = tmp_path_factory.mktemp("bigram-qwen3") / "qwen3-bigram"
+    _build_bigram_qwen3(model_dir, shared / "tokenizers" / "qwen3")
+    config = StackConfig(target_dir=str(model_dir), draft_dir=str(model_dir), mask_replicas=1, num_workers=1)
+    s = ThreadStack(config, http_port=0, default_max_tokens=32, reasoning_parser=ReasoningParser.QWEN3).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(stack: ThreadStack) -> Iterator[openai.OpenAI]:
+    assert stack.running is not None and stack.running.server.http_port
+    url = f"http://127.0.0.1:{stack.running.server.http_port}/v1"
+    with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300) as c:
+        yield c
+
+
+CONSTRAINTS: dict[str, dict[str, Any]] = {
+    "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}},
+    "regex": {"extra_body": {"guided_regex": r'\{"n":[0-9]+\}'}},
+    "none": {},
+}
+SPECULATION = {"on": {"enabled": True, "k": 4}, "off": {"enabled": False}}
+
+
+def _ask(client: openai.OpenAI, constraint: str, speculation: str, **more: Any) -> dict[str, Any]:
+    kwargs = dict(CONSTRAINTS[constraint])
+    extra = {**kwargs.pop("extra_body", {}), "speculation": SPECULATION[speculation], **more.pop("extra_body", {})}
+    return dict(model="qwen3-bigram", messages=MESSAGES, temperature=0, extra_body=extra, **kwargs, **more)
+
+
+@pytest.mark.parametrize("speculation", sorted(SPECULATION))
+@pytest.mark.parametrize("constraint", sorted(CONSTRAINTS))
+def test_reasoning_then_content(client: openai.OpenAI, constraint: str, speculation: str) -> None:
+    resp = client.chat.completions.create(**_ask(client, constraint, speculation))
+    choice = resp.choices[0]
+    extra = choice.message.model_extra or {}
+    assert (choice.finish_reason, choice.message.content) == ("stop", ANSWER)
+    assert extra["reasoning"] == extra["reasoning_content"] == THINKING
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    if constraint != "none":
+        assert resp.usage.model_extra["specmask"]["grammar"]["enforcement"] == "exact"
+    if speculation == "on":
+        assert resp.usage.model_extra["specmask"]["drafts_accepted"] > 0
+
+
+@pytest.mark.parametrize("speculation", sorted(SPECULATION))
+@pytest.mark.parametrize("constraint", ["json_schema", "none"])
+def test_streamed_reasoning_then_content(client: openai.OpenAI, constraint: str, speculation: str) -> None:
+    thought, content, order = [], [], []
+    finish = None
+    for chunk in client.chat.completions.create(**_ask(client, constraint, speculation), stream=True):
+        delta = chunk.choices[0].delta
+        extra = delta.model_extra or {}
+        if extra.get("reasoning_content"):
+            assert extra["reasoning"] == extra["reasoning_content"]
+            thought.append(extra["reasoning_content"])
+            order.append("reasoning")
+        if delta.content:
+            content.append(delta.content)
+            order.append("content")
+        finish = chunk.choices[0].finish_reason or finish
+    assert "".join(thought) == THINKING and "".join(content) == ANSWER and finish == "stop"
+    assert order == sorted(order, key=["reasoning", "content"].index)  # all the thinking first
+    assert not any("<" in t for t in thought)  # no tag reached the client as reasoning
+
+
+def test_thinking_off_expects_no_section(client: openai.OpenAI) -> None:
+    """enable_thinking false: Qwen3's template closes an empty section in the prompt, the model
+    answers at once, and the grammar applies from the first token."""
+    body = _ask(client, "json_schema", "on", extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    resp = client.chat.completions.create(**body)
+    message = resp.choices[0].message
+    assert message.content == ANSWER and "reasoning_content" not in (message.model_extra or {})
+
+
+def test_max_reasoning_tokens_is_refused(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="max_reasoning_tokens"):
+        client.chat.completions.create(**_ask(client, "json_schema", "off", extra_body={"max_reasoning_tokens": 8}))
