@@ -246,3 +246,20 @@ def test_auto_refuses_other_formats_token_by_token_on_qwen3(shared: Path) -> Non
     assert _walk(engine, hermes, [tool_call_id], stop) == 1  # accepted, but not an end
     said = hf.encode("Sure.", add_special_tokens=False)
     assert _walk(engine, hermes, [*said, tool_call_id], stop) == len(said)
+
+
+def test_tool_call_parser_flag_on_every_serving_command() -> None:
+    import argparse
+
+    from specmask.orchestrator.dev.launch import add_stack_arguments
+    from specmask.orchestrator.main import add_arguments
+
+    orchestrator = ["--mask-service", "127.0.0.1:1", "--target", "t"]  # its required flags
+    for add, required in ((add_arguments, orchestrator), (add_stack_arguments, [])):
+        parser = argparse.ArgumentParser()
+        add(parser)
+        assert ToolCallParser(parser.parse_known_args(required)[0].tool_call_parser) is ToolCallParser.AUTO
+        chosen = parser.parse_known_args([*required, "--tool-call-parser", "mistral"])[0].tool_call_parser
+        assert ToolCallParser(chosen) is ToolCallParser.MISTRAL
+        with pytest.raises(SystemExit):
+            parser.parse_known_args([*required, "--tool-call-parser", "pythonic"])
