@@ -42,7 +42,7 @@ DEFAULT_K = 4
 DEFAULT_STEP_TIMEOUT_S = 30.0
 # Loading models (and, on a fresh Ray cluster, starting the actor process).
 DEFAULT_WORKER_START_TIMEOUT_S = 600.0
-# Per ValidateGrammar call; compiling a large schema can take ~100 ms+.
+# Per ValidateGrammar call; it covers compiling a large schema.
 DEFAULT_MASK_DEADLINE_S = 10.0
 DEFAULT_MASK_MAX_RETRIES = 2
 # Threads that tokenize prompts and validate grammars off the event loop. A

@@ -117,7 +117,7 @@ async def serve_until_stopped(stack: StackConfig, **overrides: object) -> None:
     """Serve until SIGINT/SIGTERM; ``overrides``: OrchestratorConfig fields."""
     async with running_stack(stack, **overrides) as running:
         # The orchestrator serves from this process: keep what startup loaded (torch, Ray,
-        # the tokenizer: ~230k objects, a ~110 ms full GC pass) out of full GC passes on
+        # the tokenizer: hundreds of thousands of objects) out of full GC passes on
         # the serving path, as `specmask orchestrator` does (specmask/orchestrator/main.py).
         gc.collect()
         gc.freeze()
