@@ -44,12 +44,12 @@ def _xgrammar_accepts(compiled: Any, text: str) -> bool:
 
 @pytest.mark.parametrize("section", [SHORT, ReasoningSection("", "<a>", "\n")], ids=["open", "no-open"])
 def test_section_language_exhaustive(section: ReasoningSection) -> None:
-    """Every string over the close's characters, "[", "x" and a newline up to length 7: the EBNF
-    and the regex accept exactly the strings of the definition."""
+    """Every string over the tags' characters and "x" up to length 7: the EBNF and the regex
+    accept exactly the strings of the definition."""
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([]), max_threads=1, cache_enabled=False)
     compiled = compiler.compile_grammar(section_ebnf(section))
     pattern = re.compile(section_regex(section))
-    alphabet = "<a>[x\n"
+    alphabet = "".join(dict.fromkeys(section.open + section.close + section.gap + "x"))  # 5 characters
     seen = accepted = 0
     for n in range(8):
         for chars in itertools.product(alphabet, repeat=n):
@@ -59,7 +59,7 @@ def test_section_language_exhaustive(section: ReasoningSection) -> None:
             assert (pattern.fullmatch(text) is not None) == want, repr(text)
             seen += 1
             accepted += want
-    assert accepted > 100 and seen > accepted * 10  # both answers were exercised
+    assert accepted > 50 and seen > accepted * 10  # both answers were exercised
 
 
 def test_qwen3_section_samples() -> None:
