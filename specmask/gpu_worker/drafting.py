@@ -241,15 +241,19 @@ class Drafter:
                 if walked is ChainWalk.LEFT or walked is ChainWalk.CLOSED:
                     continue  # left the lookahead (or stopped): the reply's forced run is not for here
             forced = res.forced_tokens[: s.k - len(s.drafts)] if FORCED_PROPOSER in s.seq.proposers else ()
-            after = res.forced_rows if res.forced_rows is not None and len(res.forced_rows) >= len(forced) else None
-            for j, token in enumerate(forced):
-                s.add(Proposal(token), FORCED_CONTINUATION)  # q = 1; every forced token is grammar-accepted
-                if after is not None and len(s.grammar_rows) == len(s.drafts):
-                    s.grammar_rows.append(after[j])  # M after this token: verification needs no request
+            if forced:
+                after = res.forced_rows  # one per forced token: _item asks for them with every run
+                if after is None or len(after) < len(forced):
+                    errors[s.seq.seq_id] = "mask service sent a forced run without the row after each token"
+                    continue
+                for j, token in enumerate(forced):
+                    s.add(Proposal(token), FORCED_CONTINUATION)  # q = 1; every forced token is grammar-accepted
+                    if len(s.grammar_rows) == len(s.drafts):
+                        s.grammar_rows.append(after[j])  # M after this token: verification needs no request
+                if len(s.drafts) < s.k:
+                    s.next_row = after[len(forced) - 1]  # the next position's row came with the run
             if forced or len(s.drafts) >= s.k:
                 s.mask_row = None
-                if forced and after is not None and len(s.drafts) < s.k:
-                    s.next_row = after[len(forced) - 1]  # the next position's row came with the run
         return reply.wait_s
 
     def _walk(

@@ -76,7 +76,3 @@ class TokenRejected(MaskError):
 
 class LimitExceeded(MaskError):
     code = ErrorCode.RESOURCE_EXHAUSTED
-
-
-class CompileTimeout(MaskError):
-    code = ErrorCode.DEADLINE_EXCEEDED

@@ -234,14 +234,6 @@ def logprobs_to_proto(entries: Sequence[OutputLogprob]) -> list[pb.TokenLogprob]
     ]
 
 
-def logprobs_from_proto(entries: Sequence[pb.TokenLogprob]) -> tuple[OutputLogprob, ...]:
-    """The inverse of ``logprobs_to_proto`` (clients, tests; float32 on the wire)."""
-    return tuple(
-        OutputLogprob(e.token_id, e.logprob, tuple((t.token_id, t.logprob) for t in e.top), e.text_offset)
-        for e in entries
-    )
-
-
 def result_to_proto(result: GenerationResult) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(
         request_id=result.request_id,

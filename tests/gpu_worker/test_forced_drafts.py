@@ -159,27 +159,6 @@ def _fewer_round_trips_than(tiny_pair, make_worker, monkeypatch, without) -> Non
     assert calls_saved < calls_plain, (calls_saved, calls_plain)
 
 
-def _request_without(**unset: object):
-    """A ``without`` for _fewer_round_trips_than: requests sent with these fields at their
-    defaults, as to a service older than them."""
-
-    def patch(monkeypatch) -> None:
-        import specmask.gpu_worker.drafting as drafting
-
-        plain_item = drafting.mask_item
-        monkeypatch.setattr(drafting, "mask_item", lambda *args, **kwargs: plain_item(*args, **{**kwargs, **unset}))
-
-    return patch
-
-
-def test_forced_run_where_the_lookahead_is_refused_saves_the_re_ask(tiny_pair, make_worker, monkeypatch) -> None:
-    """Where the n-gram lookahead meets a token the grammar refuses, the reply carries the
-    forced continuation of that state (``forced_up_to``): no second round trip for it. Against
-    the re-ask an older service needs (requests without ``forced_up_to``): fewer round trips,
-    the same greedy output, every token inside the grammar."""
-    _fewer_round_trips_than(tiny_pair, make_worker, monkeypatch, _request_without(forced_up_to=0))
-
-
 def test_a_row_forcing_one_token_where_the_lookahead_stops_takes_the_whole_run(
     tiny_pair, make_worker, monkeypatch
 ) -> None:
@@ -197,14 +176,6 @@ def test_a_row_forcing_one_token_where_the_lookahead_stops_takes_the_whole_run(
     _fewer_round_trips_than(
         tiny_pair, make_worker, monkeypatch, lambda mp: mp.setattr(drafting.Drafter, "_walk", one_token_only)
     )
-
-
-def test_rows_after_a_forced_run_come_with_it(tiny_pair, make_worker, monkeypatch) -> None:
-    """The reply carrying a forced run also carries the row after each of its tokens
-    (``forced_rows``): the slot drafts on from the row after the run and the verify path has
-    every row it needs, so neither asks for those states again. Against a service that sends
-    no such rows: fewer round trips, the same greedy output, every token inside the grammar."""
-    _fewer_round_trips_than(tiny_pair, make_worker, monkeypatch, _request_without(forced_rows=False))
 
 
 def _run_each_twice(make_worker, grammars, spec: SpeculationParams):

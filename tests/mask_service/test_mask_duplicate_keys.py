@@ -272,7 +272,7 @@ def test_forced_continuation_skips_the_repeated_key(
     engine = DraftMaskEngine(store, RowInterner(1 << 20), num_threads=1, max_batch=4, max_k=8, tokenizers=registry)
     try:
         prefix = list(hf_tok.encode('{"abc":1,"ab', add_special_tokens=False))
-        (out,), _ = engine.run([DraftRequest(session.session_id, (), prefix, 1, max_forced_tokens=4)])
+        (out,), _ = engine.run([DraftRequest(session.session_id, (), prefix, 1, forced_up_to=4)])
         assert out.error is None
         forced = hf_tok.decode(out.forced_tokens)
         assert forced.startswith("d"), forced

@@ -47,7 +47,9 @@ def test_forced_key_is_accepted_and_state_unchanged(
     sid = client.open_session(bpe_id, _spec(backend))
     prefix = _ids(hf_tok, '{"name":"Bob","')
     commit, drafts = prefix[:-2], prefix[-2:]
-    item = DraftMaskItem(sid, drafts, commit_tokens=commit, commit_seq=1, last_row_only=True, max_forced_tokens=8)
+    item = DraftMaskItem(
+        sid, drafts, commit_tokens=commit, commit_seq=1, last_row_only=True, forced_up_to=len(drafts) + 8
+    )
     first = client.draft_masks([item])[0]
     again = client.draft_masks([item])[0]  # the commit is a no-op now; the answer must not move
     assert first.num_grammar_accepted == len(drafts)
@@ -70,13 +72,10 @@ def test_forced_key_is_accepted_and_state_unchanged(
 def test_forced_cap_and_start_state(client: MaskServiceClient, bpe_id: str, hf_tok: Any, backend: str) -> None:
     sid = client.open_session(bpe_id, _spec(backend))
     # At the start the schema forces '{"name":"': capped at one token, then uncapped.
-    one = client.draft_masks([DraftMaskItem(sid, [], max_forced_tokens=1)])[0]
-    more = client.draft_masks([DraftMaskItem(sid, [], max_forced_tokens=8)])[0]
+    one = client.draft_masks([DraftMaskItem(sid, [], forced_up_to=1)])[0]
+    more = client.draft_masks([DraftMaskItem(sid, [], forced_up_to=8)])[0]
     assert len(one.forced_tokens) == 1 and more.forced_tokens[:1] == one.forced_tokens
     assert '{"name":"'.startswith(_text(hf_tok, more.forced_tokens))
-    # A rejected draft: no forced tokens (they would follow a state the grammar never reaches).
-    bad = client.draft_masks([DraftMaskItem(sid, _ids(hf_tok, "["), max_forced_tokens=8)])[0]
-    assert bad.num_grammar_accepted == 0 and bad.forced_tokens == ()
     client.close_session(sid)
 
 
@@ -84,15 +83,14 @@ def test_forced_cap_and_start_state(client: MaskServiceClient, bpe_id: str, hf_t
 def test_forced_at_a_refused_draft(client: MaskServiceClient, bpe_id: str, hf_tok: Any, backend: str) -> None:
     """``forced_up_to``: the forced continuation where the walk stops, also before a refused
     draft, capped so drafts + forced tokens stay within it; the same as asking that state
-    directly; committed state unchanged. Without it (the older contract) a refused draft
-    gets none."""
+    directly; committed state unchanged."""
     sid = client.open_session(bpe_id, _spec(backend))
     accepted = _ids(hf_tok, '{"name":"Bob","')
     refused = _ids(hf_tok, "[")
     item = DraftMaskItem(sid, [*accepted, *refused], forced_up_to=len(accepted) + 8)
     res = client.draft_masks([item])[0]
     assert res.num_grammar_accepted == len(accepted) and res.forced_at_stop
-    direct = client.draft_masks([DraftMaskItem(sid, accepted, last_row_only=True, max_forced_tokens=8)])[0]
+    direct = client.draft_masks([DraftMaskItem(sid, accepted, last_row_only=True, forced_up_to=len(accepted) + 8)])[0]
     assert res.forced_tokens and res.forced_tokens == direct.forced_tokens
     assert 'age":'.startswith(_text(hf_tok, res.forced_tokens))
     assert client.draft_masks([item])[0].forced_tokens == res.forced_tokens  # state unchanged
@@ -100,8 +98,6 @@ def test_forced_at_a_refused_draft(client: MaskServiceClient, bpe_id: str, hf_to
     assert capped.forced_tokens == res.forced_tokens[:1]
     full = client.draft_masks([DraftMaskItem(sid, [*accepted, *refused], forced_up_to=len(accepted))])[0]
     assert full.forced_at_stop and full.forced_tokens == ()  # no room left
-    older = client.draft_masks([DraftMaskItem(sid, [*accepted, *refused], max_forced_tokens=8)])[0]
-    assert older.forced_tokens == () and not older.forced_at_stop
     # Every forced token follows the accepted drafts in the grammar.
     assert not client.commit(sid, 1, [*accepted, *res.forced_tokens])
     client.close_session(sid)
@@ -114,9 +110,9 @@ def test_forced_ambiguous_boundary(client: MaskServiceClient, bpe_id: str, hf_to
     forced. Under 'aga' the whole text is forced and its last token ends the language."""
     assert _ids(hf_tok, "ag") == [hf_tok.convert_tokens_to_ids("ag")] and hf_tok.convert_tokens_to_ids("age") > 0
     ambiguous = client.open_session(bpe_id, GrammarSpec(GrammarKind.REGEX, "ag(e|a)", backend=backend))
-    assert client.draft_masks([DraftMaskItem(ambiguous, [], max_forced_tokens=8)])[0].forced_tokens == ()
+    assert client.draft_masks([DraftMaskItem(ambiguous, [], forced_up_to=8)])[0].forced_tokens == ()
     whole = client.open_session(bpe_id, GrammarSpec(GrammarKind.REGEX, "aga", backend=backend))
-    res = client.draft_masks([DraftMaskItem(whole, [], max_forced_tokens=8)])[0]
+    res = client.draft_masks([DraftMaskItem(whole, [], forced_up_to=8)])[0]
     assert _text(hf_tok, res.forced_tokens) == "aga" and list(res.forced_tokens) == _ids(hf_tok, "aga")
     assert not client.commit(whole, 1, list(res.forced_tokens))
     for sid in (ambiguous, whole):
@@ -157,7 +153,7 @@ def test_forced_rows_are_the_walks_rows(client: MaskServiceClient, bpe_id: str, 
             client,
             sid,
             after_value,
-            DraftMaskItem(sid, after_value, last_row_only=True, max_forced_tokens=8, forced_rows=True),
+            DraftMaskItem(sid, after_value, last_row_only=True, forced_up_to=len(after_value) + 8, forced_rows=True),
         ),
         _forced_rows_match_the_walk(
             client,
@@ -173,7 +169,9 @@ def test_forced_rows_are_the_walks_rows(client: MaskServiceClient, bpe_id: str, 
     assert all(counts), counts  # every one of these states forces text
     capped = client.draft_masks([DraftMaskItem(sid, [], forced_up_to=1, forced_rows=True)])[0]
     assert len(capped.forced_tokens) == 1 and capped.forced_rows is not None and len(capped.forced_rows) == 1
-    unasked = client.draft_masks([DraftMaskItem(sid, after_value, last_row_only=True, max_forced_tokens=8)])[0]
+    unasked = client.draft_masks(
+        [DraftMaskItem(sid, after_value, last_row_only=True, forced_up_to=len(after_value) + 8)]
+    )[0]
     assert unasked.forced_tokens and unasked.forced_rows is None
     # A run that ends the language: the row after it allows the stop token alone, as the walk's does.
     whole = client.open_session(bpe_id, GrammarSpec(GrammarKind.REGEX, "aga", backend=backend))
@@ -216,10 +214,10 @@ def test_open_session_warms_the_forced_view_off_the_request_path(bpe_dir: Any, r
         while views.builds == 0 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert views.builds == 1, "the view was not built after OpenSession"
-        res = client.draft_masks([DraftMaskItem(sid, [], max_forced_tokens=8)])[0]
+        res = client.draft_masks([DraftMaskItem(sid, [], forced_up_to=8)])[0]
         assert res.forced_tokens, 'the schema forces \'{"name":"\' at the start'
         other = client.open_session(bpe_id, _spec("llguidance"))  # same tokenizer: nothing to build
-        assert client.draft_masks([DraftMaskItem(other, [], max_forced_tokens=8)])[0].forced_tokens
+        assert client.draft_masks([DraftMaskItem(other, [], forced_up_to=8)])[0].forced_tokens
         assert views.builds == 1
     finally:
         client.close()

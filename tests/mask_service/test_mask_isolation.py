@@ -72,8 +72,10 @@ def test_poisoned_item_fails_nobody_else(
         stub = pb_grpc.MaskServiceStub(channel)
         for drafts in _byte_prefixes(hf_tok, sample):
             items = [
-                pb.DraftMaskItem(session_id=healthy[0], draft_tokens=start, max_forced_tokens=4),
-                pb.DraftMaskItem(session_id=poisoned, draft_tokens=drafts, max_forced_tokens=4),
+                pb.DraftMaskItem(session_id=healthy[0], draft_tokens=start, forced_up_to=len(start) + 4),
+                pb.DraftMaskItem(
+                    session_id=poisoned, draft_tokens=drafts, last_row_only=True, forced_up_to=len(drafts) + 4
+                ),
                 pb.DraftMaskItem(session_id=poisoned, draft_tokens=drafts, forced_up_to=len(drafts) + 4),
                 pb.DraftMaskItem(session_id=healthy[1], draft_tokens=start, last_row_only=True),
             ]

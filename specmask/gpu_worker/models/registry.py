@@ -62,10 +62,6 @@ def get_source(name: str) -> ModelSource:
         raise ModelError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}") from None
 
 
-def is_registered(name: str) -> bool:
-    return name in MODELS
-
-
 def resolve_model(spec: str | None, *, cache_root: Path | None = None, progress: bool = True) -> str | None:
     """A model directory for ``spec``: an existing directory as is, a registered name fetched or
     built into the cache on first use (verified against its manifest after), a Hugging Face id

@@ -83,9 +83,8 @@ class DraftMaskItem:
     commit_tokens: Sequence[int] = ()  # committed FIRST (idempotent by commit_seq)
     commit_seq: int = 0  # >= 1 when commit_tokens is non-empty; a seen seq is a no-op
     last_row_only: bool = False  # return only M_k (the row after d_1..d_k): draft-side masking
-    max_forced_tokens: int = 0  # ask for up to this many grammar-forced tokens after d_k (0 = none)
     # Ask for the forced continuation where the walk stops (after d_k, or before the first
-    # refused draft), filling drafts up to this many in all; supersedes max_forced_tokens.
+    # refused draft), filling drafts up to this many in all (0 = none).
     forced_up_to: int = 0
     # With a forced continuation asked for: also the row after each forced token
     # (DraftMaskResult.forced_rows), so the state after the run needs no request of its own.
@@ -102,15 +101,15 @@ class DraftMaskResult:
     rows: MaskRows
     num_grammar_accepted: int  # how many of d_1..d_k the grammar accepts (prefix length)
     terminated: bool  # matcher terminated after commit_tokens (committed state)
-    # The grammar's forced continuation after d_k (max_forced_tokens: when all drafts are accepted)
-    # or where the walk stopped (forced_up_to); never after a terminated state:
+    # The grammar's forced continuation where the walk stopped (forced_up_to); never after a
+    # terminated state:
     # canonical tokens, each grammar-accepted, stopped short of an ambiguous boundary; never committed.
     forced_tokens: tuple[int, ...] = ()
-    # The server honoured forced_up_to: forced_tokens (maybe empty) follow the accepted drafts.
+    # A forced continuation was asked for: forced_tokens (maybe empty) follow the accepted drafts.
     forced_at_stop: bool = False
     # With DraftMaskItem.forced_rows: row j = the mask after forced_tokens[:j + 1] (all-ones
     # where the grammar ended), one per forced token; None when the reply has none (not
-    # asked, nothing forced, or a server older than the field).
+    # asked, or nothing forced).
     forced_rows: MaskRows | None = None
 
     @property
@@ -290,7 +289,6 @@ class MaskServiceClient:
                 commit_tokens=list(it.commit_tokens),
                 commit_seq=it.commit_seq,
                 last_row_only=it.last_row_only,
-                max_forced_tokens=it.max_forced_tokens,
                 forced_up_to=it.forced_up_to,
                 forced_rows=it.forced_rows,
                 shared_spellings=it.shared_spellings,

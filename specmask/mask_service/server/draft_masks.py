@@ -4,11 +4,10 @@ For each request: commit its emitted tokens first (idempotent by seq), then
 fill M_0, try d_1, fill M_1, ... stopping at the first draft the grammar
 rejects or when the matcher terminates; rows past the stop stay all-ones (an
 all-zero row would turn softmax into NaN). A request that asks for it
-(``max_forced_tokens``) also gets the grammar's forced continuation after its
-last row's state (forced.py), computed before the rollback and undone with it;
-one that asks with ``forced_up_to`` gets it where the walk stops, also at a
-refused draft (a worker's n-gram lookahead then needs no second round trip to
-learn what is forced where its chain left the grammar). With ``forced_rows`` the
+(``forced_up_to``) also gets the grammar's forced continuation where the walk
+stops, also at a refused draft (forced.py; a worker's n-gram lookahead then
+needs no second round trip to learn what is forced where its chain left the
+grammar), computed before the rollback and undone with it. With ``forced_rows`` the
 walk through the forced run also fills the row after each forced token, so a
 worker that takes the run as drafts holds the rows for the positions after it
 and for verification without asking for that state again.
@@ -61,9 +60,8 @@ class DraftRequest:
     commit_tokens: Sequence[int] = ()
     commit_seq: int = 0
     last_row_only: bool = False
-    max_forced_tokens: int = 0  # forced continuation after the last row's state (forced.py); 0 = none
-    # Forced continuation where the walk stops, also at a refused draft, filling drafts up to
-    # this many in all (forced_up_to - num_grammar_accepted tokens at most); 0 = as above.
+    # Forced continuation where the walk stops, also at a refused draft (forced.py), filling
+    # drafts up to this many in all (forced_up_to - num_grammar_accepted tokens at most); 0 = none.
     forced_up_to: int = 0
     # Also fill the row after each forced token (DraftOutcome.forced_rows).
     forced_rows: bool = False
@@ -78,7 +76,7 @@ class DraftRequest:
         """The most rows after forced tokens this request can get (its scratch rows past num_rows)."""
         if not self.forced_rows:
             return 0
-        return min(self.forced_up_to if self.forced_up_to > 0 else self.max_forced_tokens, max_k)
+        return min(self.forced_up_to, max_k)
 
 
 @dataclass
@@ -259,8 +257,7 @@ class DraftMaskEngine:
         """The walk's hook that puts the forced continuation in ``res`` (None when not asked),
         and the row after each forced token in ``rows_out`` when given (how many:
         ``res.forced_rows_filled``)."""
-        at_stop = req.forced_up_to > 0
-        if not at_stop and req.max_forced_tokens <= 0:
+        if req.forced_up_to <= 0:
             return None
         view = self._view(session)
         if view is None:
@@ -271,12 +268,10 @@ class DraftMaskEngine:
         def forced_bytes(matcher: GrammarMatcher) -> bytes:
             return engine_forced(engine_matcher(matcher))
 
-        res.forced_at_stop = at_stop
+        res.forced_at_stop = True
 
         def hook(matcher: GrammarMatcher, row: np.ndarray | None, accepted: int, refused: bool) -> None:
-            if refused and not at_stop:
-                return  # the older contract: only after every draft
-            cap = min(req.forced_up_to - accepted if at_stop else req.max_forced_tokens, self.max_k)
+            cap = min(req.forced_up_to - accepted, self.max_k)
             if cap > 0:
                 run = forced_continuation(
                     matcher,

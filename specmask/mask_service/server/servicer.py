@@ -157,7 +157,6 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
                     commit_tokens=list(it.commit_tokens),
                     commit_seq=it.commit_seq,
                     last_row_only=it.last_row_only,
-                    max_forced_tokens=it.max_forced_tokens,
                     forced_up_to=it.forced_up_to,
                     forced_rows=it.forced_rows,
                     shared_spellings=it.shared_spellings,

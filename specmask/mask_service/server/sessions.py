@@ -116,9 +116,6 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def owner_count(self, owner: str) -> int:
-        return self._per_owner[owner]
-
     def count_for(self, request_ids: Collection[str]) -> int:
         """How many open sessions serve one of ``request_ids`` (for operators and tests: the
         store's total mixes in every other request)."""

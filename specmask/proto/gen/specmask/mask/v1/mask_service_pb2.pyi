@@ -428,7 +428,6 @@ class DraftMaskItem(_message.Message):
     COMMIT_TOKENS_FIELD_NUMBER: _builtins.int
     COMMIT_SEQ_FIELD_NUMBER: _builtins.int
     LAST_ROW_ONLY_FIELD_NUMBER: _builtins.int
-    MAX_FORCED_TOKENS_FIELD_NUMBER: _builtins.int
     FORCED_UP_TO_FIELD_NUMBER: _builtins.int
     FORCED_ROWS_FIELD_NUMBER: _builtins.int
     SHARED_SPELLINGS_FIELD_NUMBER: _builtins.int
@@ -436,18 +435,13 @@ class DraftMaskItem(_message.Message):
     commit_seq: _builtins.int
     last_row_only: _builtins.bool
     """return only M_k (draft-side masking)"""
-    max_forced_tokens: _builtins.int
-    """Forced continuation: up to this many tokens the grammar forces
-    after commit_tokens + draft_tokens (all of them grammar-accepted), tokenised
-    canonically and stopped short of an ambiguous token boundary. 0 = none asked.
-    """
     forced_up_to: _builtins.int
-    """Forced continuation where the walk stops: when > 0, the forced
-    continuation is computed at the state after the drafts the grammar accepts:
-    all of them, or those before the first refused one (a worker's n-gram
-    lookahead that meets a refused token then learns what is forced there in the
-    same reply, instead of asking again). At most forced_up_to -
-    num_grammar_accepted tokens; max_forced_tokens is then unused.
+    """Forced continuation where the walk stops: when > 0, the tokens the grammar
+    forces at the state after the drafts the grammar accepts: all of them, or
+    those before the first refused one (a worker's n-gram lookahead that meets a
+    refused token then learns what is forced there in the same reply, instead of
+    asking again), tokenised canonically and stopped short of an ambiguous token
+    boundary. At most forced_up_to - num_grammar_accepted tokens; 0 = none asked.
     """
     forced_rows: _builtins.bool
     """With a forced continuation asked for: also return the mask row after each
@@ -478,14 +472,13 @@ class DraftMaskItem(_message.Message):
         commit_tokens: _abc.Iterable[_builtins.int] | None = ...,
         commit_seq: _builtins.int = ...,
         last_row_only: _builtins.bool = ...,
-        max_forced_tokens: _builtins.int = ...,
         forced_up_to: _builtins.int = ...,
         forced_rows: _builtins.bool = ...,
         shared_spellings: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_seq", b"commit_seq", "commit_tokens", b"commit_tokens", "draft_tokens", b"draft_tokens", "forced_rows", b"forced_rows", "forced_up_to", b"forced_up_to", "last_row_only", b"last_row_only", "max_forced_tokens", b"max_forced_tokens", "session_id", b"session_id", "shared_spellings", b"shared_spellings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit_seq", b"commit_seq", "commit_tokens", b"commit_tokens", "draft_tokens", b"draft_tokens", "forced_rows", b"forced_rows", "forced_up_to", b"forced_up_to", "last_row_only", b"last_row_only", "session_id", b"session_id", "shared_spellings", b"shared_spellings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -571,19 +564,18 @@ class DraftMaskResult(_message.Message):
     """grpc status code value; 0 = OK"""
     error_message: _builtins.str
     forced_at_stop: _builtins.bool
-    """The server honoured forced_up_to: forced_tokens (possibly empty: nothing is
-    forced there, or the grammar has ended) is for the state after the
-    num_grammar_accepted drafts. Always false from servers older than it.
+    """A forced continuation was asked for (forced_up_to > 0): forced_tokens
+    (possibly empty: nothing is forced there, or the grammar has ended) is for the
+    state after the num_grammar_accepted drafts.
     """
     num_forced_rows: _builtins.int
     """Rows after each forced token (DraftMaskItem.forced_rows): 0, or the number of
-    forced_tokens. They follow the item's num_rows rows in row_ids. 0 from servers
-    older than the field.
+    forced_tokens. They follow the item's num_rows rows in row_ids.
     """
     @_builtins.property
     def forced_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The grammar's forced continuation after the last row's state (see
-        DraftMaskItem.max_forced_tokens); each token was accepted by the grammar.
+        """The grammar's forced continuation where the walk stopped (see
+        DraftMaskItem.forced_up_to); each token was accepted by the grammar.
         """
 
     def __init__(
