@@ -1,44 +1,11 @@
 """Whether a step speculates at all: speculation must never cost tokens per second.
 
-The verify-width chooser (verify_width.py) trims drafts after they were proposed; by then
-the draft forwards, the draft-side mask round trips and the draft sampling are paid. When
-acceptance is low (a draft model that disagrees with the target, text the n-gram lookup
-cannot predict), a step with drafts emits little more than one token per row and costs
-more than a step without: speculation then lowers throughput. This gate decides before
-proposal, per batch, whether the step drafts (k_r as planned) or decodes plainly (k_r = 0
-for every row), from what this worker measured:
-
-    tokens per second with drafts    = (tokens per row per step with drafts) / (seconds per step with drafts)
-    tokens per second without drafts = (tokens per row per step without)     / (seconds per step without)
-
-Both come from the arm's last ``WINDOW`` steps (wall clock: a step ends with the host reading
-its tokens, so device time is in it): the mean step time less the slowest step (the odd step
-a busy host or a first-time cost, a new graph or a grammar compile, stretches; a median would
-misjudge steps whose cost alternates), and the mean tokens per row, which acceptance makes
-vary from step to step. They are kept per kind of batch (``BatchKind``: its size bucket,
-whether it is constrained, whether it masks drafts), because a step's cost depends on them.
-Steps with prompt chunks riding in the target forward or joiners entering are not measured
-(their cost is not the batch's). The gate speculates while speculation measures at least as
-fast, and decodes plainly otherwise.
-
-Each arm is measured only while it runs, so the other is probed now and then:
-
-* speculating, the plain step is measured once after ``WARMUP_STEPS`` speculative steps,
-  again every ``probe_every`` steps, and at once when speculation's figure falls below the
-  plain step's last one;
-* decoding plainly, a speculative step is tried every ``probe_every`` steps, so speculation
-  comes back when acceptance improves (a new request mix, a draft model that suits the text).
-
-A probe runs ``PROBE_STEPS`` steps of the other arm, whose figures replace that arm's old
-ones (stale by then); steps of the other arm the gate did not ask for (a batch with
-speculation off by request) add to its figures as they come. A probe that confirms the current arm
-doubles ``probe_every`` (up to ``MAX_PROBE_EVERY``), so a batch where speculation never pays
-spends about PROBE_STEPS / MAX_PROBE_EVERY of its steps drafting once settled; a switch
-resets it.
-
-Exactness does not depend on the choice: a step with k_r = 0 is plain decoding, the draft
-cache catches up on the tokens it missed at its next forward (proposers/draft_model.py), and
-speculative decoding is exact for any k_r (docs/design.md).
+Owns ``SpeculationGate``: per kind of batch (``BatchKind``), the measured tokens per row per
+second of steps with drafts and without, the probes of the arm not running, and the choice
+before proposal between drafting (k_r as planned) and plain decoding (k_r = 0 for every row).
+Exactness does not depend on the choice: speculative decoding is exact for any k_r
+(docs/design.md). The rules and their constants: docs/performance.md, "Speculation that
+never costs: the speculation gate".
 """
 
 from __future__ import annotations

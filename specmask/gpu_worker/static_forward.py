@@ -1,45 +1,11 @@
 """A static-shape decoder forward over the slot KV pool, replayed as a CUDA graph on a GPU.
 
-The eager path (model_runner.py) builds a fresh packed layout per forward and
-runs transformers' module tree: on a GPU the host spends longer launching
-each layer's kernels than the device spends running them. This path runs the same decoder
-(Llama's layer: embeddings, RMSNorm, rotary, grouped-query attention, gated MLP,
-called through the model's own submodules, so the weights are the same tensors; the
-families it runs and their differences, such as Qwen3's q/k norm, are described in
-gpu_worker.architecture) over a fixed layout, so one forward is one fixed sequence of kernels that a
-``torch.cuda.CUDAGraph`` can record once and replay:
-
-* **Batch row b is pool slot b.** A forward covers pool rows ``[0, B)``, B a
-  bucket (``BATCH_BUCKETS``) at least one past the highest slot it touches;
-  the pool keeps used slots dense (kv_cache.SlotPool), so B is the live batch
-  rounded up. Rows not in the forward ("dummy rows": free slots, or sequences
-  this forward does not feed) get token 0 at positions just past their own
-  length: their writes land where nothing is read before it is overwritten,
-  the same argument as the padded reference path in model_runner.py.
-* **Every row is T wide**, T a bucket (``WIDTH_BUCKETS``) at least the widest
-  item; row r's tokens sit at ``t < T_r`` and the rest is padding written past
-  ``L_r + T_r``.
-* **Keys are read up to S**: on a GPU the batch's longest row rounded up to
-  ``KEY_BUCKET`` (so one graph serves many steps) and on a CPU that row's
-  length exactly. Query (b, t) at position ``p = L_b + t`` sees keys ``0..p`` of
-  its own row; the mask is computed on the device from the position buffer.
-* **Inputs and outputs are preallocated** per (B, T, S) and the KV writes are
-  one indexed write per layer at (row, position) from device tensors, so the
-  forward has no host synchronisation and no shape that depends on values.
-
-On CUDA the first forward of a (B, T, S) shape is warmed up on
-a side stream and captured; later ones copy their inputs into the graph's
-buffers and replay it. Warm-up and capture write the very keys/values the
-replay writes (the inputs are already in the buffers), so capturing on live
-data is harmless. A pool resize (more slots or positions) makes new tensors, so
-every graph is dropped and recaptured on demand; capacity is grown in large
-steps on a GPU so that is rare.
-Forwards outside the buckets (prefill chunks, batches past the largest bucket)
-run eagerly through model_runner.py.
-
-On a CPU nothing is captured: the same function runs eagerly at the exact
-batch range (no bucket padding unless asked), which is what the tests compare
-against the eager path token for token.
+Owns the bucketed layout (batch row b = pool slot b, every row T wide, keys read up to S,
+inputs and outputs preallocated per (B, T, S)), the decoder it runs through the model's own
+submodules (families: gpu_worker.architecture), and graph capture and replay on CUDA; on a
+CPU the same function runs eagerly at the exact batch range. Forwards outside the buckets
+run eagerly through model_runner.py. Why and how: docs/performance.md, "The static-shape
+forward and CUDA graphs".
 """
 
 from __future__ import annotations

@@ -1,54 +1,11 @@
 """Killable compile workers behind a bounded, per-owner fair queue.
 
-Each worker is a process (mask_service.compile_worker, forked from the pool's
-compile_zygote where it runs) driven by one dispatcher thread. A job runs
-under three limits, all watched from here every ``_POLL_S``:
-
-* a **CPU-time budget** (``budget_s``): the worker's own user + system time
-  since the job started, all its threads, read from ``/proc/<pid>/stat``. Past
-  it the grammar is *too complex* (``GrammarTooComplex``, cached by the caller):
-  CPU time is what the grammar costs, whatever else the box is doing, so a
-  loaded box does not turn valid schemas into refusals, and the workers can run
-  at a lower priority than serving (nice 5) without being judged for it;
-* a **resident-memory cap** (``memory_cap_bytes``): also "too complex";
-* a **stall backstop** (``wall_budget_s``): a worker whose CPU time has not
-  advanced for that long (SIGSTOP, a hang off the CPU) is ended with
-  ``CompileStarved``: RESOURCE_EXHAUSTED with a retry hint, never cached (the
-  grammar was not judged) and never a reason to mark the replica dead. A
-  compile that is making progress, however slowly, is never ended by the wall
-  clock: the workers run at a modest nice (not the idle class), so the kernel
-  guarantees them a share of a core beside any number of runnable processes,
-  and the CPU budget bounds how long they can need. Where /proc cannot say,
-  the backstop is a plain wall-clock limit.
-
-Why the parent polls the child's CPU time instead of RLIMIT_CPU/SIGXCPU in the
-child: a worker is long-lived and runs many jobs, and RLIMIT_CPU counts the
-process's whole life in whole seconds, so it would have to be re-armed per job
-and could not hold sub-second budgets; its SIGXCPU cannot interrupt the engine's
-C++ loop anyway (a Python handler runs only between bytecodes), and a process
-killed by the kernel at the hard limit is hard to tell from one the OOM killer
-took. Polling fits the RSS cap that was already polled, charges exactly the
-job (the tokenizer load is acknowledged first and not charged), and the worker
-also reports the compile's own CPU seconds when it finishes, so a compile that
-ends between two polls is judged by the same rule. Where /proc is not readable
-(not Linux) only that final report and the wall backstop apply.
-
-A job killed for any of these reasons takes its process with it, and the worker
-is started afresh: forked from the pool's zygote (compile_zygote), which has the
-engines imported, so a restart costs milliseconds rather than an interpreter
-start. So a pathological grammar costs at most its budget on one worker, never
-the serving path, and a SIGTERM to the service ends the workers with it.
-
-Admission: at most ``max_queue`` jobs wait in all. Each owner is guaranteed a
-share of ``max_queue_per_owner`` waiting jobs; past its share an owner may
-*borrow* idle capacity, but only while no other owner has a job waiting. When
-the queue is full and an owner within its share arrives, the newest job of the
-owner furthest over its share is dropped for it (that caller gets
-``CompileQueueFull``). Otherwise the caller gets ``CompileQueueFull``
-(RESOURCE_EXHAUSTED, retry later). Waiting jobs are served round-robin by
-owner, so one client flooding distinct schemas delays another client's
-compile by at most one job per worker, not by the whole flood, and a lone
-client's burst of new schemas is not refused while the queue is idle.
+Owns ``CompilePool``: one dispatcher thread per worker process (compile_worker, forked from
+the pool's compile_zygote), the three limits it watches every ``_POLL_S`` (a CPU-time budget
+and a resident-memory cap: "too complex", cached by the caller; a stall backstop:
+``CompileStarved``, retryable, never cached), restarts after a kill, and admission (a shared
+queue with a guaranteed share per owner, served round-robin by owner). Why CPU time, why the
+parent polls it, and the admission rules: docs/operations.md, "Killable compiles".
 """
 
 from __future__ import annotations
