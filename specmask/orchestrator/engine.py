@@ -677,7 +677,12 @@ class Engine:
                 if out.finish_reason is FinishReason.GRAMMAR_VIOLATION:
                     self._metrics.grammar_violations.labels(stage="device").inc()
                     self._log_violation(request, "device", out.error or "")
-                self._finish(request, out.finish_reason, out.error)
+                reason = out.finish_reason
+                if hit_stop_string and reason is FinishReason.LENGTH:
+                    # A stop string or stop token in the step that reached max_tokens ended the
+                    # output first (its text is cut there): "stop", as vLLM reports it.
+                    reason = FinishReason.STOP
+                self._finish(request, reason, out.error)
             elif hit_stop_string:
                 del slot.running[out.seq_id]
                 slot.to_remove.append(out.seq_id)
