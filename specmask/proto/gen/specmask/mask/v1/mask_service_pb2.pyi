@@ -525,7 +525,8 @@ class NewRow(_message.Message):
     payload: _builtins.bytes
     allowed_count: _builtins.int
     """Tokens the row allows (set bits), so a worker spots grammar-forced rows
-    (count 1) without a host popcount. 0 in replies from older servers: recount.
+    (count 1) without a host popcount. Always set on a dense or zlib row (one
+    without it is a corrupt reply); a sparse row's count is its payload length.
     """
     def __init__(
         self,
