@@ -175,6 +175,7 @@ def test_openai_tool_call_has_no_content_logprobs(client: openai.OpenAI, model: 
         messages=MESSAGES,
         tools=tools,
         tool_choice="required",
+        parallel_tool_calls=False,
         temperature=0.0,
         max_tokens=96,
         logprobs=True,

@@ -1,0 +1,196 @@
+"""Tool calls in each family's own format, round-tripped on the real stack (mask service, Ray
+worker, HTTP API) through the openai SDK and LangChain ``bind_tools``.
+
+The model is a tiny random-initialised one with the real Qwen3 tokenizer and chat template
+(Hermes calls, detected from the template). The Llama 3.1 and Mistral formats are served by
+two more HTTP front doors on the same engine, whose prompters load those families' templates
+(over the same tokenizer): the format is the template's, as ``--tool-call-parser auto`` reads
+it, and the engine, grammar compilation and end checks are the stack's own. A random model
+never decides to call a tool, so the calls are forced (``required`` / named): the output is a
+call in the format whatever the model samples, and must come back as valid ``tool_calls``.
+Under ``auto`` the answer is text or calls, never a call hidden in text.
+
+Its own package: the stack (and the Ray it starts) is gone before other packages run theirs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from specmask.orchestrator.api.http.app import HttpConfig, HttpFrontDoor
+from specmask.orchestrator.api.http.prompting import load_prompter
+from specmask.orchestrator.api.http.tool_formats import LLAMA3_JSON, MISTRAL, all_triggers
+from specmask.orchestrator.dev.local_stack import StackConfig
+from tests.e2e.stack import MAX_BATCH, MAX_QUEUE, ThreadStack
+from tests.fixtures.chat_templates import LLAMA_31, MISTRAL_V03, with_template
+from tests.fixtures.shared_data import require, shared_data_dir
+
+pytestmark = pytest.mark.slow
+
+# Bounded arguments: a random model's forced calls (up to 4 in parallel) complete within max_tokens.
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+STOP = {"type": "object", "properties": {}, "additionalProperties": False}
+PARAMS = {"get_weather": WEATHER, "stop": STOP}
+TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": name, "description": f"{name} tool", "parameters": params}}
+    for name, params in PARAMS.items()
+]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+FORMATS = ("hermes", "llama3_json", "mistral")
+
+
+@pytest.fixture(scope="package")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadStack]:
+    from tests.fixtures.tiny_models import build_tiny_model_pair
+
+    shared = shared_data_dir()
+    if shared is None:
+        pytest.skip("shared data not found (set SPECMASK_SHARED_DATA or provide ../shared/data)")
+    qwen = require(shared, "tokenizers", "qwen3")
+    target, draft = build_tiny_model_pair(
+        tmp_path_factory.mktemp("tools-qwen3"), vocab_from=qwen, max_position_embeddings=2048
+    )
+    config = StackConfig(target_dir=str(target), draft_dir=str(draft), mask_replicas=1, num_workers=1)
+    s = ThreadStack(config, max_batch=MAX_BATCH, max_queue=MAX_QUEUE, default_max_tokens=96, http_port=0).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="package")
+def base_urls(stack: ThreadStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """format name -> its front door's /v1 URL (hermes: the stack's own)."""
+    assert stack.running is not None
+    server = stack.running.server
+    target = Path(stack.running.config.target_dir)
+    urls = {"hermes": f"http://127.0.0.1:{server.http_port}/v1"}
+    doors = []
+    for name, template, fmt in (("llama3_json", LLAMA_31, LLAMA3_JSON), ("mistral", MISTRAL_V03, MISTRAL)):
+        prompter = load_prompter(str(with_template(target, template, tmp_path_factory.mktemp(name))))
+        assert prompter.tool_format is fmt
+        config = HttpConfig(host="127.0.0.1", port=0, model_name="tiny", max_model_len=2048)
+        door = HttpFrontDoor(config, server.engine, server.metrics, prompter)
+        urls[name] = f"http://127.0.0.1:{stack.run(door.start())}/v1"
+        doors.append(door)
+    yield urls
+    for door in doors:
+        stack.run(door.stop())
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+
+
+def _model(client: openai.OpenAI) -> str:
+    return client.models.list().data[0].id
+
+
+def _valid(name: str, arguments: str) -> None:
+    jsonschema.validate(json.loads(arguments), PARAMS[name])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_required_and_named_round_trip_through_the_openai_sdk(base_urls: dict[str, str], fmt: str) -> None:
+    with _client(base_urls[fmt]) as client:
+        model = _model(client)
+        for seed, choice in ((1, "required"), (2, {"type": "function", "function": {"name": "get_weather"}})):
+            resp = client.chat.completions.create(
+                model=model, messages=ASK, tools=TOOLS, tool_choice=choice, temperature=1.0, seed=seed, max_tokens=160
+            )
+            message = resp.choices[0].message
+            assert resp.choices[0].finish_reason == "tool_calls", message
+            assert message.content is None and message.tool_calls
+            for call in message.tool_calls:
+                _valid(call.function.name, call.function.arguments)
+            if choice != "required":
+                assert [c.function.name for c in message.tool_calls] == ["get_weather"]
+            if fmt == "mistral":
+                assert all(len(c.id) == 9 and c.id.isalnum() for c in message.tool_calls)
+        # The call goes back into the conversation in the template's own format, and the next
+        # answer is a call again.
+        follow = [
+            *ASK,
+            message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "sunny"},
+        ]
+        again = client.chat.completions.create(
+            model=model, messages=follow, tools=TOOLS, tool_choice="required", seed=3, max_tokens=160
+        )
+        assert again.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_streamed_calls_arrive_as_vllm_sends_them(base_urls: dict[str, str], fmt: str) -> None:
+    with _client(base_urls[fmt]) as client:
+        model = _model(client)
+        chunks = list(
+            client.chat.completions.create(
+                model=model,
+                messages=ASK,
+                tools=TOOLS,
+                tool_choice="required",
+                temperature=1.0,
+                seed=4,
+                max_tokens=160,
+                stream=True,
+            )
+        )
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    calls: dict[int, dict[str, str]] = {}
+    for d in deltas:
+        if d.id is not None:  # the first delta of a call: its id and name, no arguments yet
+            assert d.index not in calls and d.function is not None and d.function.name
+            calls[d.index] = {"name": d.function.name, "arguments": ""}
+        else:
+            assert d.function is not None and d.function.arguments is not None
+            calls[d.index]["arguments"] += d.function.arguments
+    assert calls
+    for call in calls.values():
+        _valid(call["name"], call["arguments"])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_auto_is_text_or_calls_never_a_call_in_content(base_urls: dict[str, str], fmt: str) -> None:
+    with _client(base_urls[fmt]) as client:
+        model = _model(client)
+        for seed in (5, 6):
+            resp = client.chat.completions.create(
+                model=model, messages=ASK, tools=TOOLS, temperature=1.0, seed=seed, max_tokens=160
+            )
+            choice = resp.choices[0]
+            if choice.finish_reason == "tool_calls":
+                for call in choice.message.tool_calls or []:
+                    _valid(call.function.name, call.function.arguments)
+            else:
+                content = choice.message.content or ""
+                assert not choice.message.tool_calls
+                assert not any(t in content for t in all_triggers()), content
+                assert content.lstrip()[:1] not in ("<", "{", "["), content
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_langchain_bind_tools_gets_valid_calls(base_urls: dict[str, str], fmt: str) -> None:
+    from langchain_openai import ChatOpenAI
+
+    with _client(base_urls[fmt]) as client:
+        model = _model(client)
+    llm = ChatOpenAI(base_url=base_urls[fmt], api_key="unused", model=model, max_retries=0, timeout=300, max_tokens=160)
+    answer = llm.bind_tools(TOOLS, tool_choice="required", seed=7).invoke(ASK[0]["content"])
+    assert answer.response_metadata["finish_reason"] == "tool_calls" and answer.tool_calls
+    for call in answer.tool_calls:
+        jsonschema.validate(call["args"], PARAMS[call["name"]])
+    named = llm.bind_tools(TOOLS, tool_choice="get_weather", seed=8).invoke(ASK[0]["content"])
+    assert [c["name"] for c in named.tool_calls] == ["get_weather"]
+    jsonschema.validate(named.tool_calls[0]["args"], WEATHER)
