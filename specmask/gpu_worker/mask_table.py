@@ -1,39 +1,10 @@
 """The mask service client's interned row tables, resident on the worker's device.
 
-Mask rows reach the worker as slots of the client's ``RowTable``
-(mask_service.row_table). This module keeps a device mirror of each such table
-and turns rows into what both bitmask kernels take: one ``mask_table`` and a
-``row_ids`` vector (``apply_token_bitmask_indirect_inplace`` on the draft side
-and on the verify path, then ``rejection_sample(mask_table=, mask_row_ids=)``).
-A row is uploaded once, when it first appears, and never gathered into a dense
-per-request tensor ("mask rows in one form").
-
-Refresh rule, per client table (``TableView.source``):
-* same epoch, more rows: upload only rows [mirrored, num_rows) (the table
-  appends within an epoch, so the mirrored rows are still exact);
-* newer epoch (the client cleared its table): upload everything again;
-* an older epoch than the mirror (rows a step obtained before a clear that a
-  later reply of the same step caused): those few rows are gathered on the host
-  from their own view, which is still intact, and appended after the mirror.
-So a row id is never read from a table that was cleared or overwritten.
-
-The key is the epoch, not the client's row-dictionary generation
-(``MaskServiceClient.dict_generation``): the generation bumps on every resync
-with the server (a lost or reordered reply, a server restart), and a resync clears
-the table only when it is out of room. Without a clear every slot keeps its row, so
-keying on the generation would re-upload the whole table for nothing; a clear
-always bumps the epoch, so keying on it misses no change.
-
-On a CPU device the mirror is the client's numpy table itself (zero copy):
-a view's rows never change, so sharing its memory is safe.
-
-On a CUDA device the client's tables live in page-locked host memory
-(``use_pinned_rows``, installed when the mirror is built): the mask-reply
-thread decodes each new row straight into it, and the launching thread's
-upload of new rows is one asynchronous copy per refresh, never a per-row step
-or a host synchronisation. The source rows are kept referenced until their
-copy's event has completed, since a cleared table's arrays may otherwise be
-freed and reused while the copy still reads them.
+Owns ``DeviceMaskTable``: a device mirror of each client ``RowTable`` (mask_service.row_table)
+and the step's ``row_ids`` into it, what both bitmask kernels take; a row is uploaded once,
+when it first appears. When a mirror refreshes (keyed on the table's epoch) and how rows
+reach a CUDA device without a host synchronisation: docs/performance.md, "Mask rows: from
+the reply to the kernel without per-row work on the step's thread".
 """
 
 from __future__ import annotations

@@ -1,34 +1,10 @@
 """The step's verify widths: how many of each row's proposed drafts the target forward checks.
 
-The target verify forward is packed (model_runner.py): it computes exactly the
-Σ_r (1 + k_r) real positions of the batch, and on a CPU its cost grows with
-them (the linear layers dominate). So after proposal the step trims each slot
-r to k_r drafts, chosen per row to maximise expected tokens per unit of step
-cost:
-
-    E = Σ_r (1 + Σ_{j ≤ k_r} g_{r,j}),   g_{r,j} = Π_{l ≤ j} p(source of d_{r,l}, l)
-    cost ∝ FIXED_POSITIONS + Σ_r (1 + k_r)
-
-where p(source, l) is the running acceptance rate of draft l when it came from
-that source (grammar-forced, forced continuation, n-gram, draft model) and the
-drafts before it were accepted, learned from this worker's own steps (by depth,
-because acceptance is correlated: an n-gram run that matched three times tends
-to match a fourth). g_{r,j}, the expected extra tokens from row r's j-th draft,
-falls with j (a product of rates below 1), and every draft costs one position,
-so the best E / cost keeps the drafts with the largest gains: sorted by gain,
-a draft is kept while its gain exceeds the ratio E / cost of what is kept so
-far (adding a unit-cost item raises a ratio exactly when its gain exceeds it).
-Every row keeps at least its first draft, so depth 1 keeps being measured.
-A (source, depth) with no recent measurement (its faded count of drafts that
-reached it below ``MEASURED``) is priced optimistically, as if always accepted:
-otherwise a depth trimmed once could stay trimmed for good wherever the kept
-set's E / cost exceeds the prior's gain (large batches, where the fixed cost is
-spread thin), and a draft source that became good would never be found out. So
-an unmeasured depth is verified once its drafts before it are likely enough,
-which measures it, and the measured rate decides from then on.
-Trimming drafts never changes an output: verification with fewer drafts is
-speculative decoding with a smaller k_r, exact for any k_r (docs/design.md), so this
-is a pure cost choice.
+Owns ``WidthChooser``: per (draft source, depth) acceptance rates learned from this worker's
+steps, and the per-row trim after proposal that keeps the drafts whose expected gain beats
+the kept set's tokens per unit of verify cost (``FIXED_POSITIONS`` + positions). Trimming
+never changes an output. The rule and why unmeasured depths are priced as accepted:
+docs/design.md, "Choosing verify widths".
 """
 
 from __future__ import annotations
