@@ -144,7 +144,15 @@ class StepRunner:
         errors: dict[str, str] = {}
         ks = [self.plan_k(seq) for seq in seqs]
         kind = self.batch_kind(seqs)
-        arm = self.gate.choose(kind) if any(ks) else Arm.PLAIN
+        if not any(ks):
+            arm = Arm.PLAIN
+        elif any(_replays(seq) for seq in seqs):
+            # The gate chooses by wall clock, and a seeded row's randomness follows its steps:
+            # with a seeded sampled row in the batch, the step drafts as planned, so that row's
+            # output replays exactly whatever the machine's speed (docs/performance.md).
+            arm = Arm.SPECULATE
+        else:
+            arm = self.gate.choose(kind)
         if arm is Arm.PLAIN:
             ks = [0] * len(ks)  # plain decoding this step: speculation measured slower (or off)
         if token_budget is not None:
@@ -319,7 +327,9 @@ class StepRunner:
         # so they are computed while the caller handles this step's outputs (unless the
         # next step is expected to decode plainly: nothing would read them).
         going_on = [s.seq for s in slots if outputs[s.seq.seq_id].finish_reason is None]
-        speculating = self.gate.choose(self.batch_kind(going_on)) is Arm.SPECULATE
+        speculating = any(_replays(seq) for seq in going_on) or (
+            self.gate.choose(self.batch_kind(going_on)) is Arm.SPECULATE
+        )
         self.drafter.prefetch_first([seq for seq in going_on if speculating and self.plan_k(seq) > 0])
         return [outputs[s.seq.seq_id] for s in slots]
 
@@ -393,3 +403,10 @@ def _needs_last_row_only(slot: DraftSlot) -> bool:
     """Whether the verify path needs only M_k for ``slot``: the draft-side requests
     returned M_0..M_{k-1} (with k = 0, M_0 is the only row either way)."""
     return len(slot.grammar_rows) == len(slot.drafts)
+
+
+def _replays(seq: SequenceState) -> bool:
+    """Whether ``seq`` promises a reproducible sampled output: a seed the caller gave, and
+    sampling (a greedy row's output is the same whichever steps draft)."""
+    sampling = seq.request.sampling
+    return sampling.seed is not None and sampling.temperature > 0.0
