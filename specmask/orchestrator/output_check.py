@@ -123,6 +123,37 @@ def strict_schema(schema: Any) -> Any:
     return out
 
 
+# Keywords whose subschemas only assert (a negation, a condition, a conditional or counted
+# assertion). No engine generates from them: both refuse them, and checked mode's relaxation
+# drops them (mask_service.grammar.schema_relax). Strict mode closes the objects an engine
+# generates, so it has nothing to close there; pushed into them, strict defaults change the
+# assertion itself: inside a double negation or a ``then`` they refuse documents the schema
+# allows, inside a single ``not`` they let through ones it forbids. The strict validator gets
+# the schema without them; the validator of the schema as written checks them in full.
+_ASSERTION_ONLY = frozenset({"not", "if", "then", "else", "contains", "dependentSchemas", "dependencies"})
+# Keys whose value is instance data, never a schema (a key named "not" there is data).
+_DATA_KEYS = frozenset({"const", "enum", "default", "examples", "example"})
+
+
+def without_assertions(node: Any) -> Any:
+    """A copy of ``node`` without the ``_ASSERTION_ONLY`` keywords at schema positions."""
+    if isinstance(node, list):
+        return [without_assertions(sub) for sub in node]
+    if not isinstance(node, dict):
+        return node
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in _ASSERTION_ONLY:
+            continue
+        if key in _DATA_KEYS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):  # names -> subschemas: a name is not a keyword
+            out[key] = {name: without_assertions(sub) for name, sub in value.items()}
+        else:
+            out[key] = without_assertions(value)
+    return out
+
+
 # What ``strict`` means, per engine that can mask a JSON schema. xgrammar's strict_mode
 # closes every object that lists properties; llguidance's strict rewrite
 # (mask_service.llguidance_check) leaves open an object that is one side of an intersection
@@ -238,7 +269,7 @@ def _json_schema_checker(spec: GrammarSpec, engine: str) -> Callable[[str], Verd
     # Regexes as ECMA-262 reads them (ecma_schema): Python's ``re`` alone is looser.
     validators = [cls(ecma_schema(schema), format_checker=cls.FORMAT_CHECKER)]
     if spec.strict:
-        strict = STRICT_READINGS.get(engine, strict_schema)(schema)
+        strict = STRICT_READINGS.get(engine, strict_schema)(without_assertions(schema))
         validators.append(cls(ecma_schema(strict), format_checker=cls.FORMAT_CHECKER))
     if isinstance(schema, dict) and "$schema" not in schema and _uses_keyword(schema, "dependencies"):
         # No declared draft, and a keyword only drafts 4-7 define (2020-12 ignores it): the mask
