@@ -203,11 +203,12 @@ def test_structured_outputs_is_one_constraint_among_all() -> None:
         "structured_outputs"
     )
     # The engine options apply to it as to guided_*.
-    spec = translated(
+    request = translated(
         "chat_completions",
         {"structured_outputs": {"regex": "a+"}, "guided_decoding_backend": "guidance", "guided_checked": True},
-    ).request.grammar
-    assert spec is not None and spec.backend == "llguidance" and spec.checked
+    ).request
+    spec = request.grammar
+    assert spec is not None and spec.backend == "llguidance" and request.checked is True
 
 
 def test_json_object_chat_gets_no_schema_instruction() -> None:
