@@ -72,3 +72,22 @@ def test_vllm_flag_names_and_the_kv_budget_reach_the_workers() -> None:
     ):
         with pytest.raises(ValueError):
             config_from_args(parser.parse_args([*base, *bad]))
+
+
+def test_grammar_fallback_flag() -> None:
+    """--grammar-fallback: checked by default (safe: an invalid output is never returned), refuse on request."""
+    import argparse
+
+    from specmask.orchestrator.main import add_arguments, config_from_args
+    from specmask.orchestrator.validation import GrammarFallback
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--target", "/m", "--mask-service", "127.0.0.1:1"]
+    assert config_from_args(parser.parse_args(base)).grammar_fallback is GrammarFallback.CHECKED
+    refuse = config_from_args(parser.parse_args([*base, "--grammar-fallback", "refuse"]))
+    assert refuse.grammar_fallback is GrammarFallback.REFUSE
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        parser.parse_args([*base, "--grammar-fallback", "lenient"])
+    with pytest.raises(ValueError, match="GrammarFallback"):  # a bare string is not the enum
+        OrchestratorConfig(target_dir="/m", mask_service_addresses=("m:1",), grammar_fallback="refuse")  # type: ignore[arg-type]
