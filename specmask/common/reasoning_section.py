@@ -28,8 +28,13 @@ class ReasoningSection:
     open: str
     close: str
     gap: str = ""
+    # A request's budget: after this many tokens in the section, only its end may follow
+    # (mask_service/grammar/section_budget.py); 0 = unbounded.
+    max_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0 (0 = unbounded), got {self.max_tokens}")
         if not self.close:
             raise ValueError("a reasoning section needs a closing tag")
         # The grammar of "text without close" (sections.py) is built from close's first
@@ -39,9 +44,9 @@ class ReasoningSection:
         if self.close in self.open:
             raise ValueError("the opening tag must not contain the closing tag")
 
-    def key(self) -> list[str]:
+    def key(self) -> list[str | int]:
         """What the section adds to a grammar's cache key."""
-        return [self.open, self.close, self.gap]
+        return [self.open, self.close, self.gap, *([self.max_tokens] if self.max_tokens else [])]
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ def grammar_to_proto(spec: GrammarSpec) -> pb.Grammar:
         msg.item_separator, msg.key_separator = spec.separators
     if spec.reasoning is not None:
         r = spec.reasoning
-        msg.reasoning.CopyFrom(pb.ReasoningSection(open=r.open, close=r.close, gap=r.gap))
+        msg.reasoning.CopyFrom(pb.ReasoningSection(open=r.open, close=r.close, gap=r.gap, max_tokens=r.max_tokens))
     return msg
 
 
@@ -44,7 +44,7 @@ def grammar_from_proto(msg: pb.Grammar) -> GrammarSpec:
     if msg.HasField("reasoning"):
         try:
             r = msg.reasoning
-            reasoning = ReasoningSection(open=r.open, close=r.close, gap=r.gap)
+            reasoning = ReasoningSection(open=r.open, close=r.close, gap=r.gap, max_tokens=r.max_tokens)
         except ValueError as exc:
             raise InvalidArgument(f"reasoning section: {exc}") from None
     return GrammarSpec(

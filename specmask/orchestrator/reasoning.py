@@ -189,8 +189,23 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def with_section(request: GenerationRequest, fmt: ReasoningFormat | None) -> GenerationRequest:
-    """``request`` with its grammar behind the format's section (unchanged without a grammar or a format)."""
+def with_section(
+    request: GenerationRequest, fmt: ReasoningFormat | None, max_tokens: int | None = None
+) -> GenerationRequest:
+    """``request`` with its grammar behind the format's section (unchanged without a grammar or a
+    format). ``max_tokens``: the section's token budget (needs both; ValueError otherwise)."""
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise ValueError(f"max_reasoning_tokens must be >= 1, got {max_tokens}")
+        if fmt is None:
+            raise ValueError("max_reasoning_tokens needs a reasoning section (--reasoning-parser, thinking on)")
+        if request.grammar is None:
+            # The budget is enforced by the grammar's mask session; a request without one has none.
+            raise ValueError(
+                "max_reasoning_tokens needs an output constraint (response_format, tools, "
+                "structured_outputs or guided_*)"
+            )
     if fmt is None or request.grammar is None:
         return request
-    return dataclasses.replace(request, grammar=dataclasses.replace(request.grammar, reasoning=fmt.section))
+    section = dataclasses.replace(fmt.section, max_tokens=max_tokens or 0)
+    return dataclasses.replace(request, grammar=dataclasses.replace(request.grammar, reasoning=section))

@@ -69,10 +69,18 @@ def _build_bigram_qwen3(out: Path, tokenizer_dir: Path) -> None:
             layer.mlp.down_proj.weight.zero_()
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight
         head.zero_()
+        unit = {t: embed[t] / embed[t].norm() for t in chain}
         for a, b in itertools.pairwise(chain):
             # After the final RMSNorm the state is sqrt(64) * e_a / |e_a|: token b scores 10 * 8,
             # every other token of the chain 80 * cos(e_a, e_other) (random 64-d vectors), the rest 0.
-            head[b] = 10 * embed[a] / embed[a].norm()
+            head[b] = 10 * unit[a]
+        # After "Hmm" the runner-up is "</think>", scoring 40 (" ok" 80, the other spellings of the
+        # closing tag 0): what a thinking budget of two tokens leaves the model to pick. Its row
+        # gains a part orthogonal to e_ok, so after " ok" it still scores 80.
+        hmm, ok, close = chain[2], chain[3], tok.convert_tokens_to_ids("</think>")
+        cos = float(unit[hmm] @ unit[ok])
+        perp = unit[hmm] - cos * unit[ok]
+        head[close] += (5 - 10 * cos) / (1 - cos**2) ** 0.5 * perp / perp.norm()
     model.save_pretrained(out)
     for f in tokenizer_dir.glob("tokenizer*.json"):
         shutil.copy2(f, out / f.name)
@@ -158,6 +166,27 @@ def test_thinking_off_expects_no_section(client: openai.OpenAI) -> None:
     assert message.content == ANSWER and "reasoning_content" not in (message.model_extra or {})
 
 
-def test_max_reasoning_tokens_is_refused(client: openai.OpenAI) -> None:
+@pytest.mark.parametrize("speculation", sorted(SPECULATION))
+def test_max_reasoning_tokens_forces_the_end(client: openai.OpenAI, speculation: str) -> None:
+    """Two tokens of thinking (``<think>``, ``Hmm``): then only the closing tag's spellings are
+    allowed, the model picks ``</think>`` and answers; unbounded, it thinks one token longer."""
+    body = _ask(client, "json_schema", speculation, extra_body={"max_reasoning_tokens": 2})
+    message = client.chat.completions.create(**body).choices[0].message
+    assert (message.model_extra or {})["reasoning_content"] == "Hmm" and message.content == ANSWER
+    body = _ask(client, "json_schema", speculation, extra_body={"max_reasoning_tokens": 3})
+    message = client.chat.completions.create(**body).choices[0].message
+    assert (message.model_extra or {})["reasoning_content"] == THINKING and message.content == ANSWER
+
+
+@pytest.mark.parametrize(
+    ("constraint", "more"),
+    [("none", {}), ("json_schema", {"chat_template_kwargs": {"enable_thinking": False}}), ("json_schema", {})],
+)
+def test_max_reasoning_tokens_needs_a_section_and_a_grammar(
+    client: openai.OpenAI, constraint: str, more: dict[str, Any]
+) -> None:
+    budget = 0 if not more and constraint == "json_schema" else 4  # the last case: a budget below 1
     with pytest.raises(openai.BadRequestError, match="max_reasoning_tokens"):
-        client.chat.completions.create(**_ask(client, "json_schema", "off", extra_body={"max_reasoning_tokens": 8}))
+        client.chat.completions.create(
+            **_ask(client, constraint, "off", extra_body={"max_reasoning_tokens": budget, **more})
+        )

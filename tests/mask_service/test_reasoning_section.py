@@ -176,3 +176,88 @@ def test_caller_grammar_refused_as_alone(registry: Any, bpe_id: str) -> None:
         with pytest.raises(GrammarError) as composed:
             backend.compile(compilers, GrammarSpec(spec.kind, spec.text, reasoning=QWEN3))
         assert composed.value.message == alone.value.message
+
+
+def test_section_budget_forces_the_end(registry: Any, bpe_id: str, hf_tok: Any) -> None:
+    """After max_tokens tokens in the section, a row allows only tokens that spell the rest of it
+    (from the part of the closing tag already written), the matcher refuses any other token, the
+    answer after it is the grammar's again, and rollback restores the count."""
+    import numpy as np
+
+    from specmask.mask_service.grammar.json_keys import engine_matcher, key_vocab
+    from specmask.mask_service.grammar.section_budget import SectionBudget
+
+    info = registry.info(bpe_id, None)
+    words = (int(info.vocab_size) + 31) // 32
+    vocab = key_vocab(bpe_id, info, words)
+    backend = SelectingBackend()
+    opening = len(hf_tok.encode("<think>", add_special_tokens=False))
+    section = ReasoningSection("<think>", "</think>", "\n\n", max_tokens=opening + 4)
+    spec = GrammarSpec(GrammarKind.REGEX, "(yes|no)", reasoning=section)
+    compiled = backend.compile(backend.make_compiler(info, 1), spec)
+
+    def budget() -> SectionBudget:
+        return SectionBudget(backend.new_matcher(compiled), section, vocab.all_bytes, vocab.by_bytes, words)
+
+    def row(m: SectionBudget) -> set[int]:
+        out = np.zeros((1, words), dtype=np.int32)
+        m.fill_next_token_bitmask(out, 0)
+        bits = np.unpackbits(out[0].view(np.uint8), bitorder="little")
+        return {int(t) for t in np.flatnonzero(bits)}
+
+    def spelled(ids: set[int]) -> set[bytes]:
+        return {vocab.all_bytes[t] for t in ids}
+
+    tokens = hf_tok.encode("<think>one two three four five six seven", add_special_tokens=False)
+    assert len(tokens) > section.max_tokens + 1
+    m = budget()
+    assert all(m.accept_token(t) for t in tokens[: section.max_tokens])
+    rest = b"".join(vocab.all_bytes[t] for t in tokens[: section.max_tokens])
+    assert b"</think>" not in rest
+    allowed = spelled(row(m))
+    assert allowed and all(b"</think>\n\n".startswith(b) for b in allowed), allowed
+    assert not m.accept_token(tokens[section.max_tokens])  # a free token past the budget
+    assert engine_matcher(m) is not m  # forced bytes read the engine under the guard
+    # Close it one byte-token at a time where possible, then answer.
+    for b in [b"</think>", b"\n\n"]:
+        for ch in b:
+            ids = [t for t in vocab.by_bytes.get(bytes([ch]), [])]
+            assert ids and m.accept_token(ids[0]), bytes([ch])
+    assert all(m.accept_token(t) for t in hf_tok.encode("yes", add_special_tokens=False))
+    assert m.accept_token(int(info.stop_token_ids[0]))
+    # Rolled back into the section, the budget applies again; before it, free text is fine.
+    m = budget()
+    assert all(m.accept_token(t) for t in tokens[: section.max_tokens])
+    m.rollback(1)
+    assert m.accept_token(tokens[section.max_tokens - 1]) and not m.accept_token(tokens[section.max_tokens])
+    m.rollback(2)
+    assert m.accept_token(tokens[section.max_tokens - 2])  # one under the budget: one more free token
+    # Spent inside the opening tag: the rest of the tag, then the closing tag, follow.
+    short = ReasoningSection("<think>", "</think>", "\n\n", max_tokens=1)
+    m = SectionBudget(
+        backend.new_matcher(
+            backend.compile(backend.make_compiler(info, 1), GrammarSpec(GrammarKind.REGEX, "(yes|no)", reasoning=short))
+        ),
+        short,
+        vocab.all_bytes,
+        vocab.by_bytes,
+        words,
+    )
+    assert m.accept_token(tokens[0])
+    first = vocab.all_bytes[tokens[0]]
+    assert all(b"<think></think>\n\n"[len(first) :].startswith(b) for b in spelled(row(m)))
+    # A partial closing tag when the budget is spent: the rest follows from it.
+    partial = hf_tok.encode("<think>a b </th", add_special_tokens=False)
+    assert vocab.all_bytes[partial[-1]].endswith(b"h")
+    at_partial = ReasoningSection("<think>", "</think>", "\n\n", max_tokens=len(partial))
+    spec = GrammarSpec(GrammarKind.REGEX, "(yes|no)", reasoning=at_partial)
+    m = SectionBudget(
+        backend.new_matcher(backend.compile(backend.make_compiler(info, 1), spec)),
+        at_partial,
+        vocab.all_bytes,
+        vocab.by_bytes,
+        words,
+    )
+    assert all(m.accept_token(t) for t in partial)
+    allowed = spelled(row(m))
+    assert allowed and all(b"ink>\n\n".startswith(b) for b in allowed), allowed

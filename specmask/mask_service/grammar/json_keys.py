@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from specmask.mask_service.grammar.section_budget import SectionBudget
 from specmask.mask_service.protocols import GrammarMatcher
 
 logger = logging.getLogger(__name__)
@@ -476,5 +477,7 @@ class DuplicateKeyGuard:
 
 
 def engine_matcher(matcher: Any) -> Any:
-    """The engine's own matcher under a guard (engine calls such as forced bytes need it)."""
-    return matcher.inner if isinstance(matcher, DuplicateKeyGuard) else matcher
+    """The engine's own matcher under its guards (engine calls such as forced bytes need it)."""
+    while isinstance(matcher, (DuplicateKeyGuard, SectionBudget)):
+        matcher = matcher.inner
+    return matcher

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from specmask.mask_service.auth import public_owner
 from specmask.mask_service.errors import InvalidArgument, LimitExceeded, NotOwner, SessionNotFound, TokenRejected
 from specmask.mask_service.grammar.json_keys import DuplicateKeyGuard, key_vocab
+from specmask.mask_service.grammar.section_budget import SectionBudget
 from specmask.mask_service.grammar.spellings import Spellings
 from specmask.mask_service.protocols import GrammarMatcher
 from specmask.mask_service.server.compiler_cache import CompiledEntry
@@ -144,6 +145,10 @@ class SessionStore:
         if entry.json_keys:
             words = (vocab_size + 31) // 32
             matcher = DuplicateKeyGuard(matcher, key_vocab(entry.key[0], entry.compiled.tokenizer_info, words))
+        if entry.section_budget is not None:
+            words = (vocab_size + 31) // 32
+            vocab = key_vocab(entry.key[0], entry.compiled.tokenizer_info, words)
+            matcher = SectionBudget(matcher, entry.section_budget, vocab.all_bytes, vocab.by_bytes, words)
         session = Session(uuid.uuid4().hex, entry, matcher, vocab_size, owner=owner, request_id=request_id)
         with self._lock:
             if len(self._sessions) >= self._max:

@@ -89,8 +89,9 @@ FIELDS: Mapping[str, FieldRule] = {
     "include_reasoning": _n(
         "return the reasoning parser's output", "with --reasoning-parser the reasoning is always returned apart"
     ),
-    "max_reasoning_tokens": _r(
-        "a cap on the reasoning section's tokens (SpecMask)", here="not yet: max_tokens bounds thinking and answer"
+    "max_reasoning_tokens": _s(
+        "a cap on the reasoning section's tokens (SpecMask)",
+        "chat, with --reasoning-parser and an output constraint: then the section's end is forced",
     ),
     # vLLM's sampling extensions.
     "use_beam_search": _r("beam search instead of sampling", False),

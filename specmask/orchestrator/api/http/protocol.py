@@ -188,6 +188,9 @@ class ChatCompletionRequest(_Generation):
     # reasoning_effort is passed to the template too, as vLLM does.
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    # Extension, with --reasoning-parser and an output constraint: after this many tokens of
+    # thinking only the end of the thinking may follow (orchestrator/reasoning.py).
+    max_reasoning_tokens: int | None = None
     # Accepted and ignored: they change nothing about generation.
     metadata: dict[str, str] | None = None
     store: bool | None = None

@@ -175,7 +175,11 @@ class OpenAIRoutes:
         thinking = reasoning.format_for(
             self._reasoning_parser, body.chat_template_kwargs, self._prompter.template_variables
         )
-        translated = dataclasses.replace(translated, request=reasoning.with_section(translated.request, thinking))
+        try:
+            sectioned = reasoning.with_section(translated.request, thinking, body.max_reasoning_tokens)
+        except ValueError as exc:
+            raise ApiError.invalid(str(exc), param="max_reasoning_tokens") from None
+        translated = dataclasses.replace(translated, request=sectioned)
         texts = self._texts(translated)
         admitted = await self._submit(translated, request)
         env = rsp.Envelope(id=f"chatcmpl-{request_id}", model=self._model)

@@ -148,22 +148,26 @@ class ReasoningSection(_message.Message):
     OPEN_FIELD_NUMBER: _builtins.int
     CLOSE_FIELD_NUMBER: _builtins.int
     GAP_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
     open: _builtins.str
     """"" = the output starts inside the section"""
     close: _builtins.str
     """not empty; its first character occurs nowhere else in it"""
     gap: _builtins.str
     """the exact text between close and the grammar"""
+    max_tokens: _builtins.int
+    """after this many tokens in the section only its end may follow; 0 = unbounded"""
     def __init__(
         self,
         *,
         open: _builtins.str = ...,
         close: _builtins.str = ...,
         gap: _builtins.str = ...,
+        max_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "gap", b"gap", "open", b"open"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["close", b"close", "gap", b"gap", "max_tokens", b"max_tokens", "open", b"open"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
