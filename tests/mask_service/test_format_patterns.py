@@ -27,7 +27,7 @@ import pytest
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.mask_service.grammar.backends import BACKENDS
-from specmask.mask_service.grammar.format_patterns import FORMAT_REGEXES, pattern_for
+from specmask.mask_service.grammar.format_patterns import FORMAT_REGEXES, LENGTH_BOUNDED, _label, pattern_for
 from specmask.mask_service.server.tokenizers import TokenizerRegistry
 from specmask.orchestrator.output_check import OutputChecker
 from tests.fixtures.shared_data import require, shared_data_dir
@@ -109,6 +109,23 @@ def test_near_misses_follow_the_checker(fmt: str) -> None:
             assert matched or not valid or value.endswith("\n"), f"{fmt}: the regex refuses valid {value!r}"
         refused += not matched
     assert refused > 300  # the mutations do reach the other side of the regex
+
+
+def test_length_bounded_hostname() -> None:
+    """The exact hostname form: any number of labels beside maxLength 253."""
+    rnd = random.Random("hostname-labels")
+    regex, longest = LENGTH_BOUNDED["hostname"]
+    labels = re.compile(f"^{regex}$")
+    refused = 0
+    for _ in range(2000):
+        value = sample(f"^(?:{_label(63)}\\.){{0,6}}{_label(63)}$", rnd)
+        assert labels.fullmatch(value)
+        assert conforms(value, "hostname") is (len(value) <= longest), value
+        near = mutate(value, rnd)
+        ok = labels.fullmatch(near) is not None and len(near) <= longest
+        assert conforms(near, "hostname") or not ok, near
+        refused += not ok
+    assert refused > 200
 
 
 @pytest.mark.parametrize("fmt", ["date-time", "time", "date", "uuid", "ipv4"])
@@ -225,6 +242,12 @@ def test_engines_refuse_near_misses(registry: TokenizerRegistry, bpe_id: str, hf
             {"type": "string", "format": "date", "pattern": "^2020-"},
             "llguidance",
             {"2020-02-29": True, "2020-02-30": False, "2021-01-01": False},
+        ),
+        # Hostname: any number of labels within 253 characters, on llguidance.
+        (
+            {"type": "string", "format": "hostname"},
+            "llguidance",
+            {".".join(["a" * 40] * 6): True, ".".join(["a" * 50] * 5): False, "a" * 64: False},
         ),
         # Lengths that cut a variable-length format: llguidance intersects pattern and lengths.
         ({"type": "string", "format": "email", "maxLength": 6}, "llguidance", {"a@b.co": True, "ab@c.de": False}),

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specmask.mask_service.grammar.format_patterns import FORMAT_REGEXES
+from specmask.mask_service.grammar.format_patterns import FORMAT_REGEXES, LENGTH_BOUNDED
 from specmask.mask_service.grammar.llguidance_check import STANDARD_FORMATS
 from specmask.mask_service.grammar.oneof_disjoint import provably_disjoint
 from specmask.mask_service.grammar.schema_rewrite import XGRAMMAR_FORMATS, fold_format, types_of
@@ -77,6 +77,8 @@ def xgrammar_gap(schema: Any, path: str = "#", root: Any = None) -> str | None:
     if isinstance(fmt, str):
         if fmt in XGRAMMAR_FORMATS and "type" not in schema:
             return f"{path}/format: xgrammar ignores 'format' on a schema without 'type'"
+        if fmt in LENGTH_BOUNDED and types_of(schema.get("type")) & {"string"}:
+            return f"{path}/format: xgrammar enforces a bounded subset of {fmt!r} (a regex with no length)"
         if fmt in FORMAT_REGEXES and types_of(schema.get("type")) & {"string"} and fold_format(schema) is None:
             # Folded, the format is format_patterns' exact regex; else xgrammar would use its own
             # (day 31 in every month) or drop the pattern or lengths beside it.

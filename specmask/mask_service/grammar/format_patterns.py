@@ -39,9 +39,11 @@ never looser). The standards and the checkers they are compared with:
   label with ``--`` in its third and fourth characters (the test suite's
   reading: ``example.`` and ``xn--X`` are invalid hostnames, which ``fqdn``
   passes; a valid A-label needs punycode decoding, which a regex cannot do),
-  and a length bound by labels, since a regex cannot count the whole name
-  without listing every shape: up to 4 labels of up to 63 characters (the
-  last up to 61), or 5-12 labels of up to 20, both within 253.
+  and, alone, a length bound by labels, since a regex cannot count the whole
+  name without listing every shape: up to 4 labels of up to 63 characters
+  (the last up to 61). ``LENGTH_BOUNDED`` gives the exact form instead, any
+  number of labels beside ``maxLength: 253``, for an engine that intersects
+  a pattern with lengths.
 * ``email``: the RFC 5321 ``Dot-string`` local part (atext atoms joined by
   dots, no quoted string) and a domain of hostname labels. The checker only
   asks for an ``@``; the regex is the common, unquoted subset.
@@ -103,10 +105,15 @@ def _label(longest: int) -> str:
     return f"{x}(?:{x}|{y}{x}|{y}{y}{x}|{y}(?:{x}{y}|-{x}){y}{{0,{longest - 5}}}{x})?"
 
 
-# Few long labels or many short ones; each branch stays within 253 characters.
-HOSTNAME = rf"(?:(?:{_label(63)}\.){{0,3}}{_label(61)}|(?:{_label(20)}\.){{4,11}}{_label(20)})"
+# Any number of labels: exact beside ``maxLength: 253`` (an engine that intersects a pattern
+# with lengths: llguidance). Alone, a bounded subset: up to 4 labels, the last of up to 61,
+# within 253 characters by construction (xgrammar; each counted label costs it compile time).
+HOSTNAME_LABELS = rf"(?:{_label(63)}\.)*{_label(63)}"
+HOSTNAME_MAX_LENGTH = 253
+HOSTNAME = rf"(?:{_label(63)}\.){{0,3}}{_label(61)}"
 _ATEXT = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]"
-EMAIL = rf"{_ATEXT}+(?:\.{_ATEXT}+)*@(?:{_label(63)}\.)*{_label(63)}"
+_DOMAIN_LABEL = "[A-Za-z0-9](?:[-A-Za-z0-9]*[A-Za-z0-9])?"  # the checker bounds no length
+EMAIL = rf"{_ATEXT}+(?:\.{_ATEXT}+)*@(?:{_DOMAIN_LABEL}\.)*{_DOMAIN_LABEL}"
 # RFC 3339 Appendix A.
 _D = f"{_DIGIT}+"
 _DUR_SECOND = f"{_D}S"
@@ -167,6 +174,8 @@ FORMAT_REGEXES: dict[str, str] = {
     "hostname": HOSTNAME,
     "email": EMAIL,
 }
+# Formats whose exact form is a regex beside a maximum length (format -> (regex, max length)).
+LENGTH_BOUNDED: dict[str, tuple[str, int]] = {"hostname": (HOSTNAME_LABELS, HOSTNAME_MAX_LENGTH)}
 # Shortest and longest string of each format's regex (inf: unbounded).
 _LENGTHS: dict[str, tuple[int, float]] = {
     "date": (10, 10),

@@ -51,7 +51,7 @@ import math
 from typing import Any
 
 from specmask.mask_service.errors import GrammarError
-from specmask.mask_service.grammar.format_patterns import FORMAT_REGEXES, pattern_for
+from specmask.mask_service.grammar.format_patterns import FORMAT_REGEXES, LENGTH_BOUNDED, pattern_for
 from specmask.mask_service.grammar.json_regex import json_safe_pattern
 
 # Formats xgrammar 0.2.8 turns into a regex (any other value is ignored, i.e. a
@@ -418,6 +418,8 @@ def _tighten_node(node: dict[str, Any]) -> dict[str, Any]:
     fmt = node.get("format")
     if fmt not in TIGHTENED_FORMATS or not types_of(node.get("type")) & {"string", None}:
         return node
+    if fmt in LENGTH_BOUNDED:
+        return _length_bounded(node, fmt)
     folded = fold_format(node)
     if folded is not None:
         return folded
@@ -429,6 +431,25 @@ def _tighten_node(node: dict[str, Any]) -> dict[str, Any]:
         return node
     all_of = node.get("allOf")
     out["allOf"] = [*(all_of if isinstance(all_of, list) else []), {"pattern": FORMAT_PATTERNS[fmt]}]
+    return out
+
+
+def _length_bounded(node: dict[str, Any], fmt: str) -> dict[str, Any]:
+    """llguidance: a LENGTH_BOUNDED format as its regex beside its maximum length (the
+    caller's maxLength where smaller), in an ``allOf`` branch beside a caller's pattern."""
+    regex, longest = LENGTH_BOUNDED[fmt]
+    out = {k: v for k, v in node.items() if k != "format"}
+    bound: dict[str, Any] = {"pattern": f"^{regex}$", "maxLength": longest}
+    if "pattern" not in node:
+        out.update(bound)
+        given = node.get("maxLength")
+        if isinstance(given, (int, float)) and not isinstance(given, bool) and given < longest:
+            out["maxLength"] = given
+        return out
+    if node.get("type") != "string":
+        return node
+    all_of = node.get("allOf")
+    out["allOf"] = [*(all_of if isinstance(all_of, list) else []), bound]
     return out
 
 
