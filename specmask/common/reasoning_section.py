@@ -33,8 +33,8 @@ class ReasoningSection:
     max_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0 (0 = unbounded), got {self.max_tokens}")
+        if not 0 <= self.max_tokens < 1 << 32:  # a uint32 on the wire
+            raise ValueError(f"max_tokens must be in [0, 2**32) (0 = unbounded), got {self.max_tokens}")
         if not self.close:
             raise ValueError("a reasoning section needs a closing tag")
         # The grammar of "text without close" (sections.py) is built from close's first

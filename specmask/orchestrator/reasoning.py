@@ -189,14 +189,18 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+# The wire holds a section's budget in 32 bits; no context comes near this many tokens.
+MAX_REASONING_TOKENS = (1 << 31) - 1
+
+
 def with_section(
     request: GenerationRequest, fmt: ReasoningFormat | None, max_tokens: int | None = None
 ) -> GenerationRequest:
     """``request`` with its grammar behind the format's section (unchanged without a grammar or a
     format). ``max_tokens``: the section's token budget (needs both; ValueError otherwise)."""
     if max_tokens is not None:
-        if max_tokens < 1:
-            raise ValueError(f"max_reasoning_tokens must be >= 1, got {max_tokens}")
+        if not 1 <= max_tokens <= MAX_REASONING_TOKENS:
+            raise ValueError(f"max_reasoning_tokens must be in [1, {MAX_REASONING_TOKENS}], got {max_tokens}")
         if fmt is None:
             raise ValueError("max_reasoning_tokens needs a reasoning section (--reasoning-parser, thinking on)")
         if request.grammar is None:

@@ -155,6 +155,11 @@ def test_with_section_and_response_fields() -> None:
     assert with_section(request, None) is request
     plain = GenerationRequest(request_id="r", prompt="p")
     assert with_section(plain, QWEN3) is plain  # no grammar: nothing to compose, the split still applies
+    budgeted = with_section(request, QWEN3, 5).grammar
+    assert budgeted is not None and budgeted.reasoning is not None and budgeted.reasoning.max_tokens == 5
+    for bad, fmt, req in [(0, QWEN3, request), (1 << 40, QWEN3, request), (5, None, request), (5, QWEN3, plain)]:
+        with pytest.raises(ValueError, match="max_reasoning_tokens"):
+            with_section(req, fmt, bad)
     message = rsp.with_reasoning({"role": "assistant", "content": ""}, "why", unanswered=True)
     assert message == {"role": "assistant", "content": None, "reasoning": "why", "reasoning_content": "why"}
     assert rsp.reasoning_delta("x") == {"reasoning": "x", "reasoning_content": "x"}
