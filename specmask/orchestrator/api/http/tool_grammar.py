@@ -321,9 +321,9 @@ def _checked_call(name: str, arguments: str, tools: ToolGrammar, checker: Output
 
 
 def tools_prompt(tools: list[Tool], fmt: ToolCallFormat = HERMES) -> str:
-    """System text for templates that cannot render tools: the tools and the call format."""
-    example = fmt.calls_open + fmt.call_head("<tool>") + "<arguments object>" + fmt.tail + fmt.calls_close
-    lines = ["Answer in plain text, or call tools, one call per tool:", example, "Tools:"]
+    """System text for templates that cannot render tools: the tools and the call format (short:
+    the listing counts against the context, and models without a template are the small ones)."""
+    lines = [f"Tools, called as {fmt.calls_open}{fmt.call_head('f')}{{...}}{fmt.tail}{fmt.calls_close}:"]
     for tool in tools:
         fn = tool.function
         params = json.dumps(fn.parameters or {"type": "object"}, separators=(",", ":"), ensure_ascii=False)

@@ -107,7 +107,7 @@ def test_translate_auto_and_default_choice() -> None:
         assert out.request.grammar == out.tools.grammar
         # A template without tool support gets the tools and the call format in a system turn.
         assert isinstance(out.request.prompt, str) and out.request.prompt.startswith(
-            "system: Answer in plain text, or call tools"
+            'system: Tools, called as <tool_call>\n{"name": "f", "arguments": {...}}\n</tool_call>:\n- weather:'
         )
         assert '"name": "weather"' not in out.request.prompt and "- weather:" in out.request.prompt
     body = ChatCompletionRequest.model_validate(
