@@ -48,6 +48,13 @@ class GrammarSpec:
     # ``section`` then this grammar, compiled as one grammar; None = the grammar from the first token.
     reasoning: ReasoningSection | None = None
 
+    def without_budget(self) -> GrammarSpec:
+        """The grammar a section's token budget leaves unchanged: the budget is a session's
+        (mask_service/grammar/section_budget.py), so every budget shares one compiled grammar."""
+        if self.reasoning is None or not self.reasoning.max_tokens:
+            return self
+        return dataclasses.replace(self, reasoning=dataclasses.replace(self.reasoning, max_tokens=0))
+
     def without_reasoning(self) -> GrammarSpec:
         """The caller's grammar alone: what the content after the section must match."""
         return dataclasses.replace(self, reasoning=None) if self.reasoning is not None else self

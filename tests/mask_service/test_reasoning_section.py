@@ -9,6 +9,7 @@ refused under a section exactly as alone.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import re
@@ -261,3 +262,23 @@ def test_section_budget_forces_the_end(registry: Any, bpe_id: str, hf_tok: Any) 
     assert all(m.accept_token(t) for t in partial)
     allowed = spelled(row(m))
     assert allowed and all(b"ink>\n\n".startswith(b) for b in allowed), allowed
+
+
+def test_budgets_share_one_compiled_grammar_and_bind_per_session(client: Any, bpe_id: str, hf_tok: Any) -> None:
+    """Through the live service: every max_tokens value of a section finds the same compiled
+    grammar, and each session enforces its own budget on its rows."""
+    from specmask.mask_service.client.mask_client import DraftMaskItem
+
+    spec = GrammarSpec(GrammarKind.REGEX, "(yes|no)!", reasoning=QWEN3)
+    client.validate_grammar(bpe_id, spec)
+    tokens = hf_tok.encode("<think>one two three four five six", add_special_tokens=False)
+    accepted = {}
+    for budget in (0, len(tokens) - 2, len(tokens) + 20):
+        budgeted = GrammarSpec(spec.kind, spec.text, reasoning=dataclasses.replace(QWEN3, max_tokens=budget))
+        assert client.validate_grammar(bpe_id, budgeted).cache_hit
+        sid = client.open_session(bpe_id, budgeted)
+        committed, drafts = list(tokens[:-4]), list(tokens[-4:])
+        [res] = client.draft_masks([DraftMaskItem(sid, drafts, commit_tokens=committed, commit_seq=1)])
+        accepted[budget] = res.num_grammar_accepted
+        client.close_session(sid)
+    assert accepted == {0: 4, len(tokens) - 2: 2, len(tokens) + 20: 4}

@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
-from specmask.common.reasoning_section import ReasoningSection
 from specmask.mask_service.errors import GrammarError, GrammarTooComplex, MaskError
 from specmask.mask_service.grammar.backends import BACKENDS, GrammarBackend
 from specmask.mask_service.grammar.grammar_checks import mark_prechecked
@@ -71,8 +70,6 @@ class CompiledEntry:
     vocab_size: int
     size_bytes: int
     json_keys: bool = False  # a JSON grammar: sessions refuse repeated keys (grammar/json_keys.py)
-    # A reasoning section with a token budget: sessions force its end (grammar/section_budget.py).
-    section_budget: ReasoningSection | None = None
 
 
 class CompileInProgress(CompileQueueFull):
@@ -202,15 +199,8 @@ class CompilerCache:
             except BaseException as exc:
                 self._finish(key, fut, exc)
                 return
-        budget = spec.reasoning if spec.reasoning is not None and spec.reasoning.max_tokens else None
         entry = CompiledEntry(
-            key,
-            compiled,
-            self._backend,
-            key[1],
-            int(compiled.memory_size_bytes),
-            json_keys=json_keys,
-            section_budget=budget,
+            key, compiled, self._backend, key[1], int(compiled.memory_size_bytes), json_keys=json_keys
         )
         with self._lock:
             self._inflight.pop(key, None)

@@ -74,7 +74,7 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
         raise AssertionError("unreachable")
 
     def _compile(self, target: pb.GrammarTarget, context: grpc.ServicerContext, owner: str = "") -> tuple[Any, bool]:
-        spec = grammar_from_proto(target.grammar)
+        spec = grammar_from_proto(target.grammar).without_budget()  # a budget is the session's
         remaining = context.time_remaining()  # None without a client deadline
         return self._cache.get(
             target.tokenizer_id,
@@ -104,7 +104,14 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
         def run() -> pb.OpenSessionResponse:
             entry, _ = self._compile(request.target, context, request.owner)
-            s = self._sessions.open(entry, entry.vocab_size, owner=request.owner, request_id=request.request_id)
+            section = grammar_from_proto(request.target.grammar).reasoning
+            s = self._sessions.open(
+                entry,
+                entry.vocab_size,
+                owner=request.owner,
+                request_id=request.request_id,
+                section_budget=section if section is not None and section.max_tokens else None,
+            )
             metrics.SESSIONS_OPENED.inc()
             # Off this RPC's path: the first forced request of the session then finds it built.
             self._engine.warm_forced(entry.key[0], entry.compiled.tokenizer_info)

@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
+from specmask.common.reasoning_section import ReasoningSection
 from specmask.mask_service.auth import public_owner
 from specmask.mask_service.errors import InvalidArgument, LimitExceeded, NotOwner, SessionNotFound, TokenRejected
 from specmask.mask_service.grammar.json_keys import DuplicateKeyGuard, key_vocab
@@ -131,7 +132,16 @@ class SessionStore:
                 del self._per_owner[s.owner]
         return s
 
-    def open(self, entry: CompiledEntry, vocab_size: int, owner: str = "", request_id: str = "") -> Session:
+    def open(
+        self,
+        entry: CompiledEntry,
+        vocab_size: int,
+        owner: str = "",
+        request_id: str = "",
+        section_budget: ReasoningSection | None = None,
+    ) -> Session:
+        """``section_budget``: the grammar's reasoning section with the request's token budget
+        (``max_tokens`` > 0), enforced on this session's matcher (grammar/section_budget.py)."""
         if len(owner) > MAX_OWNER_CHARS:
             raise InvalidArgument(f"owner is {len(owner)} characters; at most {MAX_OWNER_CHARS}")
         if len(request_id) > MAX_REQUEST_ID_CHARS:
@@ -145,10 +155,10 @@ class SessionStore:
         if entry.json_keys:
             words = (vocab_size + 31) // 32
             matcher = DuplicateKeyGuard(matcher, key_vocab(entry.key[0], entry.compiled.tokenizer_info, words))
-        if entry.section_budget is not None:
+        if section_budget is not None:
             words = (vocab_size + 31) // 32
             vocab = key_vocab(entry.key[0], entry.compiled.tokenizer_info, words)
-            matcher = SectionBudget(matcher, entry.section_budget, vocab.all_bytes, vocab.by_bytes, words)
+            matcher = SectionBudget(matcher, section_budget, vocab.all_bytes, vocab.by_bytes, words)
         session = Session(uuid.uuid4().hex, entry, matcher, vocab_size, owner=owner, request_id=request_id)
         with self._lock:
             if len(self._sessions) >= self._max:
