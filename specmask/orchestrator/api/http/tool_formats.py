@@ -138,8 +138,15 @@ FORMATS: dict[ToolCallParser, ToolCallFormat] = {f.parser: f for f in (HARMONY, 
 FOREIGN_TRIGGERS = ("<｜tool▁calls▁begin｜>", "<|tool_calls_section_begin|>")
 
 
+# What the text branch of a grammar never contains: every trigger holds one of them, so text
+# without them holds no trigger. Shorter than the triggers themselves (the "<|" of every
+# special-token marker) because the grammar has one rule per prefix of these, and compiling
+# it costs about that many passes over the vocabulary.
+TEXT_EXCLUSIONS = ("<|", "<｜", "<tool_call>", '{"name"', "[TOOL_CALLS]")
+
+
 def all_triggers() -> tuple[str, ...]:
-    """Every text a parser of some format reads as a call, for the text branch to exclude."""
+    """Every text a parser of some format reads as a call (each holds a TEXT_EXCLUSIONS entry)."""
     out: dict[str, None] = {}
     for fmt in FORMATS.values():
         out.update(dict.fromkeys(fmt.triggers))

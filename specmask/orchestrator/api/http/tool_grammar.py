@@ -22,10 +22,11 @@ tool's JSON Schema keeps its own rules)::
 ``body`` is free text with two exclusions, so a call can never hide in content:
 it does not start (after whitespace) with ``<``, ``{`` or ``[`` (every format's call,
 and the Llama parsers' "output starting with {", start with one of them), and it
-never contains a call trigger of any known format (``<tool_call>``, ``{"name"``,
-``[TOOL_CALLS]``, harmony's ``<|channel|>``, ...): the grammar's text is what a
-vLLM-style parser of any of those formats reads as text only. The exclusion is a
-right-linear grammar of the Aho-Corasick automaton of the triggers.
+never contains ``tool_formats.TEXT_EXCLUSIONS`` (``<|``, ``<｜``, ``<tool_call>``,
+``{"name"``, ``[TOOL_CALLS]``), one of which is in every call trigger of every known
+format: the grammar's text is what a vLLM-style parser of any of those formats reads
+as text only. The exclusion is a right-linear grammar of the Aho-Corasick automaton
+of those strings.
 
 Which branch the output took is decided by its start: a call output starts with the
 format's ``call_start``, text never does (``StreamSplit`` holds back only while the
@@ -48,7 +49,7 @@ from specmask.mask_service.grammar.ebnf_escapes import unambiguous_escapes
 from specmask.mask_service.grammar.grammar_checks import precheck
 from specmask.orchestrator.api.http.errors import ApiError
 from specmask.orchestrator.api.http.protocol import ChatMessage, NamedToolChoice, Tool
-from specmask.orchestrator.api.http.tool_formats import HERMES, ToolCallFormat, all_triggers
+from specmask.orchestrator.api.http.tool_formats import HERMES, TEXT_EXCLUSIONS, ToolCallFormat
 from specmask.orchestrator.output_check import OutputChecker, OutputCheckError
 
 # Calls one answer may make when parallel_tool_calls allows several (OpenAI sets no bound;
@@ -170,13 +171,13 @@ def _local_refs_only(node: Any, tool: str) -> None:
 def _text_rules(fmt: ToolCallFormat) -> list[str]:
     """``text ::= text_open body``: body free text that starts with no call and holds no trigger.
 
-    The triggers' Aho-Corasick automaton, one rule per state (a trie node that is not a
+    The exclusions' Aho-Corasick automaton, one rule per state (a trie node that is not a
     whole trigger): each rule may end, or read a character and go on in the next state;
     characters that would complete a trigger have no branch. Every trigger starts with
     one of the excluded first characters, so after the first character the automaton
     starts in its root state.
     """
-    triggers = all_triggers()
+    triggers = TEXT_EXCLUSIONS
     lead = sorted({t[0] for t in triggers} | set(_LEADING_SPACE))
     states = [""]  # trie nodes, by the prefix they stand for
     for trig in triggers:

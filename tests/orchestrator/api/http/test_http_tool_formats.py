@@ -23,8 +23,10 @@ from specmask.orchestrator.api.http.tool_formats import (
     HERMES,
     LLAMA3_JSON,
     MISTRAL,
+    TEXT_EXCLUSIONS,
     ToolCallFormat,
     ToolCallParser,
+    all_triggers,
     detect,
     resolve,
 )
@@ -146,6 +148,9 @@ def test_mistral_call_ids_are_nine_alphanumerics() -> None:
 
 
 def test_text_never_starts_like_a_call_nor_holds_a_trigger() -> None:
+    # Text without the exclusions holds no trigger, and starts like no call.
+    assert all(any(x in t for x in TEXT_EXCLUSIONS) for t in all_triggers())
+    assert all(f.call_start[0] in "<{[" and (f.text_open[:1] in "<") for f in FORMATS.values())
     auto = tool_grammar(TOOLS, "auto", True, HERMES)
     for text, ok in (
         ("", True),
