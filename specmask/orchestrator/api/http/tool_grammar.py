@@ -112,7 +112,8 @@ def tool_grammar(
     calls = []
     for tool in chosen:
         name = tool.function.name
-        schema = dict(tool.function.parameters) if tool.function.parameters is not None else {"type": "object"}
+        # No parameters, or {} (any JSON): an object, as OpenAI's arguments always are.
+        schema = dict(tool.function.parameters or {}) or {"type": "object"}
         params[name] = schema
         _local_refs_only(schema, name)
         try:

@@ -141,6 +141,13 @@ def test_harmony_text_is_the_final_channel_and_one_call_per_turn() -> None:
     assert calls.calls
 
 
+def test_empty_parameters_mean_an_object() -> None:
+    bare = [Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": {}}})]
+    auto = tool_grammar(bare, "required", True, HERMES)
+    assert CHECKER.check(auto.grammar, calls_text(HERMES, ("f", {"a": [1]}))).ok
+    assert not CHECKER.check(auto.grammar, calls_text(HERMES, ("f", [1]))).ok
+
+
 def test_mistral_call_ids_are_nine_alphanumerics() -> None:
     auto = tool_grammar(TOOLS, "auto", True, MISTRAL)
     [call] = parse_calls(WRITTEN[ToolCallParser.MISTRAL], auto, CHECKER)
