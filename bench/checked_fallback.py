@@ -118,6 +118,12 @@ async def _one(
             tally[outcome] += 1
             notes.append(f"{name}: {outcome}: {exc.code().name}: {exc.details()[:200]}")
             return
+    # One line per request as it ends: a run cut short still says what it measured.
+    print(
+        f"done {name}: {pb.FinishReason.Name(rsp.finish_reason)} {pb.Enforcement.Name(rsp.grammar.enforcement)} "
+        f"attempts={rsp.grammar.attempts}",
+        flush=True,
+    )
     if rsp.grammar.enforcement != pb.ENFORCEMENT_CHECKED:
         tally["not_checked"] += 1
         notes.append(f"{name}: enforcement {pb.Enforcement.Name(rsp.grammar.enforcement)}")
