@@ -29,6 +29,9 @@ _LOCAL_RAY_ENV = {
     # The GCS writes its port to a file the driver waits for, 30 s by default; on a saturated
     # box (parallel test workers, a shared CI machine) its start can take longer than that.
     "RAY_gcs_server_port_wait_time_s": "120",
+    # A new node's raylet has 30 s by default to register with the GCS; the same saturation
+    # can take longer, and then `ray start` / ray.init fails though nothing is wrong.
+    "RAY_raylet_start_wait_time_s": "120",
     # Ray prestarts a pool of idle task workers (one per CPU) that the local stack never uses:
     # its work runs in actors. Each is a Python process importing Ray, seconds of CPU a start.
     "RAY_enable_worker_prestart": "0",

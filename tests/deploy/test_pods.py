@@ -137,7 +137,10 @@ def cluster(request: pytest.FixtureRequest) -> Cluster:
     # Not under /tmp: each pod gets its own /tmp (an emptyDir), which would hide it.
     workdir = Path(tempfile.mkdtemp(prefix="specmask-pods-", dir="/var/tmp"))
     os.chmod(workdir, 0o755)
-    c = Cluster(NAMESPACE, workdir, env_overrides={"RAY_USAGE_STATS_ENABLED": "0"})
+    # Ray's start-up waits (the GCS port file, the raylet's registration) are 30 s by default;
+    # several pods starting at once on a busy two-core CI box can take longer than that.
+    ray_env = {"RAY_gcs_server_port_wait_time_s": "120", "RAY_raylet_start_wait_time_s": "120"}
+    c = Cluster(NAMESPACE, workdir, env_overrides={"RAY_USAGE_STATS_ENABLED": "0", **ray_env})
 
     def teardown() -> None:
         c.close()
