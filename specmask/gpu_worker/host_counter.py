@@ -31,6 +31,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -60,11 +61,11 @@ _COPY_OPS = frozenset({"aten::_to_copy", "aten::copy_"})
 
 def _caller() -> str:
     """``module:line`` of the innermost frame outside torch and this module: where a read happened."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     while frame is not None and (
         frame.f_globals.get("__name__", "").startswith("torch") or frame.f_code.co_filename == __file__
     ):
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     if frame is None:
         return "?"
     return f"{frame.f_globals.get('__name__', '?')}:{frame.f_lineno}"
