@@ -32,10 +32,13 @@ cases = [
      dict(logits_ptr="*fp32", mask_ptr="*i32", row_ids_ptr="*i32", V="i32", W="i32",
           stride_lr="i32", stride_lc="i32", stride_mr="i32"),
      dict(INDIRECT=False, BLOCK_WORDS=bitmask_triton.BLOCK_WORDS)),
+] + [
     (sampling_params_triton._expand_kernel,
-     dict(temperature_ptr="*fp32", top_k_ptr="*i32", top_p_ptr="*fp32", cu_ptr="*i32",
-          out_request_ptr="*i32", out_temperature_ptr="*fp32", out_top_k_ptr="*i32", out_top_p_ptr="*fp32"),
-     dict(BLOCK_ROWS=sampling_params_triton.BLOCK_ROWS)),
+     dict(temperature_ptr="*fp32", top_k_ptr="*i32", top_p_ptr="*fp32", min_p_ptr="*fp32", cu_ptr="*i32",
+          out_request_ptr="*i32", out_temperature_ptr="*fp32", out_top_k_ptr="*i32", out_top_p_ptr="*fp32",
+          out_min_p_ptr="*fp32"),
+     dict(HAS_MIN_P=has_min_p, BLOCK_ROWS=sampling_params_triton.BLOCK_ROWS))
+    for has_min_p in (True, False)
 ]
 for has_probs in (True, False):
     for has_q in (True, False):
@@ -71,4 +74,4 @@ def test_all_kernels_compile_for_sm90(tmp_path):
     if result.returncode != 0 and "ptxas" in result.stderr and "not found" in result.stderr.lower():
         pytest.skip("this Triton install has no ptxas")
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "compiled 15" in result.stdout
+    assert "compiled 16" in result.stdout
