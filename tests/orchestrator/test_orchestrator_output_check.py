@@ -253,3 +253,14 @@ def test_ecma_rewrite_leaves_data_and_property_names_alone() -> None:
         "properties": {"pattern": {"const": "^a$"}, "b": {"pattern": "a\\Z", "enum": ["$", "."]}},
         "default": {"pattern": "$"},
     }
+
+
+def test_strict_reading_keeps_a_oneof_told_apart_by_not(checker: OutputChecker) -> None:
+    """The strict copy drops ``not``; under ``oneOf`` that would make both branches match and
+    fail a valid answer (maskbench Github_medium---o65945), so it reads ``oneOf`` as ``anyOf``."""
+    a = {"type": "object", "required": ["x"], "properties": {"x": {"type": "integer"}}}
+    schema = {"oneOf": [a, {"type": "object", "properties": {"x": {"type": "integer"}}, "not": a}]}
+    for engine in ("xgrammar", "llguidance"):
+        assert checker.check(spec(GrammarKind.JSON_SCHEMA, schema), '{"x":1}', engine).ok
+        assert checker.check(spec(GrammarKind.JSON_SCHEMA, schema), "{}", engine).ok
+        assert not checker.check(spec(GrammarKind.JSON_SCHEMA, schema), '{"x":"1"}', engine).ok
