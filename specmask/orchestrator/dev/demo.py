@@ -33,8 +33,16 @@ from specmask.orchestrator.output_check import validate_decimal
 from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2_grpc as pb_grpc
 
-# A schema the engine cannot enforce ('not'): refused with INVALID_ARGUMENT, never run unconstrained.
-REFUSED_SCHEMA = {"type": "object", "properties": {"a": {"not": {"type": "string"}}}}
+# A schema no engine enforces exactly ('not'): under the server's default --grammar-fallback
+# checked it is masked by a relaxation and every output is checked against it before it is
+# returned; a request that asks for exact enforcement (checked = false) is refused instead.
+# Never run unconstrained, never returned invalid.
+INEXACT_SCHEMA = {
+    "type": "object",
+    "properties": {"count": {"type": "integer", "minimum": 0, "maximum": 99, "not": {"const": 13}}},
+    "required": ["count"],
+}
+INEXACT_CHAT = "How many apples should I buy? Answer with a count."
 REQUEST_TIMEOUT_S = 300.0
 
 
@@ -307,14 +315,39 @@ async def _demo(stack: StackConfig, cases: list[DemoCase], streamed: int, max_to
                 f"speculation was {speedup_words(plain.seconds, warm.seconds)} on this request"
             )
 
-            print("\n== A schema the grammar engine cannot enforce " + "=" * 30)
+            print("\n== A schema no engine enforces exactly ('not') " + "=" * 29)
+            chat = not isinstance(cases[0].prompt, str)
+            prompt: str | list[dict[str, str]] = [{"role": "user", "content": INEXACT_CHAT}] if chat else "Count: "
+            inexact = build_request(
+                prompt,
+                schema=INEXACT_SCHEMA,
+                max_tokens=max_tokens,
+                request_id="demo-checked",
+                schema_instruction=DEFAULT_INSTRUCTION_NAME if chat else None,
+            )
+            reply = await stub.Generate(inexact, timeout=REQUEST_TIMEOUT_S)
+            served = pb.Enforcement.Name(reply.grammar.enforcement).removeprefix("ENFORCEMENT_").lower()
+            if reply.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_GRAMMAR_COMPLETE):
+                fallback_ok, why = _check(INEXACT_SCHEMA, reply.text)
+                print(f"  served {served} (relaxed: {', '.join(reply.grammar.relaxed) or '-'}): {reply.text}")
+                print(
+                    f"  {'OK ' if fallback_ok else 'BAD'} {'valid against the original schema' if fallback_ok else why}"
+                )
+                fallback_ok = fallback_ok and served == "checked"
+            else:
+                # No valid output within the attempts: an error, never an invalid success.
+                name = FINISH_REASON_NAMES.get(reply.finish_reason, "?")
+                print(f"  served {served}, no valid output within its attempts ({name}): {reply.error}")
+                fallback_ok = True
+            inexact.grammar.checked = False  # exact enforcement or nothing
             try:
-                await stub.Generate(build_request("x", schema=REFUSED_SCHEMA), timeout=30)
-                print("  UNEXPECTED: the request was accepted")
+                await stub.Generate(inexact, timeout=30)
+                print("  UNEXPECTED: the exact-only request was accepted")
                 refused_ok = False
             except grpc.aio.AioRpcError as exc:
-                print(f"  refused before any GPU work: {exc.code().name}: {exc.details()}")
+                print(f"  asked for exact enforcement: refused before any GPU work ({exc.code().name})")
                 refused_ok = exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+            refused_ok = refused_ok and fallback_ok
 
     usages = [o.result.usage or pb.Usage() for o in outcomes]
     produced = sum(u.completion_tokens for u in usages)
