@@ -19,7 +19,8 @@ from tests.fixtures.shared_data import shared_data_dir
 
 pytestmark = pytest.mark.slow
 
-# The shipped schemas the grammar engine must refuse (tests/data/README.md).
+# The shipped schemas no grammar engine enforces exactly, refused when a request asks for exact
+# enforcement (checked = false; tests/data/README.md); served in checked mode otherwise.
 # test.NoType: xgrammar 0.2.8 compiles its two-branch allOf to "any JSON"
 # (it warns "Support for allOf with multiple options is still ongoing"), so
 # accepting it would produce unconstrained output; it must be refused.
@@ -50,7 +51,7 @@ class Outcome:
     response: pb.GenerateResponse | None = None
 
 
-def _run(client: OrchestratorClient, index: int, name: str, schema: Any) -> Outcome:
+def _run(client: OrchestratorClient, index: int, name: str, schema: Any, checked: bool | None = False) -> Outcome:
     # Sampling (seeded) rather than greedy: a random-init model's argmax tends
     # to repeat one token forever inside a string; sampling reaches the closing quote.
     req = build_request(
@@ -59,17 +60,20 @@ def _run(client: OrchestratorClient, index: int, name: str, schema: Any) -> Outc
         temperature=1.0,
         seed=1000 + index,
         max_tokens=MAX_TOKENS,
-        request_id=f"schema-{index}",
+        request_id=f"schema-{index}-{checked}",
     )
+    if checked is not None:  # None: the server's --grammar-fallback decides
+        req.grammar.checked = checked
     try:
         return Outcome(name, schema, grpc.StatusCode.OK, response=client.generate_retrying_overload(req, timeout_s=300))
     except grpc.RpcError as exc:
         return Outcome(name, schema, exc.code(), exc.details())
 
 
-def _run_all(stack: ThreadStack, records: list[tuple[str, dict]]) -> list[Outcome]:
+def _run_all(stack: ThreadStack, records: list[tuple[str, dict]], checked: bool | None = False) -> list[Outcome]:
+    work = [(i, n, r["schema"], checked) for i, (n, r) in enumerate(records)]
     with OrchestratorClient(stack.address) as client, ThreadPoolExecutor(CONCURRENCY) as pool:
-        return list(pool.map(lambda a: _run(client, *a), [(i, n, r["schema"]) for i, (n, r) in enumerate(records)]))
+        return list(pool.map(lambda a: _run(client, *a), work))
 
 
 def _check(outcomes: list[Outcome]) -> tuple[int, int]:
@@ -115,6 +119,39 @@ def test_shipped_schemas_end_to_end(stack: ThreadStack) -> None:
     accepted = len(records) - len(refused)
     # Most documents close within the budget even with random weights; all that close are valid.
     assert completed >= 30, f"only {completed}/{accepted} completed ({truncated} cut by max_tokens)"
+    stack.wait_idle()
+
+
+def test_shipped_schemas_no_engine_enforces_are_served_checked_by_default(stack: ThreadStack) -> None:
+    """Under the default --grammar-fallback checked, each schema exact enforcement refuses is
+    masked by a relaxation: a completed output is valid against the original schema, and one
+    that fails every attempt ends as a typed grammar violation, never as a success."""
+    records = [r for r in load_schema_records(TEST_DATA) if r[0] in EXPECTED_REFUSED]
+    assert {name for name, _ in records} == EXPECTED_REFUSED
+    problems: list[str] = []
+    served = 0
+    for o in _run_all(stack, records, checked=None):
+        if o.code is grpc.StatusCode.INVALID_ARGUMENT:  # no relaxation an engine enforces either
+            assert o.details, o.name
+            continue
+        assert o.code is grpc.StatusCode.OK, (o.name, o.code, o.details)
+        resp = o.response
+        assert resp is not None
+        served += 1
+        if resp.grammar.enforcement != pb.ENFORCEMENT_CHECKED:
+            problems.append(f"{o.name}: served {pb.Enforcement.Name(resp.grammar.enforcement)}, not checked")
+        elif resp.finish_reason == pb.FINISH_REASON_GRAMMAR_COMPLETE:
+            try:
+                jsonschema.validate(json.loads(resp.text), o.schema)
+            except (ValueError, jsonschema.ValidationError) as exc:
+                problems.append(f"{o.name}: checked output {resp.text!r} is invalid: {str(exc).splitlines()[0]}")
+        elif resp.finish_reason == pb.FINISH_REASON_GRAMMAR_VIOLATION:
+            if "attempts" not in resp.error:
+                problems.append(f"{o.name}: a failed checked request returned {resp.text!r} ({resp.error})")
+        elif resp.finish_reason != pb.FINISH_REASON_LENGTH:
+            problems.append(f"{o.name}: finish {resp.finish_reason} ({resp.error})")
+    assert not problems, "\n".join(problems)
+    assert served >= 1
     stack.wait_idle()
 
 
