@@ -51,7 +51,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 FORMATS = ("hermes", "llama3_json", "mistral")
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadStack]:
     from tests.fixtures.tiny_models import build_tiny_model_pair
 
@@ -68,7 +68,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadStack]:
     s.stop()
 
 
-@pytest.fixture(scope="package")
+@pytest.fixture(scope="module")
 def base_urls(stack: ThreadStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """format name -> its front door's /v1 URL (hermes: the stack's own)."""
     assert stack.running is not None
