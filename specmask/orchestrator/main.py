@@ -67,28 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=cfg.DEFAULT_MAX_QUEUE,
         help="requests validating or waiting before RESOURCE_EXHAUSTED",
     )
-    parser.add_argument(
-        "--max-batch",
-        "--max-num-seqs",
-        dest="max_batch",
-        type=int,
-        default=cfg.DEFAULT_MAX_BATCH,
-        help="active sequences per worker (vLLM's --max-num-seqs)",
-    )
-    parser.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="KV budget of each worker (CUDA): the fraction of its device's memory it may use, less the "
-        "loaded models and an activation reserve; requests wait in the queue until their prompt + max_tokens "
-        "fit beside the running ones (docs/models.md). Default: no budget",
-    )
-    parser.add_argument(
-        "--kv-cache-bytes",
-        type=int,
-        default=None,
-        help="KV budget of each worker in bytes, on any device (instead of --gpu-memory-utilization)",
-    )
+    add_batch_and_memory_arguments(parser)
     parser.add_argument("--max-k", type=int, default=cfg.DEFAULT_MAX_K, help="largest k a request may ask for")
     parser.add_argument("--default-k", type=int, default=cfg.DEFAULT_K, help="k for requests that name none")
     parser.add_argument(
@@ -144,17 +123,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "but the last token)",
     )
     parser.add_argument(
-        "--max-iteration-tokens",
-        "--max-num-batched-tokens",
-        dest="max_iteration_tokens",
-        type=int,
-        default=cfg.DEFAULT_MAX_ITERATION_TOKENS,
-        help="target tokens one worker iteration may process, each weighted by the keys it attends over "
-        "(a token deep in a long prompt counts more than one): running sequences' decode rows first, then "
-        "chunks of prompts being prefilled, in the same forward; 0 = by device, 512 on a GPU and 48 on a "
-        "CPU (docs/scheduling.md); vLLM's --max-num-batched-tokens, but weighted",
-    )
-    parser.add_argument(
         "--max-queued-prompt-tokens",
         type=int,
         default=cfg.DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
@@ -206,6 +174,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument(
         "--log-format", default="text", choices=LOG_FORMATS, help="text (for people) or json (one object a line)"
+    )
+
+
+def add_batch_and_memory_arguments(parser: argparse.ArgumentParser) -> None:
+    """A worker's batch, iteration and KV-memory bounds, under SpecMask's and vLLM's names:
+    shared by `specmask orchestrator`, `up` and `serve` (dests: max_batch, max_iteration_tokens,
+    gpu_memory_utilization, kv_cache_bytes)."""
+    parser.add_argument(
+        "--max-batch",
+        "--max-num-seqs",
+        dest="max_batch",
+        type=int,
+        default=cfg.DEFAULT_MAX_BATCH,
+        help="active sequences per worker (vLLM's --max-num-seqs)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="KV budget of each worker (CUDA): the fraction of its device's memory it may use, less the "
+        "loaded models and an activation reserve; requests wait in the queue until their prompt + max_tokens "
+        "fit beside the running ones (docs/models.md). Default: no budget",
+    )
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help="KV budget of each worker in bytes, on any device (instead of --gpu-memory-utilization)",
+    )
+    parser.add_argument(
+        "--max-iteration-tokens",
+        "--max-num-batched-tokens",
+        dest="max_iteration_tokens",
+        type=int,
+        default=cfg.DEFAULT_MAX_ITERATION_TOKENS,
+        help="target tokens one worker iteration may process, each weighted by the keys it attends over "
+        "(a token deep in a long prompt counts more than one): running sequences' decode rows first, then "
+        "chunks of prompts being prefilled, in the same forward; 0 = by device, 512 on a GPU and 48 on a "
+        "CPU (docs/scheduling.md); vLLM's --max-num-batched-tokens, but weighted",
     )
 
 

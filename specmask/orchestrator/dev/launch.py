@@ -35,6 +35,7 @@ from specmask.orchestrator.auth_keys import ApiKeyError, api_keys_from_args
 from specmask.orchestrator.dev.local_stack import LOOPBACK, StackConfig, running_stack
 from specmask.orchestrator.main import (
     LOG_FORMAT,
+    add_batch_and_memory_arguments,
     add_dtype_argument,
     add_fairness_and_auth_arguments,
     add_grammar_fallback_argument,
@@ -77,22 +78,9 @@ def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mask-replicas", type=int, default=1, help="mask-service processes")
     parser.add_argument("--num-workers", type=int, default=1, help="GPU worker actors")
     parser.add_argument("--max-queue", type=int, default=cfg.DEFAULT_MAX_QUEUE)
-    # vLLM's names for the batch and memory bounds (`specmask orchestrator`'s --max-batch and
-    # --max-iteration-tokens; docs/scheduling.md, docs/models.md).
-    parser.add_argument("--max-num-seqs", type=int, default=cfg.DEFAULT_MAX_BATCH, help="active sequences per worker")
-    parser.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=cfg.DEFAULT_MAX_ITERATION_TOKENS,
-        help="target tokens per worker iteration, weighted by the keys they attend over (0 = by device)",
-    )
-    parser.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="KV budget per worker (CUDA): this fraction of its device's memory, less the loaded models",
-    )
-    parser.add_argument("--kv-cache-bytes", type=int, default=None, help="KV budget per worker in bytes")
+    # --max-num-seqs, --max-num-batched-tokens (and SpecMask's names), --gpu-memory-utilization,
+    # --kv-cache-bytes: as `specmask orchestrator` declares them (docs/scheduling.md, docs/models.md).
+    add_batch_and_memory_arguments(parser)
     add_dtype_argument(parser)
     # --max-inflight-per-client, --api-key, --api-key-file, --cors-origin.
     add_fairness_and_auth_arguments(parser)
@@ -159,8 +147,8 @@ def config_overrides(args: argparse.Namespace, plan: Launch, *, http_port: int |
         "max_inflight_per_client": args.max_inflight_per_client,
         "api_keys": api_keys,
         "cors_origins": tuple(args.cors_origin),
-        "max_batch": args.max_num_seqs,
-        "max_iteration_tokens": args.max_num_batched_tokens,
+        "max_batch": args.max_batch,
+        "max_iteration_tokens": args.max_iteration_tokens,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "kv_cache_bytes": args.kv_cache_bytes,
         "dtype": args.dtype,
