@@ -32,17 +32,10 @@ def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def mask_service(tiny_pair: tuple[Path, Path]) -> Iterator[Any]:
     """A real mask service serving the tiny pair's tokenizer."""
-    from specmask.mask_service.server.config import MaskServiceConfig
-    from specmask.mask_service.server.server import build_service
-    from specmask.mask_service.server.tokenizers import TokenizerSource
+    from tests.gpu_worker.helpers import serving_masks
 
-    config = MaskServiceConfig(
-        tokenizers=(TokenizerSource(str(tiny_pair[0])),), host="127.0.0.1", port=0, mask_threads=1
-    )
-    handle = build_service(config)
-    handle.server.start()
-    yield handle
-    handle.stop(grace_s=1.0)
+    with serving_masks(tiny_pair[0]) as handle:
+        yield handle
 
 
 @pytest.fixture(scope="session")

@@ -62,6 +62,22 @@ def run_to_completion(worker: Any, *, max_steps: int = 1000) -> dict[str, Finish
 
 
 @contextlib.contextmanager
+def serving_masks(model_dir: Any) -> Iterator[Any]:
+    """A real mask service on a free loopback port serving ``model_dir``'s tokenizer; its handle."""
+    from specmask.mask_service.server.config import MaskServiceConfig
+    from specmask.mask_service.server.server import build_service
+    from specmask.mask_service.server.tokenizers import TokenizerSource
+
+    config = MaskServiceConfig(tokenizers=(TokenizerSource(str(model_dir)),), host="127.0.0.1", port=0, mask_threads=1)
+    handle = build_service(config)
+    handle.server.start()
+    try:
+        yield handle
+    finally:
+        handle.stop(grace_s=1.0)
+
+
+@contextlib.contextmanager
 def torch_threads(n: int = 1) -> Iterator[None]:
     """Temporarily set torch's intra-op threads (tiny matmuls on a shared 2-core box
     run ~50x slower with two contending threads)."""

@@ -31,7 +31,7 @@ import pytest
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.gpu_worker.types import FinishReason, NewSequence, SamplingParams, SpeculationParams
-from tests.gpu_worker.helpers import run_to_completion, torch_threads
+from tests.gpu_worker.helpers import run_to_completion, serving_masks, torch_threads
 
 SECOND_STOP = "<|endoftext|>"
 DESCRIPTION = 'A long description.\nIt has "quoted" words,\nnew lines\tand tabs\\ and "x":"y",\n# More\n\n'
@@ -70,17 +70,8 @@ def two_stop_pair(tmp_path_factory: pytest.TempPathFactory, tiny_pair: tuple[Pat
 
 @pytest.fixture(scope="module")
 def two_stop_service(two_stop_pair: tuple[Path, Path]) -> Iterator[Any]:
-    from specmask.mask_service.server.config import MaskServiceConfig
-    from specmask.mask_service.server.server import build_service
-    from specmask.mask_service.server.tokenizers import TokenizerSource
-
-    config = MaskServiceConfig(
-        tokenizers=(TokenizerSource(str(two_stop_pair[0])),), host="127.0.0.1", port=0, mask_threads=1
-    )
-    handle = build_service(config)
-    handle.server.start()
-    yield handle
-    handle.stop(grace_s=1.0)
+    with serving_masks(two_stop_pair[0]) as handle:
+        yield handle
 
 
 @pytest.fixture(scope="module")
