@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ecma_schema", "ecma_to_python"]
+__all__ = ["ecma_schema", "ecma_to_python", "escape_class_dashes"]
 
 # ECMA-262 WhiteSpace and LineTerminator code points (what ``\s`` matches there).
 _ECMA_SPACE = "\\t\\n\\v\\f\\r \\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000\\ufeff"
@@ -47,6 +47,8 @@ _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 
 def ecma_to_python(pattern: str) -> str:
     """``pattern`` (ECMA-262, no flags) as a Python regex that matches the same strings."""
+    # A '-' beside a class escape ([\w-.]) is a literal to ECMA-262; escaped, Python reads it so too.
+    pattern = escape_class_dashes(pattern)
     out: list[str] = []
     in_class = False
     i = 0
@@ -109,3 +111,40 @@ def ecma_schema(node: Any) -> Any:
         else:
             out[key] = ecma_schema(value)
     return out
+
+
+_CLASS_ESCAPES = set("dDwWsS")
+
+
+def escape_class_dashes(pattern: str) -> str:
+    """Escape a '-' next to a class escape inside [...] (ECMA reads it literally; Python rejects it)."""
+    out: list[str] = []
+    in_class = False
+    i = 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < len(pattern):
+            pair = pattern[i : i + 2]
+            if in_class and pair[1] in _CLASS_ESCAPES:
+                if out and out[-1] == "-" and len(out) >= 2 and out[-2] != "[" and out[-2] != "[^":
+                    out[-1] = "\\-"
+                out.append(pair)
+                if pattern[i + 2 : i + 3] == "-" and pattern[i + 3 : i + 4] not in ("]", ""):
+                    out.append("\\-")
+                    i += 3
+                    continue
+            else:
+                out.append(pair)
+            i += 2
+            continue
+        if not in_class and ch == "[":
+            in_class = True
+            if pattern[i + 1 : i + 2] == "^":
+                out.append("[^")
+                i += 2
+                continue
+        elif in_class and ch == "]" and out and out[-1] not in ("[", "[^"):
+            in_class = False
+        out.append(ch)
+        i += 1
+    return "".join(out)

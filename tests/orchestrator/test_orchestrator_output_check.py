@@ -229,6 +229,9 @@ def test_strict_reading_keeps_a_required_name_missing_from_properties(checker: O
         ("^a\\$$", "a$", True),  # escaped '$' stays a literal
         ("^[$.]+$", "$.", True),  # '$' and '.' in a class stay literals
         ("^[$.]+$", "$x", False),
+        ("^[\\w-.]+$", "a-.", True),  # '-' beside a class escape is a literal, not a range
+        ("^[\\d-x]+$", "1-x", True),
+        ("^[\\d-x]+$", "y", False),
         ("^x[]$", "x", False),  # ECMA-262: [] matches nothing
         ("^x[^]$", "x\n", True),  # ECMA-262: [^] matches anything
     ],

@@ -41,6 +41,7 @@ try:  # Python 3.11+
 except ImportError:  # pragma: no cover - older Pythons
     import sre_parse as _sre
 
+from specmask.common.ecma_regex import escape_class_dashes
 from specmask.mask_service.errors import GrammarError
 
 Ranges = list[tuple[int, int]]  # sorted, disjoint, inclusive code-point ranges
@@ -247,50 +248,13 @@ def _emit(op: Any, arg: Any) -> str:
     raise _Unsupported(f"the regex construct {str(op).lower()}")
 
 
-_CLASS_ESCAPES = set("dDwWsS")
-
-
-def _ecma_class_dashes(pattern: str) -> str:
-    """Escape a '-' next to a class escape inside [...] (ECMA reads it literally; Python rejects it)."""
-    out: list[str] = []
-    in_class = False
-    i = 0
-    while i < len(pattern):
-        ch = pattern[i]
-        if ch == "\\" and i + 1 < len(pattern):
-            pair = pattern[i : i + 2]
-            if in_class and pair[1] in _CLASS_ESCAPES:
-                if out and out[-1] == "-" and len(out) >= 2 and out[-2] != "[" and out[-2] != "[^":
-                    out[-1] = "\\-"
-                out.append(pair)
-                if pattern[i + 2 : i + 3] == "-" and pattern[i + 3 : i + 4] not in ("]", ""):
-                    out.append("\\-")
-                    i += 3
-                    continue
-            else:
-                out.append(pair)
-            i += 2
-            continue
-        if not in_class and ch == "[":
-            in_class = True
-            if pattern[i + 1 : i + 2] == "^":
-                out.append("[^")
-                i += 2
-                continue
-        elif in_class and ch == "]" and out and out[-1] not in ("[", "[^"):
-            in_class = False
-        out.append(ch)
-        i += 1
-    return "".join(out)
-
-
 def json_safe_pattern(pattern: str, where: str) -> str:
     """The pattern restricted to JSON-safe characters; raise GrammarError if that is impossible."""
     try:
         try:
             parsed = _sre.parse(pattern)
         except re.error:
-            parsed = _sre.parse(_ecma_class_dashes(pattern))
+            parsed = _sre.parse(escape_class_dashes(pattern))
     except re.error as exc:
         raise GrammarError(f"unsupported pattern at {where}: cannot parse {pattern!r}: {exc}") from None
     if parsed.state.flags & ~re.UNICODE:
