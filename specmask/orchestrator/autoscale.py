@@ -78,12 +78,12 @@ class WorkerAutoscaler:
         self._surplus_since = _run_start(self._surplus_since, sample.now, sample.fits_one_fewer())
         if self._changed_at is not None and sample.now - self._changed_at < policy.cooldown_s:
             return sample.workers
-        if self._short_since is not None and sample.now - self._short_since >= policy.scale_up_after_s:
-            if sample.workers < policy.max_workers:
-                return self._change(sample, sample.workers + 1)
-        if self._surplus_since is not None and sample.now - self._surplus_since >= policy.scale_down_idle_s:
-            if sample.workers > policy.min_workers:
-                return self._change(sample, sample.workers - 1)
+        short = self._short_since is not None and sample.now - self._short_since >= policy.scale_up_after_s
+        if short and sample.workers < policy.max_workers:
+            return self._change(sample, sample.workers + 1)
+        surplus = self._surplus_since is not None and sample.now - self._surplus_since >= policy.scale_down_idle_s
+        if surplus and sample.workers > policy.min_workers:
+            return self._change(sample, sample.workers - 1)
         return sample.workers
 
     def _change(self, sample: LoadSample, workers: int) -> int:
