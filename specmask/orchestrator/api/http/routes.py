@@ -19,8 +19,10 @@ from typing import Any, TypeVar
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from specmask.common import tracing
+from specmask.common.tracing import NO_SPAN, Span
 from specmask.gpu_worker.types import FinishReason
-from specmask.orchestrator import reasoning
+from specmask.orchestrator import reasoning, request_trace
 from specmask.orchestrator.api.http import responses as rsp
 from specmask.orchestrator.api.http import tool_grammar, translate
 from specmask.orchestrator.api.http.errors import GRAMMAR_VIOLATION, NOT_FOUND, ApiError
@@ -36,7 +38,14 @@ from specmask.orchestrator.metrics import OrchestratorMetrics
 from specmask.orchestrator.output_check import OutputChecker
 from specmask.orchestrator.request import Request
 from specmask.orchestrator.token_text import TokenTexts, VocabTokenizer
-from specmask.orchestrator.types import GenerationResult, GrammarReport, OutputLogprob, RequestOutput, Usage
+from specmask.orchestrator.types import (
+    GenerationRequest,
+    GenerationResult,
+    GrammarReport,
+    OutputLogprob,
+    RequestOutput,
+    Usage,
+)
 from specmask.orchestrator.validation import RequestValidator
 
 logger = logging.getLogger(__name__)
@@ -156,11 +165,24 @@ class OpenAIRoutes:
         except RequestError as exc:
             raise ApiError.invalid(f"{REQUEST_ID_HEADER}: {exc.message}") from None
 
+    def _request_span(self, http: web.Request, req: GenerationRequest) -> Span:
+        """The request's span, continuing the caller's traceparent (NO_SPAN while tracing is off)."""
+        if not tracing.enabled():
+            return NO_SPAN
+        resource = http.match_info.route.resource
+        route = resource.canonical if resource is not None else http.path
+        attributes = {"http.request.method": http.method, "http.route": route}
+        return request_trace.start_request(f"{http.method} {route}", http.headers, req, self._model, attributes)
+
     async def _submit(self, translated: translate.Translated, http: web.Request) -> Request:
         # The end client, for the mask service's per-owner compile fairness.
         client = client_identity(http.headers.items(), http.remote or "")
+        span = self._request_span(http, translated.request)
         try:
-            return await self._engine.submit(dataclasses.replace(translated.request, client=client))
+            with request_trace.admission(span):
+                admitted = await self._engine.submit(dataclasses.replace(translated.request, client=client))
+            request_trace.attach(span, admitted)
+            return admitted
         except RequestError as exc:
             self._metrics.rejected.labels(code=exc.code.name).inc()
             logger.info("[request_id=%s] refused (%s): %s", translated.request.request_id, exc.code.name, exc.message)
@@ -192,6 +214,7 @@ class OpenAIRoutes:
                 )
             result = await admitted.result()
             _raise_for_finish(result.finish_reason, result.error)
+            output_chars = len(result.text)  # the whole output's, which logprob offsets count in
             answer = reasoning.split_answer(thinking, result.text) if thinking is not None else None
             if answer is not None:  # the grammar, and every check, governed only the content
                 result = dataclasses.replace(result, text=answer.content or "")
@@ -202,12 +225,16 @@ class OpenAIRoutes:
             if texts is not None:
                 # Tool calls are not content: their tokens have no content logprobs (OpenAI's shape).
                 entries = result.logprobs if message.get("content") is not None else None
+                if entries is not None and message.get("tool_calls"):  # text, then calls
+                    calls_at = output_chars - (len(result.text) - len(message["content"]))
+                    entries = tuple(e for e in entries if e.text_offset < calls_at)
                 logprobs = rsp.chat_logprobs(entries, texts)
             return web.json_response(
                 rsp.chat_completion(env, message, finish, result.usage, result.grammar, logprobs), headers=headers
             )
         finally:
             self._engine.cancel(admitted.request_id)
+            request_trace.finish(admitted)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await parse_body(request, CompletionRequest)
@@ -232,6 +259,7 @@ class OpenAIRoutes:
             )
         finally:
             self._engine.cancel(admitted.request_id)
+            request_trace.finish(admitted)
 
     def _chat_message(
         self, text: str, reason: FinishReason, calls: tool_grammar.ToolGrammar | None
@@ -244,16 +272,17 @@ class OpenAIRoutes:
         """
         if calls is None:
             return {"role": "assistant", "content": text}, rsp.FINISH_REASONS[reason]
-        if reason is FinishReason.GRAMMAR_COMPLETE and (
-            not calls.text_allowed or tool_grammar.is_call_output(text, calls)
-        ):
+        before, call_text = tool_grammar.split_calls(text, calls)
+        if reason is FinishReason.GRAMMAR_COMPLETE and call_text is not None:
             try:
-                parsed = tool_grammar.parse_calls(text, calls, self._checker)
+                parsed = tool_grammar.parse_calls(call_text, calls, self._checker)
             except ValueError as exc:
                 raise ApiError(
                     GRAMMAR_VIOLATION, f"grammar violation: the generated tool call is not valid: {exc}"
                 ) from None
-            return {"role": "assistant", "content": None, "tool_calls": parsed}, "tool_calls"
+            # Text before the calls is their content, as vLLM's parsers return it ("Let me check.").
+            content = before if before.strip() else None
+            return {"role": "assistant", "content": content, "tool_calls": parsed}, "tool_calls"
         return {"role": "assistant", "content": tool_grammar.text_content(text, calls)}, rsp.FINISH_REASONS[reason]
 
     # ---- streaming -------------------------------------------------------
@@ -282,13 +311,25 @@ class OpenAIRoutes:
             await stream.send(rsp.chat_chunk(env, {"role": "assistant", "content": ""}))
             held: list[str] = []
             held_logprobs: list[OutputLogprob] = []
+            output_chars = 0  # the whole output's so far, which logprob offsets count in
             async for out in admitted.events():
+                output_chars += len(out.text)
                 if sections is not None:  # what follows sees only the content
                     out = await self._send_reasoning(stream, env, sections, out, texts)
                 content, call_text = split.feed(out.text) if out.text else ("", "")
                 if call_text:
                     held.append(call_text)
-                if split.calls or (out.text and not content):
+                if content and call_text:  # text, then the calls' start: each its tokens
+                    tokens = [*held_logprobs, *(out.logprobs or ())]
+                    calls_at = output_chars - len(call_text)
+                    held_logprobs = [e for e in tokens if e.text_offset >= calls_at]
+                    lp = (
+                        None
+                        if texts is None
+                        else rsp.chat_logprobs([e for e in tokens if e.text_offset < calls_at], texts)
+                    )
+                    await stream.send(rsp.chat_chunk(env, {"content": content}, logprobs=lp))
+                elif split.calls or (out.text and not content):
                     held_logprobs.extend(out.logprobs or ())  # held text's tokens (or tokens after it)
                 elif texts is not None and (content or out.logprobs):
                     lp = rsp.chat_logprobs([*held_logprobs, *(out.logprobs or ())], texts)

@@ -54,6 +54,12 @@ class ToolCallFormat:
     ``text_open``: what a plain-text answer starts with (harmony's final channel), "" for
     most. ``triggers``: text that, written in a plain-text answer, a parser of this format
     would take for a call (the text branch of any grammar never contains one).
+    ``text_never_starts``: characters a text answer may not start with (after whitespace)
+    because this format's parser reads an output starting so as a call (vLLM's Llama
+    parsers: any output starting with ``{``); every other call start is a trigger, which
+    text never holds anywhere. ``text_before_calls``: whether text may come before the
+    calls in one answer, its parser splitting it off into ``content`` (vLLM's Hermes and
+    Mistral parsers do; its Llama parser reads a call only at the start).
     ``parallel``: whether several calls may follow one another in one answer.
     """
 
@@ -66,9 +72,16 @@ class ToolCallFormat:
     markers: tuple[str, ...]  # in a chat template: any of them identifies the format
     triggers: tuple[str, ...]
     text_open: str = ""
+    text_never_starts: str = ""
+    text_before_calls: bool = False
     parallel: bool = True
     # Call ids the template takes back in later turns: Mistral's refuses any but 9 alphanumerics.
     call_id_length: int = 0  # 0: OpenAI-style "call_" + 24 hex digits
+
+    def __post_init__(self) -> None:
+        if self.text_before_calls and self.text_open:
+            # Text before calls is read up to the first call_start: it has no opening of its own.
+            raise ValueError(f"{self.parser.value}: text before calls needs an empty text_open")
 
     def call_head(self, name: str) -> str:
         """The literal before a call's arguments (``name`` as JSON string content)."""
@@ -96,6 +109,7 @@ HERMES = ToolCallFormat(
     calls_close="",
     markers=("<tool_call>",),
     triggers=("<tool_call>",),
+    text_before_calls=True,  # "Let me check.<tool_call>...", as Qwen3 and Hermes models write
 )
 LLAMA3_JSON = ToolCallFormat(
     parser=ToolCallParser.LLAMA3_JSON,
@@ -106,6 +120,7 @@ LLAMA3_JSON = ToolCallFormat(
     calls_close="",
     markers=("<|python_tag|>", '"parameters"'),
     triggers=('{"name"', "<|python_tag|>"),
+    text_never_starts="{",
 )
 MISTRAL = ToolCallFormat(
     parser=ToolCallParser.MISTRAL,
@@ -116,6 +131,7 @@ MISTRAL = ToolCallFormat(
     calls_close="]",
     markers=("[TOOL_CALLS]",),
     triggers=("[TOOL_CALLS]",),
+    text_before_calls=True,
     call_id_length=9,
 )
 HARMONY = ToolCallFormat(

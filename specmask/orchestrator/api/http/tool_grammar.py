@@ -15,22 +15,26 @@ The grammar (xgrammar EBNF, built with ``xgrammar.Grammar`` union/concat so ever
 tool's JSON Schema keeps its own rules)::
 
     root  ::= text | calls                     ("auto"; otherwise root ::= calls)
+    root  ::= text | text calls                ("auto" where the format has text before calls)
     calls ::= calls_open call (separator call){0, max_calls - 1} calls_close
     call  ::= head("get_weather") <its parameters> tail | ...
     text  ::= text_open body
 
-``body`` is free text with two exclusions, so a call can never hide in content:
-it does not start (after whitespace) with ``<``, ``{`` or ``[`` (every format's call,
-and the Llama parsers' "output starting with {", start with one of them), and it
+``body`` is free text with two exclusions, so a call can never hide in content: it
 never contains ``tool_formats.TEXT_EXCLUSIONS`` (``<|``, ``<｜``, ``<tool_call>``,
 ``{"name"``, ``[TOOL_CALLS]``), one of which is in every call trigger of every known
-format: the grammar's text is what a vLLM-style parser of any of those formats reads
-as text only. The exclusion is a right-linear grammar of the Aho-Corasick automaton
-of those strings.
+format, and it does not start (after whitespace) with the format's
+``text_never_starts`` (Llama's ``{``: its parsers read any output starting with one as
+a call). So the grammar's text is what a vLLM-style parser of any of those formats
+reads as text only, and may still start with ``<``, ``{`` or ``[`` wherever the
+format's parser would not take that for a call (``<b>`` under Hermes). The exclusion
+is a right-linear grammar of the Aho-Corasick automaton of those strings.
 
-Which branch the output took is decided by its start: a call output starts with the
-format's ``call_start``, text never does (``StreamSplit`` holds back only while the
-output could still be either). The end check: every call is parsed and its
+Where the calls start is decided by the format's ``call_start``: its first occurrence
+is the first call (text never holds the trigger inside it, and no trigger overlaps
+itself, so the trigger cannot begin in the text and end in the call); with no text
+before calls, an output is calls exactly when it starts with it (``StreamSplit`` holds
+back only text that could still be the start of a call). The end check: every call is parsed and its
 arguments validated against its tool's own schema with the orchestrator's output
 checker (``jsonschema``, the caller's schema), beyond the engine's end check of the
 EBNF; a call that fails is an error, never a success.
@@ -142,7 +146,13 @@ def tool_grammar(
         raise RuntimeError("unexpected printed tool-call grammar")  # an xgrammar change, not a client error
     more = f" ({_literal(fmt.separator)} {_CALL_RULE}){{0, {max_calls - 1}}}" if max_calls > 1 else ""
     calls_rule = f"{_literal(fmt.calls_open)} {_CALL_RULE}{more} {_literal(fmt.calls_close)}"
-    lines = [f"root ::= {_RULE_PREFIX}text | {_RULE_PREFIX}calls" if text_allowed else f"root ::= {calls_rule}"]
+    if not text_allowed:
+        lines = [f"root ::= {calls_rule}"]
+    elif fmt.text_before_calls:
+        # One rule for text, calls, and text then calls (an empty text first is the calls alone).
+        lines = [f'root ::= {_RULE_PREFIX}text ("" | {_RULE_PREFIX}calls)']
+    else:
+        lines = [f"root ::= {_RULE_PREFIX}text | {_RULE_PREFIX}calls"]
     if text_allowed:
         lines.append(f"{_RULE_PREFIX}calls ::= {calls_rule}")
         lines += _text_rules(fmt)
@@ -174,12 +184,14 @@ def _text_rules(fmt: ToolCallFormat) -> list[str]:
 
     The exclusions' Aho-Corasick automaton, one rule per state (a trie node that is not a
     whole trigger): each rule may end, or read a character and go on in the next state;
-    characters that would complete a trigger have no branch. Every trigger starts with
-    one of the excluded first characters, so after the first character the automaton
-    starts in its root state.
+    characters that would complete a trigger have no branch. The body starts in the root
+    state, after any whitespace, through ``first``: the root state's branches less those
+    of the characters ``text_never_starts`` forbids there.
     """
     triggers = TEXT_EXCLUSIONS
-    lead = sorted({t[0] for t in triggers} | set(_LEADING_SPACE))
+    never = set(fmt.text_never_starts)
+    if never & set(_LEADING_SPACE):
+        raise ValueError("text_never_starts is read after whitespace; it cannot hold whitespace")
     states = [""]  # trie nodes, by the prefix they stand for
     for trig in triggers:
         for i in range(1, len(trig)):
@@ -198,38 +210,70 @@ def _text_rules(fmt: ToolCallFormat) -> list[str]:
 
     alphabet = sorted({ch for t in triggers for ch in t})
     index = {s: i for i, s in enumerate(states)}
-    rules = [
-        f"{_RULE_PREFIX}text ::= {_literal(fmt.text_open)} {_RULE_PREFIX}body",
-        f'{_RULE_PREFIX}body ::= "" | [{"".join(_char(c) for c in _LEADING_SPACE)}] {_RULE_PREFIX}body'
-        f" | [^{''.join(_char(c) for c in lead)}] {_RULE_PREFIX}s0",
-    ]
-    for prefix in states:
-        branches = ['""']
-        special: list[str] = []  # characters that do not lead back to the root state
+
+    def branches(prefix: str, banned: set[str]) -> list[str]:
+        """The state's ways on: a character that advances the automaton, or any other one
+        back to the root state; none for a character in ``banned`` or completing a trigger."""
+        out: list[str] = []
+        special = set(banned)  # characters that do not lead back to the root state
         for ch in alphabet:
             nxt = step(prefix, ch)
-            if nxt == "":
+            if nxt == "" or ch in banned:
                 continue
-            special.append(ch)
+            special.add(ch)
             if nxt is not None:
-                branches.append(f"{_literal(ch)} {_RULE_PREFIX}s{index[nxt]}")
-        branches.append(
-            f"[^{''.join(_char(c) for c in special)}] {_RULE_PREFIX}s0" if special else f"[^] {_RULE_PREFIX}s0"
-        )
-        rules.append(f"{_RULE_PREFIX}s{index[prefix]} ::= {' | '.join(branches)}")
+                out.append(f"{_literal(ch)} {_RULE_PREFIX}s{index[nxt]}")
+        rest = "".join(_char(c) for c in sorted(special))
+        out.append(f"[^{rest}] {_RULE_PREFIX}s0" if rest else f"[^] {_RULE_PREFIX}s0")
+        return out
+
+    space = "".join(_char(c) for c in _LEADING_SPACE)
+    rules = [f"{_RULE_PREFIX}text ::= {_literal(fmt.text_open)} {_RULE_PREFIX}body"]
+    if never:
+        first = " | ".join(branches("", never | set(_LEADING_SPACE)))
+        rules.append(f'{_RULE_PREFIX}body ::= "" | [{space}] {_RULE_PREFIX}body | {first}')
+    else:
+        rules.append(f"{_RULE_PREFIX}body ::= {_RULE_PREFIX}s0")
+    for prefix in states:
+        rules.append(f"{_RULE_PREFIX}s{index[prefix]} ::= {' | '.join([_literal(''), *branches(prefix, set())])}")
     return rules
 
 
+def split_calls(text: str, tools: ToolGrammar) -> tuple[str, str | None]:
+    """A complete output -> (the text before its calls, the calls' text; None: no calls).
+
+    Text never holds a trigger, so the first ``call_start`` is where the calls begin (see
+    the module doc); a format without text before calls has calls only at the start.
+    """
+    fmt = tools.format
+    if not tools.text_allowed:
+        return "", text
+    if fmt.text_before_calls:
+        at = text.find(fmt.call_start)
+        return (text, None) if at < 0 else (text[:at], text[at:])
+    return ("", text) if text.startswith(fmt.call_start) else (text, None)
+
+
 def is_call_output(text: str, tools: ToolGrammar) -> bool:
-    """Whether a complete output is tool calls rather than text (text never starts like a call)."""
-    return text.startswith(tools.format.call_start)
+    """Whether a complete output holds tool calls (after any text its format allows first)."""
+    return split_calls(text, tools)[1] is not None
+
+
+def _prefix_held(text: str, start: str) -> int:
+    """The length of the longest end of ``text`` that ``start`` begins with (0: none)."""
+    for n in range(min(len(text), len(start) - 1), 0, -1):
+        if start.startswith(text[-n:]):
+            return n
+    return 0
 
 
 class StreamSplit:
     """Which streamed text is held back (tool calls, sent whole once complete and checked) and
     which is sent as content as it comes. With text allowed, the output's start decides, once:
     held while it could still begin either branch, then text (after the format's ``text_open``)
-    or calls for the rest of the answer."""
+    or calls for the rest of the answer. Where the format has text before calls, text is sent
+    as it comes, less an end that could begin ``call_start`` (held until the next text decides
+    it), and the calls start, for the rest of the answer, where ``call_start`` does."""
 
     def __init__(self, tools: ToolGrammar | None) -> None:
         self._tools = tools
@@ -244,6 +288,14 @@ class StreamSplit:
         assert self._tools is not None
         fmt = self._tools.format
         start = self._start + text
+        if fmt.text_before_calls:
+            at = start.find(fmt.call_start)
+            if at >= 0:
+                self.calls, self._undecided, self._start = True, False, ""
+                return start[:at], start[at:]
+            cut = len(start) - _prefix_held(start, fmt.call_start)
+            self._start = start[cut:]
+            return start[:cut], ""
         if start.startswith(fmt.call_start):
             self.calls, self._undecided, self._start = True, False, ""
             return "", start

@@ -30,7 +30,13 @@ from specmask.orchestrator.api.http.tool_formats import (
     detect,
     resolve,
 )
-from specmask.orchestrator.api.http.tool_grammar import StreamSplit, is_call_output, parse_calls, tool_grammar
+from specmask.orchestrator.api.http.tool_grammar import (
+    StreamSplit,
+    is_call_output,
+    parse_calls,
+    split_calls,
+    tool_grammar,
+)
 from specmask.orchestrator.output_check import OutputChecker
 from tests.fixtures.chat_templates import LLAMA_31, MISTRAL_V03, qwen3_template, with_template
 from tests.fixtures.shared_data import require, shared_data_dir
@@ -155,26 +161,65 @@ def test_mistral_call_ids_are_nine_alphanumerics() -> None:
 
 
 def test_text_never_starts_like_a_call_nor_holds_a_trigger() -> None:
-    # Text without the exclusions holds no trigger, and starts like no call.
+    # Text without the exclusions holds no trigger; every call starts with a trigger, but
+    # Llama's parsers also read any output starting with "{" as a call.
     assert all(any(x in t for x in TEXT_EXCLUSIONS) for t in all_triggers())
-    assert all(f.call_start[0] in "<{[" and (f.text_open[:1] in "<") for f in FORMATS.values())
-    auto = tool_grammar(TOOLS, "auto", True, HERMES)
-    for text, ok in (
-        ("", True),
-        ("  \n", True),
-        ("Use <b>bold</b> and [links] and {braces}.", True),
-        ("{}", False),
-        ('  {"name": 1}', False),
-        ("[1, 2]", False),
-        ("<b>", False),
-        ('a {"name"', False),
-        ("a <|python_tag|>", False),
-        ("a <｜tool▁calls▁begin｜>", False),
-        ("a <tool_cal", True),  # a prefix of a trigger is text
-        ("a <<tool_call>", False),
-        ("é 😀 <tool_call", True),
-    ):
-        assert CHECKER.check(auto.grammar, text).ok is ok, text
+    assert all(any(x in f.call_start for x in TEXT_EXCLUSIONS) for f in FORMATS.values())
+    assert all(f.text_open[:1] in "<" for f in FORMATS.values())
+    for fmt in (HERMES, LLAMA3_JSON, MISTRAL):
+        auto = tool_grammar(TOOLS, "auto", True, fmt)
+        llama = fmt is LLAMA3_JSON
+        for text, ok in (
+            ("", True),
+            ("  \n", True),
+            ("Use <b>bold</b> and [links] and {braces}.", True),
+            ("{}", not llama),
+            ("  \n{}", not llama),
+            ("x {}", True),
+            ('  {"name": 1}', False),
+            ("[1, 2]", True),
+            ("<b>", True),
+            ("<tool_cal", True),
+            ("[TOOL_CALLS", True),
+            ('a {"name"', False),
+            ("a <|python_tag|>", False),
+            ("<|python_tag|>", False),
+            ("a <｜tool▁calls▁begin｜>", False),
+            ("a <tool_cal", True),  # a prefix of a trigger is text
+            ("a <<tool_call>", False),
+            ("<<tool_call>", False),
+            ("[[TOOL_CALLS]", False),
+            ("é 😀 <tool_call", True),
+        ):
+            assert CHECKER.check(auto.grammar, text).ok is ok, (fmt.parser, text)
+    harmony = tool_grammar(TOOLS, "auto", True, HARMONY)
+    for body in ("{}", "[1]", "<b>"):
+        assert CHECKER.check(harmony.grammar, HARMONY.text_open + body).ok
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=lambda f: f.parser.value)
+def test_text_before_calls_where_the_format_has_it(fmt: ToolCallFormat) -> None:
+    """Hermes and Mistral parsers split text before the calls off into content; Llama's and
+    harmony's read calls only at the start (harmony's text is its final channel)."""
+    auto = tool_grammar(TOOLS, "auto", True, fmt)
+    calls = calls_text(fmt, ("get_weather", {"city": "Paris"}), ("stop", {}))
+    if not fmt.parallel:
+        calls = calls_text(fmt, ("get_weather", {"city": "Paris"}))
+    mixed = fmt.text_open + "Let me check <b>that</b>.\n" + calls
+    assert CHECKER.check(auto.grammar, mixed).ok is fmt.text_before_calls
+    assert fmt.text_before_calls is (fmt in (HERMES, MISTRAL))
+    if fmt.text_before_calls:
+        before, rest = split_calls(mixed, auto)
+        assert before == "Let me check <b>that</b>.\n" and rest == calls
+        assert [c["function"]["name"] for c in parse_calls(rest, auto, CHECKER)][0] == "get_weather"
+        assert not CHECKER.check(auto.grammar, mixed + " Done.").ok  # nothing after the calls
+        required = tool_grammar(TOOLS, "required", True, fmt)
+        assert not CHECKER.check(required.grammar, mixed).ok  # text only under "auto"
+        # The trigger never overlaps itself, so none can begin in the text and end in the call.
+        marker = next(x for x in TEXT_EXCLUSIONS if fmt.call_start.startswith(x))
+        assert not any(marker[i:] == marker[: len(marker) - i] for i in range(1, len(marker)))
+    else:
+        assert split_calls(mixed, auto) == (mixed, None)
 
 
 def test_detection_from_templates_and_the_flag(shared: Path, tmp_path: Path) -> None:
@@ -252,12 +297,16 @@ def test_auto_refuses_other_formats_token_by_token_on_qwen3(shared: Path) -> Non
                 ids = hf.encode(prefix + text, add_special_tokens=False)
                 cut = _walk(engine, compiled, ids, stop)
                 assert cut is not None and cut < len(ids), (fmt.parser, other, prefix)
-    # The single <tool_call> token opens a Hermes call, and no text.
+    # The single <tool_call> token opens a Hermes call, after text too, and never text.
     tool_call_id = hf.convert_tokens_to_ids("<tool_call>")
     hermes = engine.compile(compiler, tool_grammar(TOOLS, "auto", True, HERMES).grammar)
     assert _walk(engine, hermes, [tool_call_id], stop) == 1  # accepted, but not an end
     said = hf.encode("Sure.", add_special_tokens=False)
-    assert _walk(engine, hermes, [*said, tool_call_id], stop) == len(said)
+    assert _walk(engine, hermes, [*said, tool_call_id], stop) == len(said) + 1
+    mixed = hf.encode("Sure.\n" + WRITTEN[ToolCallParser.HERMES], add_special_tokens=False)
+    assert _walk(engine, hermes, mixed, stop) is None
+    tail = hf.encode(" Done.", add_special_tokens=False)
+    assert _walk(engine, hermes, [*mixed, *tail], stop) == len(mixed)  # nothing after the calls
 
 
 def test_tool_call_parser_flag_on_every_serving_command() -> None:

@@ -16,7 +16,13 @@ from specmask.orchestrator.api.http.lenient import MAX_NAMED_FIELDS, OTHER, Unkn
 from specmask.orchestrator.api.http.prompting import TranscriptPrompter
 from specmask.orchestrator.api.http.protocol import ChatCompletionRequest, Tool
 from specmask.orchestrator.api.http.tool_formats import HERMES
-from specmask.orchestrator.api.http.tool_grammar import StreamSplit, is_call_output, parse_calls, tool_grammar
+from specmask.orchestrator.api.http.tool_grammar import (
+    StreamSplit,
+    is_call_output,
+    parse_calls,
+    split_calls,
+    tool_grammar,
+)
 from specmask.orchestrator.metrics import OrchestratorMetrics
 from specmask.orchestrator.output_check import OutputChecker
 
@@ -64,8 +70,17 @@ def _call(name: str, arguments: object) -> str:
         (_call("move", {"p": [1]}), False, False),
         (_call("jump", {}), False, False),
         (_call("stop", {}) + " trailing", False, False),
-        ("<b>bold</b>", False, False),
+        ("<b>bold</b>", True, True),  # starts with "<", yet is no Hermes call
+        ('{"city": "Paris"} and [1, 2]', True, True),
         ('<tool_call>\n{"name": "stop", "arguments": {}', False, False),
+        # Text, then calls ("Let me check."), as Qwen3 models write them; nothing after them.
+        ("Let me check." + _call("stop", {}), True, True),
+        ("Let me check.\n" + _call("stop", {}) + "\n" + _call("move", {"p": [3, 4]}), False, True),
+        ("<b>See</b>\n" + _call("stop", {}), True, True),
+        ("a <tool_cal" + _call("stop", {}), True, True),  # a trigger's prefix, then the call
+        ("Sure. " + _call("stop", {}) + "\nDone.", False, False),
+        (_call("stop", {}) + "\nThen " + _call("stop", {}), False, False),
+        ("Sure. " + _call("weather", {"city": "Rome", "days": 3}), False, False),
     ],
 )
 def test_auto_grammar_admits_text_or_valid_calls(text: str, single: bool, parallel: bool) -> None:
@@ -154,20 +169,42 @@ def test_auto_refuses_a_tool_schema_the_mask_service_refuses() -> None:
     assert exc.value.param == "tools" and "'bad'" in exc.value.message
 
 
-def test_stream_split_decides_once_on_the_start() -> None:
+def test_stream_split_sends_text_and_holds_the_calls() -> None:
     auto = tool_grammar(TOOLS, "auto", True)
     text = StreamSplit(auto)
-    assert [text.feed(t) for t in ("Hi", " <b>", "<tool_call>")] == [("Hi", ""), (" <b>", ""), ("<tool_call>", "")]
-    assert not text.calls
+    # An end that could begin a call is held until the next text decides it.
+    fed = [text.feed(t) for t in ("Hi", " <b>", "<tool_c", "all> x", "<tool_call>")]
+    assert fed == [("Hi", ""), (" <b>", ""), ("", ""), ("<tool_call> x", ""), ("", "")]
+    assert not text.calls and text.pending() == "<tool_call>"
     calls = StreamSplit(auto)
     fed = [calls.feed(t) for t in ("<tool", "_call>\n", '{"name": "st', "op")]
     assert fed == [("", ""), ("", ""), ("", '<tool_call>\n{"name": "st'), ("", "op")]
     assert calls.calls
-    # Held while it could be either, then released as text.
+    # Text, then the calls' start in the same piece: the text is sent, the rest held.
+    mixed = StreamSplit(auto)
+    assert mixed.feed("Let me <tool") == ("Let me ", "")
+    assert mixed.feed('_call>\n{"name": "stop", "arguments": {}}') == (
+        "",
+        '<tool_call>\n{"name": "stop", "arguments": {}}',
+    )
+    assert mixed.calls and mixed.feed("\n</tool_call>") == ("", "\n</tool_call>")
     late = StreamSplit(auto)
     assert [late.feed(t) for t in ("<", "b>")] == [("", ""), ("<b>", "")] and not late.calls
     assert StreamSplit(tool_grammar(TOOLS, "required", True)).feed("<") == ("", "<")
     assert StreamSplit(None).feed("<") == ("<", "")
+
+
+def test_text_before_calls_is_their_content() -> None:
+    auto = tool_grammar(TOOLS, "auto", True)
+    one = _call("stop", {})
+    assert split_calls("Let me check.\n" + one, auto) == ("Let me check.\n", one)
+    assert split_calls(one, auto) == ("", one)
+    assert split_calls("a <tool_cal" + one, auto) == ("a <tool_cal", one)
+    assert split_calls("plain <tool_call", auto) == ("plain <tool_call", None)
+    required = tool_grammar(TOOLS, "required", True)
+    assert split_calls("Sure. " + one, required) == ("", "Sure. " + one)  # no text: parse_calls refuses it
+    with pytest.raises(ValueError):
+        parse_calls("Sure. " + one, required, CHECKER)
 
 
 def test_auto_grammar_keeps_non_ascii_literals() -> None:
