@@ -45,11 +45,12 @@ from specmask.gpu_worker.mask_errors import MASK_TIER_UNAVAILABLE, describe_mask
 from specmask.gpu_worker.mask_table import DeviceMaskTable
 from specmask.gpu_worker.masks import MaskChannel, OpenedSession
 from specmask.gpu_worker.model_runner import ForwardItem, ModelRunner
+from specmask.gpu_worker.planning import IterationPlanner, PlanSeq, whole_chunk
 from specmask.gpu_worker.proposers.base import ProposerResources
 from specmask.gpu_worker.proposers.registry import build_proposers, order_names
 from specmask.gpu_worker.sequence import SequenceState
 from specmask.gpu_worker.static_forward import BATCH_BUCKETS, WIDTH_BUCKETS
-from specmask.gpu_worker.step import StepRunner, uncached
+from specmask.gpu_worker.step import StepRunner
 from specmask.gpu_worker.types import (
     LIVENESS_GROUP,
     MAX_TOP_LOGPROBS,
@@ -67,16 +68,6 @@ from specmask.mask_service.auth import owner_tag
 logger = logging.getLogger(__name__)
 
 _SEED_BITS = 63  # kernels take int64 seeds; keep them non-negative
-# The most tokens of one prompt a forward feeds. A forward over the slot pool attends
-# with an explicit [rows, 1, new_tokens, keys] mask; SDPA without a fused kernel (CPU)
-# materialised it per head when whole prompts went in one padded forward: nine
-# 3,000-token chat prompts took > 5 GB and over two minutes on 2 cores. Chunks of at
-# most this many tokens, attended row by row in the packed forward
-# (gpu_worker.attention), keep a forward at O(rows x chunk x prompt) mask bytes.
-PREFILL_CHUNK_TOKENS = 512
-# The budget of an iteration with nothing to step (budget tokens, gpu_worker.token_cost):
-# one whole chunk at the start of a prompt, whatever the configured iteration budget.
-IDLE_PREFILL_BUDGET = PREFILL_CHUNK_TOKENS
 
 
 class GpuWorker:
@@ -175,10 +166,10 @@ class GpuWorker:
             mask_table=self.mask_table,
         )
         self._seqs: dict[str, SequenceState] = {}  # insertion order = batch order
-        # Prompt tokens the first step feeds (WorkerConfig.step_prefill_tokens), capped so that a
-        # new sequence's first step fits the iteration budget with room for others.
-        self.iteration_budget = iteration_budget(config, self.device.type)
-        self._step_tail = max(1, min(config.step_prefill_tokens, self.iteration_budget // 2))
+        # The iteration's token budget and how new prompts are fed within it (gpu_worker.planning).
+        self.planner = IterationPlanner.of(
+            iteration_budget(config, self.device.type), config.step_prefill_tokens, self.target.cost
+        )
         # Forwards (prefill chunks) and steps finished: the heartbeat's progress (``progress``).
         self.progress_count = 0
         self._rng = random.Random(config.seed)
@@ -345,8 +336,8 @@ class GpuWorker:
                     logger.warning("could not grow the %s KV pool for %d sequences", runner.name, len(accepted))
         for _, state in accepted:
             # Cached by the iterations' prefill chunks (``_plan_chunks``), within their budget;
-            # the first step feeds the tail (WorkerConfig.step_prefill_tokens, ``_tail_tokens``).
-            state.prefill_to = len(state.token_ids) - self._tail_tokens(len(state.token_ids))
+            # the first step feeds the tail (WorkerConfig.step_prefill_tokens, planning.tail_tokens).
+            state.prefill_to = len(state.token_ids) - self.planner.tail_tokens(len(state.token_ids))
         if wait_for_sessions:
             try:
                 self._prefill([s for _, s in accepted])
@@ -380,12 +371,13 @@ class GpuWorker:
         return errors
 
     def step(self) -> list[StepOutput]:
-        """One iteration within ``iteration_budget`` budget tokens (gpu_worker.token_cost: a
-        token counts its attention over the keys before it): a decoding step for the sequences
-        ``_step_batch`` picks (running ones first), with chunks of the prompts not yet cached
-        riding in the step's target forward with what is left (``_plan_chunks``), so an
-        iteration reads the weights once; finished sequences are freed. With nothing to step,
-        the chunks run alone (``_prefill_some``) within ``IDLE_PREFILL_BUDGET``. A sequence
+        """One iteration within the iteration budget (gpu_worker.token_cost: a token counts
+        its attention over the keys before it), as gpu_worker.planning plans it: a decoding
+        step for the sequences ``_step_batch`` picks (running ones first), with chunks of the
+        prompts not yet cached riding in the step's target forward with what is left
+        (``_plan_chunks``), so an iteration reads the weights once; finished sequences are
+        freed. With nothing to step, the chunks run alone (``_prefill_some``) within
+        ``planning.IDLE_PREFILL_BUDGET``. A sequence
         whose session is still opening when the step starts joins it late if the open answers
         while the drafts are proposed (``join_late``) and its tail fits; otherwise it sits this
         step out (no output for it).
@@ -397,59 +389,24 @@ class GpuWorker:
         if not batch and self._seqs and not prefilling:
             refused += self._settle_sessions(wait=True)
             batch = self._step_batch(prefilling)
-        budget = self.iteration_budget
         if not batch:
-            # Nothing decodes here, so no stream's inter-token latency is at stake: prompts are
-            # read in whole chunks. The CPU budget would cut a 500-token prompt into a dozen
-            # forwards, each paying a forward's fixed cost again (and the draft's catch-up).
-            return refused + self._prefill_some(max(budget, IDLE_PREFILL_BUDGET))
-        return refused + self._step(batch, refused, budget - (budget // 4 if prefilling else 0))
+            return refused + self._prefill_some(self.planner.idle_budget())
+        return refused + self._step(batch, refused, self.planner.step_budget(prefilling))
 
     def _step_batch(self, prefilling: bool) -> list[SequenceState]:
-        """The sequences this iteration's step takes: every running one (one uncached token
-        each, plus drafts the step trims to the budget), then new ones whose prompt is cached
-        up to its tail, in arrival order, while their tails fit (the first always). A quarter of the budget is
-        kept for prefill chunks while any prompt is being prefilled, so a stream of running
-        sequences cannot starve them."""
-        budget = self.iteration_budget - (self.iteration_budget // 4 if prefilling else 0)
-        ready = [s for s in self._seqs.values() if s.session_opening is None and not s.prefilling]
-        batch = [s for s in ready if uncached(s) == 1]
-        used = sum(self._feed_cost(s, 0) for s in batch)
-        joining = 0
-        for s in ready:
-            cost = self._feed_cost(s, 0)
-            # One new sequence joins every iteration even past the budget (by at most its tail,
-            # half the budget): running rows alone may fill it, and a sequence already placed
-            # here must not wait for them to finish.
-            if uncached(s) > 1 and (used + cost <= budget or not joining):
-                batch.append(s)
-                used += cost
-                joining += 1
-        return batch
+        """The sequences this iteration's step takes (planning.IterationPlanner.step_batch)."""
+        return [self._seqs[seq_id] for seq_id in self.planner.step_batch(self._views(), prefilling)]
 
-    def _tail_tokens(self, prompt_len: int) -> int:
-        """How many trailing prompt tokens a new sequence's first step feeds: at most
-        ``_step_tail``, and few enough to cost at most half the budget (the tail of a long
-        prompt attends over all of it), so that it fits beside the running rows; at least one
-        (the step needs the last prompt token's logits)."""
-        tail = min(self._step_tail, prompt_len)
-        half = self.iteration_budget / 2
-        while tail > 1 and self.target.cost.span(prompt_len - tail, tail) > half:
-            tail -= 1
-        return tail
-
-    def _feed_cost(self, s: SequenceState, drafts: int) -> float:
-        """Budget tokens of ``s``'s next step row: its uncached tokens plus ``drafts``."""
-        return self.target.cost.span(s.target_kv.length, uncached(s) + drafts)
+    def _views(self) -> list[PlanSeq]:
+        """The active sequences as the scheduler sees them, in arrival order."""
+        return [plan_view(s) for s in self._seqs.values()]
 
     def _step(self, batch: list[SequenceState], refused: list[StepOutput], budget: int) -> list[StepOutput]:
         """One decoding step of ``batch`` within ``budget`` (late joiners included), with
         prompt chunks riding in its target forward within what is left of the iteration's."""
         joined: list[SequenceState] = []
         in_batch = {s.seq_id for s in batch}
-        # A lower bound on what the step leaves of the budget: drafts are trimmed to fit it, and
-        # proposers may propose fewer than planned.
-        room = budget - min(budget, sum(self._feed_cost(s, self.stepper.plan_k(s)) for s in batch))
+        room = self.planner.step_room([(plan_view(s), self.stepper.plan_k(s)) for s in batch], budget)
 
         def join_late() -> list[SequenceState]:
             # A new grammar sequence would otherwise sit its first step out: the step after its
@@ -458,12 +415,8 @@ class GpuWorker:
             # round trips) gives the open that time; joining then saves the sequence an iteration.
             nonlocal room
             refused.extend(self._settle_sessions(wait=False))
-            for s in self._seqs.values():
-                if s.session_opening is None and not s.prefilling and s.seq_id not in in_batch:
-                    cost = self._feed_cost(s, 0)
-                    if cost <= room:
-                        room -= cost
-                        joined.append(s)
+            late, room = self.planner.late_joiners(self._views(), in_batch, room)
+            joined.extend(self._seqs[seq_id] for seq_id in late)
             return joined
 
         riders = _ChunkRiders(self)
@@ -640,35 +593,24 @@ class GpuWorker:
                 raise ValueError(f"{what} token id {t!r} outside [0, {self.vocab_size})")
 
     def _prefill(self, states: Sequence[SequenceState]) -> None:
-        """Cache each prompt up to its tail now, sequence by sequence, PREFILL_CHUNK_TOKENS at a
-        time (``add(wait_for_sessions=True)``: benchmarks and replays; serving prefills within
+        """Cache each prompt up to its tail now, sequence by sequence, a whole chunk at a
+        time (planning.whole_chunk) (``add(wait_for_sessions=True)``: benchmarks and replays; serving prefills within
         the iterations' budget instead, ``_plan_chunks``)."""
         for s in states:
             while s.prefilling:
-                lo = s.target_kv.length
-                chunk = s.token_ids[lo : min(s.prefill_to, lo + PREFILL_CHUNK_TOKENS)]
+                c = whole_chunk(plan_view(s))
+                chunk = s.token_ids[c.start : c.start + c.count]
                 self.target.forward([ForwardItem(s.target_kv, chunk, 0)])
                 self._forward_drafts([s])
                 self.progress_count += 1
 
     def _plan_chunks(self, budget: float) -> list[tuple[SequenceState, list[int]]]:
-        """The next prompt chunks to cache within ``budget`` budget tokens: prompts not yet
-        cached, oldest first, each chunk at most PREFILL_CHUNK_TOKENS and sized by its cost
-        (a chunk late in a long prompt attends over all of it, so fewer of its tokens fit). The
-        oldest gets at least one token even past the budget, so prompts never starve."""
-        chunks: list[tuple[SequenceState, list[int]]] = []
-        for s in self._seqs.values():
-            if not s.prefilling:
-                continue
-            lo = s.target_kv.length
-            most = min(s.prefill_to - lo, PREFILL_CHUNK_TOKENS)
-            count = self.target.cost.fit(lo, budget, most)
-            if count == 0 and not chunks:
-                count = 1  # the oldest prompt always moves, whatever the running rows left
-            if count == 0:
-                break
-            chunks.append((s, s.token_ids[lo : lo + count]))
-            budget -= self.target.cost.span(lo, count)
+        """The next prompt chunks to cache within ``budget`` budget tokens, each with its
+        sequence (planning.IterationPlanner.plan_chunks)."""
+        chunks = []
+        for c in self.planner.plan_chunks(self._views(), budget):
+            s = self._seqs[c.seq_id]
+            chunks.append((s, s.token_ids[c.start : c.start + c.count]))
         return chunks
 
     def _prefill_some(self, budget: int) -> list[StepOutput]:
@@ -824,10 +766,7 @@ class _ChunkRiders:
         self.error: Exception | None = None  # the forward with them failed (the step went on)
 
     def take(self, used: float) -> list[ForwardItem]:
-        # The quarter kept for prefill is theirs even when the running rows alone cost more than
-        # the rest (many long rows): rows are never dropped, and prompts must not starve.
-        whole = self.worker.iteration_budget
-        self.chunks = self.worker._plan_chunks(max(whole - used, whole // 4))
+        self.chunks = self.worker._plan_chunks(self.worker.planner.rider_budget(used))
         return [ForwardItem(s.target_kv, chunk, 0) for s, chunk in self.chunks]
 
     def failed(self, exc: Exception) -> None:
@@ -836,6 +775,11 @@ class _ChunkRiders:
             "a step's forward with %d prompt chunks failed (%s); the step went on, they are read alone", n, exc
         )
         self.error = exc
+
+
+def plan_view(s: SequenceState) -> PlanSeq:
+    """``s`` as the scheduler sees it (gpu_worker.planning)."""
+    return PlanSeq(s.seq_id, s.target_kv.length, len(s.token_ids), s.prefill_to, s.session_opening is None)
 
 
 def _session_owner() -> str:

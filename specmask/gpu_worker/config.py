@@ -24,9 +24,9 @@ DEFAULT_NGRAM_MAX = 4
 # for it: under a flood of short requests that was 20% of the worker's time.
 # Inside the step those tokens only widen the packed forwards the step runs anyway.
 # Longer prompts are prefilled in chunks (within the iteration budget below) up to their
-# last this-many tokens, cut to cost at most half the budget (actor._tail_tokens); the value matches
-# actor.PREFILL_CHUNK_TOKENS, so no forward takes more of one prompt than a prefill chunk
-# would. 1 = the whole prompt but its last token is prefilled first.
+# last this-many tokens, cut to cost at most half the budget (planning.IterationPlanner.tail_tokens);
+# the value matches planning.PREFILL_CHUNK_TOKENS, so no forward takes more of one prompt than a
+# prefill chunk would. 1 = the whole prompt but its last token is prefilled first.
 DEFAULT_STEP_PREFILL_TOKENS = 512
 # Target-model tokens one worker iteration (one ``iterate`` call) may process, across the
 # decode/verify rows of the step and the prefill chunks of prompts not yet cached (chunked
@@ -34,7 +34,7 @@ DEFAULT_STEP_PREFILL_TOKENS = 512
 # (gpu_worker.token_cost), and all in one forward. Running sequences are served first; prompts
 # take what is left, chunk by chunk over as many iterations as they need, so an iteration's
 # time is bounded whatever arrives. 0 = by device (``iteration_budget``): on a GPU 512, one
-# prefill chunk (actor.PREFILL_CHUNK_TOKENS), milliseconds of work; on a CPU, where a forward's
+# prefill chunk (planning.PREFILL_CHUNK_TOKENS), milliseconds of work; on a CPU, where a forward's
 # time grows with its tokens, 48, so a burst of long prompts adds little to the running
 # streams' inter-token latency. Smaller keeps the streams' inter-token latency closer to a pure
 # decode step's while prompts arrive; larger prefills bursts sooner (docs/scheduling.md).

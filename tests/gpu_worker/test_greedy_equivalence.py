@@ -135,13 +135,13 @@ def test_references_are_nontrivial(references):
 
 
 def test_greedy_matches_with_prompts_prefilled_in_chunks(make_worker, references, monkeypatch):
-    """Prompts longer than the prefill chunk are cached chunk by chunk (actor.PREFILL_CHUNK_TOKENS, the
+    """Prompts longer than the prefill chunk are cached chunk by chunk (planning.PREFILL_CHUNK_TOKENS, the
     most one prefill forward takes):
     with 2-token chunks every prompt here spans several forwards, and the tokens stay the reference's."""
-    from specmask.gpu_worker import actor
+    from specmask.gpu_worker import planning
 
     assert max(len(p) for p, _ in references.values()) > 2 * 2
-    monkeypatch.setattr(actor, "PREFILL_CHUNK_TOKENS", 2)
+    monkeypatch.setattr(planning, "PREFILL_CHUNK_TOKENS", 2)
     _check(_run(make_worker, references, SpeculationParams(k=4), step_prefill_tokens=1), references)
 
 

@@ -98,7 +98,7 @@ def test_an_idle_worker_reads_prompts_in_whole_chunks(make_worker: Any) -> None:
     """With nothing decoding, the budget protects nobody's inter-token latency: the prompts are
     read in whole chunks (IDLE_PREFILL_BUDGET), not in budget-sized forwards. Once a sequence
     decodes, the budget holds again for the prompts still being read."""
-    from specmask.gpu_worker.actor import IDLE_PREFILL_BUDGET
+    from specmask.gpu_worker.planning import IDLE_PREFILL_BUDGET
 
     worker = make_worker(max_iteration_tokens=BUDGET, max_batch=8, step_prefill_tokens=4)
     burst = [_seq(f"long{i}", 200 + 11 * i, max_tokens=6) for i in range(3)]
