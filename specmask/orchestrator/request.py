@@ -33,6 +33,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
+from specmask.common.tracing import NO_SPAN, Span
 from specmask.gpu_worker.types import FinishReason, NewSequence, StepOutput, TokenLogprob
 from specmask.orchestrator.detokenizer import Decoder, IncrementalDetokenizer
 from specmask.orchestrator.stop_strings import StopStringMatcher
@@ -150,6 +151,8 @@ class Request:
         self._logprobs: list[OutputLogprob] | None = [] if seq.sampling.logprobs is not None else None
         self._cursor: LogprobCursor | None = LogprobCursor() if self._logprobs is not None else None
         self._events: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        # Its trace's request span (orchestrator.request_trace); NO_SPAN while tracing is off.
+        self.trace: Span = NO_SPAN
 
     @property
     def request_id(self) -> str:
