@@ -18,25 +18,31 @@ from collections.abc import AsyncIterator
 import grpc
 from google.protobuf.message import DecodeError
 
-from specmask.orchestrator import convert
+from specmask.common import tracing
+from specmask.common.tracing import NO_SPAN, Span
+from specmask.orchestrator import convert, request_trace
 from specmask.orchestrator.client_identity import client_identity
 from specmask.orchestrator.engine import Engine
 from specmask.orchestrator.errors import ErrorCode, RequestError
 from specmask.orchestrator.metrics import OrchestratorMetrics
 from specmask.orchestrator.request import Request
+from specmask.orchestrator.types import GenerationRequest
 from specmask.orchestrator.validation import RequestValidator
 from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 from specmask.proto.rpc_status import reason_from_class, status_for
 
 logger = logging.getLogger(__name__)
 
+_SERVICE = pb.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
 _STATUS: dict[ErrorCode, grpc.StatusCode] = {code: getattr(grpc.StatusCode, code.name) for code in ErrorCode}
 
 
 class OrchestratorServicer:
-    def __init__(self, engine: Engine, metrics: OrchestratorMetrics) -> None:
+    def __init__(self, engine: Engine, metrics: OrchestratorMetrics, *, model_name: str = "") -> None:
+        """``model_name``: the served model's id, named on the requests' trace spans."""
         self._engine = engine
         self._metrics = metrics
+        self._model_name = model_name
 
     async def _decode(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.GenerateRequest:
         try:
@@ -46,13 +52,26 @@ class OrchestratorServicer:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed GenerateRequest message")
             raise  # unreachable: abort raises
 
-    async def _admit(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> Request:
+    def _request_span(self, req: GenerationRequest, context: grpc.aio.ServicerContext, method: str) -> Span:
+        """The request's span, continuing the traceparent in the call's metadata (NO_SPAN while
+        tracing is off)."""
+        if not tracing.enabled():
+            return NO_SPAN
+        attributes = {"rpc.system": "grpc", "rpc.service": _SERVICE, "rpc.method": method}
+        metadata = context.invocation_metadata()
+        return request_trace.start_request(f"{_SERVICE}/{method}", metadata, req, self._model_name, attributes)
+
+    async def _admit(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext, method: str) -> Request:
         try:
             request_id = RequestValidator.request_id(msg.request_id)
             req = convert.request_from_proto(msg, request_id)
             # The end client, for the mask service's per-owner compile fairness.
             client = client_identity(context.invocation_metadata() or (), context.peer() or "")
-            return await self._engine.submit(dataclasses.replace(req, client=client))
+            span = self._request_span(req, context, method)
+            with request_trace.admission(span):
+                admitted = await self._engine.submit(dataclasses.replace(req, client=client))
+            request_trace.attach(span, admitted)
+            return admitted
         except RequestError as exc:
             self._metrics.rejected.labels(code=exc.code.name).inc()
             logger.info("[request_id=%s] refused (%s): %s", msg.request_id or "-", exc.code.name, exc.message)
@@ -73,23 +92,25 @@ class OrchestratorServicer:
             raise
 
     async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        admitted = await self._admit(await self._decode(raw, context), context)
+        admitted = await self._admit(await self._decode(raw, context), context, "Generate")
         try:
             return convert.result_to_proto(await admitted.result())
         finally:
             # A no-op for finished requests; frees worker state after a client
             # cancel or deadline (CancelledError lands here).
             self._engine.cancel(admitted.request_id)
+            request_trace.finish(admitted)
 
     async def GenerateStream(
         self, raw: bytes, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        admitted = await self._admit(await self._decode(raw, context), context)
+        admitted = await self._admit(await self._decode(raw, context), context, "GenerateStream")
         try:
             async for out in admitted.events():
                 yield convert.output_to_proto(out)
         finally:
             self._engine.cancel(admitted.request_id)
+            request_trace.finish(admitted)
 
 
 def add_to_server(servicer: OrchestratorServicer, server: grpc.aio.Server, service_name: str) -> None:
