@@ -444,7 +444,7 @@ def test_schema_refuses_bad_values(name: str) -> None:
             {"maskService": {"autoscaling": {"enabled": False}, "replicas": 2, "pdb": {"minAvailable": 3}}},
             r"must be below the replica floor \(2: replicas\)",
         ),
-        ({"orchestrator": {"numWorkers": 5}}, r"numWorkers \(5\) x orchestrator.replicas \(1\)"),
+        ({"orchestrator": {"numWorkers": 5}}, r"numWorkers \(5\) x orchestrator.replicas \(2\)"),
         ({"orchestrator": {"numWorkers": 2, "replicas": 3}}, "more GPUs than rayCluster.gpuWorkers can ever have"),
         ({"orchestrator": {"drainSeconds": 60}}, r"drainSeconds \(60\) must be below terminationGracePeriodSeconds"),
         ({"maskService": {"drainSeconds": 25}}, r"preStopSleepSeconds \+ drainSeconds \(5 \+ 25\)"),

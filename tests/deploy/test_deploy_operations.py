@@ -41,10 +41,59 @@ def _pod_labels(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
 # ---------------------------------------------------------------- rollouts
 
 
-def test_orchestrator_recreates_instead_of_surging() -> None:
-    """A surge pod would need a second set of GPUs for its actors: Recreate (see the template)."""
+def test_orchestrator_rolls_one_pod_at_a_time_and_adopts_workers() -> None:
+    """Two replicas rolled one at a time, never a surge pod (it would ask for new GPUs): the new
+    pod adopts the pooled workers the old one released (docs/deployment.md)."""
     dep = one(rendered("defaults"), "Deployment", "-orchestrator")
-    assert dep["spec"]["strategy"] == {"type": "Recreate"}
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    f = flags(container(dep))
+    assert f["worker-pool"] == dep["metadata"]["name"].removesuffix("-orchestrator")
+    assert "worker-pool" not in flags(
+        container(one(render({"orchestrator": {"workerPool": {"enabled": False}}}), "Deployment", "-orchestrator"))
+    )
+
+
+def test_a_long_release_name_still_makes_a_valid_pool_name() -> None:
+    from specmask.orchestrator.config import OrchestratorConfig
+
+    docs = render({"fullnameOverride": "a-very-long-release-name-that-goes-on-x-"})
+    pool = flags(container(one(docs, "Deployment", "-orchestrator")))["worker-pool"]
+    assert len(pool) <= 40
+    OrchestratorConfig(target_dir="t", mask_service_addresses=("m:1",), worker_pool=pool)  # accepted
+
+
+def test_worker_autoscaling_flags_use_the_gpu_groups_max() -> None:
+    f = flags(container(one(rendered("defaults"), "Deployment", "-orchestrator")))
+    # 2 GPU pods at least, 4 at most, 2 replicas: 1 worker each at start, up to 2 each.
+    assert (f["num-workers"], f["min-workers"], f["max-workers"]) == ("1", "1", "2")
+    assert (f["scale-up-queue-wait-s"], f["scale-up-after-s"], f["scale-down-idle-s"]) == ("2", "10", "300")
+    docs = render({"orchestrator": {"replicas": 1}, "rayCluster": {"gpuWorkers": {"maxReplicas": 6}}})
+    f = flags(container(one(docs, "Deployment", "-orchestrator")))
+    assert (f["num-workers"], f["min-workers"], f["max-workers"]) == ("2", "2", "6")
+    off = render({"orchestrator": {"workerAutoscaling": {"enabled": False}}})
+    assert "max-workers" not in flags(container(one(off, "Deployment", "-orchestrator")))
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"orchestrator": {"workerAutoscaling": {"maxWorkers": 3}}}, r"maxWorkers \(3\) x orchestrator.replicas \(2\)"),
+        ({"orchestrator": {"numWorkers": 2, "workerAutoscaling": {"maxWorkers": 1}}}, "minWorkers"),
+        ({"orchestrator": {"workerAutoscaling": {"minWorkers": 2}}}, r"minWorkers \(2\) <= numWorkers \(1\)"),
+    ],
+)
+def test_worker_autoscaling_contradictions_are_refused(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(Exception, match=message):
+        render(values)
+
+
+def test_grammar_fallback_value() -> None:
+    assert flags(container(one(rendered("defaults"), "Deployment", "-orchestrator")))["grammar-fallback"] == "checked"
+    docs = render({"orchestrator": {"grammarFallback": "refuse"}})
+    assert flags(container(one(docs, "Deployment", "-orchestrator")))["grammar-fallback"] == "refuse"
+    with pytest.raises(Exception, match="grammarFallback"):
+        render({"orchestrator": {"grammarFallback": "off"}})
 
 
 def test_drain_time_flags_below_grace_period() -> None:
@@ -60,11 +109,13 @@ def test_drain_time_flags_below_grace_period() -> None:
 
 def test_num_workers_derived_from_the_gpu_group() -> None:
     f = flags(container(one(rendered("defaults"), "Deployment", "-orchestrator")))
-    assert f["num-workers"] == "1"  # minReplicas 1 x gpusPerWorker 1
+    assert f["num-workers"] == "1"  # minReplicas 2 x gpusPerWorker 1, shared by 2 replicas
     docs = render({"rayCluster": {"gpuWorkers": {"minReplicas": 2, "gpusPerWorker": 4, "maxReplicas": 2}}})
+    assert flags(container(one(docs, "Deployment", "-orchestrator")))["num-workers"] == "4"
+    docs = render({"orchestrator": {"replicas": 1}, "rayCluster": {"gpuWorkers": {"gpusPerWorker": 4}}})
     assert flags(container(one(docs, "Deployment", "-orchestrator")))["num-workers"] == "8"
-    docs = render({"orchestrator": {"numWorkers": 3}})  # within maxReplicas 4 x 1
-    assert flags(container(one(docs, "Deployment", "-orchestrator")))["num-workers"] == "3"
+    docs = render({"orchestrator": {"numWorkers": 2}})  # x 2 replicas, within maxReplicas 4 x 1
+    assert flags(container(one(docs, "Deployment", "-orchestrator")))["num-workers"] == "2"
 
 
 def test_raycluster_upgrade_strategy_and_replicas_only_without_autoscaler() -> None:
@@ -72,7 +123,7 @@ def test_raycluster_upgrade_strategy_and_replicas_only_without_autoscaler() -> N
     assert ray["upgradeStrategy"] == {"type": "Recreate"}
     assert ray["enableInTreeAutoscaling"] is True and "replicas" not in ray["workerGroupSpecs"][0]
     fixed = one(render({"rayCluster": {"autoscaling": {"enabled": False}}}), "RayCluster")["spec"]
-    assert fixed["enableInTreeAutoscaling"] is False and fixed["workerGroupSpecs"][0]["replicas"] == 1
+    assert fixed["enableInTreeAutoscaling"] is False and fixed["workerGroupSpecs"][0]["replicas"] == 2
 
 
 def test_dtype_defaults_to_bf16_and_is_a_value() -> None:

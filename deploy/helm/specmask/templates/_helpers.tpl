@@ -89,16 +89,46 @@ affinity:
 {{- default (printf "%s-auth" (include "specmask.ray.name" .)) .Values.rayCluster.auth.existingSecret }}
 {{- end }}
 
-{{/* GpuWorker actors the orchestrator creates: orchestrator.numWorkers, or one per GPU the
-worker group always has (minReplicas x gpusPerWorker); 1 with an external Ray cluster. */}}
+{{/* GpuWorker actors each orchestrator replica starts with: orchestrator.numWorkers, or the
+GPUs the worker group always has (minReplicas x gpusPerWorker) shared by the replicas, at least
+1; 1 with an external Ray cluster. */}}
 {{- define "specmask.numWorkers" -}}
 {{- $o := .Values.orchestrator }}
 {{- if $o.numWorkers }}
 {{- $o.numWorkers }}
 {{- else if .Values.rayCluster.enabled }}
-{{- mul (int .Values.rayCluster.gpuWorkers.minReplicas) (int .Values.rayCluster.gpuWorkers.gpusPerWorker) }}
+{{- max 1 (div (mul (int .Values.rayCluster.gpuWorkers.minReplicas) (int .Values.rayCluster.gpuWorkers.gpusPerWorker)) (int $o.replicas)) }}
 {{- else }}
 {{- 1 }}
+{{- end }}
+{{- end }}
+
+{{/* GpuWorker actors per replica under load (workerAutoscaling.maxWorkers, or the GPUs the
+worker group can ever have shared by the replicas, at least numWorkers). */}}
+{{- define "specmask.maxWorkers" -}}
+{{- $o := .Values.orchestrator }}
+{{- $a := $o.workerAutoscaling }}
+{{- if $a.maxWorkers }}
+{{- $a.maxWorkers }}
+{{- else if .Values.rayCluster.enabled }}
+{{- max (int (include "specmask.numWorkers" .)) (div (mul (int .Values.rayCluster.gpuWorkers.maxReplicas) (int .Values.rayCluster.gpuWorkers.gpusPerWorker)) (int $o.replicas)) }}
+{{- else }}
+{{- include "specmask.numWorkers" . }}
+{{- end }}
+{{- end }}
+
+{{/* The pooled workers' name (--worker-pool): the release's, as a Ray actor name part. */}}
+{{- define "specmask.workerPool" -}}
+{{- include "specmask.fullname" . | replace "." "-" | trunc 40 | trimSuffix "-" }}
+{{- end }}
+
+{{/* GpuWorker actors per replica when idle (workerAutoscaling.minWorkers, or numWorkers). */}}
+{{- define "specmask.minWorkers" -}}
+{{- $a := .Values.orchestrator.workerAutoscaling }}
+{{- if $a.minWorkers }}
+{{- $a.minWorkers }}
+{{- else }}
+{{- include "specmask.numWorkers" . }}
 {{- end }}
 {{- end }}
 
