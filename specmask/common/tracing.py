@@ -27,7 +27,7 @@ import contextvars
 import enum
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
@@ -50,6 +50,12 @@ CONTEXT_HEADERS = (TRACEPARENT, TRACESTATE)
 MAX_TRACESTATE_CHARS = 512
 # traceparent is exactly 55 characters in version 00; later versions may append fields.
 MAX_TRACEPARENT_CHARS = 256
+
+# --otlp-traces-endpoint, as every command that takes it explains it (vLLM's flag name).
+OTLP_ENDPOINT_HELP = (
+    "send OpenTelemetry trace spans to this OTLP/gRPC collector (http://host:4317; https:// for TLS); "
+    "off by default (needs the tracing extra; docs/operations.md#tracing)"
+)
 
 # W3C trace context as headers (traceparent, and tracestate when there is one).
 Carrier = dict[str, str]
@@ -286,6 +292,12 @@ def start_span(
     return _OtelSpan(span)
 
 
+def scope(span: Span) -> AbstractContextManager[Span]:
+    """``with tracing.scope(span):``: ``span`` current inside the block, ended (and marked
+    failed by an exception) at its end. The shared no-op scope for ``NO_SPAN``."""
+    return _NO_ACTIVATION if span is NO_SPAN else _span_scope(span)
+
+
 @contextmanager
 def _span_scope(span: Span) -> Iterator[Span]:
     with span.activate():
@@ -296,6 +308,15 @@ def _span_scope(span: Span) -> Iterator[Span]:
             raise
         finally:
             span.end()
+
+
+def start_batch_span(name: str, carriers: Sequence[Carrier], attributes: Attributes | None = None) -> Span:
+    """A span for work done for several traces at once (a worker's iteration over a batch):
+    the child of the first carrier's span, linked to the others' (a span has one parent).
+    ``NO_SPAN`` while off or with no carrier."""
+    if _state is None or not carriers:
+        return NO_SPAN
+    return start_span(name, parent=carriers[0], kind=SpanKind.SERVER, attributes=attributes, links=carriers[1:])
 
 
 def span(
@@ -314,12 +335,17 @@ def server_span(
     attributes: Attributes | None = None,
 ) -> AbstractContextManager[Span]:
     """``with tracing.server_span(name, context.invocation_metadata) as s:``: the handling of
-    a call from another process, continuing the trace its metadata carries (a new trace when
-    it carries none). ``incoming`` is called only while tracing is on, so a server pays
+    a call from another process of this system, continuing the trace its metadata carries.
+    A call that carries none belongs to no trace and gets the no-op scope: an internal
+    service continues traces, it never starts one per call (every untraced DraftMasks would
+    be a trace of its own). ``incoming`` is called only while tracing is on, so a server pays
     nothing for reading its metadata while it is off."""
     if _state is None:
         return _NO_ACTIVATION
-    return _span_scope(start_span(name, parent=extract(incoming()), kind=SpanKind.SERVER, attributes=attributes))
+    carrier = extract(incoming())
+    if not carrier:
+        return _NO_ACTIVATION
+    return _span_scope(start_span(name, parent=carrier, kind=SpanKind.SERVER, attributes=attributes))
 
 
 class _OtelSpan(Span):

@@ -19,13 +19,15 @@ import math
 import os
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as futures_wait
 from typing import Any
 
 import torch
 
+from specmask.common import tracing
+from specmask.common.tracing import NO_SPAN, Carrier
 from specmask.gpu_worker.config import WorkerConfig, iteration_budget
 from specmask.gpu_worker.kv_budget import KVBudget, budget_bytes, longest_sequence
 from specmask.gpu_worker.kv_cache import MIN_CAPACITY, SequenceKV
@@ -68,6 +70,8 @@ from specmask.mask_service.auth import owner_tag
 logger = logging.getLogger(__name__)
 
 _SEED_BITS = 63  # kernels take int64 seeds; keep them non-negative
+WORKER_ITERATION_SPAN = "specmask.worker.iterate"  # common.tracing; docs/operations.md#tracing
+WORKER_SERVICE_NAME = "specmask-gpu-worker"  # the trace's service.name of a worker process
 
 
 class GpuWorker:
@@ -83,6 +87,8 @@ class GpuWorker:
             from specmask.common.log_format import configure_logging
 
             configure_logging(config.log_level, config.log_format)
+        # Spans of this process's iterations and the mask-service calls they make (off: None).
+        tracing.configure(config.otlp_traces_endpoint, WORKER_SERVICE_NAME)
         self.device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(config.target_dir))
         self.tokenizer = load_tokenizer(config.target_dir)
@@ -470,15 +476,35 @@ class GpuWorker:
             else:
                 out.session_wait = SessionWait.SAT_OUT if state.steps_sat_out else SessionWait.READY
 
-    def iterate(self, removes: Sequence[str] = (), adds: Sequence[NewSequence] = ()) -> Iteration:
+    def iterate(
+        self,
+        removes: Sequence[str] = (),
+        adds: Sequence[NewSequence] = (),
+        trace: Mapping[str, Carrier] | None = None,
+    ) -> Iteration:
         """``remove(removes)``, ``add(adds)``, then ``step()``: one Ray call for what the
         orchestrator's step loop does each iteration (each call costs both processes CPU on
         the step's path; three a step under a flood of short requests). Removes go first: the
         slots they free may be the ones the adds take. Ids this worker does not hold are
-        reported, not raised."""
-        unknown = self._remove(removes)
-        add_errors = self.add(adds) if adds else []
-        return Iteration(add_errors, self.step() if self._seqs else [], unknown)
+        reported, not raised.
+
+        ``trace``: request id -> the orchestrator's iteration span of each traced request of
+        the batch, as W3C headers (absent while tracing is off). This iteration's span
+        continues the first and links the others (one call serves them all); the mask-service
+        calls it makes carry it (gpu_worker.masks binds their threads to it)."""
+        span = NO_SPAN
+        if trace:
+            span = tracing.start_batch_span(
+                WORKER_ITERATION_SPAN,
+                list(trace.values()),
+                {"specmask.worker.adds": len(adds), "specmask.worker.removes": len(removes)},
+            )
+        with tracing.scope(span):
+            unknown = self._remove(removes)
+            add_errors = self.add(adds) if adds else []
+            outputs = self.step() if self._seqs else []
+            span.set_attributes({"specmask.worker.stepped": len(outputs), "specmask.worker.active": len(self._seqs)})
+        return Iteration(add_errors, outputs, unknown)
 
     def remove(self, seq_ids: Sequence[str]) -> None:
         """Cancel sequences: free KV caches, close mask sessions."""

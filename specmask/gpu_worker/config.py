@@ -97,6 +97,9 @@ class WorkerConfig:
     # None leaves the process's logging alone (in-process use, tests).
     log_level: str | None = None
     log_format: str = "text"
+    # OTLP/gRPC collector this worker sends its trace spans to (common.tracing): the
+    # orchestrator's --otlp-traces-endpoint; None = tracing off.
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:

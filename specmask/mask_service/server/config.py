@@ -75,3 +75,5 @@ class MaskServiceConfig:
     grpc_workers: int = 2 * DEFAULT_COMPILE_WAITERS
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     janitor_interval_s: float = 5.0
+    # OTLP/gRPC collector for the spans of traced calls (common.tracing); None = tracing off.
+    otlp_traces_endpoint: str | None = None

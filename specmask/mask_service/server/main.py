@@ -8,6 +8,7 @@ import logging
 import signal
 import threading
 
+from specmask.common import tracing
 from specmask.common.log_format import LOG_FORMATS, configure_logging
 from specmask.common.parent_watch import die_with_parent_from_env
 from specmask.common.startup import PORT_OFF, StartupError, check_ports_free, check_tokenizer, port_flag
@@ -18,6 +19,7 @@ from specmask.mask_service.server.config import MaskServiceConfig
 from specmask.mask_service.server.tokenizers import TokenizerSource
 
 logger = logging.getLogger(__name__)
+TRACE_SERVICE_NAME = "specmask-mask-service"  # service.name of this process's spans
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,6 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-format", default="text", choices=LOG_FORMATS, help="text (for people) or json (one object a line)"
     )
+    parser.add_argument("--otlp-traces-endpoint", default=None, metavar="URL", help=tracing.OTLP_ENDPOINT_HELP)
 
 
 def config_from_args(args: argparse.Namespace) -> MaskServiceConfig:
@@ -127,6 +130,7 @@ def config_from_args(args: argparse.Namespace) -> MaskServiceConfig:
             max_nesting_depth=args.max_schema_depth,
             max_enum_values=args.max_enum_values,
         ),
+        otlp_traces_endpoint=args.otlp_traces_endpoint or None,
     )
 
 
@@ -145,6 +149,12 @@ def run(args: argparse.Namespace) -> int:
     from specmask.mask_service.server.server import build_service  # heavy imports only once the role is chosen
 
     handle = build_service(config)
+    # After the compile zygote forked (build_service): it and its workers carry no exporter thread.
+    try:
+        tracing.configure(config.otlp_traces_endpoint, TRACE_SERVICE_NAME)
+    except RuntimeError as exc:  # the flag without the tracing extra installed
+        handle.stop(grace_s=0)
+        raise StartupError(str(exc)) from None
     # Tokenizers (hundreds of thousands of long-lived Python objects) are loaded:
     # move them out of the cyclic GC's reach, so a full collection on the hot path
     # scans only request-time objects, not every loaded vocabulary's.
@@ -167,5 +177,6 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     done.wait()
     handle.stop(grace_s=args.shutdown_grace_s)
+    tracing.shutdown()  # export the spans still buffered
     logger.info("mask service stopped")
     return 0

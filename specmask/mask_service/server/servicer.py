@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from specmask.common import tracing
 from specmask.mask_service.auth import CLIENT_METADATA_KEY
 from specmask.mask_service.convert import grammar_from_proto
 from specmask.mask_service.errors import GrammarError, MaskError
@@ -27,6 +28,14 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RETRY_AFTER_METADATA_KEY = "retry-after-ms"
+# The calls traced when their metadata carries a trace (common.tracing.server_span): named
+# as OpenTelemetry's gRPC conventions name a server span, "package.Service/Method".
+_SERVICE = pb.DESCRIPTOR.services_by_name["MaskService"].full_name
+_RPC_ATTRIBUTES = {"rpc.system": "grpc", "rpc.service": _SERVICE}
+
+
+def _span_name(method: str) -> str:
+    return f"{_SERVICE}/{method}"
 
 
 def compile_owner(context: grpc.ServicerContext, owner: str) -> str:
@@ -99,7 +108,8 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
                 relaxed=relaxed,
             )
 
-        return self._guard(context, run, "ValidateGrammar")
+        with tracing.server_span(_span_name("ValidateGrammar"), context.invocation_metadata, _RPC_ATTRIBUTES):
+            return self._guard(context, run, "ValidateGrammar")
 
     def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
         def run() -> pb.OpenSessionResponse:
@@ -127,7 +137,8 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
             )
 
         prefix = f"[request_id={request.request_id[:256]}] " if request.request_id else ""
-        return self._guard(context, run, f"{prefix}OpenSession")
+        with tracing.server_span(_span_name("OpenSession"), context.invocation_metadata, _RPC_ATTRIBUTES):
+            return self._guard(context, run, f"{prefix}OpenSession")
 
     def Commit(self, request: pb.CommitRequest, context: grpc.ServicerContext) -> pb.CommitResponse:
         def run() -> pb.CommitResponse:
@@ -201,4 +212,10 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
             metrics.DRAFT_CALL_SECONDS.observe(time.perf_counter() - t0)
             return resp
 
-        return self._guard(context, run, "DraftMasks")
+        with tracing.server_span(_span_name("DraftMasks"), context.invocation_metadata, _RPC_ATTRIBUTES) as span:
+            response = self._guard(context, run, "DraftMasks")
+            if span.recording:
+                span.set_attributes(
+                    {"specmask.mask.items": len(request.items), "specmask.mask.rows": len(response.row_ids)}
+                )
+            return response
