@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from specmask.gpu_worker.masks import MaskChannel, MaskReply, PendingMasks, mask_item
 from specmask.gpu_worker.proposers.base import DraftSlot, Proposal, Proposer
+from specmask.gpu_worker.proposers.draft_model import DraftModelProposer
 from specmask.gpu_worker.sequence import SequenceState
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ FORCED_PROPOSER = "grammar_forced"
 # DraftSlot.sources name for drafts taken from the service's forced continuation.
 FORCED_CONTINUATION = "forced_continuation"
 NGRAM_PROPOSER = "ngram"
+DRAFT_MODEL_PROPOSER = "draft_model"
 # The proposers the lookahead walk reproduces: a sequence whose proposers ranked up to the
 # n-gram one are among these sends its n-gram lookahead with each draft-side request (see
 # "Lookahead" in the module note).
@@ -100,6 +102,12 @@ class Drafter:
         first, self._first = self._first, None
         first_chains, self._first_chains = self._first_chains, {}
         self._plain = set()
+        on_device = self._device_loop(slots, errors)
+        if on_device is not None:
+            draft_model, drafting = on_device
+            if drafting:
+                draft_model.draft_on_device(drafting)
+            return 0.0
         waited = 0.0
         max_k = max((s.k for s in slots), default=0)
         for position in range(1, max_k + 1):
@@ -165,6 +173,23 @@ class Drafter:
                 s.mask_row, s.next_row = s.next_row, None
                 s.prepared.clear()
         return waited
+
+    def _device_loop(
+        self, slots: Sequence[DraftSlot], errors: dict[str, str]
+    ) -> tuple[DraftModelProposer, list[DraftSlot]] | None:
+        """The draft model and the slots it drafts for, when the whole batch can draft in the
+        device loop (``DraftModelProposer.draft_on_device``): every slot that drafts this step
+        drafts with the draft model alone and no mask row (no grammar, or draft masks off).
+        None otherwise: the loop below then proposes position by position."""
+        draft_model = self.proposers.get(DRAFT_MODEL_PROPOSER)
+        if not isinstance(draft_model, DraftModelProposer):
+            return None  # no draft model, or one wrapped by a tool (bench.step_cost records per position)
+        drafting = [s for s in slots if s.k > 0 and s.seq.seq_id not in errors]
+        for s in drafting:
+            runnable = {name for name in s.seq.proposers if name in self.proposers}
+            if runnable != {DRAFT_MODEL_PROPOSER} or self.wants_masks(s.seq):
+                return None
+        return draft_model, drafting
 
     def _foreseen(self, slot: DraftSlot, preparing: Proposer) -> bool:
         """Whether a proposer ahead of ``preparing`` that needs no forward expects to fill

@@ -53,7 +53,7 @@ from specmask.gpu_worker.architecture import check as check_architecture
 from specmask.gpu_worker.architecture import max_len, static_architecture
 from specmask.gpu_worker.attention import ATTENTION, PackedRows, RowSpan, register
 from specmask.gpu_worker.kv_cache import SequenceKV, SlotPool, kv_bytes_per_token
-from specmask.gpu_worker.static_forward import StaticForward
+from specmask.gpu_worker.static_forward import StaticForward, place_tails
 from specmask.gpu_worker.static_forward import build as build_static
 from specmask.gpu_worker.token_cost import TokenCost
 
@@ -65,12 +65,31 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class DeviceTail:
+    """Tokens of an item that stay on the device: ``tokens[row, start : start + count]``.
+
+    The device draft loop (drafting.py) feeds its drafts to the next draft forward and to the
+    verify forward this way, so they never come to the host in between."""
+
+    tokens: torch.Tensor  # [n, K] int64 on the model's device, shared by every item of a batch
+    row: int
+    start: int
+    count: int  # >= 1
+
+
+@dataclass(frozen=True)
 class ForwardItem:
     """One sequence's part of a forward."""
 
     kv: SequenceKV  # appended to in place
-    token_ids: Sequence[int]  # [T_r] tokens at positions kv.length .. kv.length + T_r - 1; T_r >= 1
-    num_logits: int  # logits are returned for the last num_logits of token_ids (0..T_r)
+    token_ids: Sequence[int]  # host tokens at positions kv.length ..; the device tail (if any) follows them
+    num_logits: int  # logits are returned for the last num_logits of the item's tokens (0..T_r)
+    tail: DeviceTail | None = None  # tokens after token_ids that are on the device
+
+    @property
+    def length(self) -> int:
+        """T_r: host tokens plus the device tail; T_r >= 1."""
+        return len(self.token_ids) + (self.tail.count if self.tail is not None else 0)
 
 
 class ModelRunner:
@@ -151,11 +170,13 @@ class ModelRunner:
         if not items:
             return []
         for it in items:
-            if len(it.token_ids) == 0 or not 0 <= it.num_logits <= len(it.token_ids):
-                raise ValueError(f"bad forward item: {len(it.token_ids)} tokens, {it.num_logits} logits")
-            if it.kv.length + len(it.token_ids) > self.max_model_len:
+            if it.length == 0 or not 0 <= it.num_logits <= it.length:
+                raise ValueError(f"bad forward item: {it.length} tokens, {it.num_logits} logits")
+            if it.tail is not None and (it.tail.count < 1 or it.tail.tokens.device != self.device):
+                raise ValueError(f"{self.name}: a device tail must hold tokens on {self.device}")
+            if it.kv.length + it.length > self.max_model_len:
                 raise ValueError(
-                    f"{self.name}: {it.kv.length + len(it.token_ids)} positions exceed max length {self.max_model_len}"
+                    f"{self.name}: {it.kv.length + it.length} positions exceed max length {self.max_model_len}"
                 )
         static, plan = self.static, None
         if static is not None:
@@ -171,7 +192,7 @@ class ModelRunner:
         else:
             hidden = [h for it in items for h in self._forward_padded([it])]
             self.num_forwards += len(items)
-        self.num_positions += sum(len(it.token_ids) for it in items)
+        self.num_positions += sum(it.length for it in items)
         return self._project(hidden)
 
     def reserve(self, new_sequences: int, positions: int) -> None:
@@ -223,20 +244,24 @@ class ModelRunner:
         """One forward over the real new tokens only (``[1, N]``); returns per item [num_logits, hidden]."""
         pool, lo, lengths = self._rows(items)
         dev = self.device
-        rows, width = len(lengths), max(len(it.token_ids) for it in items)
-        end = max(it.kv.length + len(it.token_ids) for it in items)  # keys the attention reads: 0..end-1
+        rows, width = len(lengths), max(it.length for it in items)
+        end = max(it.kv.length + it.length for it in items)  # keys the attention reads: 0..end-1
         pool.reserve(end)
         ids: list[int] = []
         row_of: list[int] = []  # [N] pool row (relative to lo) of each packed token
         pos_of: list[int] = []  # [N] its position in its sequence
         spans = []
+        item_starts: list[int] = []  # [len(items)] where each item's tokens start in the packed row
         for it in items:
-            n, r, past = len(it.token_ids), it.kv.pool_slot - lo, it.kv.length
+            n, r, past = it.length, it.kv.pool_slot - lo, it.kv.length
             spans.append(RowSpan(row=r, start=len(ids), count=n, keys=past + n))
+            item_starts.append(len(ids))
             ids.extend(it.token_ids)
+            ids.extend([_PAD_TOKEN_ID] * (n - len(it.token_ids)))  # the device tail's places
             row_of.extend([r] * n)
             pos_of.extend(range(past, past + n))
         input_ids = torch.tensor([ids], dtype=torch.long).to(dev, non_blocking=True)  # [1, N]
+        place_tails(input_ids, items, [0] * len(items), item_starts)
         row_t = torch.tensor([row_of], dtype=torch.long).to(dev, non_blocking=True)  # [1, N]
         pos_t = torch.tensor([pos_of], dtype=torch.long).to(dev, non_blocking=True)  # [1, N]
         # Query t of row r sees keys 0 .. L_r + t. The attention reads only each row's own corner
@@ -267,7 +292,7 @@ class ModelRunner:
         results = []
         offset = 0
         for it in items:
-            n = len(it.token_ids)
+            n = it.length
             it.kv.advance(n)  # the layers wrote its new entries into its own slot
             results.append(hidden[offset + n - it.num_logits : offset + n])  # [num_logits, hidden]
             offset += n
@@ -279,7 +304,7 @@ class ModelRunner:
         pool, lo, starts = self._rows(items)
         dev = self.device
         rows = len(starts)
-        max_new = max(len(it.token_ids) for it in items)
+        max_new = max(it.length for it in items)
         end = max(starts) + max_new  # keys the attention reads: positions 0..end-1
         pool.reserve(end)
 
@@ -288,6 +313,7 @@ class ModelRunner:
             r = it.kv.pool_slot - lo
             input_ids[r, : len(it.token_ids)] = torch.as_tensor(list(it.token_ids), dtype=torch.long)
         input_ids = input_ids.to(dev, non_blocking=True)
+        place_tails(input_ids, items, [it.kv.pool_slot - lo for it in items])
         start_t = torch.tensor(starts, dtype=torch.long).to(dev, non_blocking=True)  # [R]
         positions = start_t.unsqueeze(1) + torch.arange(max_new, device=dev)  # [R, T_max]
         # Query t of row r sees keys 0 .. L_r + t: its past and its own new tokens so far.
@@ -314,7 +340,7 @@ class ModelRunner:
         self.num_computed_positions += rows * max_new
         results = []
         for it in items:
-            r, n = it.kv.pool_slot - lo, len(it.token_ids)
+            r, n = it.kv.pool_slot - lo, it.length
             it.kv.advance(n)  # the layers wrote its new entries into its own slot
             results.append(hidden[r, n - it.num_logits : n])  # [num_logits, hidden]
         return results

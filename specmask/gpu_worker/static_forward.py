@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from specmask.gpu_worker.kv_cache import SlotPool
     from specmask.gpu_worker.model_runner import ForwardItem
 
+
 # Batch sizes a graph is captured for (a forward of B rows runs the smallest bucket >= B).
 BATCH_BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 # Tokens per row: 1 (a draft position), k + 1 (a verify forward), a few more (a draft
@@ -44,6 +45,30 @@ MAX_CAPTURE_FAILURES = 3
 _PAD_TOKEN_ID = 0
 
 logger = logging.getLogger(__name__)
+
+
+def place_tails(
+    ids: torch.Tensor,  # [R, T] int64 on the device: the forward's token grid, host tokens already in
+    items: Sequence[ForwardItem],
+    rows: Sequence[int],  # [len(items)] the grid row of each item
+    starts: Sequence[int] | None = None,  # [len(items)] the grid column of each item's first token (None: 0)
+) -> None:
+    """Write every item's device tail into ``ids`` after its host tokens, in place: a handful of
+    ops for the whole batch (one gather, one indexed write per distinct tail tensor), no read."""
+    by_tensor: dict[int, tuple[torch.Tensor, list[int], list[int], list[int], list[int]]] = {}
+    for i, it in enumerate(items):
+        tail = it.tail
+        if tail is None:
+            continue
+        entry = by_tensor.setdefault(id(tail.tokens), (tail.tokens, [], [], [], []))
+        first = (0 if starts is None else starts[i]) + len(it.token_ids)
+        entry[1].extend([rows[i]] * tail.count)
+        entry[2].extend(range(first, first + tail.count))
+        entry[3].extend([tail.row] * tail.count)
+        entry[4].extend(range(tail.start, tail.start + tail.count))
+    for tokens, dst_r, dst_c, src_r, src_c in by_tensor.values():
+        index = torch.tensor([dst_r, dst_c, src_r, src_c], dtype=torch.long).to(ids.device, non_blocking=True)
+        ids[index[0], index[1]] = tokens[index[2], index[3]]
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int | None:
@@ -126,7 +151,7 @@ class StaticForward:
         slots = [it.kv.slot for it in items]
         if any(s is None for s in slots):
             return None  # a cache without a slot yet: the eager path binds it
-        width = max(len(it.token_ids) for it in items)
+        width = max(it.length for it in items)
         rows = max(s for s in slots if s is not None) + 1
         t = _bucket(width, self.width_buckets)
         b = _bucket(rows, self.batch_buckets)
@@ -146,6 +171,7 @@ class StaticForward:
         ids = torch.full((rows, width), _PAD_TOKEN_ID, dtype=torch.long)  # [B, T] on the host
         for it in items:
             ids[it.kv.slot, : len(it.token_ids)] = torch.as_tensor(list(it.token_ids), dtype=torch.long)
+        tails = [it for it in items if it.tail is not None]  # tokens that stay on the device
         positions = torch.tensor(lengths, dtype=torch.long).unsqueeze(1) + torch.arange(width)  # [B, T]
         need = max(lengths) + width  # every row, dummy ones too, writes T positions past its length
         # On a GPU in large steps (each growth means new graphs), where the pool's budget allows.
@@ -155,13 +181,15 @@ class StaticForward:
         k_rows = [k[:rows] for k in pool.k]  # [B, H_kv, capacity, D] views: row b is slot b
         v_rows = [v[:rows] for v in pool.v]
         if self.use_graphs:
-            hidden = self._replay(pool, ids, positions, k_rows, v_rows, keys)
+            hidden = self._replay(pool, ids, positions, k_rows, v_rows, keys, tails)
         else:
-            hidden = self.decode(ids.to(self.device), positions.to(self.device), k_rows, v_rows, keys)
+            device_ids = ids.to(self.device)
+            place_tails(device_ids, tails, [it.kv.pool_slot for it in tails])
+            hidden = self.decode(device_ids, positions.to(self.device), k_rows, v_rows, keys)
         self.forwards += 1
         out = []
         for it in items:
-            n = len(it.token_ids)
+            n = it.length
             it.kv.advance(n)
             out.append(hidden[it.kv.slot, n - it.num_logits : n])  # [num_logits, hidden]
         return out
@@ -174,6 +202,7 @@ class StaticForward:
         k_rows: list[torch.Tensor],
         v_rows: list[torch.Tensor],
         keys: int,
+        tails: Sequence[ForwardItem] = (),  # items with device tails: written into the input buffer
     ) -> torch.Tensor:
         rows, width = ids.shape
         tensors = tuple(t.data_ptr() for t in (*pool.k, *pool.v))
@@ -190,12 +219,14 @@ class StaticForward:
         if buf is not None:
             self._graphs.move_to_end(key)
             buf.input_ids.copy_(ids, non_blocking=True)
+            place_tails(buf.input_ids, tails, [it.kv.pool_slot for it in tails])  # device to device, behind the copy
             buf.positions.copy_(positions, non_blocking=True)
             assert buf.graph is not None and buf.hidden is not None
             buf.graph.replay()
             self.replays += 1
             return buf.hidden
         buf = _Buffers(ids.to(self.device), positions.to(self.device))
+        place_tails(buf.input_ids, tails, [it.kv.pool_slot for it in tails])
         if self.capture_failures >= MAX_CAPTURE_FAILURES:
             return self.decode(buf.input_ids, buf.positions, k_rows, v_rows, keys)
         try:

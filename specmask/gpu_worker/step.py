@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 from specmask.gpu_worker.drafting import Drafter
 from specmask.gpu_worker.mask_table import DeviceMaskTable
 from specmask.gpu_worker.masks import MaskChannel, mask_item
-from specmask.gpu_worker.model_runner import ForwardItem, ModelRunner
+from specmask.gpu_worker.model_runner import DeviceTail, ForwardItem, ModelRunner
 from specmask.gpu_worker.proposers.base import DraftSlot, Proposer
 from specmask.gpu_worker.sequence import SequenceState
 from specmask.gpu_worker.speculation_gate import Arm, BatchKind, SpeculationGate
@@ -174,24 +174,21 @@ class StepRunner:
         # with masks asks only for M_k, and one that already holds all k_r + 1 rows
         # (drafting stopped after its last mask) asks for nothing.
         grammar_slots = [s for s in slots if s.seq.has_grammar and s.seq.seq_id not in errors]
-        asking = [s for s in grammar_slots if len(s.grammar_rows) <= len(s.drafts)]
+        asking = [s for s in grammar_slots if len(s.grammar_rows) <= s.num_drafts]
         pending = None
         if asking:
             assert self.masks is not None
+            for s in asking:
+                s.read_device()  # the request carries the drafts: one batched read for the batch
             items = [mask_item(s.seq, s.drafts, last_row_only=_needs_last_row_only(s)) for s in asking]
             pending = self.masks.request(items, timeout_s=self.mask_timeout_s)
 
         live = [s for s in slots if s.seq.seq_id not in errors]
-        forward_items = []
-        for s in live:
-            context = s.context()
-            forward_items.append(
-                ForwardItem(s.seq.target_kv, context[s.seq.target_kv.length :], num_logits=len(s.drafts) + 1)
-            )
+        forward_items = [_verify_item(s) for s in live]
         riding: Sequence[ForwardItem] = ()
         if riders is not None:
             cost = self.target.cost
-            riding = riders.take(sum(cost.span(it.kv.length, len(it.token_ids)) for it in forward_items))
+            riding = riders.take(sum(cost.span(it.kv.length, it.length) for it in forward_items))
         try:
             # Per slot [k_r + 1, V] float32 (riders, asking for none, come last and are dropped).
             logits = self.target.forward([*forward_items, *riding])[: len(live)]
@@ -254,6 +251,9 @@ class StepRunner:
                     VerifyInput(
                         drafts=s.drafts,
                         q_rows=s.q_rows,
+                        device=s.device,
+                        device_row=s.device_row,
+                        num_device=s.num_drafts if s.device is not None else 0,
                         logits=slot_logits,
                         mask=mask,
                         temperature=p.temperature,
@@ -263,7 +263,7 @@ class StepRunner:
                         step=seq.step,
                         logprobs=p.logprobs,
                         min_p=p.min_p,
-                        stop_suppressed=seq.stop_suppressed(len(s.drafts) + 1),
+                        stop_suppressed=seq.stop_suppressed(s.num_drafts + 1),
                         stop_token_ids=seq.min_tokens_stop_ids,
                     ),
                 )
@@ -283,7 +283,7 @@ class StepRunner:
                     FinishReason.ERROR,
                     error=f"{result.error} (min_tokens={s.seq.request.sampling.min_tokens}, "
                     f"{s.seq.num_output} output tokens so far)",
-                    drafts_proposed=len(s.drafts),
+                    drafts_proposed=s.num_drafts,
                     target_forwards=1,
                 )
                 continue
@@ -300,7 +300,7 @@ class StepRunner:
                     [],
                     FinishReason.GRAMMAR_VIOLATION,
                     error=f"grammar violation: {result.violation}",
-                    drafts_proposed=len(s.drafts),
+                    drafts_proposed=s.num_drafts,
                     target_forwards=1,
                 )
                 continue
@@ -358,7 +358,7 @@ class StepRunner:
         logger.debug(
             "seq %s: k=%d accepted=%d emitted=%s kept=%d finish=%s",
             seq.seq_id,
-            len(slot.drafts),
+            slot.num_drafts,
             num_accepted,
             emitted,
             len(kept),
@@ -368,7 +368,7 @@ class StepRunner:
             seq.seq_id,
             kept,
             reason,
-            drafts_proposed=len(slot.drafts),
+            drafts_proposed=slot.num_drafts,
             drafts_accepted=num_accepted,
             target_forwards=1,
         )
@@ -402,7 +402,17 @@ def trim_to_budget(
 def _needs_last_row_only(slot: DraftSlot) -> bool:
     """Whether the verify path needs only M_k for ``slot``: the draft-side requests
     returned M_0..M_{k-1} (with k = 0, M_0 is the only row either way)."""
-    return len(slot.grammar_rows) == len(slot.drafts)
+    return len(slot.grammar_rows) == slot.num_drafts
+
+
+def _verify_item(slot: DraftSlot) -> ForwardItem:
+    """``slot``'s verify-forward row: its uncached committed tokens, then its drafts (from the
+    device when the device draft loop sampled them, read back or not)."""
+    seq, kv = slot.seq, slot.seq.target_kv
+    n = slot.num_drafts
+    if slot.device is not None and n:
+        return ForwardItem(kv, seq.token_ids[kv.length :], n + 1, DeviceTail(slot.device.tokens, slot.device_row, 0, n))
+    return ForwardItem(kv, slot.context()[kv.length :], num_logits=n + 1)
 
 
 def _replays(seq: SequenceState) -> bool:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from specmask.gpu_worker.mask_table import DeviceMaskTable
+from specmask.gpu_worker.proposers.base import DeviceDrafts
 from specmask.gpu_worker.types import MIN_TOKENS_UNREACHABLE, TokenLogprob
 from specmask.kernels.backend import Backend, resolve_backend
 from specmask.mask_service.client.row_table import MaskRow, MaskRows, as_blocks
@@ -52,6 +53,17 @@ class VerifyInput:
     # the minimum; ``stop_token_ids`` are removed from them (kernels.stop_suppression).
     stop_suppressed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    # Drafts the device draft loop sampled (proposers.base.DeviceDrafts): the first ``num_device``
+    # of row ``device_row`` are d_1..d_k, with their q rows; ``drafts`` is then empty or their
+    # host copy, and ``q_rows`` empty.
+    device: DeviceDrafts | None = None
+    device_row: int = 0
+    num_device: int = 0
+
+    @property
+    def k(self) -> int:
+        """k_r: the drafts to verify."""
+        return self.num_device if self.device is not None else len(self.drafts)
 
 
 @dataclass(frozen=True)
@@ -86,7 +98,9 @@ def verify(
     # block, never per row (DeviceMaskTable.resolve_blocks).
     blocks: list[MaskRows | int] = []
     for inp in inputs:
-        k = len(inp.drafts)
+        k = inp.k
+        if inp.device is not None and (inp.q_rows or len(inp.drafts) not in (0, k)):
+            raise ValueError(f"device drafts with {len(inp.drafts)} host drafts and {len(inp.q_rows)} q rows")
         if inp.logits.shape != (k + 1, vocab_size):
             raise ValueError(f"logits {tuple(inp.logits.shape)} != ({k + 1}, {vocab_size})")
         if inp.mask is None:
@@ -117,15 +131,19 @@ def verify(
     # min_tokens: after the grammar mask (the sampler's and the logprobs' view of the rows).
     dead_rows = _suppress_stop_tokens(inputs, logits)
 
-    flat_drafts = [t for inp in inputs for t in inp.drafts]
-    num_drafts = [len(inp.drafts) for inp in inputs]  # [B] k_r
-    draft_token_ids = torch.tensor(flat_drafts, dtype=torch.int64, device=device)  # [num_draft_tokens]
+    num_drafts = [inp.k for inp in inputs]  # [B] k_r
     cu = torch.tensor(list(itertools.accumulate(num_drafts)), dtype=torch.int32, device=device)  # [B]
+    draft_probs = None  # [num_draft_tokens, V] float32; None = one-hot everywhere
+    on_device = {id(inp.device): inp.device for inp in inputs if inp.device is not None and inp.k}
+    if on_device:
+        draft_token_ids, draft_probs = _device_drafts(inputs, on_device, device)
+    else:
+        flat_drafts = [t for inp in inputs for t in inp.drafts]
+        draft_token_ids = torch.tensor(flat_drafts, dtype=torch.int64, device=device)  # [num_draft_tokens]
     # q rows matter only for random requests whose proposer gave a distribution;
     # otherwise None (= one-hot everywhere) avoids a [num_draft_tokens, V] tensor.
     needs_q = any(inp.temperature > 0 and any(q is not None for q in inp.q_rows) for inp in inputs)
-    draft_probs = None
-    if needs_q and flat_drafts:
+    if needs_q and not on_device:
         flat_q = [q for inp in inputs for q in inp.q_rows]
         given = [i for i, q in enumerate(flat_q) if q is not None]
         one_hot = torch.tensor([q is None for q in flat_q], dtype=torch.float32, device=device)  # [num_draft_tokens]
@@ -187,7 +205,7 @@ def verify(
             violation=(
                 f"the sampler produced a token outside the grammar mask ({out.backend.value} backend, "
                 f"temperature={inputs[r].temperature}, top_k={inputs[r].top_k}, top_p={inputs[r].top_p}, "
-                f"k={len(inputs[r].drafts)}); it was not emitted"
+                f"k={inputs[r].k}); it was not emitted"
             ),
         )
         for r in range(len(inputs))
@@ -207,10 +225,10 @@ def _suppress_stop_tokens(inputs: Sequence[VerifyInput], logits: torch.Tensor) -
     start = 0
     for inp in inputs:
         if inp.stop_suppressed > 0 and inp.stop_token_ids:
-            count = min(inp.stop_suppressed, len(inp.drafts) + 1)
+            count = min(inp.stop_suppressed, inp.k + 1)
             rows.extend(range(start, start + count))
             ids.extend([inp.stop_token_ids] * count)
-        start += len(inp.drafts) + 1
+        start += inp.k + 1
     if not rows:
         return None
     dead = suppress_stop_tokens_(logits, rows, ids).tolist()  # [n]; read only for such batches
@@ -233,7 +251,7 @@ def _check_min_tokens(
     out = list(results)
     start = 0
     for r, inp in enumerate(inputs):
-        width = len(inp.drafts) + 1
+        width = inp.k + 1
         violated = results[r].violation is not None
         reach = min(width, inp.stop_suppressed if violated else min(emitted[r], inp.stop_suppressed))
         for j in range(reach):
@@ -275,13 +293,13 @@ def _score_logprobs(
         return {}
     starts = [0]
     for inp in inputs:
-        starts.append(starts[-1] + len(inp.drafts) + 1)
+        starts.append(starts[-1] + inp.k + 1)
     rows: list[int] = []
     requests: list[int] = []
     positions: list[int] = []
     temperature: list[float] = []
     for r in want:
-        width = len(inputs[r].drafts) + 1
+        width = inputs[r].k + 1
         rows.extend(range(starts[r], starts[r] + width))
         requests.extend([r] * width)
         positions.extend(range(width))
@@ -310,6 +328,24 @@ def _score_logprobs(
         top = tuple((t, v) for t, v in zip(top_ids[i][:n], top_lp[i][:n]) if v != float("-inf"))
         out.setdefault(r, []).append(TokenLogprob(token_ids[i], token_lp[i], top))
     return out
+
+
+def _device_drafts(
+    inputs: Sequence[VerifyInput], on_device: dict[int, DeviceDrafts], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The flat draft tokens ([num_draft_tokens] int64) and q rows ([num_draft_tokens, V] float32,
+    or None: one-hot) of a batch whose drafts the device draft loop sampled: one gather each, by
+    indices the host knows (each input's row and k_r), nothing read back."""
+    if len(on_device) > 1 or any(inp.device is None and inp.k for inp in inputs):
+        raise ValueError("a verify batch takes its drafts from one device draft loop or from the host, not both")
+    (drafts,) = on_device.values()
+    rows = [inp.device_row for inp in inputs for _ in range(inp.k)]
+    columns = [j for inp in inputs for j in range(inp.k)]
+    index = torch.tensor([rows, columns], dtype=torch.int64).to(device, non_blocking=True)  # [2, num_draft_tokens]
+    tokens = drafts.tokens[index[0], index[1]]
+    sampled = drafts.probs is not None and any(inp.temperature > 0 and inp.k for inp in inputs)
+    probs = drafts.probs[index[0], index[1]] if sampled and drafts.probs is not None else None
+    return tokens, probs
 
 
 def to_host(values: torch.Tensor) -> list[Any]:

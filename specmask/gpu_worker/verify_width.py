@@ -70,7 +70,7 @@ class WidthChooser:
 
     def choose(self, slots: Sequence[DraftSlot]) -> list[int]:
         """Per slot, how many of its drafts to verify (k_r)."""
-        keep = [min(len(s.drafts), MIN_DRAFTS) for s in slots]
+        keep = [min(s.num_drafts, MIN_DRAFTS) for s in slots]
         expected = float(len(slots))  # every row yields at least one token
         cost = self.fixed_positions + len(slots) + sum(keep)
         candidates: list[tuple[float, int, int]] = []  # (gain, depth, slot index) beyond the minimum

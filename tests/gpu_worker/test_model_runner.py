@@ -167,3 +167,53 @@ def test_rejects_bad_items(model):
     runner.forward([ForwardItem(kv, [1, 2, 3], 0)])
     with pytest.raises(ValueError, match="cannot crop"):
         kv.crop(4)
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "static", "static_bucketed"])
+def test_device_tail_is_the_same_forward_as_host_tokens(model, layout: str) -> None:
+    """Tokens given as a device tail (``DeviceTail``: the device draft loop's drafts, rows of a shared
+    [n, K] tensor at any column offset) after a row's host tokens, or as a whole row, are the same
+    forward as those tokens given on the host: the same logits and the same cache entries."""
+    from specmask.gpu_worker.model_runner import DeviceTail
+
+    def runner() -> ModelRunner:
+        if layout.startswith("static"):
+            r = ModelRunner(model, static="on")
+            assert r.static is not None
+            r.static.pad_to_buckets = layout == "static_bucketed"
+            return r
+        return ModelRunner(model, **LAYOUTS[layout])
+
+    prompts = [_ids(6 + 2 * i, 40 + i) for i in range(4)]
+    table = torch.tensor([_ids(5, 60 + i) for i in range(4)], dtype=torch.int64)  # [n = 4, K = 5] "drafts"
+    # Per row: (host tokens of the prompt left uncached, tail start column, tail length).
+    rows = [(1, 0, 3), (2, 1, 4), (0, 4, 1), (1, 2, 2)]
+    results = []
+    for tail in (False, True):
+        r = runner()
+        kvs = [SequenceKV() for _ in prompts]
+        r.forward([ForwardItem(kv, p[: len(p) - h], 0) for kv, p, (h, _, _) in zip(kvs, prompts, rows) if len(p) > h])
+        items = []
+        for i, (kv, p, (h, start, count)) in enumerate(zip(kvs, prompts, rows)):
+            host = p[len(p) - h :]
+            drafts = table[i, start : start + count].tolist()
+            if tail:
+                items.append(ForwardItem(kv, host, count + 1 - (h == 0), DeviceTail(table, i, start, count)))
+            else:
+                items.append(ForwardItem(kv, [*host, *drafts], count + 1 - (h == 0)))
+        logits = r.forward(items)
+        # One more forward on top: the caches hold the same entries either way.
+        after = r.forward([ForwardItem(kv, [7], 1) for kv in kvs])
+        results.append((logits, after, [kv.length for kv in kvs]))
+    (want, want_after, want_len), (got, got_after, got_len) = results
+    assert got_len == want_len
+    for w, g in zip([*want, *want_after], [*got, *got_after], strict=True):
+        torch.testing.assert_close(g, w, atol=ATOL, rtol=0)
+
+
+def test_empty_device_tail_is_refused(model) -> None:
+    from specmask.gpu_worker.model_runner import DeviceTail
+
+    kv = SequenceKV()
+    with pytest.raises(ValueError, match="device tail"):
+        ModelRunner(model).forward([ForwardItem(kv, [1], 1, DeviceTail(torch.zeros(1, 2, dtype=torch.int64), 0, 0, 0))])

@@ -38,6 +38,30 @@ class Proposal:
 
 
 @dataclass
+class DeviceDrafts:
+    """A batch's drafts sampled by the device draft loop (drafting.py), kept on the device.
+
+    Row i holds the drafts of the i-th slot the loop ran, d_1..d_{k_i} in columns 0..k_i - 1
+    (columns past k_i: never read). They reach the next draft forward and the verify forward as
+    device tensors (model_runner.DeviceTail) and the rejection sampler by index
+    (verifier.verify); the host sees them only if a mask request needs them (``read``), once."""
+
+    tokens: torch.Tensor  # [n, K] int64
+    # [n, K, V] float32 q rows (the distribution each draft was drawn from); None when every row
+    # is greedy (q is then one-hot at the draft, which the sampler takes from the tokens).
+    probs: torch.Tensor | None
+    _host: list[list[int]] | None = None
+
+    def read(self) -> list[list[int]]:
+        """The tokens on the host ([n, K]): one batched read, the first time only."""
+        if self._host is None:
+            from specmask.gpu_worker.verifier import to_host
+
+            self._host = to_host(self.tokens)
+        return self._host
+
+
+@dataclass
 class DraftSlot:
     """One sequence's drafts under construction during this step's proposal phase."""
 
@@ -62,19 +86,38 @@ class DraftSlot:
     # name (e.g. the draft model's [V] float32 logits); cleared after each position.
     prepared: dict[str, Any] = field(default_factory=dict)
     open: bool = True  # False once drafting stopped for this sequence this step
+    # Drafts the device draft loop sampled: row ``device_row`` of ``device`` holds them, and
+    # ``drafts``/``q_rows`` stay empty until ``read_device`` (``sources`` counts them).
+    device: DeviceDrafts | None = None
+    device_row: int = 0
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafts held, on the host or on the device."""
+        return len(self.sources)
 
     def context(self) -> list[int]:
-        """Committed tokens followed by the drafts so far."""
+        """Committed tokens followed by the drafts so far (on the host: ``read_device`` first
+        for a slot whose drafts are on the device)."""
+        if self.device is not None and len(self.drafts) != self.num_drafts:
+            raise RuntimeError(f"seq {self.seq.seq_id}: its drafts are on the device; read them first")
         return self.seq.token_ids + self.drafts
 
     def add(self, proposal: Proposal, source: str = "") -> None:
+        if self.device is not None:
+            raise RuntimeError(f"seq {self.seq.seq_id}: a host draft after device drafts")
         self.drafts.append(proposal.token_id)
         self.q_rows.append(proposal.q)
         self.sources.append(source)
 
+    def read_device(self) -> None:
+        """Bring this slot's device drafts to ``drafts`` (their q rows stay on the device)."""
+        if self.device is not None and len(self.drafts) != self.num_drafts:
+            self.drafts = self.device.read()[self.device_row][: self.num_drafts]
+
     def trim(self, keep: int) -> int:
         """Keep the first ``keep`` drafts (and the mask rows M_0..M_keep); returns how many went."""
-        dropped = len(self.drafts) - keep
+        dropped = self.num_drafts - keep
         if dropped <= 0:
             return 0
         del self.drafts[keep:], self.q_rows[keep:], self.sources[keep:]

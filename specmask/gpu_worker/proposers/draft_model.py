@@ -11,19 +11,26 @@ argmax and return no q (one-hot).
 The forward needs only d_1..d_{i-1}, like the mask request for position i, so it
 is ``prepare`` (run while that request is in flight); ``propose`` masks and
 samples, forwarding any slot that was not prepared.
+
+Where no slot of a batch needs its mask row during proposal, ``draft_on_device``
+runs the whole loop instead with the drafts kept on the device (drafting.py,
+"The device draft loop").
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
+from specmask.gpu_worker.kv_cache import SequenceKV
 from specmask.gpu_worker.mask_table import DeviceMaskTable
-from specmask.gpu_worker.model_runner import ForwardItem, ModelRunner
-from specmask.gpu_worker.proposers.base import DraftSlot, Proposal, Proposer, ProposerResources
+from specmask.gpu_worker.model_runner import DeviceTail, ForwardItem, ModelRunner
+from specmask.gpu_worker.proposers.base import DeviceDrafts, DraftSlot, Proposal, Proposer, ProposerResources
 from specmask.gpu_worker.proposers.registry import register
 from specmask.kernels.backend import Backend
+from specmask.kernels.sampling_params import SamplingTensors
 
 
 @register
@@ -86,7 +93,6 @@ class DraftModelProposer(Proposer):
     def propose(self, slots: Sequence[DraftSlot], position: int) -> list[Proposal | None]:
         from specmask.kernels.bitmask import apply_token_bitmask_indirect_inplace
         from specmask.kernels.draft_sampling import sample_draft
-        from specmask.kernels.sampling_params import SamplingTensors
 
         if not slots:
             return []
@@ -136,3 +142,96 @@ class DraftModelProposer(Proposer):
             Proposal(tok, None if p.temperature == 0.0 else probs[i]) if ok else None
             for i, (tok, ok, p) in enumerate(zip(tokens_host, live_host, params))
         ]
+
+    def draft_on_device(self, slots: Sequence[DraftSlot]) -> DeviceDrafts:
+        """Every draft of ``slots`` (each ``k`` >= 1, none drafting with a mask row), sampled
+        position by position with nothing read back: each position's tokens go into a
+        [n, K] device tensor, from which the next draft forward takes its input
+        (``DeviceTail``) and the verify forward and the sampler later take the drafts. Sets
+        each slot's ``device``, ``device_row`` and ``sources``; returns the batch's drafts.
+
+        Rows are ordered by k_r, largest first, so the rows still drafting at position i are a
+        prefix (slices, not gathers). A row is not stopped at a stop token: verification cuts
+        its output there (``SequenceState.commit``), and what the drafts after it do to the
+        acceptance does not change what is kept. Greedy rows take the argmax; sampling rows
+        draw with the same seeded noise streams as position-by-position proposal
+        (``sample_draft``), and their q rows stay on the device for the rejection sampler."""
+        from specmask.kernels.draft_sampling import sample_draft
+        from specmask.kernels.stop_suppression import suppress_stop_tokens_
+
+        rows = sorted(slots, key=lambda s: -s.k)  # stable: equal k keep the batch's order
+        n, depth = len(rows), rows[0].k
+        device = self.runner.device
+        params = [s.seq.request.sampling for s in rows]
+        greedy = [p.temperature == 0.0 for p in params]
+        seeds = [s.seq.seed for s in rows]
+        steps = [s.seq.step for s in rows]
+        # Built once for the step's loop; each position takes the prefix of rows still drafting.
+        sampling = SamplingTensors.from_lists(
+            temperature=[p.temperature for p in params],
+            top_k=[p.top_k for p in params],
+            top_p=[p.top_p for p in params],
+            seeds=seeds,
+            step=steps,
+            device=device,
+            min_p=[p.min_p for p in params],
+        )
+        tokens = torch.zeros(n, depth, dtype=torch.int64, device=device)  # [n, K]
+        probs = None if all(greedy) else torch.zeros(n, depth, self.vocab_size, dtype=torch.float32, device=device)
+        drafts = DeviceDrafts(tokens, probs)
+        caches = [_draft_cache(s) for s in rows]
+        for position in range(1, depth + 1):
+            live = sum(1 for s in rows if s.k >= position)  # rows 0..live-1 draft d_position
+            if position == 1:
+                # What each draft cache has not seen yet (host tokens: committed ones).
+                items = [ForwardItem(kv, s.context()[kv.length :], 1) for s, kv in zip(rows, caches)]
+            else:  # d_{position-1}, straight from the device
+                items = [
+                    ForwardItem(kv, (), 1, DeviceTail(tokens, i, position - 2, 1)) for i, kv in enumerate(caches[:live])
+                ]
+            logits = self._fit_width(torch.cat(self.runner.forward(items), dim=0))[:live]  # [live, V] float32
+            # min_tokens: the target removes stop tokens at this output position, so q does too.
+            suppressed = [i for i in range(live) if rows[i].seq.stop_suppressed(position) > position - 1]
+            if suppressed:
+                suppress_stop_tokens_(logits, suppressed, [rows[i].seq.min_tokens_stop_ids for i in suppressed])
+                # A row left with no finite logit (a draft vocabulary of stop tokens only) drafts
+                # token 0 with q one-hot there: a proposal like any other, which the target
+                # accepts only with its own probability of that token.
+                dead = ~torch.isfinite(logits.amax(dim=1))  # [live] bool
+                logits[:, 0] = torch.where(dead, torch.zeros_like(logits[:, 0]), logits[:, 0])
+            tok, q = sample_draft(
+                logits,
+                sampling if live == n else _prefix(sampling, live),
+                position=position,
+                backend=self.kernel_backend,
+                greedy_host=greedy[:live],
+                host_seeds=seeds[:live],
+                host_steps=steps[:live],
+            )
+            tokens[:live, position - 1] = tok
+            if probs is not None:
+                probs[:live, position - 1] = q
+        for i, s in enumerate(rows):
+            s.device, s.device_row = drafts, i
+            s.sources = [self.name] * s.k
+        return drafts
+
+
+def _draft_cache(slot: DraftSlot) -> SequenceKV:
+    kv = slot.seq.draft_kv
+    if kv is None:
+        raise RuntimeError(f"seq {slot.seq.seq_id}: draft_model enabled without a draft cache")
+    return kv
+
+
+def _prefix(sampling: SamplingTensors, rows: int) -> SamplingTensors:
+    """The first ``rows`` requests' parameters (views)."""
+    return dataclasses.replace(
+        sampling,
+        temperature=sampling.temperature[:rows],
+        top_k=sampling.top_k[:rows],
+        top_p=sampling.top_p[:rows],
+        seeds=sampling.seeds[:rows],
+        step=sampling.step[:rows],
+        min_p=None if sampling.min_p is None else sampling.min_p[:rows],
+    )
