@@ -39,6 +39,10 @@ SPECMASK_BASE = [
     "jsonschema[format-nongpl]",
     "tqdm",
     "xxhash",
+    # --otlp-traces-endpoint (the tracing extra; specmask/common/tracing.py): every role traces.
+    "opentelemetry-api",
+    "opentelemetry-sdk",
+    "opentelemetry-exporter-otlp-proto-grpc",
 ]
 # CPU torch comes from the PyTorch CPU index (no CUDA libraries, no triton).
 CPU_TORCH_INDEX = "--extra-index-url https://download.pytorch.org/whl/cpu"
