@@ -262,11 +262,15 @@ _NAME_FREE_WAIT_S = 60.0
 
 def config_fingerprint(config: OrchestratorConfig) -> str:
     """A short hash of what a worker was built with (models, dtype, batch, KV budget, mask
-    addresses, GPUs per actor): a worker is adopted only by an orchestrator whose fingerprint is
-    the same, so an upgrade that changes any of it never keeps serving the old models or flags."""
+    addresses, GPUs per actor; not its logging): a worker is adopted only by an orchestrator
+    whose fingerprint is the same, so an upgrade that changes any of it never keeps serving the
+    old models or flags."""
+    import dataclasses
     import hashlib
 
-    text = repr((config.worker_config(), config.worker_num_gpus))
+    # Logging settings change no output: an adopted worker keeps logging as it was started.
+    built = dataclasses.replace(config.worker_config(), log_level=None, log_format="text")
+    text = repr((built, config.worker_num_gpus))
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
