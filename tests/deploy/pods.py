@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import copy
 import functools
 import ipaddress
 import json
@@ -164,6 +165,7 @@ class Pod:
     started: bool = False
     failure: str | None = None
     killed: bool = False
+    terminated: bool = False  # deleted (Cluster.terminate) and its processes gone
     restarts: int = 0
 
     def port(self, port: int | str) -> int:
@@ -393,22 +395,72 @@ class Cluster:
         _run("ip", "addr", "add", f"{hosts[0]}/{self._subnet.prefixlen}", "dev", self._bridge)
         _run("ip", "link", "set", self._bridge, "up")
         for i, pod in enumerate(self.pods, start=1):
-            pod.ip, pod.netns = str(hosts[i]), f"sm{self.tag}p{i}"
-            host_if = f"smv{self.tag}p{i}"
-            (Path("/etc/netns") / pod.netns).mkdir(parents=True, exist_ok=True)
-            # No DNS server in a pod: names are the hosts file's, others fail fast.
-            (Path("/etc/netns") / pod.netns / "resolv.conf").write_text(
-                "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
-            )
-            (Path("/etc/netns") / pod.netns / "hosts").write_text("")
-            _run("ip", "netns", "add", pod.netns)
-            _run("ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", pod.netns)
-            _run("ip", "link", "set", host_if, "master", self._bridge, "up")
-            _run("ip", "-n", pod.netns, "addr", "add", f"{pod.ip}/{self._subnet.prefixlen}", "dev", "eth0")
-            _run("ip", "-n", pod.netns, "link", "set", "lo", "up")
-            _run("ip", "-n", pod.netns, "link", "set", "eth0", "up")
-            _run("ip", "-n", pod.netns, "route", "add", "default", "via", str(hosts[0]))
+            self._attach(pod, i)
         self.sync_endpoints()
+
+    def _attach(self, pod: Pod, i: int) -> None:
+        """Pod ``pod`` gets namespace number ``i``: its address, veth pair and hosts file."""
+        assert self._subnet is not None
+        hosts = list(self._subnet.hosts())
+        pod.ip, pod.netns = str(hosts[i]), f"sm{self.tag}p{i}"
+        host_if = f"smv{self.tag}p{i}"
+        (Path("/etc/netns") / pod.netns).mkdir(parents=True, exist_ok=True)
+        # No DNS server in a pod: names are the hosts file's, others fail fast.
+        (Path("/etc/netns") / pod.netns / "resolv.conf").write_text(
+            "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
+        )
+        (Path("/etc/netns") / pod.netns / "hosts").write_text("")
+        _run("ip", "netns", "add", pod.netns)
+        _run("ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", pod.netns)
+        _run("ip", "link", "set", host_if, "master", self._bridge, "up")
+        _run("ip", "-n", pod.netns, "addr", "add", f"{pod.ip}/{self._subnet.prefixlen}", "dev", "eth0")
+        _run("ip", "-n", pod.netns, "link", "set", "lo", "up")
+        _run("ip", "-n", pod.netns, "link", "set", "eth0", "up")
+        _run("ip", "-n", pod.netns, "route", "add", "default", "via", str(hosts[0]))
+
+    # ---- a Deployment's rollout
+
+    def replace_pod(self, old: Pod, extra_ready: Callable[[Pod], tuple[bool, str]] | None = None) -> Pod:
+        """One step of a RollingUpdate with maxSurge 0: ``old`` is deleted (``terminate``) and its
+        replacement, a new pod from the same template (new name, new IP), is created at once,
+        started and given a kubelet; returns the new pod (not Ready yet)."""
+        with self._lock:
+            number = len(self.pods) + 1
+            new = Pod(f"{old.name}-r{number}", dict(old.labels), old.spec, copy.deepcopy(old.containers))
+            self.pods.append(new)
+        self._attach(new, number)
+        self.sync_endpoints()  # its hosts file, and everyone's with its name
+        terminating = threading.Thread(target=self.terminate, args=(old,), name=f"terminate-{old.name}", daemon=True)
+        terminating.start()
+        self._threads.append(terminating)
+        self.start(new)
+        kubelet = threading.Thread(
+            target=self._kubelet, args=(new, extra_ready), name=f"kubelet-{new.name}", daemon=True
+        )
+        kubelet.start()
+        self._threads.append(kubelet)
+        return new
+
+    def terminate(self, pod: Pod) -> None:
+        """Pod deletion as the kubelet and the endpoints controller do it: out of the endpoints at
+        once, the container's preStop (a sleep), SIGTERM, up to terminationGracePeriodSeconds for
+        it to exit, then SIGKILL."""
+        with self._lock:
+            pod.killed = True  # no restarts, out of every Service
+            pod.ready = False
+        self.sync_endpoints()
+        (c,) = pod.spec["containers"]
+        pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+        time.sleep(float(pre_stop))
+        self._kill_netns(pod.netns, signal.SIGTERM)
+        grace = float(pod.spec.get("terminationGracePeriodSeconds", 30))
+        if pod.proc is not None:
+            try:
+                pod.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pod.failure = f"did not exit within its {grace:g} s grace period after SIGTERM"
+        self._kill_netns(pod.netns, signal.SIGKILL)
+        pod.terminated = True
 
     # ---- endpoints / DNS
 

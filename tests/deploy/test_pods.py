@@ -6,7 +6,9 @@ are started with the images' commands plus the rendered args, the kubelet's
 probes run until every pod is Ready, then a schema-constrained request goes to
 the orchestrator Service from outside the namespaces; then one mask pod is
 killed and requests must still complete (the router fails over, then the
-headless Service drops the dead pod).
+headless Service drops the dead pod); then the orchestrator Deployment is rolled, one pod
+at a time, while a client keeps sending and streaming requests: none fails and the new pods
+adopt the old ones' GPU workers (no model load).
 
 Needs root (network and mount namespaces); skips with the reason otherwise.
 """
@@ -18,9 +20,13 @@ import importlib.util
 import json
 import logging
 import os
+import random
 import shutil
+import subprocess
 import sys
 import tempfile
+import threading
+import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -52,15 +58,24 @@ SCHEMA = {
     "additionalProperties": False,
 }
 # Only what this box needs: a small Ray object store (shared/data/README.md), one
-# mask thread; everything else is the chart's defaults.
+# mask thread, one Ray worker pod holding both orchestrator replicas' workers (two
+# "GPUs": Ray schedules by the count; the workers run on the CPU); everything else is
+# the chart's defaults (two orchestrator replicas, pooled workers, RollingUpdate).
 VALUES: dict[str, Any] = {
     "maskService": {"maskThreads": 1},
     "orchestrator": {"extraArgs": ["--default-max-tokens=96", "--worker-start-timeout-s=300"]},
     "rayCluster": {
         "head": {"rayStartParams": {"object-store-memory": "80000000"}},
-        "gpuWorkers": {"rayStartParams": {"object-store-memory": "80000000"}},
+        "gpuWorkers": {
+            "rayStartParams": {"object-store-memory": "80000000"},
+            "minReplicas": 1,
+            "replicas": 1,
+            "maxReplicas": 1,
+            "gpusPerWorker": 2,
+        },
     },
 }
+ROLL_TIMEOUT_S = 300.0
 
 
 def render(values: dict[str, Any]) -> list[dict[str, Any]]:
@@ -163,7 +178,8 @@ def test_release_runs_as_pods(cluster: Cluster) -> None:
     docs = render(values)
     cluster.add_manifests(docs, replicas_for(docs))
     names = sorted(p.name for p in cluster.pods)
-    assert len([n for n in names if "-mask-" in n]) == 2 and len(names) == 5, names
+    assert len([n for n in names if "-mask-" in n]) == 2, names
+    assert len([n for n in names if "-orchestrator-" in n]) == 2 and len(names) == 6, names
     cluster.create_network()
     for pod in cluster.pods:
         cluster.start(pod)
@@ -201,3 +217,108 @@ def test_release_runs_as_pods(cluster: Cluster) -> None:
     assert_schema_valid(generate(address, 3))
     cluster.sync_endpoints()
     assert_schema_valid(generate(address, 2))
+
+    roll_the_orchestrator(cluster, orch_svc["metadata"]["name"], orch_svc["spec"]["ports"][0]["port"])
+
+
+def gpu_worker_pids(cluster: Cluster) -> set[int]:
+    """Pids of the GpuWorker actor processes in the Ray pods (Ray titles them ray::GpuWorker)."""
+    pids = set()
+    for pod in cluster.pods:
+        if "ray.io/node-type" not in pod.labels or pod.killed:
+            continue
+        for pid in subprocess.run(["ip", "netns", "pids", pod.netns], capture_output=True, text=True).stdout.split():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if cmdline.startswith(b"ray::GpuWorker"):
+                pids.add(int(pid))
+    return pids
+
+
+class Load:
+    """A client of the orchestrator Service: requests back to back on a few threads, each to a
+    ready endpoint picked at random (as kube-proxy does), every other one streamed."""
+
+    def __init__(self, cluster: Cluster, service: str, port: int, threads: int = 3) -> None:
+        self.cluster, self.service, self.port = cluster, service, port
+        self.ok = 0
+        self.failures: list[str] = []
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def _address(self) -> str:
+        (svc,) = [s for s in self.cluster.services if s.name == self.service]
+        pods = self.cluster.endpoints(svc)
+        if not pods:
+            raise RuntimeError(f"Service {self.service} has no ready endpoints")
+        pod = random.choice(pods)
+        return f"{pod.ip}:{pod.port(svc.ports[self.port])}"
+
+    def _run(self, thread: int) -> None:
+        from specmask.orchestrator.client import OrchestratorClient, build_request
+        from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+
+        n = thread
+        while not self._stop.is_set():
+            n += len(self._threads)
+            address = "?"
+            try:
+                address = self._address()
+                request = build_request(f"record {n}:\n", schema=SCHEMA, seed=n, max_tokens=96)
+                with OrchestratorClient(address) as client:
+                    if n % 2:
+                        r = client.stream_all(request, timeout_s=180)
+                        reason, text, error = r.finish_reason, r.text, r.error
+                    else:
+                        resp = client.generate(request, timeout_s=180)
+                        reason, text, error = resp.finish_reason, resp.text, resp.error
+                assert reason == pb.FINISH_REASON_GRAMMAR_COMPLETE, (reason, error, text)
+                jsonschema.validate(json.loads(text), SCHEMA)
+            except Exception as exc:  # a refused, cut or invalid request is a failure
+                with self.lock:
+                    self.failures.append(f"{address}: {exc!r}")
+                continue
+            with self.lock:
+                self.ok += 1
+
+    def wait_for(self, ok: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.ok < ok:
+            assert not self.failures, self.failures
+            assert time.monotonic() < deadline, f"only {self.ok} requests completed"
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(200)
+
+
+def roll_the_orchestrator(cluster: Cluster, service: str, port: int) -> None:
+    """A rolling update of the orchestrator Deployment (maxSurge 0, maxUnavailable 1) while a
+    client streams and sends requests: none fails, and the new pods adopt the old pods' GPU
+    workers (the same processes: no model is loaded again)."""
+    workers = gpu_worker_pids(cluster)
+    assert len(workers) == 2, workers
+    load = Load(cluster, service, port)
+    try:
+        load.wait_for(3, ROLL_TIMEOUT_S)
+        for old in [p for p in cluster.pods if "-orchestrator-" in p.name and not p.killed]:
+            new = cluster.replace_pod(old, extra_ready=lambda pod: kuberay_default_probe(pod, cluster))
+            deadline = time.monotonic() + ROLL_TIMEOUT_S
+            while not (new.ready and old.terminated):  # the Deployment controller's next step waits for both
+                assert not (new.failure or old.failure), cluster.describe([new, old])
+                assert time.monotonic() < deadline, "rollout step did not finish:\n" + cluster.describe([new, old])
+                assert not load.failures, load.failures
+                time.sleep(0.5)
+            assert "1 adopted, 0 created" in new.log_path.read_text(), new.log_tail()  # type: ignore[union-attr]
+            load.wait_for(load.ok + 3, ROLL_TIMEOUT_S)
+    finally:
+        load.stop()
+    assert not load.failures, load.failures
+    assert gpu_worker_pids(cluster) == workers, "a GPU worker was started again (a model load)"
