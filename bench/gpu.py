@@ -399,7 +399,7 @@ class ScriptedLogits:
             toks: list[int] = []
             row = 0
             for it in items:
-                start, num_new = it.kv.length, len(it.token_ids)
+                start, num_new = it.kv.length, it.length
                 if start == 0:
                     self._by_kv[id(it.kv)] = self._script_starting(it.token_ids)
                 script = self._by_kv[id(it.kv)]

@@ -34,8 +34,8 @@ def _record_forwards(worker: Any) -> list[tuple[int, float]]:
     cost = worker.target.cost
 
     def forward(items: list[ForwardItem]) -> Any:
-        tokens = sum(len(it.token_ids) for it in items)
-        sizes.append((tokens, sum(cost.span(it.kv.length, len(it.token_ids)) for it in items)))
+        tokens = sum(it.length for it in items)
+        sizes.append((tokens, sum(cost.span(it.kv.length, it.length) for it in items)))
         return real(items)
 
     worker.target.forward = forward
