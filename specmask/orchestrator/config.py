@@ -5,11 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specmask.common.config_flags import flag
+from specmask.common.log_format import LOG_FORMATS
+from specmask.common.startup import PORT_OFF, port_flag
 from specmask.gpu_worker.config import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_ITERATION_TOKENS,
     DEFAULT_MAX_K,
     DEFAULT_STEP_PREFILL_TOKENS,
+    DTYPES,
     WorkerConfig,
 )
 from specmask.mask_service.client.replicas import parse_targets
@@ -71,70 +75,275 @@ DEFAULT_MAX_QUEUED_PROMPT_TOKENS = token_admission.DEFAULT_MAX_QUEUED_PROMPT_TOK
 DEFAULT_MAX_WORKER_PROMPT_TOKENS = token_admission.DEFAULT_MAX_WORKER_PROMPT_TOKENS
 DEFAULT_GRAMMAR_VERDICT_CACHE_ENTRIES = verdict_cache.DEFAULT_MAX_ENTRIES
 DEFAULT_GRAMMAR_VERDICT_TTL_S = verdict_cache.DEFAULT_TTL_S
+# The HTTP API is off in a config built in code (tests, benches ask for it) but on by default on
+# the command line, at vLLM's port, so `specmask orchestrator` serves the OpenAI SDK as it comes.
+CLI_HTTP_PORT = 8000
+
+
+def mask_addresses(text: str) -> tuple[str, ...]:
+    """``--mask-service a:1, b:2`` -> ("a:1", "b:2"): blanks around and between commas dropped."""
+    return tuple(a.strip() for a in text.split(",") if a.strip())
 
 
 @dataclass(frozen=True)
 class OrchestratorConfig:
-    target_dir: str  # HF dir of the target model (its tokenizer is the API's tokenizer)
-    mask_service_addresses: tuple[str, ...]  # every replica; workers spread sessions over them
-    draft_dir: str | None = None
-    host: str = DEFAULT_HOST
-    port: int = 50051  # 0 = pick a free port (tests)
-    ray_address: str = "local"  # "local" = start (or join) an in-process Ray; else a Ray address
-    num_workers: int = 1
-    metrics_port: int | None = None  # Prometheus endpoint; None = off, 0 = pick a free port
-    http_port: int | None = None  # OpenAI-compatible HTTP API; None = off, 0 = pick a free port
-    served_model_name: str | None = None  # the model id of the HTTP API; None = the target dir's name
-    max_queue: int = DEFAULT_MAX_QUEUE
-    max_batch: int = DEFAULT_MAX_BATCH  # per worker
-    max_k: int = DEFAULT_MAX_K
-    default_k: int = DEFAULT_K
-    default_max_tokens: int | None = DEFAULT_MAX_TOKENS  # None = the rest of the context
-    max_model_len: int | None = None  # None = the target model's
-    dtype: str = "auto"  # gpu_worker.config.DTYPES: auto = the checkpoint's on CUDA, float32 on a CPU
-    device: str = "auto"
-    worker_num_gpus: float | None = None  # None = 1 when CUDA is visible to this process, else 0
-    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
-    worker_start_timeout_s: float = DEFAULT_WORKER_START_TIMEOUT_S
-    worker_max_restarts: int = DEFAULT_WORKER_MAX_RESTARTS
-    worker_recovery_wait_s: float = DEFAULT_WORKER_RECOVERY_WAIT_S
-    worker_torch_threads: int = DEFAULT_WORKER_TORCH_THREADS
+    # HF dir of the target model (its tokenizer is the API's tokenizer)
+    target_dir: str = field(
+        metadata=flag(
+            "target model: an HF dir (with tokenizer) or a registered name (`specmask models list`; fetched once)",
+            name="--target",
+            metavar="DIR|NAME",
+        )
+    )
+    # every replica; workers spread sessions over them
+    mask_service_addresses: tuple[str, ...] = field(
+        metadata=flag(
+            "mask-service replica addresses (host:port), comma-separated; all go to every worker",
+            name="--mask-service",
+            metavar="ADDR[,ADDR...]",
+            convert=mask_addresses,
+        )
+    )
+    draft_dir: str | None = field(
+        default=None,
+        metadata=flag("draft model dir or registered name (omit: no draft model)", name="--draft", metavar="DIR|NAME"),
+    )
+    host: str = field(
+        default=DEFAULT_HOST,
+        metadata=flag(
+            "interface for the API and metrics: 127.0.0.1 (local default) keeps it off the network; "
+            "containers pass 0.0.0.0 (or :: for IPv6), as the images and the Helm chart do"
+        ),
+    )
+    port: int = field(default=50051, metadata=flag("gRPC API port (0 = pick a free one)"))
+    # "local" = start (or join) an in-process Ray; else a Ray address
+    ray_address: str = field(default="local", metadata=flag("Ray cluster address, or 'local' to start one in-process"))
+    num_workers: int = field(default=1, metadata=flag("GPU worker actors"))
+    # Prometheus endpoint; None = off, 0 = pick a free port
+    metrics_port: int | None = field(
+        default=None,
+        metadata=flag(
+            "Prometheus /metrics port (-1 = off, 0 = pick a free one)", convert=port_flag, cli_default=PORT_OFF
+        ),
+    )
+    # OpenAI-compatible HTTP API; None = off, 0 = pick a free port
+    http_port: int | None = field(
+        default=None,
+        metadata=flag(
+            "OpenAI-compatible HTTP API port (0 = pick a free one, -1 = off)",
+            convert=port_flag,
+            cli_default=CLI_HTTP_PORT,
+        ),
+    )
+    # the model id of the HTTP API; None = the target dir's name
+    served_model_name: str | None = field(
+        default=None, metadata=flag("model id of the HTTP API (default: the --target dir's name)")
+    )
+    max_queue: int = field(
+        default=DEFAULT_MAX_QUEUE, metadata=flag("requests validating or waiting before RESOURCE_EXHAUSTED")
+    )
+    max_batch: int = field(  # per worker
+        default=DEFAULT_MAX_BATCH,
+        metadata=flag("active sequences per worker (vLLM's --max-num-seqs)", aliases=("--max-num-seqs",)),
+    )
+    max_k: int = field(default=DEFAULT_MAX_K, metadata=flag("largest k a request may ask for"))
+    default_k: int = field(default=DEFAULT_K, metadata=flag("k for requests that name none"))
+    # None = the rest of the context
+    default_max_tokens: int | None = field(
+        default=DEFAULT_MAX_TOKENS,
+        metadata=flag("output budget of requests that name none (default: the room the prompt leaves in the context)"),
+    )
+    # None = the target model's
+    max_model_len: int | None = field(default=None, metadata=flag("cap on prompt + output (default: the model's)"))
+    dtype: str = field(
+        default="auto",
+        metadata=flag(
+            "model weights and KV cache: auto = the checkpoint's dtype on CUDA (bfloat16 for "
+            "Llama 3, Qwen, Mistral), float32 on a CPU",
+            choices=DTYPES,
+        ),
+    )
+    device: str = field(default="auto", metadata=flag("worker device: auto, cpu, cuda"))
+    # None = 1 when CUDA is visible to this process, else 0
+    worker_num_gpus: float | None = field(
+        default=None, metadata=flag("GPUs per worker actor (default: 1 if the Ray cluster has GPUs, else 0)")
+    )
+    step_timeout_s: float = field(
+        default=DEFAULT_STEP_TIMEOUT_S,
+        metadata=flag(
+            "liveness limit: a worker is taken out when its heartbeat does not answer within it, or its "
+            "progress stops for ten of them (a slow iteration alone is waited for); also bounds other worker "
+            "calls"
+        ),
+    )
+    worker_start_timeout_s: float = field(
+        default=DEFAULT_WORKER_START_TIMEOUT_S,
+        metadata=flag("how long a worker actor may take to start and load its models"),
+    )
+    worker_max_restarts: int = field(
+        default=DEFAULT_WORKER_MAX_RESTARTS,
+        metadata=flag(
+            "times Ray restarts a crashed worker actor, and times the orchestrator replaces a lost one "
+            "(killed, dead or stopped) with a new actor (-1 = always); a restarted worker rejoins placement"
+        ),
+    )
+    worker_recovery_wait_s: float = field(
+        default=DEFAULT_WORKER_RECOVERY_WAIT_S,
+        metadata=flag(
+            "with no healthy worker while a lost one is restarted: how long queued and new requests wait "
+            "for it (0 = fail them at once)"
+        ),
+    )
+    worker_torch_threads: int = field(
+        default=DEFAULT_WORKER_TORCH_THREADS,
+        metadata=flag(
+            "torch threads per CPU worker (0 = every CPU the worker process may run on; GPU workers keep their default)"
+        ),
+    )
     # Trailing prompt tokens a new sequence's first step feeds (gpu_worker.config says why).
-    step_prefill_tokens: int = DEFAULT_STEP_PREFILL_TOKENS
+    step_prefill_tokens: int = field(
+        default=DEFAULT_STEP_PREFILL_TOKENS,
+        metadata=flag(
+            "a new sequence's last N prompt tokens are fed by its first step, mixed into the batch's "
+            "forwards; a longer prompt's head is prefilled in chunks within --max-iteration-tokens (1 = all "
+            "but the last token)"
+        ),
+    )
     # Target tokens per worker iteration, prefill chunks and decode rows together (gpu_worker.config).
-    max_iteration_tokens: int = DEFAULT_MAX_ITERATION_TOKENS
+    max_iteration_tokens: int = field(
+        default=DEFAULT_MAX_ITERATION_TOKENS,
+        metadata=flag(
+            "target tokens one worker iteration may process, each weighted by the keys it attends over "
+            "(a token deep in a long prompt counts more than one): running sequences' decode rows first, then "
+            "chunks of prompts being prefilled, in the same forward; 0 = by device, 512 on a GPU and 48 on a "
+            "CPU (docs/scheduling.md); vLLM's --max-num-batched-tokens, but weighted",
+            aliases=("--max-num-batched-tokens",),
+        ),
+    )
     # Prompt tokens waiting for a worker, and placed on one worker (orchestrator.token_admission); 0 = off.
-    max_queued_prompt_tokens: int = DEFAULT_MAX_QUEUED_PROMPT_TOKENS
-    max_worker_prompt_tokens: int = DEFAULT_MAX_WORKER_PROMPT_TOKENS
+    max_queued_prompt_tokens: int = field(
+        default=DEFAULT_MAX_QUEUED_PROMPT_TOKENS,
+        metadata=flag("prompt tokens waiting for a worker beyond which requests get RESOURCE_EXHAUSTED (0 = no bound)"),
+    )
+    max_worker_prompt_tokens: int = field(
+        default=DEFAULT_MAX_WORKER_PROMPT_TOKENS,
+        metadata=flag("prompt tokens of the requests placed on one worker; more wait in the queue (0 = no bound)"),
+    )
     # Each worker's KV budget (gpu_worker.kv_budget): bytes, or vLLM's fraction of its CUDA
     # device's memory; None for both = unbounded pools. Requests are placed only where they fit.
-    kv_cache_bytes: int | None = None
-    gpu_memory_utilization: float | None = None
-    mask_deadline_s: float = DEFAULT_MASK_DEADLINE_S
+    kv_cache_bytes: int | None = field(
+        default=None,
+        metadata=flag("KV budget of each worker in bytes, on any device (instead of --gpu-memory-utilization)"),
+    )
+    gpu_memory_utilization: float | None = field(
+        default=None,
+        metadata=flag(
+            "KV budget of each worker (CUDA): the fraction of its device's memory it may use, less the "
+            "loaded models and an activation reserve; requests wait in the queue until their prompt + "
+            "max_tokens fit beside the running ones (docs/models.md). Default: no budget"
+        ),
+    )
+    mask_deadline_s: float = field(
+        default=DEFAULT_MASK_DEADLINE_S,
+        metadata=flag(
+            "seconds one mask-service call may take: the orchestrator's ValidateGrammar (which may compile "
+            "a large schema) and each worker's calls"
+        ),
+    )
     mask_max_retries: int = DEFAULT_MASK_MAX_RETRIES
     validation_threads: int = DEFAULT_VALIDATION_THREADS
-    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
-    checked_max_attempts: int = DEFAULT_CHECKED_MAX_ATTEMPTS  # checked mode: cap on a request's max_attempts
-    grammar_fallback: validation.GrammarFallback = DEFAULT_GRAMMAR_FALLBACK  # --grammar-fallback checked|refuse
-    # JSON Schema chats get the schema in a system message by default (orchestrator.chat); off: only on request.
-    schema_instruction: bool = False
-    # --reasoning-parser: the model thinks in this format before its answer (orchestrator/reasoning.py)
-    reasoning_parser: ReasoningParser | None = None
-    # --tool-call-parser: the format tool calls are written in (api/http/tool_formats.py); auto: the template's
-    tool_call_parser: ToolCallParser = ToolCallParser.AUTO
+    shutdown_grace_s: float = field(
+        default=DEFAULT_SHUTDOWN_GRACE_S,
+        metadata=flag("on SIGTERM, streams get this long to finish, then end with a final message"),
+    )
+    checked_max_attempts: int = field(
+        default=DEFAULT_CHECKED_MAX_ATTEMPTS,
+        metadata=flag("checked mode: most generations one request may ask for (Grammar.max_attempts)"),
+    )
+    grammar_fallback: validation.GrammarFallback = field(
+        default=DEFAULT_GRAMMAR_FALLBACK,
+        metadata=flag(
+            "a JSON Schema no engine enforces exactly, for a request that does not say (guided_checked / "
+            "Grammar.checked unset): checked = generate under a relaxation, check the output against the "
+            "schema, resample (never an invalid output returned); refuse = INVALID_ARGUMENT"
+        ),
+    )
+    # Off: the caller's messages are the prompt, and a request opts in (orchestrator.chat).
+    schema_instruction: bool = field(
+        default=False,
+        metadata=flag(
+            "put the JSON Schema of a chat's structured output into a system message (off: the caller's "
+            "messages are the prompt; a request opts in with schema_instruction)"
+        ),
+    )
+    # The model thinks in this format before its answer (orchestrator/reasoning.py).
+    reasoning_parser: ReasoningParser | None = field(
+        default=None,
+        metadata=flag(
+            "the model thinks before it answers, in this family's format: the thinking is free, any "
+            "grammar applies to the answer after it, and the HTTP API returns the thinking as "
+            "reasoning / reasoning_content apart from content (docs/openai-api.md)"
+        ),
+    )
+    # The format tool calls are written in (api/http/tool_formats.py); auto: the template's.
+    tool_call_parser: ToolCallParser = field(
+        default=ToolCallParser.AUTO,
+        metadata=flag(
+            "the format the model writes tool calls in (the HTTP API's tools); auto = read from the "
+            "chat template, Hermes when it shows none (docs/openai-api.md)"
+        ),
+    )
     # Requests one end client (orchestrator.client_identity) may have in flight; 0 = no cap,
     # AUTO_INFLIGHT_PER_CLIENT = every batch slot plus half the admission queue (inflight_cap_per_client).
-    max_inflight_per_client: int = AUTO_INFLIGHT_PER_CLIENT
+    max_inflight_per_client: int = field(
+        default=AUTO_INFLIGHT_PER_CLIENT,
+        metadata=flag(
+            "requests one end client (API key, else specmask-client metadata / X-SpecMask-Client header, "
+            "else address) may have in flight; past it RESOURCE_EXHAUSTED (-1 = every batch slot plus half "
+            "the admission queue, 0 = no limit)"
+        ),
+    )
     # Keys the public APIs require (orchestrator.auth_keys); () = open. Not in repr: never logged.
+    # Their flags are auth_keys' (--api-key, --api-key-file), read with the environment's keys.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
-    cors_origins: tuple[str, ...] = ()  # origins browsers may call the HTTP API from; () = no CORS
+    # origins browsers may call the HTTP API from; () = no CORS
+    cors_origins: tuple[str, ...] = field(
+        default=(),
+        metadata=flag(
+            "an origin browsers may call the HTTP API from (repeatable; '*' = any; default: no CORS)",
+            name="--cors-origin",
+            metavar="ORIGIN",
+        ),
+    )
     # The mask tier's verdicts on grammars, kept this long and this many (orchestrator.verdict_cache):
     # a grammar judged recently costs a request no ValidateGrammar round trip. 0 entries = off.
-    grammar_verdict_cache_entries: int = DEFAULT_GRAMMAR_VERDICT_CACHE_ENTRIES
-    grammar_verdict_ttl_s: float = DEFAULT_GRAMMAR_VERDICT_TTL_S
+    grammar_verdict_cache_entries: int = field(
+        default=DEFAULT_GRAMMAR_VERDICT_CACHE_ENTRIES,
+        metadata=flag(
+            "keep the mask tier's last N verdicts on grammars, so a request whose grammar was judged "
+            "recently skips the ValidateGrammar round trip (0 = ask every time)",
+            name="--grammar-verdict-cache",
+            metavar="N",
+        ),
+    )
+    grammar_verdict_ttl_s: float = field(
+        default=DEFAULT_GRAMMAR_VERDICT_TTL_S,
+        metadata=flag(
+            "how long a kept verdict holds: the longest a change of the mask tier's limits takes to reach "
+            "this orchestrator's admission"
+        ),
+    )
     # Logging of the GPU-worker processes (Ray actors): INFO keeps their [request_id=...] lines.
-    worker_log_level: str | None = "INFO"
-    log_format: str = "text"
+    # On the command line the level of this process too.
+    worker_log_level: str | None = field(
+        default="INFO",
+        metadata=flag(
+            "logging level of this process and of its GPU workers (DEBUG, INFO, WARNING, ...)", name="--log-level"
+        ),
+    )
+    log_format: str = field(
+        default="text", metadata=flag("text (for people) or json (one object a line)", choices=LOG_FORMATS)
+    )
 
     def __post_init__(self) -> None:
         if not self.mask_service_addresses:

@@ -38,15 +38,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-attempts", type=int, default=None, help="checked mode: generations to try")
     parser.add_argument("--stream", action="store_true", help="print text as it is generated")
     parser.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (1 = off, the default)")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (0 = off)")
+    parser.add_argument("--seed", type=int, default=None, help="a seeded request reproduces its output exactly")
+    parser.add_argument("--max-tokens", type=int, default=None, help="output budget (default: the server's)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--k", type=int, default=None, help="drafts per step (default: the server's)")
     parser.add_argument("--no-speculation", action="store_true", help="plain (constrained) decoding")
     parser.add_argument("--no-draft-masking", action="store_true", help="do not mask draft logits with the grammar")
-    parser.add_argument("--request-id", default="")
+    parser.add_argument(
+        "--request-id",
+        default="",
+        help="id echoed back and carried by the server's log lines (default: the server picks one)",
+    )
     parser.add_argument("--timeout-s", type=float, default=120.0, help="RPC deadline")
     parser.add_argument("--json", action="store_true", help="print the whole response as JSON on stdout")
 

@@ -73,14 +73,15 @@ def test_bad_names(name: str) -> None:
 
 def test_defaults_are_auto() -> None:
     from specmask.orchestrator.config import OrchestratorConfig
-    from specmask.orchestrator.main import add_dtype_argument
+    from specmask.orchestrator.main import add_arguments
 
     assert WorkerConfig(target_dir="x").dtype == "auto"
     assert OrchestratorConfig(target_dir="x", mask_service_addresses=("127.0.0.1:1",)).worker_config().dtype == "auto"
     parser = argparse.ArgumentParser()
-    add_dtype_argument(parser)
-    assert parser.parse_args([]).dtype == "auto"
-    assert parser.parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
+    add_arguments(parser)
+    needed = ["--target", "t", "--mask-service", "127.0.0.1:1"]
+    assert parser.parse_args(needed).dtype == "auto"
+    assert parser.parse_args([*needed, "--dtype", "bfloat16"]).dtype == "bfloat16"
     with pytest.raises(SystemExit):
-        parser.parse_args(["--dtype", "int8"])
+        parser.parse_args([*needed, "--dtype", "int8"])
     assert set(DTYPES) >= {"auto", "bfloat16", "float16", "float32"}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import logging
 import os
@@ -27,27 +28,40 @@ import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from specmask.common.config_flags import ConfigFlags
 from specmask.common.startup import StartupError, check_ports_free, port_flag
 from specmask.mask_service.auth import OWNER_SECRET_ENV, TOKEN_ENV
-from specmask.orchestrator import config as cfg
-from specmask.orchestrator.api.http.tool_formats import ToolCallParser
-from specmask.orchestrator.auth_keys import ApiKeyError, api_keys_from_args
+from specmask.orchestrator.auth_keys import ApiKeyError, add_api_key_arguments, api_keys_from_args
+from specmask.orchestrator.config import OrchestratorConfig
 from specmask.orchestrator.dev.local_stack import LOOPBACK, StackConfig, running_stack
-from specmask.orchestrator.main import (
-    LOG_FORMAT,
-    add_batch_and_memory_arguments,
-    add_dtype_argument,
-    add_fairness_and_auth_arguments,
-    add_grammar_fallback_argument,
-    add_reasoning_parser_argument,
-    add_tool_call_parser_argument,
-    install_stop_signals,
-    reasoning_parser_of,
-)
-from specmask.orchestrator.validation import GrammarFallback
+from specmask.orchestrator.main import LOG_FORMAT, install_stop_signals
 
 # The token's and the owner secret's entropy, in bytes (secrets.token_urlsafe).
 SECRET_BYTES = 32
+
+# The OrchestratorConfig fields `up` and `serve` both take as flags, declared on the fields
+# as `specmask orchestrator` takes them (vLLM's --max-num-seqs, --max-num-batched-tokens,
+# --gpu-memory-utilization and --dtype among them: docs/scheduling.md, docs/models.md).
+STACK_FIELDS = (
+    "num_workers",
+    "max_queue",
+    "max_batch",
+    "max_iteration_tokens",
+    "gpu_memory_utilization",
+    "kv_cache_bytes",
+    "dtype",
+    "max_inflight_per_client",
+    "cors_origins",
+    "grammar_fallback",
+    "reasoning_parser",
+    "tool_call_parser",
+    "worker_log_level",
+)
+
+
+@functools.cache
+def stack_flags() -> ConfigFlags:
+    return ConfigFlags(OrchestratorConfig, STACK_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -76,19 +90,9 @@ class Launch:
 def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags `up` and `serve` share, with the same names and defaults."""
     parser.add_argument("--mask-replicas", type=int, default=1, help="mask-service processes")
-    parser.add_argument("--num-workers", type=int, default=1, help="GPU worker actors")
-    parser.add_argument("--max-queue", type=int, default=cfg.DEFAULT_MAX_QUEUE)
-    # --max-num-seqs, --max-num-batched-tokens (and SpecMask's names), --gpu-memory-utilization,
-    # --kv-cache-bytes: as `specmask orchestrator` declares them (docs/scheduling.md, docs/models.md).
-    add_batch_and_memory_arguments(parser)
-    add_dtype_argument(parser)
-    # --max-inflight-per-client, --api-key, --api-key-file, --cors-origin.
-    add_fairness_and_auth_arguments(parser)
-    add_grammar_fallback_argument(parser)
-    add_reasoning_parser_argument(parser)
-    add_tool_call_parser_argument(parser)
+    stack_flags().add_to(parser)
+    add_api_key_arguments(parser)
     parser.add_argument("--log-dir", default=".specmask/logs", help="where mask-service logs go")
-    parser.add_argument("--log-level", default="INFO")
 
 
 def issue_stack_secrets() -> None:
@@ -143,18 +147,8 @@ def config_overrides(args: argparse.Namespace, plan: Launch, *, http_port: int |
     return {
         "host": plan.host,
         "http_port": http_port,
-        "max_queue": args.max_queue,
-        "max_inflight_per_client": args.max_inflight_per_client,
         "api_keys": api_keys,
-        "cors_origins": tuple(args.cors_origin),
-        "max_batch": args.max_batch,
-        "max_iteration_tokens": args.max_iteration_tokens,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "kv_cache_bytes": args.kv_cache_bytes,
-        "dtype": args.dtype,
-        "grammar_fallback": GrammarFallback(args.grammar_fallback),
-        "reasoning_parser": reasoning_parser_of(args),
-        "tool_call_parser": ToolCallParser(args.tool_call_parser),
+        **stack_flags().values(args),
         **plan.orchestrator,
     }
 

@@ -26,11 +26,14 @@ before anything starts, a mask-service token made for this start, Ray on 127.0.0
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from dataclasses import dataclass
 
+from specmask.common.config_flags import ConfigFlags
 from specmask.common.startup import StartupError
 from specmask.orchestrator import config as cfg
+from specmask.orchestrator.config import OrchestratorConfig
 from specmask.orchestrator.dev.launch import Launch, PortFlag, add_stack_arguments, launch
 
 SPECULATIVE_KEYS = frozenset({"model", "num_speculative_tokens", "method"})
@@ -72,20 +75,26 @@ def parse_speculative_config(text: str | None) -> Speculative:
     return Speculative(draft, k)
 
 
+@functools.cache
+def serve_flags() -> ConfigFlags:
+    """OrchestratorConfig's flags under vLLM's names: ``--port`` is the HTTP API's."""
+    return ConfigFlags(
+        OrchestratorConfig,
+        ("host", "http_port", "port", "served_model_name", "max_model_len", "metrics_port"),
+        names={"http_port": "--port", "port": "--grpc-port"},
+        helps={"served_model_name": "model id of the API (default: MODEL as given)"},
+    )
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL", help="model directory, registered name, or Hugging Face id (cached)")
-    parser.add_argument("--host", default=cfg.DEFAULT_HOST, help="address the HTTP and gRPC APIs bind")
-    parser.add_argument("--port", type=int, default=8000, help="OpenAI-compatible HTTP API port")
-    parser.add_argument("--grpc-port", type=int, default=50051, help="SpecMask gRPC API port")
-    parser.add_argument("--served-model-name", default=None, help="model id of the API (default: MODEL)")
-    parser.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + output tokens")
+    serve_flags().add_to(parser)
     parser.add_argument(
         "--speculative-config",
         default=None,
         metavar="JSON",
         help='e.g. \'{"model": "DIR|NAME|ID", "num_speculative_tokens": 4}\' or \'{"method": "ngram"}\'',
     )
-    parser.add_argument("--metrics-port", type=int, default=-1, help="separate Prometheus port (-1 = off)")
     # --mask-replicas, --num-workers, --max-queue, --api-key(-file), --max-inflight-per-client,
     # --cors-origin, --log-dir, --log-level: `specmask up`'s, with its defaults.
     add_stack_arguments(parser)

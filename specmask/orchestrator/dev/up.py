@@ -20,9 +20,23 @@ listens on 127.0.0.1 only, and ``--api-key`` / ``--api-key-file`` /
 from __future__ import annotations
 
 import argparse
+import functools
 
+from specmask.common.config_flags import ConfigFlags
+from specmask.orchestrator.config import OrchestratorConfig
 from specmask.orchestrator.dev.launch import Launch, PortFlag, add_stack_arguments, launch
 from specmask.orchestrator.dev.local_stack import LOOPBACK
+
+# A local stack shows its metrics by default, on the OpenTelemetry Prometheus exporter's port.
+UP_METRICS_PORT = 9464
+
+
+@functools.cache
+def port_flags() -> ConfigFlags:
+    """The public ports, as OrchestratorConfig declares them (Launch checks and reads them)."""
+    return ConfigFlags(
+        OrchestratorConfig, ("port", "metrics_port", "http_port"), defaults={"metrics_port": UP_METRICS_PORT}
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,9 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--draft", default=None, metavar="DIR|NAME", help="draft model dir or name; 'none' = no draft model"
     )
     parser.add_argument("--toy", action="store_true", help="the small toy target/draft pair (trained on first use)")
-    parser.add_argument("--port", type=int, default=50051, help="orchestrator API port")
-    parser.add_argument("--metrics-port", type=int, default=9464, help="Prometheus port (-1 = off)")
-    parser.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP API port (-1 = off)")
+    port_flags().add_to(parser)
     add_stack_arguments(parser)
 
 
