@@ -38,7 +38,7 @@ from specmask.orchestrator.api.http.tool_grammar import (
     tool_grammar,
 )
 from specmask.orchestrator.output_check import OutputChecker
-from tests.fixtures.chat_templates import LLAMA_31, MISTRAL_V03, qwen3_template, with_template
+from tests.fixtures.chat_templates import HARMONY_SHORT, LLAMA_31, MISTRAL_V03, qwen3_template, with_template
 from tests.fixtures.shared_data import require, shared_data_dir
 
 WEATHER = {
@@ -231,6 +231,7 @@ def test_detection_from_templates_and_the_flag(shared: Path, tmp_path: Path) -> 
         ("qwen3", qwen3_template(shared), HERMES),
         ("llama31", LLAMA_31, LLAMA3_JSON),
         ("mistral", MISTRAL_V03, MISTRAL),
+        ("harmony", HARMONY_SHORT, HARMONY),
     ):
         prompter = load_prompter(str(with_template(qwen_dir, template, tmp_path / name)))
         assert isinstance(prompter, TemplatePrompter) and prompter.supports_tools
