@@ -5,6 +5,15 @@ requests sent beside each draft forward (and ``prefetch_first``'s M_0 after a
 commit), forced continuations and n-gram lookahead taken from a reply. How the
 mask traffic stays off the critical path is in docs/design.md, "Mask traffic
 during proposal".
+
+The device draft loop: when no slot of the batch needs a mask row while it drafts
+(no grammar, or draft masks off) and every slot that drafts does so with the draft
+model alone, nothing in proposal needs a draft token on the host, so the
+per-position loop below is skipped: ``DraftModelProposer.draft_on_device`` runs all
+k positions with the tokens in a device tensor, and the step hands them to the
+verify forward and the rejection sampler as device tensors too. The step then reads
+the device once (its verified tokens), plus once for the drafts where a verify-path
+mask request carries them (docs/performance.md, "The step's host path").
 """
 
 from __future__ import annotations
