@@ -1,11 +1,11 @@
-"""docs/INTERFACES.md names only fields that exist.
+"""docs/INTERFACES.md lists the seams' classes as they are.
 
-The page lists the seams' dataclasses and enums by hand, beside the contracts between
-packages that only prose can say. A field removed from the code but left on the page
-(a request field nothing sets any more, say) tells the next engineer to use something
-that is gone. This reads every ``class Name`` listing in the page's python blocks and
-checks that each field it names is a field, method or member of a class of that name in
-specmask/ (read with ast: nothing is imported).
+The page's dataclass and enum listings are generated from the source (bench.interfaces_doc),
+beside the contracts between packages that only prose can say: the page must equal its
+rendering, so a field added, removed or re-documented in the code is on the page in the
+same commit. A hand-written ``class Name`` listing outside them must still name only
+fields, methods or members a class of that name in specmask/ has (read with ast: nothing
+is imported).
 """
 
 from __future__ import annotations
@@ -13,6 +13,10 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+
+import pytest
+
+from bench.interfaces_doc import ListingError, class_listing, render
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PAGE = REPO_ROOT / "docs" / "INTERFACES.md"
@@ -78,3 +82,43 @@ def test_every_listed_field_exists() -> None:
     members = class_members()
     unknown = sorted({(cls, name) for cls, name in listed if name not in members.get(cls, set())})
     assert not unknown, f"docs/INTERFACES.md lists fields no class in specmask/ has: {unknown}"
+
+
+def test_the_page_is_its_rendering() -> None:
+    page = PAGE.read_text(encoding="utf-8")
+    assert page.count("<!-- generated: ") >= 12, "the page's generated listings were not found"
+    assert render(page) == page, "docs/INTERFACES.md is stale: run python -m bench.interfaces_doc"
+
+
+def test_a_listing_is_the_class_as_written(tmp_path: Path) -> None:
+    source = tmp_path / "m.py"
+    source.write_text(
+        "import enum\n"
+        "@dataclass(frozen=True)\n"
+        "class Item:\n"
+        '    """Doc."""\n'
+        "    a: int  # [B] int32\n"
+        "    def size(self) -> int:\n"
+        "        return 1\n"
+        "\n"
+        "    # Why b: it says so.\n"
+        "    b: str = 'é'\n"
+        "    @property\n"
+        "    def width(self) -> int:\n"
+        "        return 2\n"
+        "    def _private(self) -> None: ...\n",
+        encoding="utf-8",
+    )
+    assert class_listing(source, "Item") == (
+        "@dataclass(frozen=True)\n"
+        "class Item:\n"
+        '    """Doc."""\n'
+        "    a: int  # [B] int32\n"
+        "    # Why b: it says so.\n"
+        "    b: str = 'é'\n"
+        "    # also: size(), width\n"
+    )
+    with pytest.raises(ListingError, match="not one"):
+        class_listing(source, "Missing")
+    with pytest.raises(ListingError):
+        class_listing(tmp_path / "gone.py", "Item")
