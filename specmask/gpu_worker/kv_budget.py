@@ -10,7 +10,7 @@ padding), and the batch fits while ``slots(n) x max(need)`` stays within the bud
 sequence admitted under that rule never makes a pool grow past its budget: no
 out-of-memory and no refused resize in the middle of a step, whatever lengths the
 sequences reach. The orchestrator places a request on a worker only where it fits
-(engine._place, from ``WorkerInfo.kv_budget``), so one that does not waits in the queue
+(orchestrator.placement, from ``WorkerInfo.kv_budget``), so one that does not waits in the queue
 while the running ones go on; the worker checks again at ``add`` (actor._admit).
 
 Pure Python (no torch): the orchestrator imports it with gpu_worker.types.
