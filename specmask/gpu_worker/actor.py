@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from specmask.common import tracing
+from specmask.common.proposer_kind import ProposerKind
 from specmask.common.tracing import NO_SPAN, Carrier
 from specmask.gpu_worker.config import WorkerConfig, iteration_budget
 from specmask.gpu_worker.kv_budget import KVBudget, budget_bytes, longest_sequence
@@ -588,7 +589,7 @@ class GpuWorker:
             raise ValueError("sequence has a grammar but the worker has no mask service configured")
         stop_ids = self.eos_token_ids if req.stop_token_ids is None else tuple(req.stop_token_ids)
         self._check_ids(stop_ids, "stop")
-        if "draft_model" in proposers:
+        if ProposerKind.DRAFT_MODEL in proposers:
             assert self.draft is not None
             if max(prompt) >= self.draft.input_vocab_size:
                 raise ValueError(f"prompt token id {max(prompt)} is outside the draft vocabulary")
@@ -610,7 +611,7 @@ class GpuWorker:
             k=spec.k if proposers else 0,
             seed=seed & ((1 << _SEED_BITS) - 1),
             token_ids=prompt,
-            draft_kv=SequenceKV() if "draft_model" in proposers else None,
+            draft_kv=SequenceKV() if ProposerKind.DRAFT_MODEL in proposers else None,
         )
 
     def _check_ids(self, ids: Sequence[int], what: str) -> None:

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from specmask.common.proposer_kind import ProposerKind
 from specmask.gpu_worker.drafting import Drafter
 from specmask.gpu_worker.mask_table import DeviceMaskTable
 from specmask.gpu_worker.masks import MaskChannel, mask_item
@@ -107,7 +108,7 @@ class StepRunner:
         if seq.k == 0 or not seq.proposers:
             return 0
         limit = self.max_model_len
-        if "draft_model" in seq.proposers and self.draft_max_len is not None:
+        if ProposerKind.DRAFT_MODEL in seq.proposers and self.draft_max_len is not None:
             limit = min(limit, self.draft_max_len)
         if len(seq.token_ids) + seq.k > limit:
             return 0
@@ -339,7 +340,7 @@ class StepRunner:
             len(seqs),
             constrained=any(seq.has_grammar for seq in seqs),
             draft_masks=any(
-                seq.has_grammar and seq.request.speculation.draft_masking and "draft_model" in seq.proposers
+                seq.has_grammar and seq.request.speculation.draft_masking and ProposerKind.DRAFT_MODEL in seq.proposers
                 for seq in seqs
             ),
         )

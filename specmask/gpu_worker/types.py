@@ -15,6 +15,7 @@ import enum
 from dataclasses import dataclass, field
 
 from specmask.common.grammar_spec import GrammarSpec
+from specmask.common.proposer_kind import ProposerKind
 from specmask.gpu_worker.kv_budget import KVBudget
 
 
@@ -43,6 +44,37 @@ class FinishReason(enum.Enum):
     CANCELLED = "cancelled"
     ERROR = "error"
     GRAMMAR_VIOLATION = "grammar_violation"
+
+
+class ErrorKind(enum.Enum):
+    """What kind of failure ended a sequence (``StepOutput.error_kind``, set with ``error``): it
+    decides how each API reports the failure, in one table (specmask/orchestrator/api/error_table.py),
+    so no layer reads the message's words to find out.
+
+    * ``INTERNAL``: the server failed at it (a step or worker call raised, the worker was lost,
+      no worker left); the request was fine.
+    * ``MASK_TIER_UNAVAILABLE``: no mask service replica answered in time; a retry may succeed.
+    * ``MIN_TOKENS_UNREACHABLE``: the request's min_tokens conflicts with its own grammar (the
+      grammar ends, or allows only a stop token, before the minimum): the caller's to fix.
+    * ``GRAMMAR_VIOLATION``: output breaking the grammar was caught (FinishReason.GRAMMAR_VIOLATION).
+    """
+
+    INTERNAL = "internal"
+    MASK_TIER_UNAVAILABLE = "mask_tier_unavailable"
+    MIN_TOKENS_UNREACHABLE = "min_tokens_unreachable"
+    GRAMMAR_VIOLATION = "grammar_violation"
+
+    @classmethod
+    def of(cls, reason: FinishReason, kind: ErrorKind | None = None) -> ErrorKind | None:
+        """The kind of failure a sequence that finished with ``reason`` had: for ERROR, ``kind``
+        when one was set, else INTERNAL; GRAMMAR_VIOLATION's own whatever ``kind`` says (never
+        reported as anything else); None for a reason that is no failure (STOP, LENGTH,
+        GRAMMAR_COMPLETE, CANCELLED)."""
+        if reason is FinishReason.GRAMMAR_VIOLATION:
+            return cls.GRAMMAR_VIOLATION
+        if reason is FinishReason.ERROR:
+            return kind if kind is not None else cls.INTERNAL
+        return None
 
 
 class SessionWait(enum.Enum):
@@ -112,7 +144,7 @@ class SpeculationParams:
 
     enabled: bool = True
     k: int = 4
-    proposers: tuple[str, ...] = ("draft_model", "grammar_forced")
+    proposers: tuple[str, ...] = (ProposerKind.DRAFT_MODEL, ProposerKind.GRAMMAR_FORCED)
     draft_masking: bool = True
 
 
@@ -158,6 +190,9 @@ class StepOutput:
     new_token_ids: list[int]  # emitted tokens kept after stop/length truncation
     finish_reason: FinishReason | None = None
     error: str | None = None  # set iff finish_reason is ERROR or GRAMMAR_VIOLATION
+    # With ``error``: what kind of failure. None reads as the finish reason's kind: INTERNAL for
+    # ERROR, GRAMMAR_VIOLATION for GRAMMAR_VIOLATION (ErrorKind.of).
+    error_kind: ErrorKind | None = None
     drafts_proposed: int = 0  # k_r this step
     drafts_accepted: int = 0  # accepted drafts this step (before truncation)
     target_forwards: int = 0  # 1 when the sequence took part in this step's target forward

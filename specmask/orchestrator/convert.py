@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.common.proposer_kind import ProposerKind
 from specmask.gpu_worker.types import FinishReason
 from specmask.orchestrator.chat import ChatMessage, ChatPrompt
 from specmask.orchestrator.errors import InvalidRequest
@@ -27,9 +28,9 @@ from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 
 # Proto Proposer enum -> worker proposer registry name.
 PROPOSER_NAMES: dict[pb.Proposer.ValueType, str] = {
-    pb.PROPOSER_DRAFT_MODEL: "draft_model",
-    pb.PROPOSER_GRAMMAR_FORCED: "grammar_forced",
-    pb.PROPOSER_NGRAM: "ngram",
+    pb.PROPOSER_DRAFT_MODEL: ProposerKind.DRAFT_MODEL,
+    pb.PROPOSER_GRAMMAR_FORCED: ProposerKind.GRAMMAR_FORCED,
+    pb.PROPOSER_NGRAM: ProposerKind.NGRAM,
 }
 PROPOSER_ENUMS: dict[str, pb.Proposer.ValueType] = {name: value for value, name in PROPOSER_NAMES.items()}
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.common.proposer_kind import ProposerKind
 from specmask.gpu_worker.types import MAX_TOP_LOGPROBS, NewSequence, SamplingParams, SpeculationParams, WorkerInfo
 from specmask.orchestrator.chat import ChatError, ChatPrompt, ChatRenderer
 from specmask.orchestrator.errors import InvalidRequest
@@ -53,14 +54,14 @@ MAX_GRAMMAR_CHARS = 1 << 20
 MAX_SEPARATOR_CHARS = 8
 JSON_WHITESPACE = " \t\n\r"
 # Proposer names the worker registry knows (gpu_worker.types.SpeculationParams).
-KNOWN_PROPOSERS = frozenset({"draft_model", "grammar_forced", "ngram"})
+KNOWN_PROPOSERS = frozenset(ProposerKind)
 # Default proposers of a worker without a draft model (no draft forward to pay for).
-DRAFTLESS_PROPOSERS = ("grammar_forced", "ngram")
+DRAFTLESS_PROPOSERS = (ProposerKind.GRAMMAR_FORCED, ProposerKind.NGRAM)
 # With a draft model: the free proposers first, the draft model at the positions they leave
 # (gpu_worker.proposers priorities). The n-gram lookup catches the repeats a small draft misses:
 # on SmolLM2 with its distilled draft the mix drafts more tokens per target forward, and runs
 # faster, than the draft with grammar-forced drafts alone (docs/benchmarks.md).
-DRAFT_MODEL_PROPOSERS = ("draft_model", "grammar_forced", "ngram")
+DRAFT_MODEL_PROPOSERS = (ProposerKind.DRAFT_MODEL, ProposerKind.GRAMMAR_FORCED, ProposerKind.NGRAM)
 # Longest plausible token, in characters (used only to bound tokenizer work).
 MAX_CHARS_PER_TOKEN = 64
 # Checked mode: generations a request gets when it names no max_attempts, and the

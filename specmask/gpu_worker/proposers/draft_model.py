@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specmask.common.proposer_kind import ProposerKind
 from specmask.gpu_worker.kv_cache import SequenceKV
 from specmask.gpu_worker.mask_table import DeviceMaskTable
 from specmask.gpu_worker.model_runner import DeviceTail, ForwardItem, ModelRunner
@@ -35,7 +36,7 @@ from specmask.kernels.sampling_params import SamplingTensors
 
 @register
 class DraftModelProposer(Proposer):
-    name = "draft_model"
+    name = ProposerKind.DRAFT_MODEL
     priority = 20  # the expensive fallback: only positions nobody else filled
     prepares = True  # the forward overlaps the position's mask request
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from specmask.common.proposer_kind import ProposerKind
 from specmask.gpu_worker.proposers.base import DraftSlot, Proposal, Proposer, ProposerResources
 from specmask.gpu_worker.proposers.registry import register
 
 
 @register
 class GrammarForcedProposer(Proposer):
-    name = "grammar_forced"
+    name = ProposerKind.GRAMMAR_FORCED
     priority = 0  # free and certain: always first
     needs_masks = True
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from specmask.common.proposer_kind import ProposerKind
 from specmask.gpu_worker.proposers.base import DraftSlot, Proposal, Proposer, ProposerResources
 from specmask.gpu_worker.proposers.registry import register
 
@@ -30,7 +31,7 @@ def lookup_next(context: Sequence[int], n_min: int, n_max: int) -> int | None:
 
 @register
 class NgramProposer(Proposer):
-    name = "ngram"
+    name = ProposerKind.NGRAM
     priority = 10  # after grammar-forced, before the draft model (no forward needed)
 
     def __init__(self, n_min: int, n_max: int) -> None:

@@ -31,13 +31,14 @@ import json
 from dataclasses import dataclass
 
 from specmask.common.config_flags import ConfigFlags
+from specmask.common.proposer_kind import ProposerKind
 from specmask.common.startup import StartupError
 from specmask.orchestrator import config as cfg
 from specmask.orchestrator.config import OrchestratorConfig
 from specmask.orchestrator.dev.launch import Launch, PortFlag, add_stack_arguments, launch
 
 SPECULATIVE_KEYS = frozenset({"model", "num_speculative_tokens", "method"})
-SPECULATIVE_METHODS = ("draft_model", "ngram")
+SPECULATIVE_METHODS = (ProposerKind.DRAFT_MODEL, ProposerKind.NGRAM)
 
 
 @dataclass(frozen=True)
@@ -59,16 +60,16 @@ def parse_speculative_config(text: str | None) -> Speculative:
     unknown = sorted(set(data) - SPECULATIVE_KEYS)
     if unknown:
         raise ValueError(f"--speculative-config: unsupported keys {unknown}; supported: {sorted(SPECULATIVE_KEYS)}")
-    method = data.get("method", "draft_model")
+    method = data.get("method", ProposerKind.DRAFT_MODEL)
     if method not in SPECULATIVE_METHODS:
         raise ValueError(f"--speculative-config: method {method!r} is not one of {list(SPECULATIVE_METHODS)}")
     k = data.get("num_speculative_tokens")
     if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= cfg.DEFAULT_MAX_K):
         raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer in [0, {cfg.DEFAULT_MAX_K}]")
     draft = data.get("model")
-    if method == "ngram":
+    if method == ProposerKind.NGRAM:
         if draft is not None:
-            raise ValueError('--speculative-config: method "ngram" takes no model')
+            raise ValueError(f'--speculative-config: method "{ProposerKind.NGRAM}" takes no model')
         draft = "none"
     elif draft is not None and not isinstance(draft, str):
         raise ValueError("--speculative-config: model must be a string")
