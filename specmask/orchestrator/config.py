@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from specmask.common.config_flags import flag
 from specmask.common.log_format import LOG_FORMATS
 from specmask.common.startup import PORT_OFF, port_flag
+from specmask.common.tracing import OTLP_ENDPOINT_HELP
 from specmask.gpu_worker.config import (
     DEFAULT_MAX_BATCH,
     DEFAULT_MAX_ITERATION_TOKENS,
@@ -17,7 +19,7 @@ from specmask.gpu_worker.config import (
     WorkerConfig,
 )
 from specmask.mask_service.client.replicas import parse_targets
-from specmask.orchestrator import token_admission, validation, verdict_cache
+from specmask.orchestrator import autoscale, token_admission, validation, verdict_cache
 from specmask.orchestrator.api.http.tool_formats import ToolCallParser
 from specmask.orchestrator.reasoning import ReasoningParser
 
@@ -25,6 +27,8 @@ from specmask.orchestrator.reasoning import ReasoningParser
 # unauthenticated API); the images and the Helm chart pass --host 0.0.0.0,
 # since the kubelet probes and the Service reach the pod IP.
 DEFAULT_HOST = "127.0.0.1"
+# A pooled worker's name part (orchestrator.worker_pool.worker_name).
+_POOL_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?")
 # Requests validating or waiting for a batch slot, beyond which new requests
 # get RESOURCE_EXHAUSTED. Bounded so overload shows up as fast, typed refusals
 # the client can back off from, never as an unbounded backlog whose latency
@@ -63,6 +67,11 @@ DEFAULT_WORKER_MAX_RESTARTS = -1
 # With every worker lost while one is being recovered or replaced (a restart loads the model):
 # how long queued and new requests wait for it before they fail / are refused with a retry hint.
 DEFAULT_WORKER_RECOVERY_WAIT_S = 120.0
+# Worker autoscaling (orchestrator.autoscale): the oldest waiting request's wait that, held for
+# the sustain time, adds a worker; the time the load must fit one worker fewer before one goes.
+DEFAULT_SCALE_UP_QUEUE_WAIT_S = 2.0
+DEFAULT_SCALE_UP_AFTER_S = 10.0
+DEFAULT_SCALE_DOWN_IDLE_S = 120.0
 # torch threads of each worker process: 0 = every CPU it may run on, when its device is
 # the CPU (Ray would give an actor without num_cpus one: it sets OMP_NUM_THREADS=1).
 # GPU workers keep their default. See WorkerConfig.torch_threads for the figures.
@@ -192,6 +201,41 @@ class OrchestratorConfig:
         metadata=flag(
             "with no healthy worker while a lost one is restarted: how long queued and new requests wait "
             "for it (0 = fail them at once)"
+        ),
+    )
+    # Pooled workers (orchestrator.worker_pool.WorkerPool): detached named actors of this pool,
+    # adopted by the next orchestrator instead of loaded again; "" = owned by this process.
+    worker_pool: str = field(
+        default="",
+        metadata=flag(
+            "keep the GPU workers as detached Ray actors of this pool: the next orchestrator (a restart, a "
+            "rolling update's new pod) adopts the ones built with the same configuration instead of loading "
+            "the models again (docs/deployment.md); empty = the workers die with this orchestrator",
+            metavar="NAME",
+        ),
+    )
+    # Worker autoscaling within [min_workers, max_workers] (None = num_workers: a fixed count);
+    # num_workers is the count at start-up.
+    min_workers: int | None = field(
+        default=None, metadata=flag("fewest GPU workers when idle (default: --num-workers)")
+    )
+    max_workers: int | None = field(
+        default=None,
+        metadata=flag(
+            "most GPU workers under load (default: --num-workers); above --min-workers the count follows "
+            "the load: one is added while the queue wait stays high, one retired after an idle period"
+        ),
+    )
+    scale_up_queue_wait_s: float = field(
+        default=DEFAULT_SCALE_UP_QUEUE_WAIT_S,
+        metadata=flag("a worker is added when the oldest waiting request has waited longer than this..."),
+    )
+    scale_up_after_s: float = field(default=DEFAULT_SCALE_UP_AFTER_S, metadata=flag("...for this long without a break"))
+    scale_down_idle_s: float = field(
+        default=DEFAULT_SCALE_DOWN_IDLE_S,
+        metadata=flag(
+            "a worker is retired when the requests in the batches have fit one worker fewer, with nothing "
+            "waiting, for this long"
         ),
     )
     worker_torch_threads: int = field(
@@ -344,6 +388,8 @@ class OrchestratorConfig:
     log_format: str = field(
         default="text", metadata=flag("text (for people) or json (one object a line)", choices=LOG_FORMATS)
     )
+    # OTLP/gRPC collector for this process's and its GPU workers' trace spans (common.tracing); None = off.
+    otlp_traces_endpoint: str | None = field(default=None, metadata=flag(OTLP_ENDPOINT_HELP, metavar="URL"))
 
     def __post_init__(self) -> None:
         if not self.mask_service_addresses:
@@ -384,6 +430,17 @@ class OrchestratorConfig:
             raise ValueError(f"worker_max_restarts must be >= -1, got {self.worker_max_restarts}")
         if not self.worker_recovery_wait_s >= 0:
             raise ValueError(f"worker_recovery_wait_s must be >= 0, got {self.worker_recovery_wait_s}")
+        if self.worker_pool and not _POOL_NAME.fullmatch(self.worker_pool):
+            raise ValueError(
+                f"worker_pool must be 1-40 lowercase letters, digits or '-' (a Ray actor name part), "
+                f"got {self.worker_pool!r}"
+            )
+        self.autoscale_policy()  # bounds and thresholds: AutoscalePolicy raises ValueError
+        if not self.min_workers_or_default <= self.num_workers <= self.max_workers_or_default:
+            raise ValueError(
+                f"num_workers ({self.num_workers}) must lie within min_workers..max_workers "
+                f"({self.min_workers_or_default}..{self.max_workers_or_default})"
+            )
         if self.max_inflight_per_client < AUTO_INFLIGHT_PER_CLIENT:
             raise ValueError(
                 f"max_inflight_per_client must be >= 0 (0 = no cap) or -1 (auto), got {self.max_inflight_per_client}"
@@ -392,6 +449,28 @@ class OrchestratorConfig:
             self.worker_config()  # the budget's bounds: WorkerConfig raises ValueError
         if not 0 <= self.default_k <= self.max_k:
             raise ValueError(f"need 0 <= default_k <= max_k, got {self.default_k}, {self.max_k}")
+
+    @property
+    def min_workers_or_default(self) -> int:
+        return self.num_workers if self.min_workers is None else self.min_workers
+
+    @property
+    def max_workers_or_default(self) -> int:
+        return self.num_workers if self.max_workers is None else self.max_workers
+
+    @property
+    def autoscaling(self) -> bool:
+        """Whether the worker count follows the load (min < max)."""
+        return self.min_workers_or_default < self.max_workers_or_default
+
+    def autoscale_policy(self) -> autoscale.AutoscalePolicy:
+        return autoscale.AutoscalePolicy(
+            min_workers=self.min_workers_or_default,
+            max_workers=self.max_workers_or_default,
+            scale_up_wait_s=self.scale_up_queue_wait_s,
+            scale_up_after_s=self.scale_up_after_s,
+            scale_down_idle_s=self.scale_down_idle_s,
+        )
 
     @property
     def model_name(self) -> str:
@@ -432,4 +511,5 @@ class OrchestratorConfig:
             gpu_memory_utilization=self.gpu_memory_utilization,
             log_level=self.worker_log_level,
             log_format=self.log_format,
+            otlp_traces_endpoint=self.otlp_traces_endpoint,
         )

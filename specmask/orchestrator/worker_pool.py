@@ -1,4 +1,4 @@
-"""Ray connection and GPU worker actors: start them, wait for them, stop them."""
+"""Ray connection and GPU worker actors: start them, wait for them, stop them; pooled ones adopted."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any
 
 from specmask.gpu_worker.types import WorkerInfo
 from specmask.orchestrator.config import OrchestratorConfig
-from specmask.orchestrator.engine import WorkerSlot
 from specmask.orchestrator.worker_leases import RAY_NAMESPACE, LeaseView, registry
+from specmask.orchestrator.worker_slot import WorkerSlot
 
 logger = logging.getLogger(__name__)
 
@@ -316,7 +316,6 @@ class WorkerPool:
         self._registry: Any = None
         self._renewal: asyncio.Task | None = None
         self.adopted = 0  # workers taken over from a previous orchestrator by start()
-        self.on_lease_lost: Any = None  # Callable[[Any], None]: a worker another orchestrator leased
 
     @property
     def pooled(self) -> bool:
@@ -537,8 +536,6 @@ class WorkerPool:
     # -- leases -----------------------------------------------------------------------------
 
     async def _renew_forever(self) -> None:
-        import ray
-
         while True:
             await asyncio.sleep(LEASE_TTL_S / 3)
             names = list(self._names.values())
@@ -550,12 +547,10 @@ class WorkerPool:
                 logger.warning("renewing the worker leases failed: %s", exc)
                 continue
             for name in lost:
-                logger.error("worker %s is leased by another orchestrator now; this one stops driving it", name)
-                actor_id = next((k for k, v in self._names.items() if v == name), None)
-                self._names.pop(actor_id or "", None)
-                if self.on_lease_lost is not None:
-                    with contextlib.suppress(Exception):
-                        self.on_lease_lost(ray.get_actor(name, namespace=RAY_NAMESPACE))
+                # Only after this process lost the registry for longer than a lease while still
+                # reaching the worker (docs/deployment.md names it as a known limit).
+                logger.error("worker %s is leased by another orchestrator now; no longer renewing it", name)
+                self._names = {k: v for k, v in self._names.items() if v != name}
 
     async def mark_draining(self) -> None:
         """SIGTERM: say the leases are about to be released (a starting orchestrator waits for them)."""

@@ -8,7 +8,6 @@ grpc.aio server and the step loops live on the caller's event loop.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +16,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specmask.common import tracing
 from specmask.common.tokenizer_id import tokenizer_id_for_path
 from specmask.gpu_worker.types import WorkerInfo
 from specmask.mask_service.client.replicas import join_host_port
@@ -31,7 +31,8 @@ from specmask.orchestrator.metrics import OrchestratorMetrics
 from specmask.orchestrator.readiness import MaskTierProbe, Readiness
 from specmask.orchestrator.validation import RequestValidator, ServingDefaults
 from specmask.orchestrator.verdict_cache import VerdictCache
-from specmask.orchestrator.worker_pool import connect_ray, replace_worker, start_workers, stop_workers
+from specmask.orchestrator.worker_pool import WorkerPool, connect_ray
+from specmask.orchestrator.worker_scaling import WorkerScaler
 from specmask.proto import health as health_names
 from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
 
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
+TRACE_SERVICE_NAME = "specmask-orchestrator"  # service.name of this process's trace spans
 # Prompts can be long token-id lists; 16 MiB fits a 1M-token prompt as varints
 # with room to spare, far past any model context (validation then refuses it).
 MAX_MESSAGE_BYTES = 16 * 1024**2
@@ -94,6 +96,7 @@ class OrchestratorServer:
         metrics: OrchestratorMetrics,
         grammar_checker: MaskServiceGrammarChecker,
         slots: list[WorkerSlot],
+        pool: WorkerPool | None = None,
     ) -> None:
         self.config = config
         self.grpc_server = grpc_server
@@ -105,6 +108,12 @@ class OrchestratorServer:
         self._health = health_servicer
         self._grammar_checker = grammar_checker
         self._slots = slots
+        # The workers' pool (orchestrator.worker_pool): owned or pooled actors, released or killed on stop.
+        self.pool = pool if pool is not None else WorkerPool(config)
+        # Follows the load when config.autoscaling (orchestrator.worker_scaling); None = a fixed count.
+        self.scaler: WorkerScaler | None = None
+        if config.autoscaling:
+            self.scaler = WorkerScaler(engine, self.pool, config.autoscale_policy(), config.max_batch)
         self._stopped = False
         # What gRPC readiness says now; HTTP /health answers from the same flag (docs/api-errors.md).
         self.serving = False
@@ -120,7 +129,8 @@ class OrchestratorServer:
 
     @property
     def worker_actors(self) -> list:
-        return [s.actor for s in self._slots]
+        """The workers the engine drives now (autoscaling adds and retires them)."""
+        return self.engine.worker_actors()
 
     async def start(self) -> None:
         if self.config.metrics_port is not None:
@@ -135,6 +145,8 @@ class OrchestratorServer:
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.serving = True
         self.readiness.start()
+        if self.scaler is not None:
+            self.scaler.start()
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Graceful: NOT_SERVING, let in-flight RPCs finish (bounded), free everything."""
@@ -144,6 +156,11 @@ class OrchestratorServer:
         self.serving = False
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         await self._health.enter_graceful_shutdown()
+        # A starting orchestrator (a rolling update's new pod) waits for these workers to be
+        # released instead of loading the models into new ones.
+        await self.pool.mark_draining()
+        if self.scaler is not None:
+            await self.scaler.stop()
         await self.readiness.stop()
         # Streams get up to `grace` to finish, then a final message each (not a bare
         # UNAVAILABLE "Cancelling all calls"); the RPCs then end on their own.
@@ -152,7 +169,7 @@ class OrchestratorServer:
         await asyncio.gather(self.grpc_server.stop(grace), *http_stop)
         await self.engine.stop()
         self._grammar_checker.close()
-        await asyncio.to_thread(stop_workers, self.worker_actors)
+        await self.pool.close(self.worker_actors)
         self.metrics.close()
 
     def _on_health_change(self, healthy: bool) -> None:
@@ -166,8 +183,11 @@ class OrchestratorServer:
 
 async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer, int]:
     """Connect to Ray, start and wait for the workers, bind the API; not started yet."""
+    # Before the workers start: their spans and this process's join the same traces.
+    tracing.configure(config.otlp_traces_endpoint, TRACE_SERVICE_NAME)
     connect_ray(config.ray_address)  # blocks briefly; a no-op when the caller already connected
-    slots = await start_workers(config)
+    pool = WorkerPool(config)
+    slots = await pool.start()
     try:
         info = slots[0].info
         local_id = await asyncio.to_thread(tokenizer_id_for_path, config.target_dir)
@@ -213,15 +233,15 @@ async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer,
             ),
             metrics,
             release_sessions=checker.release_sessions,
-            replace_worker=functools.partial(replace_worker, config),
+            replace_worker=pool.replace,
         )
         grpc_server = grpc.aio.server(options=server_options(), interceptors=api_interceptors(config))
-        server = OrchestratorServer(config, grpc_server, engine, health_servicer, metrics, checker, slots)
+        server = OrchestratorServer(config, grpc_server, engine, health_servicer, metrics, checker, slots, pool)
         engine.set_health_listener(server.readiness.poke)
         # A kept acceptance is used only while a mask replica answers health: with the tier
         # down, requests still fail fast at validation (UNAVAILABLE), not at the worker.
         checker.tier_reachable = lambda: server.readiness.mask_replicas_serving > 0
-        add_to_server(OrchestratorServicer(engine, metrics), grpc_server, SERVICE_NAME)
+        add_to_server(OrchestratorServicer(engine, metrics, model_name=config.model_name), grpc_server, SERVICE_NAME)
         if config.http_port is not None:
             from specmask.orchestrator.api.http.app import front_door_for  # aiohttp only when the HTTP API is on
 
@@ -234,6 +254,6 @@ async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer,
         if port == 0:
             raise RuntimeError(f"could not bind {config.host}:{config.port}")
     except BaseException:
-        stop_workers([s.actor for s in slots])
+        await pool.close([s.actor for s in slots])
         raise
     return server, port
