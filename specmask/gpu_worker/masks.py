@@ -21,7 +21,8 @@ are locked, and one session is only ever used by one thread at a time (opened on
 control thread, then used by the data thread, then closed on a control thread).
 
 A batched request is a ``PendingMasks``: submitted at once, waited for only when
-its rows are needed, with per-sequence error attribution on the wait.
+its rows are needed. The service answers each item on its own (the router's
+``draft_mask_items``), so one sequence's failure fails that sequence alone.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from specmask.common.grammar_spec import GrammarSpec
 from specmask.gpu_worker.mask_errors import MASK_TIER_UNAVAILABLE, describe_mask_failure
 from specmask.mask_service.auth import public_owner
+from specmask.mask_service.client.mask_client import MaskServiceError
 
 if TYPE_CHECKING:
     from specmask.gpu_worker.sequence import SequenceState
-    from specmask.mask_service.client.mask_client import DraftMaskItem, DraftMaskResult
+    from specmask.mask_service.client.mask_client import DraftMaskItem, DraftMaskOutcome, DraftMaskResult
     from specmask.mask_service.client.service import MaskService
 
 logger = logging.getLogger(__name__)
@@ -120,13 +122,14 @@ class MaskChannel:
 
         return self._control.submit(call)
 
-    def draft_masks_async(self, items: Sequence[DraftMaskItem]) -> Future[tuple[list[DraftMaskResult], float]]:
-        """Submit a batched DraftMasks call; the future gives (results, seconds on the I/O thread)."""
+    def draft_masks_async(self, items: Sequence[DraftMaskItem]) -> Future[tuple[list[DraftMaskOutcome], float]]:
+        """Submit a batched DraftMasks call; the future gives (per item, in order, its rows or
+        its own error; seconds on the I/O thread), and raises only if the call as a whole failed."""
 
-        def call() -> tuple[list[DraftMaskResult], float]:
+        def call() -> tuple[list[DraftMaskOutcome], float]:
             t0 = time.perf_counter()
-            results = self._router.draft_masks(list(items))
-            return results, time.perf_counter() - t0
+            outcomes = self._router.draft_mask_items(list(items))
+            return outcomes, time.perf_counter() - t0
 
         return self._submit(call)
 
@@ -207,7 +210,6 @@ class PendingMasks:
     """One batched DraftMasks call in flight on the channel's I/O thread."""
 
     def __init__(self, channel: MaskChannel, items: Sequence[DraftMaskItem], *, timeout_s: float) -> None:
-        self._channel = channel
         self._items = {item.session_id: item for item in items}
         self._timeout_s = timeout_s
         self._future = channel.draft_masks_async(list(self._items.values()))
@@ -223,46 +225,32 @@ class PendingMasks:
         futures_wait([self._future], timeout=self._timeout_s)
 
     def wait(self) -> MaskReply:
-        """Block until the answer is in; on a per-item error fail only that sequence.
-
-        The service fails a batch call for its first failed item and names it
-        (``MaskServiceError.session_id``, the router's id = the item's session id),
-        so that item gets the error and the batch is resent without it. The other
-        items' commits may already be applied; resending them is safe because
-        commits are idempotent by commit_seq and masks never change committed
-        state. An error that names no item of the batch (replicas unreachable,
-        timeout, batch-level refusal) fails every item still in the batch.
-        Waiting again returns the same reply.
+        """Block until the answer is in: each item's rows, or its own error, which fails only
+        that sequence (the service answers the others all the same, their commits applied).
+        A failure of the call as a whole (replicas unreachable, timeout, batch-level refusal)
+        fails every item. Waiting again returns the same reply.
         """
         if self._reply is not None:
             return self._reply
         t0 = time.perf_counter()
         reply = MaskReply()
-        remaining = dict(self._items)
-        future = self._future
-        while remaining:
-            try:
-                results, _ = future.result(timeout=self._timeout_s)
-                if len(results) != len(remaining):
-                    raise RuntimeError(f"mask service returned {len(results)} results for {len(remaining)} items")
-                reply.results.update(zip(remaining, results))
-                break
-            except FutureTimeout:
-                msg = f"{MASK_TIER_UNAVAILABLE}: no mask answer within {self._timeout_s:.1f}s; retry"
-                reply.errors.update((session_id, msg) for session_id in remaining)
-                break
-            except Exception as exc:
-                failed = getattr(exc, "session_id", None) or ""
-                if remaining.pop(failed, None) is None:
-                    why = describe_mask_failure(exc, "computing masks")
-                    reply.errors.update((session_id, why) for session_id in remaining)
-                    break
-                reply.errors[failed] = describe_mask_failure(exc, "computing masks")
-                logger.warning(
-                    "mask call failed for session %s (%s); resending the other %d", failed, exc, len(remaining)
-                )
-                if remaining:
-                    future = self._channel.draft_masks_async(list(remaining.values()))
+        try:
+            outcomes, _ = self._future.result(timeout=self._timeout_s)
+            if len(outcomes) != len(self._items):
+                raise RuntimeError(f"mask service returned {len(outcomes)} answers for {len(self._items)} items")
+        except FutureTimeout:
+            msg = f"{MASK_TIER_UNAVAILABLE}: no mask answer within {self._timeout_s:.1f}s; retry"
+            reply.errors.update((session_id, msg) for session_id in self._items)
+        except Exception as exc:
+            why = describe_mask_failure(exc, "computing masks")
+            reply.errors.update((session_id, why) for session_id in self._items)
+        else:
+            for session_id, outcome in zip(self._items, outcomes):
+                if isinstance(outcome, MaskServiceError):
+                    logger.warning("mask call failed for session %s: %s", session_id, outcome)
+                    reply.errors[session_id] = describe_mask_failure(outcome, "computing masks")
+                else:
+                    reply.results[session_id] = outcome
         reply.wait_s = time.perf_counter() - t0
         self._reply = reply
         return reply

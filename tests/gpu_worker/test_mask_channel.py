@@ -57,6 +57,15 @@ class RecordingRouter:
     def draft_masks(self, items: Any) -> Any:
         return self._run("draft_masks", items)
 
+    def draft_mask_items(self, items: Any) -> Any:
+        # The channel's per-item form of DraftMasks: gated and recorded as "draft_masks".
+        start = time.monotonic()
+        assert self.gates["draft_masks"].wait(GATE_S)
+        try:
+            return self.router.draft_mask_items(items)
+        finally:
+            self.calls.append(("draft_masks", threading.current_thread().name, start, time.monotonic()))
+
     def close_session(self, session_id: str) -> None:
         self._run("close_session", session_id)
 
@@ -131,3 +140,23 @@ def test_a_close_waits_for_the_draft_masks_sent_before_it(channel, mask_service)
     assert len(router.of("open_session")) == 1, "the session was reopened"
     assert router.router.session_count() == 0
     assert mask_service.sessions.count_for([rid]) == 0
+
+
+def test_a_failed_item_fails_its_sequence_alone_in_one_call(channel, mask_service):
+    """A batch with an item the service refuses and one naming a session nobody opened: those
+    two get their errors, the other its rows, all from one DraftMasks call (the channel used to
+    resend the batch without each failed item, a round trip per failure)."""
+    chan, router = channel
+    good = chan.open_session_async(SCHEMA).result(timeout=20).session_id
+    refused = chan.open_session_async(OTHER).result(timeout=20).session_id
+    items = [DraftMaskItem(good, []), DraftMaskItem(refused, [10**6]), DraftMaskItem("never-opened", [])]
+    pending = chan.request(items, timeout_s=20)
+    reply = pending.wait()
+    assert set(reply.results) == {good} and reply.results[good].num_grammar_accepted == 0
+    assert set(reply.errors) == {refused, "never-opened"}
+    assert reply.errors[refused].startswith("grammar refused by the mask service")
+    assert "NOT_FOUND" in reply.errors["never-opened"]
+    assert len(router.of("draft_masks")) == 1
+    assert pending.wait() is reply
+    for sid in (good, refused):
+        chan.close_session_later(sid, "seq")

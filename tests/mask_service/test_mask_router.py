@@ -227,3 +227,55 @@ def test_own_connection_sees_a_restarted_replica_at_once(bpe_dir, registry) -> N
         failing.close()
         if handle is not None:
             handle.stop(grace_s=0)
+
+
+def test_router_answers_each_item_of_a_batch_on_its_own(bpe_dir, registry, bpe_id, hf_tok) -> None:
+    """``draft_mask_items``: in one call, a refused item, a session the router never opened and
+    a session a replica lost each get their own answer (the lost one recovered), and every
+    other item its rows, commits recorded for the answered ones only. ``draft_masks`` over the
+    same kind of batch raises the first failure, as before."""
+    toks = hf_tok.encode(DOC, add_special_tokens=False)
+    handles = [build_service(make_config(bpe_dir), registry) for _ in range(2)]
+    for h in handles:
+        h.server.start()
+    addresses = [f"127.0.0.1:{h.port}" for h in handles]
+    router = MaskRouter(addresses, deadline_s=5.0, max_retries=0)
+    try:
+        sids = _open_spread(router, bpe_id, 6)  # the batch spans both replicas
+        p = 3
+        items = [DraftMaskItem(s, toks[p : p + 3], commit_tokens=toks[:p], commit_seq=1) for s in sids]
+        bad, lost = 2, 4
+        items[bad] = DraftMaskItem(sids[bad], [10**6], commit_tokens=toks[:p], commit_seq=1)  # draft id out of range
+        items.insert(1, DraftMaskItem("never-opened", toks[p : p + 3]))
+        victim = router._sessions[sids[lost]]
+        victim_remote = victim.remote_id
+        handles[addresses.index(victim.address)].sessions.close(victim_remote)
+        outcomes = router.draft_mask_items(items)
+        assert len(outcomes) == len(items)
+        expected = _expected(addresses[0], bpe_id, toks, p)
+        for it, out in zip(items, outcomes):
+            if it.session_id == sids[bad]:
+                assert isinstance(out, MaskServiceError) and out.code == grpc.StatusCode.INVALID_ARGUMENT
+                assert out.session_id == sids[bad] != router._sessions[sids[bad]].remote_id
+                assert router._sessions[sids[bad]].last_seq == 0  # a failed item's commit is not recorded
+            elif it.session_id == "never-opened":
+                assert isinstance(out, MaskServiceError) and out.code == grpc.StatusCode.NOT_FOUND
+                assert out.session_id == "never-opened"
+            else:
+                assert not isinstance(out, MaskServiceError), (it.session_id, out)
+                np.testing.assert_array_equal(out.bitmask.numpy(), expected)
+                assert router._sessions[it.session_id].last_seq == 1
+        assert router._sessions[sids[lost]].remote_id != victim_remote  # reopened, replayed, answered
+        with pytest.raises(MaskServiceError) as err:
+            router.draft_masks([DraftMaskItem(sids[0], toks[p : p + 3]), DraftMaskItem(sids[bad], [10**6])])
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.session_id == sids[bad]
+        with MaskServiceClient(addresses[0]) as client:  # one replica's client: the same per-item answers
+            sid = client.open_session(bpe_id, SCHEMA)
+            good, refused = client.draft_mask_items([DraftMaskItem(sid, toks[:3]), DraftMaskItem("nope", [])])
+            assert isinstance(refused, MaskServiceError) and refused.code == grpc.StatusCode.NOT_FOUND
+            assert refused.session_id == "nope"
+            assert not isinstance(good, MaskServiceError) and good.num_grammar_accepted == 3
+    finally:
+        router.close()
+        for h in handles:
+            h.stop(grace_s=0)

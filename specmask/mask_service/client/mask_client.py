@@ -9,6 +9,8 @@
   table with numpy (mask_service.row_table); results name rows as slots of that
   table, never as dense copies; torch is imported lazily, only to wrap results,
   so importing this module never pulls torch in.
+* DraftMasks answers per item (``draft_mask_items``: each item's rows, or the error
+  the service gave that item alone); ``draft_masks`` is the all-or-nothing form.
 """
 
 from __future__ import annotations
@@ -117,6 +119,21 @@ class DraftMaskResult:
         import torch
 
         return torch.from_numpy(self.rows.dense())
+
+
+# One item's answer in a DraftMasks call: its rows, or why the service refused that item
+# (the error names the item's session; the call's other items are answered all the same).
+DraftMaskOutcome = DraftMaskResult | MaskServiceError
+
+
+def all_or_raise(outcomes: Sequence[DraftMaskOutcome]) -> list[DraftMaskResult]:
+    """Every item's result, or the first failed item's error raised (naming its session)."""
+    results: list[DraftMaskResult] = []
+    for out in outcomes:
+        if isinstance(out, MaskServiceError):
+            raise out
+        results.append(out)
+    return results
 
 
 class MaskServiceClient:
@@ -300,9 +317,10 @@ class MaskServiceClient:
             resp = self._call(self._stub.DraftMasks, req)
             if self.track_bytes:
                 self.last_response_bytes = resp.ByteSize()
-            for it, r in zip(items, resp.results):
-                if r.error_code:
-                    raise MaskServiceError(grpc.StatusCode(_status_tuple(r.error_code)), r.error_message, it.session_id)
+            if len(resp.results) != len(items):
+                # Answers are matched to items by position: a short or long reply matches none.
+                why = f"mask service returned {len(resp.results)} results for {len(items)} items"
+                raise MaskServiceError(grpc.StatusCode.INTERNAL, why)
             if not resp.num_mask_words:
                 return resp, None, np.zeros(0, dtype=np.int32)
             with self._lock:
@@ -326,10 +344,24 @@ class MaskServiceClient:
         )
 
     def draft_masks(self, items: Sequence[DraftMaskItem]) -> list[DraftMaskResult]:
+        """Every item's rows; a failed item raises its error (``MaskServiceError.session_id``
+        names it), and the others' answers are dropped: ``draft_mask_items`` keeps them."""
+        return all_or_raise(self.draft_mask_items(items))
+
+    def draft_mask_items(self, items: Sequence[DraftMaskItem]) -> list[DraftMaskOutcome]:
+        """One DraftMasks call; per item, in order, its rows or the error the service gave that
+        item alone (its session unknown, a token it refused, ...). A failure of the call itself
+        (unreachable, deadline, a reply that cannot be decoded) raises MaskServiceError with no
+        session. A failed item's commit may or may not be applied; the others' are."""
         resp, view, slots = self._draft_masks_raw(items)
-        out: list[DraftMaskResult] = []
+        out: list[DraftMaskOutcome] = []
         offset = 0
-        for r in resp.results:
+        for it, r in zip(items, resp.results):
+            if r.error_code:
+                offset += r.num_rows + r.num_forced_rows  # none, as the server answers; skipped all the same
+                code = grpc.StatusCode(_status_tuple(r.error_code))
+                out.append(MaskServiceError(code, r.error_message, it.session_id))
+                continue
             assert view is not None  # a result implies a row width
             rows = MaskRows(view, slots[offset : offset + r.num_rows])
             offset += r.num_rows

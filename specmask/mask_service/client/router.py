@@ -39,9 +39,11 @@ from specmask.mask_service.auth import public_owner
 from specmask.mask_service.client.mask_client import (
     DEFAULT_COMPILE_WAIT_S,
     DraftMaskItem,
+    DraftMaskOutcome,
     DraftMaskResult,
     MaskServiceClient,
     MaskServiceError,
+    all_or_raise,
 )
 from specmask.mask_service.client.replicas import ReplicaSet
 from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
@@ -274,57 +276,80 @@ class MaskRouter:
             return terminated
 
     def draft_masks(self, items: Sequence[DraftMaskItem]) -> list[DraftMaskResult]:
-        """Like MaskServiceClient.draft_masks; a per-item error names the router session id.
+        """Like MaskServiceClient.draft_masks: every item's rows, or the first failed item's
+        error raised, naming its router session id."""
+        return all_or_raise(self.draft_mask_items(items))
 
-        As with one replica, commits of the other items may already be applied
-        when an item fails: resend the batch without it (seen seqs are no-ops).
-        """
-        recs = [self._record(it.session_id) for it in items]
-        results: list[DraftMaskResult | None] = [None] * len(items)
-        pending = list(range(len(items)))
+    def draft_mask_items(self, items: Sequence[DraftMaskItem]) -> list[DraftMaskOutcome]:
+        """Like MaskServiceClient.draft_mask_items: per item, its rows or its own error, which
+        names the router session id. A session a replica lost (NOT_FOUND: restart, TTL) is
+        reopened and replayed, and its item asked again; a replica that cannot be reached
+        moves its sessions to another. Raises MaskServiceError (naming no session) only when
+        the call as a whole fails: no replica reachable, or a batch-level refusal."""
+        outcomes: list[DraftMaskOutcome | None] = [None] * len(items)
+        placed: dict[int, _SessionRecord] = {}  # item -> its session's record
+        for i, it in enumerate(items):
+            try:
+                placed[i] = self._record(it.session_id)
+            except MaskServiceError as exc:  # a session this router does not hold: that item's failure
+                outcomes[i] = exc
+        pending = list(placed)
         attempts = self._attempts()
         for attempt in range(attempts + 2):
+            if not pending:
+                break
+            last = attempt == attempts + 1
             groups: dict[str, list[int]] = {}
             for i in pending:
-                groups.setdefault(recs[i].address, []).append(i)
-            futs = self._run_groups(groups, items, recs)
+                groups.setdefault(placed[i].address, []).append(i)
+            futs = self._run_groups(groups, items, placed)
             pending = []
             for address, fut in futs.items():
                 try:
-                    for i, res in zip(groups[address], fut.result()):
-                        results[i] = res
+                    answers = fut.result()
                 except MaskServiceError as exc:
+                    # The call itself failed: move the group's sessions, or give the batch up.
                     retryable = exc.code in _FAILOVER_CODES or exc.code == grpc.StatusCode.NOT_FOUND
-                    if not retryable or attempt == attempts + 1:
+                    if not retryable or last:
                         raise
-                    if exc.code == grpc.StatusCode.NOT_FOUND:
-                        lost = [i for i in groups[address] if items[i].session_id == exc.session_id] or groups[address]
-                    else:
-                        lost = groups[address]
-                    for i in sorted(set(lost), key=lambda j: items[j].session_id):
-                        with recs[i].lock:
-                            if recs[i].address == address:
-                                try:
-                                    self._recover(items[i].session_id, recs[i], exc)
-                                except MaskServiceError as place_exc:
-                                    # No replica reachable is the whole batch's failure; anything
-                                    # else (e.g. the replay refused) is this session's.
-                                    unreachable = place_exc.code in _FAILOVER_CODES
-                                    place_exc.session_id = None if unreachable else items[i].session_id
+                    lost = [(i, exc) for i in groups[address]]
+                else:
+                    lost = []
+                    for i, out in zip(groups[address], answers):
+                        if isinstance(out, MaskServiceError) and out.code == grpc.StatusCode.NOT_FOUND and not last:
+                            lost.append((i, out))  # the replica lost the session: reopen it, ask again
+                        else:
+                            outcomes[i] = out
+                for i, why in sorted(lost, key=lambda lost_item: items[lost_item[0]].session_id):
+                    rec = placed[i]
+                    with rec.lock:
+                        if rec.address == address:
+                            try:
+                                self._recover(items[i].session_id, rec, why)
+                            except MaskServiceError as place_exc:
+                                # No replica reachable is the whole batch's failure; anything
+                                # else (e.g. the replay refused) is this session's.
+                                if place_exc.code in _FAILOVER_CODES:
+                                    place_exc.session_id = None
                                     raise
-                    pending.extend(groups[address])
-            if not pending:
-                break
-        for it, rec in zip(items, recs):
-            if it.commit_tokens and it.commit_seq > rec.last_seq:
-                with rec.lock:
-                    rec.committed.extend(int(t) for t in it.commit_tokens)
-                    rec.last_seq = it.commit_seq
-        return [r for r in results if r is not None]
+                                place_exc.session_id = items[i].session_id
+                                outcomes[i] = place_exc
+                                continue
+                    pending.append(i)
+        for i, session in placed.items():
+            # A failed item's commit may not have been applied: only answered items' are recorded.
+            it = items[i]
+            if isinstance(outcomes[i], DraftMaskResult) and it.commit_tokens and it.commit_seq > session.last_seq:
+                with session.lock:
+                    session.committed.extend(int(t) for t in it.commit_tokens)
+                    session.last_seq = it.commit_seq
+        done = [a for a in outcomes if a is not None]
+        assert len(done) == len(items), "every item is answered or failed, or the call raised"
+        return done
 
     def _run_groups(
-        self, groups: dict[str, list[int]], items: Sequence[DraftMaskItem], recs: list[_SessionRecord]
-    ) -> dict[str, Future[list[DraftMaskResult]]]:
+        self, groups: dict[str, list[int]], items: Sequence[DraftMaskItem], recs: dict[int, _SessionRecord]
+    ) -> dict[str, Future[list[DraftMaskOutcome]]]:
         """One call per replica group, every one finished when this returns (so no call of
         the batch is still running against a client when the caller resends it)."""
         if len(groups) == 1:
@@ -332,7 +357,7 @@ class MaskRouter:
             # adds a thread handoff to every round trip, on the step's critical path
             # whenever the worker has nothing to overlap the round trip with.
             ((address, idx),) = groups.items()
-            fut: Future[list[DraftMaskResult]] = Future()
+            fut: Future[list[DraftMaskOutcome]] = Future()
             try:
                 fut.set_result(self._group_call(address, idx, items, recs))
             except Exception as exc:  # handed to the caller exactly as a pooled call's would be
@@ -343,17 +368,21 @@ class MaskRouter:
         return futs
 
     def _group_call(
-        self, address: str, idx: list[int], items: Sequence[DraftMaskItem], recs: list[_SessionRecord]
-    ) -> list[DraftMaskResult]:
+        self, address: str, idx: list[int], items: Sequence[DraftMaskItem], recs: dict[int, _SessionRecord]
+    ) -> list[DraftMaskOutcome]:
         remote_items = [replace(items[i], session_id=recs[i].remote_id) for i in idx]
         try:
-            return self._client(address).draft_masks(remote_items)
+            outcomes = self._client(address).draft_mask_items(remote_items)
         except MaskServiceError as exc:
-            # Map the replica's id back by position (ids of both kinds are uuid hex, so
-            # never by looks); an id we did not send (none: batch-level error) maps to None.
+            # A failure of the call names no item; an id we did not send maps to None too.
             own = {r.session_id: items[i].session_id for i, r in zip(idx, remote_items)}
             exc.session_id = own.get(exc.session_id or "")
             raise
+        for i, out in zip(idx, outcomes):
+            if isinstance(out, MaskServiceError):
+                # Position, not looks, maps the replica's id back (ids of both kinds are uuid hex).
+                out.session_id = items[i].session_id
+        return outcomes
 
     def close_session(self, session_id: str) -> None:
         with self._lock:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from specmask.common.grammar_spec import GrammarSpec
-    from specmask.mask_service.client.mask_client import DraftMaskItem, DraftMaskResult
+    from specmask.mask_service.client.mask_client import DraftMaskItem, DraftMaskOutcome, DraftMaskResult
     from specmask.proto.gen.specmask.mask.v1 import mask_service_pb2 as pb
 
 __all__ = ["MaskService"]
@@ -36,6 +36,10 @@ class MaskService(Protocol):
     def commit(self, session_id: str, seq: int, tokens: Sequence[int]) -> bool: ...
 
     def draft_masks(self, items: Sequence[DraftMaskItem]) -> list[DraftMaskResult]: ...
+
+    def draft_mask_items(self, items: Sequence[DraftMaskItem]) -> list[DraftMaskOutcome]:
+        """Per item, its rows or its own error (``draft_masks`` raises the first)."""
+        ...
 
     def close_session(self, session_id: str) -> None: ...
 
