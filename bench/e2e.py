@@ -58,6 +58,7 @@ from typing import Any
 import grpc
 import jsonschema
 
+from specmask.common.proposer_kind import ProposerKind
 from specmask.orchestrator.chat import DEFAULT_INSTRUCTION_NAME, schema_instruction
 from specmask.orchestrator.client import StreamedResult, build_request, stream_retrying_overload
 from specmask.orchestrator.dev.local_stack import RunningStack, StackConfig, running_stack
@@ -396,9 +397,9 @@ PHASES = (
     "constrained-all-proposers",
 )
 # The proposers of the constrained-forced-ngram phase (orchestrator.validation.DRAFTLESS_PROPOSERS).
-FORCED_NGRAM = ("grammar_forced", "ngram")
+FORCED_NGRAM = (ProposerKind.GRAMMAR_FORCED, ProposerKind.NGRAM)
 # Every proposer: grammar-forced tokens, then n-gram lookup, the draft model where neither has one.
-ALL_PROPOSERS = ("draft_model", "grammar_forced", "ngram")
+ALL_PROPOSERS = (ProposerKind.DRAFT_MODEL, ProposerKind.GRAMMAR_FORCED, ProposerKind.NGRAM)
 # The constrained phases besides "constrained" itself: what each changes in the requests.
 CONSTRAINED_VARIANTS: dict[str, dict[str, Any]] = {
     "constrained-nodraftmask": {"draft_masking": False},

@@ -746,6 +746,7 @@ def time_mode(
     """Add ``batch`` scripted sequences in ``mode``, time ``args.steps`` steps after
     ``args.warmup`` untimed ones, remove them. ``on_step`` runs after every timed step."""
     from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+    from specmask.common.proposer_kind import ProposerKind
     from specmask.gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
 
     steps = args.warmup + args.steps
@@ -753,8 +754,12 @@ def time_mode(
         worker.tokenizer, batch, prompt_len=args.prompt_len, doc_tokens=steps * (k + 1) + 8, seed=batch
     )
     scripts.register(seqs)
-    spec = SpeculationParams(enabled=mode.speculate, k=k if mode.speculate else 0, proposers=("draft_model",),
-                             draft_masking=mode.draft_masks)  # fmt: skip
+    spec = SpeculationParams(
+        enabled=mode.speculate,
+        k=k if mode.speculate else 0,
+        proposers=(ProposerKind.DRAFT_MODEL,),
+        draft_masking=mode.draft_masks,
+    )
     new = [
         NewSequence(
             seq_id=s.seq_id,

@@ -63,6 +63,7 @@ from typing import Any
 
 from bench.soak import cpu_seconds
 from bench.worker import tally_outputs
+from specmask.common.proposer_kind import ProposerKind
 from specmask.gpu_worker.drafting import Drafter
 from specmask.gpu_worker.proposers.base import DraftSlot, Proposal, Proposer
 from specmask.gpu_worker.speculation_gate import SpeculationGate
@@ -75,7 +76,7 @@ REAL_MODEL = "smollm2-135m-instruct"
 # The user turn of chat prompts (the schema goes in the system turn, as in bench.e2e --chat).
 CHAT_USER_TURN = "Generate a JSON object that matches the schema."
 # Proposers whose work is the grammar machinery itself: the replay skips them.
-GRAMMAR_PROPOSERS = frozenset({"grammar_forced"})
+GRAMMAR_PROPOSERS = frozenset({ProposerKind.GRAMMAR_FORCED})
 
 Key = tuple[str, int]  # (seq_id, the sequence's step index before the step's commit)
 
@@ -172,8 +173,8 @@ class _RecordingDrafter(Drafter):
         self._note()
         return pending
 
-    def _apply(self, reply, slots, errors, chains=None):
-        waited = super()._apply(reply, slots, errors, chains)
+    def _apply(self, reply, slots, errors):
+        waited = super()._apply(reply, slots, errors)
         self._note()
         return waited
 
@@ -229,7 +230,7 @@ class ReplayProposer(Proposer):
 
     def prepare(self, slots: Sequence[DraftSlot], position: int) -> None:
         by_name: dict[str, list[DraftSlot]] = defaultdict(list)
-        ngram = self.real.get("ngram")
+        ngram = self.real.get(ProposerKind.NGRAM)
         if position == 1 and ngram is not None:
             for s in slots:  # the step's n-gram lookaheads, over the same tokens (for their cost)
                 rec = self._rec(s)
@@ -560,7 +561,8 @@ def _run(args: argparse.Namespace) -> int:
 
         def seqs(kind: str) -> list[Any]:
             if kind == "peer":
-                names = (ReplayProposer.name, *(("draft_model",) if "draft_model" in proposers else ()))
+                draft = (ProposerKind.DRAFT_MODEL,) if ProposerKind.DRAFT_MODEL in proposers else ()
+                names = (ReplayProposer.name, *draft)
                 spec = SpeculationParams(k=args.k, proposers=names, draft_masking=False)
             else:
                 spec = SpeculationParams(enabled=kind != "nospec", k=args.k, proposers=proposers, draft_masking=True)

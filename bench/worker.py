@@ -35,13 +35,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from specmask.common.proposer_kind import ProposerKind
+
 MODES: dict[str, tuple[bool, tuple[str, ...], bool]] = {
     # name: (speculation enabled, proposers, draft_masking)
     "no_spec": (False, (), False),
-    "draft": (True, ("draft_model",), False),
-    "draft+masks": (True, ("draft_model",), True),
-    "draft+forced": (True, ("draft_model", "grammar_forced"), False),
-    "draft+masks+forced": (True, ("draft_model", "grammar_forced"), True),
+    "draft": (True, (ProposerKind.DRAFT_MODEL,), False),
+    "draft+masks": (True, (ProposerKind.DRAFT_MODEL,), True),
+    "draft+forced": (True, (ProposerKind.DRAFT_MODEL, ProposerKind.GRAMMAR_FORCED), False),
+    "draft+masks+forced": (True, (ProposerKind.DRAFT_MODEL, ProposerKind.GRAMMAR_FORCED), True),
 }
 AWARE, BLIND = "draft+masks+forced", "draft"
 
@@ -112,7 +114,9 @@ def run_mode(worker: Any, schemas: dict[str, Any], mode: str, args: argparse.Nam
     from specmask.gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
 
     enabled, proposers, masking = MODES[mode]
-    spec = SpeculationParams(enabled=enabled, k=args.k, proposers=proposers or ("draft_model",), draft_masking=masking)
+    spec = SpeculationParams(
+        enabled=enabled, k=args.k, proposers=proposers or (ProposerKind.DRAFT_MODEL,), draft_masking=masking
+    )
     seqs = [
         NewSequence(
             seq_id=name,

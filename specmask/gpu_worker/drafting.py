@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from specmask.common.proposer_kind import ProposerKind
 from specmask.gpu_worker.masks import MaskChannel, MaskReply, PendingMasks, mask_item
 from specmask.gpu_worker.proposers.base import DraftSlot, Proposal, Proposer
 from specmask.gpu_worker.proposers.draft_model import DraftModelProposer
@@ -31,16 +32,28 @@ if TYPE_CHECKING:
     from specmask.mask_service.client.mask_client import DraftMaskItem
     from specmask.mask_service.client.row_table import MaskRow
 
-# The proposer whose sequences also take the grammar's forced continuations.
-FORCED_PROPOSER = "grammar_forced"
-# DraftSlot.sources name for drafts taken from the service's forced continuation.
+# DraftSlot.sources name for drafts taken from the service's forced continuation (the
+# sequences that draft with ProposerKind.GRAMMAR_FORCED also take those).
 FORCED_CONTINUATION = "forced_continuation"
-NGRAM_PROPOSER = "ngram"
-DRAFT_MODEL_PROPOSER = "draft_model"
 # The proposers the lookahead walk reproduces: a sequence whose proposers ranked up to the
 # n-gram one are among these sends its n-gram lookahead with each draft-side request (see
 # "Lookahead" in the module note).
-LOOKAHEAD_PROPOSERS = frozenset({FORCED_PROPOSER, NGRAM_PROPOSER})
+LOOKAHEAD_PROPOSERS = frozenset({ProposerKind.GRAMMAR_FORCED, ProposerKind.NGRAM})
+
+
+@runtime_checkable
+class Lookahead(Protocol):
+    """What the drafter asks of the n-gram proposer beyond ``propose`` (proposers.ngram)."""
+
+    def chain(self, context: Sequence[int], limit: int) -> list[int]: ...
+
+
+@runtime_checkable
+class ForcedTokens(Protocol):
+    """What the drafter asks of the grammar-forced proposer beyond ``propose``: the vocabulary
+    size that ``MaskRow.forced_token`` reads a row's bits against (proposers.grammar_forced)."""
+
+    vocab_size: int
 
 
 class ChainWalk(enum.Enum):
@@ -67,18 +80,25 @@ class Drafter:
         self._preparing = [p for p in ordered if p.prepares]
         self.masks = masks
         self.mask_timeout_s = mask_timeout_s
+        # The proposers the drafter calls beyond ``propose``, typed; None where this worker has
+        # none (or has one a tool wrapped: bench.step_cost's recording proposers, which then
+        # draft position by position).
+        draft_model = proposers.get(ProposerKind.DRAFT_MODEL)
+        self.draft_model = draft_model if isinstance(draft_model, DraftModelProposer) else None
+        ngram = proposers.get(ProposerKind.NGRAM)
+        self.ngram: Lookahead | None = ngram if isinstance(ngram, Lookahead) else None
+        forced = proposers.get(ProposerKind.GRAMMAR_FORCED)
+        self.forced: ForcedTokens | None = forced if isinstance(forced, ForcedTokens) else None
         # M_0 request sent after the previous step's commit (see prefetch_first).
         self._first: PendingMasks | None = None
         # session_id -> the lookahead that request carries (its drafts start at d_1).
         self._first_chains: dict[str, list[int]] = {}
-        # id(slot) of slots whose next request goes without a lookahead (see _walk).
-        self._plain: set[int] = set()
 
     def wants_masks(self, seq: SequenceState) -> bool:
         """Whether proposal for ``seq`` needs its grammar mask row at each draft position."""
         if not seq.has_grammar or self.masks is None or not seq.proposers:
             return False
-        if seq.request.speculation.draft_masking and "draft_model" in seq.proposers:
+        if seq.request.speculation.draft_masking and ProposerKind.DRAFT_MODEL in seq.proposers:
             return True
         return any(self.proposers[n].needs_masks for n in seq.proposers if n in self.proposers)
 
@@ -110,7 +130,6 @@ class Drafter:
         (seq_id -> message). Returns seconds spent waiting on masks."""
         first, self._first = self._first, None
         first_chains, self._first_chains = self._first_chains, {}
-        self._plain = set()
         on_device = self._device_loop(slots, errors)
         if on_device is not None:
             draft_model, drafting = on_device
@@ -124,12 +143,12 @@ class Drafter:
             if not open_slots:
                 break
             masked = [s for s in open_slots if self.wants_masks(s.seq)]
-            chains: dict[int, tuple[int, list[int]]]
             if position == 1 and first is not None:
                 covered = [s for s in masked if s.seq.session_id in first.session_ids]
                 if covered:
-                    chains = {id(s): (0, first_chains.get(s.seq.mask_session, [])) for s in covered}
-                    waited += self._apply(first.wait(), covered, errors, chains)
+                    for s in covered:
+                        s.sent = (0, first_chains.get(s.seq.mask_session, []))
+                    waited += self._apply(first.wait(), covered, errors)
                     for s in covered:  # a forced run's reply carried the row after it: no re-ask
                         if s.next_row is not None:
                             s.mask_row, s.next_row = s.next_row, None
@@ -139,24 +158,22 @@ class Drafter:
                 if s.open and s.mask_row is None and len(s.drafts) < s.k and s.seq.seq_id not in errors
             ]
             pending = None
-            chains = {}  # id(slot) -> (drafts before, lookahead)
             if fetch:
                 assert self.masks is not None
                 items = []
                 for s in fetch:
-                    plain = id(s) in self._plain
-                    self._plain.discard(id(s))
-                    chain = [] if plain else self._lookahead(s.seq, s.context(), s.k - len(s.drafts))
-                    chains[id(s)] = (len(s.drafts), chain)
+                    chain = [] if s.plain_next else self._lookahead(s.seq, s.context(), s.k - len(s.drafts))
+                    s.plain_next = False
+                    s.sent = (len(s.drafts), chain)
                     items.append(self._item(s.seq, s.drafts, s.k, chain))
                 pending = self.masks.request(items, timeout_s=self.mask_timeout_s)
-            fetching = {id(s) for s in fetch}
+            fetching = set(fetch)
             # Re-checked against k: the position-1 reply above may have filled a slot with its
             # forced run, and a full slot must not get one more draft from the proposers below.
             ready = [
                 s
                 for s in open_slots
-                if s.open and id(s) not in fetching and len(s.drafts) < s.k and s.seq.seq_id not in errors
+                if s.open and s not in fetching and len(s.drafts) < s.k and s.seq.seq_id not in errors
             ]
 
             # While the masks are in flight: cheap proposers for slots whose row is known
@@ -172,7 +189,7 @@ class Drafter:
             unfilled = self._fill(ready, position, self._from_forward)
 
             if pending is not None:
-                waited += self._apply(pending.wait(), fetch, errors, chains)
+                waited += self._apply(pending.wait(), fetch, errors)
                 # A slot that just took a forced run waits for the next position's row.
                 live = [s for s in fetch if s.open and s.mask_row is not None and s.seq.seq_id not in errors]
                 unfilled += self._fill(live, position, self._ordered)
@@ -190,15 +207,14 @@ class Drafter:
         device loop (``DraftModelProposer.draft_on_device``): every slot that drafts this step
         drafts with the draft model alone and no mask row (no grammar, or draft masks off).
         None otherwise: the loop below then proposes position by position."""
-        draft_model = self.proposers.get(DRAFT_MODEL_PROPOSER)
-        if not isinstance(draft_model, DraftModelProposer):
-            return None  # no draft model, or one wrapped by a tool (bench.step_cost records per position)
+        if self.draft_model is None:
+            return None
         drafting = [s for s in slots if s.k > 0 and s.seq.seq_id not in errors]
         for s in drafting:
             runnable = {name for name in s.seq.proposers if name in self.proposers}
-            if runnable != {DRAFT_MODEL_PROPOSER} or self.wants_masks(s.seq):
+            if runnable != {ProposerKind.DRAFT_MODEL} or self.wants_masks(s.seq):
                 return None
-        return draft_model, drafting
+        return self.draft_model, drafting
 
     def _foreseen(self, slot: DraftSlot, preparing: Proposer) -> bool:
         """Whether a proposer ahead of ``preparing`` that needs no forward expects to fill
@@ -214,8 +230,8 @@ class Drafter:
         """The n-gram continuation of ``context`` to send with ``seq``'s draft-side request:
         [] unless ``seq`` drafts with the n-gram proposer and nothing but grammar-forced drafts
         ranks ahead of it."""
-        ngram = self.proposers.get(NGRAM_PROPOSER)
-        if ngram is None or limit <= 0 or NGRAM_PROPOSER not in seq.proposers:
+        ngram = self.proposers.get(ProposerKind.NGRAM)
+        if ngram is None or self.ngram is None or limit <= 0 or ProposerKind.NGRAM not in seq.proposers:
             return []
         # The walk (_walk) reproduces exactly the proposers ranked up to the n-gram one; those
         # ranked after it (the draft model) only fill positions the n-gram lookup has nothing
@@ -223,14 +239,14 @@ class Drafter:
         ahead = {n for n in seq.proposers if n in self.proposers and self.proposers[n].priority <= ngram.priority}
         if not LOOKAHEAD_PROPOSERS.issuperset(ahead):
             return []
-        return ngram.chain(context, limit)  # type: ignore[attr-defined]  # the n-gram proposer, found by name
+        return self.ngram.chain(context, limit)
 
     @staticmethod
     def _item(seq: SequenceState, drafts: Sequence[int], k: int, chain: Sequence[int] = ()) -> DraftMaskItem:
         """The draft-side request for the row after ``drafts`` (and, with a lookahead
         ``chain``, every row along it), asking for the forced continuation after them (up
         to the drafts ``k`` still allows) when ``seq`` takes them."""
-        forcing = FORCED_PROPOSER in seq.proposers
+        forcing = ProposerKind.GRAMMAR_FORCED in seq.proposers
         up_to = k if forcing else 0  # where the service's walk stops, drafts up to k in all
         if chain:
             return mask_item(seq, [*drafts, *chain], last_row_only=False, forced_up_to=up_to, forced_rows=forcing)
@@ -241,20 +257,19 @@ class Drafter:
         reply: MaskReply,
         slots: Sequence[DraftSlot],
         errors: dict[str, str],
-        chains: dict[int, tuple[int, list[int]]] | None = None,
     ) -> float:
         """Give each slot its row from ``reply`` (or its error), walk its lookahead if it sent
         one, then take the forced run if the reply has one for where the slot stands (the
-        row is then stale: cleared);
-        returns the wait. ``chains``: id(slot) -> (drafts it held when the request went out,
-        the lookahead sent after them)."""
+        row is then stale: cleared); returns the wait. Each slot's ``sent`` says what its
+        request carried (taken and cleared here)."""
         for s in slots:
             session_id = s.seq.mask_session  # every slot here sent a request
             if session_id in reply.errors:
                 errors[s.seq.seq_id] = reply.errors[session_id]
                 continue
             res = reply.results.get(session_id)
-            base, chain = (chains or {}).get(id(s), (len(s.drafts), []))
+            base, chain = s.sent if s.sent is not None else (len(s.drafts), [])
+            s.sent = None
             if res is None or res.terminated or res.num_grammar_accepted < base or len(s.drafts) != base:
                 # Terminated: nothing may follow. A grammar-rejected draft cannot
                 # happen (drafts are checked in _fill); stop drafting either way.
@@ -270,11 +285,11 @@ class Drafter:
                     # No forced run was asked for (no forced drafts): ask this state again, without
                     # a lookahead (if nothing is forced there, drafting stops then).
                     s.mask_row = None
-                    self._plain.add(id(s))
+                    s.plain_next = True
                     continue
                 if walked is ChainWalk.LEFT or walked is ChainWalk.CLOSED:
                     continue  # left the lookahead (or stopped): the reply's forced run is not for here
-            forced = res.forced_tokens[: s.k - len(s.drafts)] if FORCED_PROPOSER in s.seq.proposers else ()
+            forced = res.forced_tokens[: s.k - len(s.drafts)] if ProposerKind.GRAMMAR_FORCED in s.seq.proposers else ()
             if forced:
                 after = res.forced_rows  # one per forced token: _item asks for them with every run
                 if after is None or len(after) < len(forced):
@@ -304,8 +319,8 @@ class Drafter:
         whole. Without such a run, a row that forces one token is followed as position by
         position drafting would, and the next request's lookahead starts after it. Returns how
         the slot left the chain (ChainWalk); at REFUSED slot.mask_row is the row of that state."""
-        forcing = FORCED_PROPOSER in slot.seq.proposers and FORCED_PROPOSER in self.proposers
-        vocab_size = getattr(self.proposers.get(FORCED_PROPOSER), "vocab_size", None)
+        forcing = ProposerKind.GRAMMAR_FORCED in slot.seq.proposers and self.forced is not None
+        vocab_size = self.forced.vocab_size if self.forced is not None else None
         for j, candidate in enumerate(chain):
             if j > accepted:
                 # Not reached by the service's walk; cannot happen (at j == accepted the
@@ -321,9 +336,9 @@ class Drafter:
                 return ChainWalk.REFUSED
             forced = row.forced_token(vocab_size) if forcing and vocab_size is not None else None
             if forced is not None:
-                token, source = forced, FORCED_PROPOSER
+                token, source = forced, ProposerKind.GRAMMAR_FORCED
             elif j < accepted and row.allows(candidate):
-                token, source = candidate, NGRAM_PROPOSER
+                token, source = candidate, ProposerKind.NGRAM
             else:
                 # The n-gram token is refused here (j == accepted): the service's walk stopped
                 # at this state, and the caller takes the forced run the reply has for it.
@@ -350,11 +365,11 @@ class Drafter:
             asking = [s for s in pending if proposer.name in s.seq.proposers]
             if not asking:
                 continue
-            filled = set()
+            filled: set[DraftSlot] = set()
             for slot, proposal in zip(asking, proposer.propose(asking, position)):
                 if proposal is None:
                     continue
-                filled.add(id(slot))
+                filled.add(slot)
                 if slot.mask_row is not None and not slot.mask_row.allows(proposal.token_id):
                     # The target would reject it for certain (its mask bit is 0): stop here.
                     slot.open = False
@@ -362,5 +377,5 @@ class Drafter:
                 slot.add(proposal, proposer.name)
                 if proposal.token_id in slot.seq.stop_token_ids:
                     slot.open = False  # nothing valid follows a stop token
-            pending = [s for s in pending if id(s) not in filled]
+            pending = [s for s in pending if s not in filled]
         return pending

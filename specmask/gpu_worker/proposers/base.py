@@ -61,9 +61,10 @@ class DeviceDrafts:
         return self._host
 
 
-@dataclass
+@dataclass(eq=False)
 class DraftSlot:
-    """One sequence's drafts under construction during this step's proposal phase."""
+    """One sequence's drafts under construction during this step's proposal phase (compared
+    and hashed by identity: the drafter keeps sets of slots)."""
 
     seq: SequenceState
     k: int  # k_r: the most drafts this sequence may get this step
@@ -86,6 +87,12 @@ class DraftSlot:
     # name (e.g. the draft model's [V] float32 logits); cleared after each position.
     prepared: dict[str, Any] = field(default_factory=dict)
     open: bool = True  # False once drafting stopped for this sequence this step
+    # What the slot's draft-side mask request in flight carries (drafting.py): the drafts it
+    # held when the request went out, and the n-gram lookahead sent after them.
+    sent: tuple[int, list[int]] | None = None
+    # The next request goes without a lookahead: the last one's was refused where no forced
+    # run was asked for (drafting.py ``_walk``).
+    plain_next: bool = False
     # Drafts the device draft loop sampled: row ``device_row`` of ``device`` holds them, and
     # ``drafts``/``q_rows`` stay empty until ``read_device`` (``sources`` counts them).
     device: DeviceDrafts | None = None
