@@ -44,7 +44,7 @@ from specmask.gpu_worker.loading import (
     resolve_dtype,
     restrict_output_vocab,
 )
-from specmask.gpu_worker.mask_errors import MASK_TIER_UNAVAILABLE, describe_mask_failure
+from specmask.gpu_worker.mask_errors import MASK_TIER_UNAVAILABLE, describe_mask_failure, failure_kind
 from specmask.gpu_worker.mask_table import DeviceMaskTable
 from specmask.gpu_worker.masks import MaskChannel, OpenedSession
 from specmask.gpu_worker.model_runner import ForwardItem, ModelRunner
@@ -759,7 +759,8 @@ class GpuWorker:
                 del self._seqs[state.seq_id]
                 state.finished = FinishReason.ERROR
                 self._free(state)
-                failed.append(StepOutput(state.seq_id, [], FinishReason.ERROR, error=failure))
+                kind = failure_kind(failure)
+                failed.append(StepOutput(state.seq_id, [], FinishReason.ERROR, error=failure, error_kind=kind))
         return failed
 
     def _free(self, state: SequenceState) -> None:

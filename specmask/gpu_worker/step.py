@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from specmask.common.proposer_kind import ProposerKind
+from specmask.gpu_worker import mask_errors
 from specmask.gpu_worker.drafting import Drafter
 from specmask.gpu_worker.mask_table import DeviceMaskTable
 from specmask.gpu_worker.masks import MaskChannel, mask_item
@@ -38,7 +39,7 @@ from specmask.gpu_worker.proposers.base import DraftSlot, Proposer
 from specmask.gpu_worker.sequence import SequenceState
 from specmask.gpu_worker.speculation_gate import Arm, BatchKind, SpeculationGate
 from specmask.gpu_worker.token_cost import TokenCost
-from specmask.gpu_worker.types import MIN_TOKENS_UNREACHABLE, FinishReason, StepOutput
+from specmask.gpu_worker.types import MIN_TOKENS_UNREACHABLE, ErrorKind, FinishReason, StepOutput
 from specmask.gpu_worker.verifier import VerifyInput, verify
 from specmask.gpu_worker.verify_width import WidthChooser
 from specmask.kernels.backend import Backend
@@ -238,6 +239,7 @@ class StepRunner:
                         f"(min_tokens={seq.request.sampling.min_tokens})"
                         if short
                         else None,
+                        error_kind=ErrorKind.MIN_TOKENS_UNREACHABLE if short else None,
                         target_forwards=1,
                     )
                     continue
@@ -284,6 +286,7 @@ class StepRunner:
                     FinishReason.ERROR,
                     error=f"{result.error} (min_tokens={s.seq.request.sampling.min_tokens}, "
                     f"{s.seq.num_output} output tokens so far)",
+                    error_kind=result.error_kind,
                     drafts_proposed=s.num_drafts,
                     target_forwards=1,
                 )
@@ -312,7 +315,9 @@ class StepRunner:
                 # cuts the tail): so are their logprobs.
                 out.logprobs = result.logprobs[: len(out.new_token_ids)]
         for seq_id, message in errors.items():
-            outputs[seq_id] = StepOutput(seq_id, [], FinishReason.ERROR, error=message)
+            outputs[seq_id] = StepOutput(
+                seq_id, [], FinishReason.ERROR, error=message, error_kind=mask_errors.failure_kind(message)
+            )
         for out in outputs.values():
             out.mask_time_s = mask_wait
         if not late and not riding:

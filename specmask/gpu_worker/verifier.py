@@ -27,7 +27,7 @@ import torch
 
 from specmask.gpu_worker.mask_table import DeviceMaskTable
 from specmask.gpu_worker.proposers.base import DeviceDrafts
-from specmask.gpu_worker.types import MIN_TOKENS_UNREACHABLE, TokenLogprob
+from specmask.gpu_worker.types import MIN_TOKENS_UNREACHABLE, ErrorKind, TokenLogprob
 from specmask.kernels.backend import Backend, resolve_backend
 from specmask.mask_service.client.row_table import MaskRow, MaskRows, as_blocks
 
@@ -75,6 +75,7 @@ class VerifyResult:
     # Set when the sequence cannot go on (nothing emitted): min_tokens met a row whose only
     # allowed tokens are stop tokens (kernels.stop_suppression).
     error: str | None = None
+    error_kind: ErrorKind | None = None  # with error: MIN_TOKENS_UNREACHABLE, or INTERNAL
 
 
 def verify(
@@ -263,11 +264,15 @@ def _check_min_tokens(
                         f"{MIN_TOKENS_UNREACHABLE}: the grammar allows only a stop token at output position "
                         f"{j + 1} of this step, before min_tokens; nothing was emitted"
                     ),
+                    error_kind=ErrorKind.MIN_TOKENS_UNREACHABLE,
                 )
                 break
             if not violated and tokens[r][j] in inp.stop_token_ids:  # cannot happen after suppression
                 out[r] = VerifyResult(
-                    [], 0, error=f"the sampler produced stop token {tokens[r][j]} before min_tokens; it was not emitted"
+                    [],
+                    0,
+                    error=f"the sampler produced stop token {tokens[r][j]} before min_tokens; it was not emitted",
+                    error_kind=ErrorKind.INTERNAL,
                 )
                 break
         start += width

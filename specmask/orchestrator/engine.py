@@ -50,7 +50,7 @@ from typing import Any
 from ray.exceptions import RayTaskError
 
 from specmask.common import tracing
-from specmask.gpu_worker.types import FinishReason, Iteration, StepOutput, WorkerInfo
+from specmask.gpu_worker.types import ErrorKind, FinishReason, Iteration, StepOutput, WorkerInfo
 from specmask.orchestrator.checked_retry import EndCheck, fresh_seed, log_violation
 from specmask.orchestrator.detokenizer import Decoder
 from specmask.orchestrator.engine_config import EngineConfig
@@ -60,10 +60,12 @@ from specmask.orchestrator.output_check import OutputChecker
 from specmask.orchestrator.placement import Placer, free_slots, kv_usage
 from specmask.orchestrator.request import Request
 from specmask.orchestrator.request_trace import IterationTraces
+from specmask.orchestrator.step_outcome import Settle, step_outcome
 from specmask.orchestrator.supervision import ReplaceWorker, WorkerSupervisor, await_live
 from specmask.orchestrator.types import GenerationRequest
 from specmask.orchestrator.validation import RequestValidator
 from specmask.orchestrator.worker_calls import await_remove, describe
+from specmask.orchestrator.worker_scaling import PoolLoad
 from specmask.orchestrator.worker_slot import WorkerSlot
 
 __all__ = ["Engine", "EngineConfig", "WorkerSlot"]
@@ -120,8 +122,6 @@ class Engine:
         self._placer = Placer(self._waiting, self._slots, self._slot_of, self._live)
         self._validating = 0
         self._tasks: list[asyncio.Task] = []
-        self._loops: dict[int, asyncio.Task] = {}  # worker index -> its step loop now
-        self._next_index = max(s.index for s in self._slots) + 1
         self._stopping = False
         self._metrics.healthy_workers.set(len(self._slots))
         self._publish_load()
@@ -138,49 +138,31 @@ class Engine:
             self._start_loop(slot)
 
     def add_worker(self, actor: Any, info: WorkerInfo, capacity: int) -> WorkerSlot:
-        """Put a newly started worker (loaded: ``info`` is its answer) into placement, with its
-        own step loop; call once the engine has started. Returns its slot."""
-        if not any(info.serves_same_model(s.info) for s in self._slots):
-            raise ValueError(f"the new worker serves a different model than the others: {info}")
-        slot = WorkerSlot(index=self._next_index, actor=actor, info=info, capacity=capacity)
-        self._next_index += 1
-        self._slots.append(slot)  # shared with the placer and the supervisor
-        self._metrics.healthy_workers.set(sum(s.healthy for s in self._slots))
-        self._start_loop(slot)
-        self._place()
-        return slot
+        """Put a newly started, loaded worker into placement (supervision.WorkerSupervisor.add)."""
+        return self._supervisor.add(actor, info, capacity)
 
     async def retire_worker(self) -> Any | None:
-        """Take the least-loaded worker out of placement, let its batch finish (no request is cut
-        off or moved), stop its loop and return its actor for the caller to stop; None when none
-        can go (the last worker in placement never does) or the engine stops meanwhile."""
-        placeable = [s for s in self._slots if s.placeable]
-        if len(placeable) < 2:
-            return None
-        slot = min(placeable, key=lambda s: s.load)
-        slot.retiring = True  # out of placement; supervision no longer recovers it
-        self._place()
-        slot.wake.set()
-        loop = self._loops.get(slot.index)
-        if loop is not None:
-            await asyncio.wait({loop})  # ends once its batch is done (or the worker is lost)
-        if self._stopping:
-            return None
-        self._slots.remove(slot)
-        self._loops.pop(slot.index, None)
-        self._metrics.healthy_workers.set(sum(s.healthy for s in self._slots))
-        self._publish_load()
-        logger.warning("worker %d retired", slot.index)
-        return slot.actor
+        """Take a worker out once its batch is done; its actor, or None (WorkerSupervisor.retire)."""
+        return await self._supervisor.retire()
 
     def worker_actors(self) -> list[Any]:
-        """The actors of the workers the engine drives now (added and retired ones included and left out)."""
+        """The actors of the workers the engine drives now."""
         return [s.actor for s in self._slots]
 
+    def pool_load(self) -> PoolLoad:
+        """The load worker autoscaling reads (worker_scaling.WorkerScaler): workers in placement or
+        being recovered, the oldest admitted request's wait for a batch slot, requests placed."""
+        now = time.monotonic()
+        waits = [now - r.admitted_time for r in self._waiting if r.admitted_time is not None]
+        return PoolLoad(
+            workers=sum(1 for s in self._slots if not s.gone and not s.retiring),
+            oldest_wait_s=max(waits, default=0.0),
+            running=sum(s.load for s in self._slots if s.healthy),
+        )
+
     def _start_loop(self, slot: WorkerSlot) -> None:
-        task = asyncio.create_task(self._run_worker(slot), name=f"worker-{slot.index}-loop")
-        self._loops[slot.index] = task
-        self._tasks.append(task)
+        slot.loop = asyncio.create_task(self._run_worker(slot), name=f"worker-{slot.index}-loop")
+        self._tasks.append(slot.loop)
 
     async def drain(self, grace_s: float) -> int:
         """Graceful shutdown, first half: refuse new requests, let live ones
@@ -333,8 +315,10 @@ class Engine:
         request.log.info("cancelled" if error is None else f"ended: {error}")
         self._finish(request, reason, error)
 
-    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
-        request.finish(reason, error)
+    def _finish(
+        self, request: Request, reason: FinishReason, error: str | None = None, kind: ErrorKind | None = None
+    ) -> None:
+        request.finish(reason, error, kind)
         if request.grammar is not None:
             self._metrics.grammar_requests.labels(enforcement=request.grammar.enforcement).inc()
         self._live.pop(request.request_id, None)
@@ -411,6 +395,10 @@ class Engine:
         self._start_loop(slot)
         self._place()
 
+    def worker_gone(self, slot: WorkerSlot) -> None:
+        self._publish_load()
+        self._place()
+
     def fail_waiting(self, message: str) -> None:
         for request in list(self._waiting):
             self._waiting.remove(request)
@@ -423,7 +411,7 @@ class Engine:
             slot.wake.clear()
             if not slot.has_work():
                 if slot.retiring:
-                    return  # its batch is done: Engine.retire_worker takes it out
+                    return  # its batch is done: WorkerSupervisor.retire takes it out
                 await slot.wake.wait()
                 continue
             try:
@@ -501,29 +489,17 @@ class Engine:
             now = request.last_token_time
             if previous is not None and now is not None and now != previous:  # tokens reached the client
                 self._metrics.observe_tokens_after_first(now - previous, len(out.new_token_ids))
-            if hit_stop_string and request.seq.grammar is not None:
-                # Before the worker's own finish: the stop match ended the output first.
-                del slot.running[out.seq_id]
-                if out.finish_reason is None:
-                    slot.to_remove.append(out.seq_id)
-                self._end_check.finish_checked(request, FinishReason.STOP)
+            end = step_outcome(out.finish_reason, hit_stop=hit_stop_string, has_grammar=request.seq.grammar is not None)
+            if end.settle is Settle.RUNNING:
                 continue
-            if out.finish_reason is not None:
-                # The worker already freed this sequence.
-                del slot.running[out.seq_id]
-                if out.finish_reason is FinishReason.GRAMMAR_COMPLETE and request.seq.grammar is not None:
-                    self._end_check.finish_checked(request)
-                    continue
-                if out.finish_reason is FinishReason.GRAMMAR_VIOLATION:
-                    self._metrics.grammar_violations.labels(stage="device").inc()
-                    log_violation(request, "device", out.error or "")
-                reason = out.finish_reason
-                if hit_stop_string and reason is FinishReason.LENGTH:
-                    # A stop string or stop token in the step that reached max_tokens ended the
-                    # output first (its text is cut there): "stop", as vLLM reports it.
-                    reason = FinishReason.STOP
-                self._finish(request, reason, out.error)
-            elif hit_stop_string:
-                del slot.running[out.seq_id]
+            del slot.running[out.seq_id]
+            if end.remove:
                 slot.to_remove.append(out.seq_id)
-                self._finish(request, FinishReason.STOP)
+            assert end.reason is not None  # set for every settle but RUNNING
+            if end.settle is Settle.CHECK:
+                self._end_check.finish_checked(request, end.reason)
+                continue
+            if end.reason is FinishReason.GRAMMAR_VIOLATION:
+                self._metrics.grammar_violations.labels(stage="device").inc()
+                log_violation(request, "device", out.error or "")
+            self._finish(request, end.reason, out.error, out.error_kind)

@@ -34,7 +34,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from specmask.common.tracing import NO_SPAN, Span
-from specmask.gpu_worker.types import FinishReason, NewSequence, StepOutput, TokenLogprob
+from specmask.gpu_worker.types import ErrorKind, FinishReason, NewSequence, StepOutput, TokenLogprob
 from specmask.orchestrator.detokenizer import Decoder, IncrementalDetokenizer
 from specmask.orchestrator.stop_strings import StopStringMatcher
 from specmask.orchestrator.types import GenerationResult, GrammarReport, OutputLogprob, RequestOutput, Usage
@@ -142,6 +142,7 @@ class Request:
         self.token_ids: list[int] = []
         self.finish_reason: FinishReason | None = None
         self.error: str | None = None
+        self.error_kind: ErrorKind | None = None  # set by finish() for a failure
         self._text_parts: list[str] = []
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._stop = StopStringMatcher(stop, stop_may_end, include=include_stop)
@@ -306,8 +307,10 @@ class Request:
     def _report(self) -> GrammarReport | None:
         return None if self.grammar is None else dataclasses.replace(self.grammar, attempts=self.attempts)
 
-    def finish(self, reason: FinishReason, error: str | None = None) -> None:
-        """Queue the final event (remaining text, finish reason, usage). Idempotent.
+    def finish(self, reason: FinishReason, error: str | None = None, kind: ErrorKind | None = None) -> None:
+        """Queue the final event (remaining text, finish reason, usage). Idempotent. ``kind``: what
+        kind of failure an ERROR is (None: INTERNAL; ErrorKind.of), which decides how the APIs
+        report it.
 
         A held (checked) request's text is released on a success (STOP, LENGTH,
         GRAMMAR_COMPLETE) and dropped on anything else: a failed attempt is never returned."""
@@ -320,6 +323,7 @@ class Request:
         discard = self._hold and not held_success
         self.finish_reason = reason
         self.error = error
+        self.error_kind = ErrorKind.of(reason, kind)
         self.finish_time = time.monotonic()
         tail = ""
         if self._stop.matched is None:
@@ -362,6 +366,7 @@ class Request:
                 text=tail,
                 finish_reason=reason,
                 error=error,
+                error_kind=self.error_kind,
                 usage=dataclasses.replace(self.usage),
                 grammar=self._report(),
                 logprobs=tail_logprobs,
@@ -411,6 +416,7 @@ class Request:
             token_ids=tuple(self.token_ids),
             finish_reason=self.finish_reason,
             error=self.error,
+            error_kind=self.error_kind,
             usage=dataclasses.replace(self.usage),
             grammar=self._report(),
             logprobs=tuple(self._logprobs) if self._logprobs is not None else None,

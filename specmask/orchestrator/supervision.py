@@ -17,7 +17,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 from ray.exceptions import ActorDiedError
@@ -148,13 +148,16 @@ class SupervisionHooks(Protocol):
     def fail_waiting(self, message: str) -> None:
         """No worker is coming back within the wait: fail every queued request with ``message``."""
 
+    def worker_gone(self, slot: WorkerSlot) -> None:
+        """``slot`` was retired and is no longer among the workers: update the load it counted in."""
+
 
 class WorkerSupervisor:
     """Takes lost workers out of placement and brings them back. Runs on the engine's loop."""
 
     def __init__(
         self,
-        slots: Sequence[WorkerSlot],
+        slots: list[WorkerSlot],
         config: EngineConfig,
         metrics: OrchestratorMetrics,
         hooks: SupervisionHooks,
@@ -162,7 +165,8 @@ class WorkerSupervisor:
         release_sessions: Callable[[str], int] | None = None,
         replace_worker: ReplaceWorker | None = None,
     ) -> None:
-        """``slots``: the engine's workers (shared: a worker the engine adds is supervised too).
+        """``slots``: the engine's workers (shared with it, and changed here as workers are added
+        and retired).
         ``release_sessions(owner)``: closes every mask session a lost worker left open (blocking;
         returns how many); None leaves them to the mask service's idle TTL. ``replace_worker``:
         None = a lost worker is only probed until it answers again."""
@@ -181,6 +185,7 @@ class WorkerSupervisor:
         self._on_health_change: Callable[[bool], None] | None = None
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
+        self._next_index = max((s.index for s in slots), default=-1) + 1
 
     def set_health_listener(self, listener: Callable[[bool], None]) -> None:
         """Called with False when the last healthy worker is lost, True when one is back."""
@@ -234,6 +239,44 @@ class WorkerSupervisor:
                 "(a lost worker is being replaced); retry"
             )
         return "no healthy GPU worker left"
+
+    # ---- adding and retiring workers -----------------------------------
+
+    def add(self, actor: Any, info: WorkerInfo, capacity: int) -> WorkerSlot:
+        """Put a newly started worker (loaded: ``info`` is its answer) into placement with a step
+        loop of its own (the engine's, ``SupervisionHooks.worker_back``). A worker serving another
+        model is refused (ValueError): its outputs would not be the others'."""
+        if self._slots and not info.serves_same_model(self._slots[0].info):
+            raise ValueError(f"the new worker serves a different model than the others: {info}")
+        slot = WorkerSlot(index=self._next_index, actor=actor, info=info, capacity=capacity)
+        self._next_index += 1
+        self._slots.append(slot)
+        self._metrics.healthy_workers.set(sum(s.healthy for s in self._slots))
+        logger.warning("worker %d added (pid %d)", slot.index, info.pid)
+        self._hooks.worker_back(slot)
+        return slot
+
+    async def retire(self) -> Any | None:
+        """Take the least-loaded worker out of placement, let its batch finish (no request is cut
+        off or moved), wait for its step loop to end and return its actor, for the caller to
+        stop; None when none can go (the last worker in placement never does) or the engine
+        stops meanwhile. A retiring worker that is lost is not recovered."""
+        placeable = [s for s in self._slots if s.placeable]
+        if len(placeable) < 2:
+            return None
+        slot = min(placeable, key=lambda s: s.load)
+        slot.retiring = True
+        logger.warning("worker %d retiring: out of placement, finishing its %d requests", slot.index, slot.load)
+        slot.wake.set()  # an idle loop sees it has nothing left and ends
+        if slot.loop is not None:
+            await asyncio.wait({slot.loop})  # ends once its batch is done, or the worker is lost
+        if self._stopping:
+            return None
+        self._slots.remove(slot)
+        self._metrics.healthy_workers.set(sum(s.healthy for s in self._slots))
+        self._hooks.worker_gone(slot)
+        logger.warning("worker %d retired", slot.index)
+        return slot.actor
 
     # ---- loss ------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specmask.common.grammar_spec import GrammarSpec
-from specmask.gpu_worker.types import FinishReason
+from specmask.gpu_worker.types import ErrorKind, FinishReason
 from specmask.orchestrator.chat import ChatPrompt
 
 
@@ -132,6 +132,7 @@ class RequestOutput:
     # Requests with logprobs: the entries of the tokens whose text this event carries (a token
     # goes with the event whose text holds its first character; see request.py). None otherwise.
     logprobs: tuple[OutputLogprob, ...] | None = None
+    error_kind: ErrorKind | None = None  # with error: what kind of failure (the APIs report it by this)
 
     @property
     def finished(self) -> bool:
@@ -152,3 +153,4 @@ class GenerationResult:
     # Requests with logprobs: one entry per token of the returned text, in order (a stop string's
     # tokens are not returned). None otherwise.
     logprobs: tuple[OutputLogprob, ...] | None = None
+    error_kind: ErrorKind | None = None  # with error: what kind of failure (the APIs report it by this)

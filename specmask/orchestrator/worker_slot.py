@@ -34,6 +34,7 @@ class WorkerSlot:
     retiring: bool = False
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     release: asyncio.Task | None = None  # closing a lost worker's mask sessions
+    loop: asyncio.Task | None = None  # its step loop while one runs (Engine._run_worker)
 
     @property
     def placeable(self) -> bool:

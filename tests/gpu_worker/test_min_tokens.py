@@ -10,6 +10,7 @@ import pytest
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.gpu_worker.types import (
     MIN_TOKENS_UNREACHABLE,
+    ErrorKind,
     FinishReason,
     NewSequence,
     SamplingParams,
@@ -115,6 +116,8 @@ def test_grammar_that_allows_only_eos_before_min_tokens_fails_the_sequence(tiny_
         assert got.finish is FinishReason.ERROR, (seq_id, got.finish, got.tokens)
         assert got.error is not None and got.error.startswith(MIN_TOKENS_UNREACHABLE), got.error
         assert "min_tokens=6" in got.error
+        # Typed, so the APIs report the caller's own conflict (HTTP 400) without reading the words.
+        assert got.outputs[-1].error_kind is ErrorKind.MIN_TOKENS_UNREACHABLE, got.outputs[-1]
         assert tok.decode(got.tokens) in ("", "c", "cd") and EOS[0] not in got.tokens
     assert results["fine"].finish is FinishReason.GRAMMAR_COMPLETE and tok.decode(results["fine"].tokens) == "cd"
 

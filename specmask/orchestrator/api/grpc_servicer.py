@@ -1,4 +1,5 @@
-"""gRPC servicer: proto <-> domain translation and error -> status mapping, nothing else.
+"""gRPC servicer: proto <-> domain translation and errors to statuses (by the error table,
+api/error_table.py), nothing else.
 
 Request messages arrive as bytes and are decoded here, so a malformed message
 gets INVALID_ARGUMENT (gRPC's own deserializer would answer UNKNOWN); the
@@ -21,6 +22,7 @@ from google.protobuf.message import DecodeError
 from specmask.common import tracing
 from specmask.common.tracing import NO_SPAN, Span
 from specmask.orchestrator import convert, request_trace
+from specmask.orchestrator.api.error_table import REFUSED
 from specmask.orchestrator.client_identity import client_identity
 from specmask.orchestrator.engine import Engine
 from specmask.orchestrator.errors import ErrorCode, RequestError
@@ -34,7 +36,6 @@ from specmask.proto.rpc_status import reason_from_class, status_for
 logger = logging.getLogger(__name__)
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
-_STATUS: dict[ErrorCode, grpc.StatusCode] = {code: getattr(grpc.StatusCode, code.name) for code in ErrorCode}
 
 
 class OrchestratorServicer:
@@ -76,7 +77,7 @@ class OrchestratorServicer:
             self._metrics.rejected.labels(code=exc.code.name).inc()
             logger.info("[request_id=%s] refused (%s): %s", msg.request_id or "-", exc.code.name, exc.message)
             status = status_for(
-                _STATUS[exc.code],
+                REFUSED[exc.code].grpc,
                 exc.message,
                 reason=exc.reason or reason_from_class(exc),
                 bad_fields=((exc.field, exc.message),) if exc.field else (),

@@ -3,8 +3,9 @@
 Finish reasons: only the ones in ``FINISH_REASONS`` are successes. Every
 other reason (``ERROR``, ``CANCELLED`` by a shutdown, and any reason added
 later, such as an output that failed its end-of-request grammar check) is an
-error response, never a 200 with text: ``finish_error`` says which (a caught
-violation is ``grammar_violation``; docs/api-errors.md).
+error response, never a 200 with text: ``finish_error`` says which, by the failure's
+``ErrorKind`` in the error table (a caught violation is ``grammar_violation``;
+docs/api-errors.md).
 """
 
 from __future__ import annotations
@@ -14,15 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specmask.gpu_worker.mask_errors import MASK_TIER_UNAVAILABLE
-from specmask.gpu_worker.types import MIN_TOKENS_UNREACHABLE, FinishReason
-from specmask.orchestrator.api.http.errors import (
-    GENERATION_FAILED,
-    GRAMMAR_VIOLATION,
-    MASK_TIER_DOWN,
-    UNAVAILABLE,
-    ApiError,
-)
+from specmask.gpu_worker.types import ErrorKind, FinishReason
+from specmask.orchestrator.api.error_table import FAILED
+from specmask.orchestrator.api.http.errors import UNAVAILABLE, ApiError
 from specmask.orchestrator.token_text import TokenTexts
 from specmask.orchestrator.types import GrammarReport, OutputLogprob, Usage
 
@@ -35,22 +30,19 @@ FINISH_REASONS: dict[FinishReason, str] = {
 USAGE_EXTENSION_KEY = "specmask"
 
 
-def finish_error(reason: FinishReason, error: str | None) -> ApiError | None:
-    """None for a successful finish, else the error the client gets instead of the output."""
+def finish_error(reason: FinishReason, error: str | None, kind: ErrorKind | None = None) -> ApiError | None:
+    """None for a successful finish, else the error the client gets instead of the output: by the
+    failure's ``kind`` (None: the reason's own, ``ErrorKind.of``) in the error table."""
     if reason in FINISH_REASONS:
         return None
-    if reason is FinishReason.CANCELLED:
+    failure = ErrorKind.of(reason, kind)
+    if failure is None:  # CANCELLED: only a shutdown cancels a request whose client still waits
         return ApiError(UNAVAILABLE, "the request was cancelled: the server is shutting down")
-    if reason is FinishReason.GRAMMAR_VIOLATION:
-        return ApiError(GRAMMAR_VIOLATION, error or "grammar violation")
-    if error and error.startswith(MASK_TIER_UNAVAILABLE):
-        return ApiError(MASK_TIER_DOWN, error)
-    if error and error.startswith(MIN_TOKENS_UNREACHABLE):
-        # The request asked for what its own grammar forbids (the grammar ends before
-        # min_tokens): the caller's to fix, so a 400 naming the field, not a server error.
-        return ApiError.invalid(error, param="min_tokens")
+    wire = FAILED[failure]
+    if wire.own_words:
+        return ApiError(wire.http, error or failure.value.replace("_", " "), param=wire.param)
     detail = f": {error}" if error else ""
-    return ApiError(GENERATION_FAILED, f"generation failed ({reason.value}){detail}")
+    return ApiError(wire.http, f"generation failed ({reason.value}){detail}", param=wire.param)
 
 
 def grammar_body(grammar: GrammarReport) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from specmask.common import tracing
 from specmask.common.tracing import NO_SPAN, Span
-from specmask.gpu_worker.types import FinishReason
+from specmask.gpu_worker.types import ErrorKind, FinishReason
 from specmask.orchestrator import reasoning, request_trace
 from specmask.orchestrator.api.http import responses as rsp
 from specmask.orchestrator.api.http import tool_grammar, translate
@@ -213,7 +213,7 @@ class OpenAIRoutes:
                     request, admitted, env, headers, translated, include_usage, texts, thinking
                 )
             result = await admitted.result()
-            _raise_for_finish(result.finish_reason, result.error)
+            _raise_for_finish(result.finish_reason, result.error, result.error_kind)
             output_chars = len(result.text)  # the whole output's, which logprob offsets count in
             answer = reasoning.split_answer(thinking, result.text) if thinking is not None else None
             if answer is not None:  # the grammar, and every check, governed only the content
@@ -251,7 +251,7 @@ class OpenAIRoutes:
                 include_usage = body.stream_options is not None and body.stream_options.include_usage
                 return await self._stream_completion(request, admitted, env, headers, include_usage, texts)
             result: GenerationResult = await admitted.result()
-            _raise_for_finish(result.finish_reason, result.error)
+            _raise_for_finish(result.finish_reason, result.error, result.error_kind)
             finish = rsp.FINISH_REASONS[result.finish_reason]
             logprobs = None if texts is None else rsp.completion_logprobs(result.logprobs or (), texts)
             return web.json_response(
@@ -340,7 +340,7 @@ class OpenAIRoutes:
                 if not out.finished:
                     continue
                 assert out.finish_reason is not None and out.usage is not None
-                error = rsp.finish_error(out.finish_reason, out.error)
+                error = rsp.finish_error(out.finish_reason, out.error, out.error_kind)
                 if error is not None:
                     await stream.error(error)
                     return stream.response
@@ -424,7 +424,7 @@ class OpenAIRoutes:
                 lp = None if texts is None else rsp.completion_logprobs(out.logprobs or (), texts)
                 if out.finished:
                     assert out.finish_reason is not None and out.usage is not None
-                    error = rsp.finish_error(out.finish_reason, out.error)
+                    error = rsp.finish_error(out.finish_reason, out.error, out.error_kind)
                     if error is not None:
                         await stream.error(error)
                         return stream.response
@@ -461,7 +461,7 @@ def _guard_depth(translate_fn: Callable[..., translate.Translated], *args: Any) 
         raise ApiError.invalid(TOO_DEEP) from None
 
 
-def _raise_for_finish(reason: FinishReason, error: str | None) -> None:
-    exc = rsp.finish_error(reason, error)
+def _raise_for_finish(reason: FinishReason, error: str | None, kind: ErrorKind | None) -> None:
+    exc = rsp.finish_error(reason, error, kind)
     if exc is not None:
         raise exc

@@ -265,9 +265,13 @@ def test_only_successful_finishes_are_successes() -> None:
 
 
 def test_min_tokens_its_grammar_forbids_is_the_callers_error() -> None:
-    from specmask.gpu_worker.types import MIN_TOKENS_UNREACHABLE
+    from specmask.gpu_worker.types import MIN_TOKENS_UNREACHABLE, ErrorKind
 
-    error = finish_error(FinishReason.ERROR, f"{MIN_TOKENS_UNREACHABLE}: the grammar ends at token 3 of 8")
+    error = finish_error(
+        FinishReason.ERROR,
+        f"{MIN_TOKENS_UNREACHABLE}: the grammar ends at token 3 of 8",
+        ErrorKind.MIN_TOKENS_UNREACHABLE,
+    )
     assert error is not None and error.status == 400 and error.param == "min_tokens"
 
 
