@@ -73,7 +73,14 @@ def test_each_kind_of_field_parses_to_its_type() -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [[], ["--need", "n", "--colour", "green"], ["--need", "n", "--mode", "z"], ["--need", "n", "--count", "1.5"]],
+    [
+        [],
+        ["--need", "n", "--colour", "green"],
+        ["--need", "n", "--mode", "z"],
+        ["--need", "n", "--count", "1.5"],
+        ["--need", "n", "--ratio", "nan"],
+        ["--need", "n", "--ratio", "-NaN"],
+    ],
 )
 def test_bad_command_lines_are_usage_errors(argv: list[str]) -> None:
     with pytest.raises(SystemExit):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import math
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
@@ -88,6 +89,15 @@ def _identity(value: Any) -> Any:
     return value
 
 
+def _number(text: str) -> float:
+    """A float flag's value; NaN is refused, as no bound or timeout compares true against it
+    (``nan <= 0`` is False: a NaN would pass every check a config makes)."""
+    value = float(text)
+    if math.isnan(value):
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}")
+    return value
+
+
 def _field_flag(
     config_cls: type, f: dataclasses.Field[Any], hint: Any, *, name: str | None, default: Any, help: str | None
 ) -> _FieldFlag:
@@ -118,7 +128,7 @@ def _field_flag(
         if isinstance(default, enum.Enum):
             default = default.value
     elif inner in (int, float, str):
-        kwargs["type"] = inner
+        kwargs["type"] = _number if inner is float else inner
         if spec.choices is not None:
             kwargs["choices"] = list(spec.choices)
     elif typing.get_origin(inner) is tuple and typing.get_args(inner) == (str, ...):

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from specmask.common import config_flags
 from specmask.orchestrator.cli import SUBCOMMANDS
 
 RECORD = Path(__file__).parent / "data" / "cli_flags.json"
@@ -47,13 +48,20 @@ def _plain(value: Any) -> Any:
     return getattr(value, "__name__", repr(value))
 
 
+def _type_name(action: argparse.Action) -> str | None:
+    if action.type is None:
+        return "str" if action.nargs != 0 else None  # no type and str read a value alike
+    if action.type is config_flags._number:
+        return "float"  # a float that refuses NaN: every value a float flag took before parses alike
+    return str(_plain(action.type))
+
+
 def describe(action: argparse.Action) -> dict[str, Any]:
     """What a command line depends on in one argparse action."""
     return {
         "dest": action.dest,
         "default": _plain(action.default),
-        # No type and str read a value alike.
-        "type": _plain(action.type) if action.type is not None or action.nargs == 0 else "str",
+        "type": _type_name(action),
         "choices": _plain(list(action.choices)) if action.choices is not None else None,
         "nargs": action.nargs,
         "required": action.required,
