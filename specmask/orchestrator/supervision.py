@@ -248,12 +248,12 @@ class WorkerSupervisor:
         model is refused (ValueError): its outputs would not be the others'."""
         if self._slots and not info.serves_same_model(self._slots[0].info):
             raise ValueError(f"the new worker serves a different model than the others: {info}")
+        was_down = not self.healthy
         slot = WorkerSlot(index=self._next_index, actor=actor, info=info, capacity=capacity)
         self._next_index += 1
         self._slots.append(slot)
-        self._metrics.healthy_workers.set(sum(s.healthy for s in self._slots))
         logger.warning("worker %d added (pid %d)", slot.index, info.pid)
-        self._hooks.worker_back(slot)
+        self._up(slot, was_down)
         return slot
 
     async def retire(self) -> Any | None:
@@ -418,11 +418,16 @@ class WorkerSupervisor:
         was_down = not self.healthy
         slot.info = info
         slot.healthy = True
+        self._metrics.worker_recoveries.labels(worker=str(slot.index)).inc()
+        logger.warning("worker %d is back (pid %d, freed %d stale sequences)", slot.index, info.pid, freed)
+        self._up(slot, was_down)
+
+    def _up(self, slot: WorkerSlot, was_down: bool) -> None:
+        """``slot`` (healthy) joins placement: requests waiting for a worker go on, readiness
+        turns back on if no worker was healthy, the engine starts its loop."""
         self._down_deadline = None
         self._worker_up.set()
-        self._metrics.worker_recoveries.labels(worker=str(slot.index)).inc()
         self._metrics.healthy_workers.set(sum(s.healthy for s in self._slots))
-        logger.warning("worker %d is back (pid %d, freed %d stale sequences)", slot.index, info.pid, freed)
         if was_down and self._on_health_change is not None:
             self._on_health_change(True)
         self._hooks.worker_back(slot)
