@@ -4,7 +4,7 @@ A request that opts in (``GrammarSpec.checked``) and whose schema every engine
 refuses is compiled from a *relaxation* of it: a schema whose language contains
 the original's. Generation is then masked by the relaxation, and the
 orchestrator checks the output against the ORIGINAL schema at the end and
-resamples on a violation (specmask/orchestrator/engine.py), so the relaxation never
+resamples on a violation (specmask/orchestrator/checked_retry.py), so the relaxation never
 decides what is returned as valid; it only has to keep every valid document
 reachable.
 
