@@ -36,6 +36,7 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from specmask.common import tracing
 from specmask.common.grammar_spec import GrammarSpec
 from specmask.gpu_worker.mask_errors import MASK_TIER_UNAVAILABLE, describe_mask_failure
 from specmask.mask_service.auth import public_owner
@@ -108,7 +109,8 @@ class MaskChannel:
         return cls(router, tokenizer_id=tokenizer_id, vocab_size=vocab_size)
 
     def _submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
-        return self._pool.submit(fn, *args)
+        # bind: the call's gRPC metadata carries the submitting iteration's span (tracing on).
+        return self._pool.submit(tracing.bind(fn), *args)
 
     def open_session_async(self, spec: GrammarSpec, *, request_id: str = "") -> Future[OpenedSession]:
         """Open a session for the target tokenizer and logits width, on a control thread; the
@@ -120,7 +122,7 @@ class MaskChannel:
             info = self._router.open_session_info(self.tokenizer_id, spec, self.vocab_size, request_id=request_id)
             return OpenedSession(info.session_id, frozenset(int(t) for t in info.stop_token_ids))
 
-        return self._control.submit(call)
+        return self._control.submit(tracing.bind(call))
 
     def draft_masks_async(self, items: Sequence[DraftMaskItem]) -> Future[tuple[list[DraftMaskOutcome], float]]:
         """Submit a batched DraftMasks call; the future gives (per item, in order, its rows or

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 import numpy as np
 
+from specmask.common import tracing
 from specmask.common.grammar_spec import GrammarSpec
 from specmask.mask_service.auth import CLIENT_METADATA_KEY, client_metadata, token_from_env
 from specmask.mask_service.client.row_table import MaskRows, RowTable, TableView
@@ -198,7 +199,9 @@ class MaskServiceClient:
         attempt = 0
         while True:
             try:
-                return fn(request, timeout=timeout_s or self._deadline, metadata=self._metadata + metadata)
+                # The caller's trace context, for the replica's span to continue (() while tracing is off).
+                call_metadata = self._metadata + metadata + tracing.grpc_metadata()
+                return fn(request, timeout=timeout_s or self._deadline, metadata=call_metadata)
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code in retry_on and attempt < self._retries:
