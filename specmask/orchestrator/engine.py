@@ -188,12 +188,12 @@ class Engine:
     async def stop(self) -> None:
         """Cancel every live request, free its worker state, stop the loops."""
         self._stopping = True
-        stopping = asyncio.ensure_future(self._supervisor.stop())
+        supervision = self._supervisor.stop()
         for request_id in list(self._live):
             self.cancel(request_id)
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, self._end_check.stop(), stopping, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *supervision, self._end_check.stop(), return_exceptions=True)
         removals = [
             await_remove(slot.index, slot.actor.remove.remote(slot.to_remove), _REMOVE_ON_SHUTDOWN_TIMEOUT_S)
             for slot in self._slots

@@ -195,13 +195,14 @@ class WorkerSupervisor:
         """Wake the requests waiting for a worker, to be refused (draining or stopping)."""
         self._worker_up.set()
 
-    async def stop(self) -> None:
-        """Stop recovering: cancel the probes, replacements and session releases in flight."""
+    def stop(self) -> list[asyncio.Task]:
+        """Stop recovering, at once: cancel the probes, replacements and session releases in
+        flight, and return them for the caller to await."""
         self._stopping = True
         self._worker_up.set()
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        return list(self._tasks)
 
     @property
     def healthy(self) -> bool:
