@@ -1,11 +1,12 @@
 """Tool calls in each family's own format, round-tripped on the real stack (mask service, Ray
-worker, HTTP API) through the openai SDK and LangChain ``bind_tools``.
+worker, HTTP API) through the openai SDK, LangChain ``bind_tools`` and instructor's
+``Mode.TOOLS`` (in an environment of its own: tests/fixtures/instructor_env.py).
 
 The model is a tiny random-initialised one with the real Qwen3 tokenizer and chat template
-(Hermes calls, detected from the template). The Llama 3.1 and Mistral formats are served by
-two more HTTP front doors on the same engine, whose prompters load those families' templates
-(over the same tokenizer): the format is the template's, as ``--tool-call-parser auto`` reads
-it, and the engine, grammar compilation and end checks are the stack's own. A random model
+(Hermes calls, detected from the template). The Llama 3.1, Mistral and harmony formats are
+served by more HTTP front doors on the same engine, whose prompters load those families'
+templates (over the same tokenizer): the format is the template's, as ``--tool-call-parser
+auto`` reads it, and the engine, grammar compilation and end checks are the stack's own. A random model
 never decides to call a tool, so the calls are forced (``required`` / named): the output is a
 call in the format whatever the model samples, and must come back as valid ``tool_calls``.
 Under ``auto`` the answer is text or calls, never a call hidden in text.
@@ -26,10 +27,11 @@ import pytest
 
 from specmask.orchestrator.api.http.app import HttpConfig, HttpFrontDoor
 from specmask.orchestrator.api.http.prompting import load_prompter
-from specmask.orchestrator.api.http.tool_formats import LLAMA3_JSON, MISTRAL, all_triggers
+from specmask.orchestrator.api.http.tool_formats import HARMONY, LLAMA3_JSON, MISTRAL, all_triggers
 from specmask.orchestrator.dev.local_stack import StackConfig
 from tests.e2e.stack import MAX_BATCH, MAX_QUEUE, ThreadStack
-from tests.fixtures.chat_templates import LLAMA_31, MISTRAL_V03, with_template
+from tests.fixtures import instructor_env
+from tests.fixtures.chat_templates import HARMONY_SHORT, LLAMA_31, MISTRAL_V03, with_template
 from tests.fixtures.shared_data import require, shared_data_dir
 
 pytestmark = pytest.mark.slow
@@ -48,7 +50,7 @@ TOOLS: list[Any] = [
     for name, params in PARAMS.items()
 ]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-FORMATS = ("hermes", "llama3_json", "mistral")
+FORMATS = ("hermes", "llama3_json", "mistral", "openai")
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,11 @@ def base_urls(stack: ThreadStack, tmp_path_factory: pytest.TempPathFactory) -> I
     target = Path(stack.running.config.target_dir)
     urls = {"hermes": f"http://127.0.0.1:{server.http_port}/v1"}
     doors = []
-    for name, template, fmt in (("llama3_json", LLAMA_31, LLAMA3_JSON), ("mistral", MISTRAL_V03, MISTRAL)):
+    for name, template, fmt in (
+        ("llama3_json", LLAMA_31, LLAMA3_JSON),
+        ("mistral", MISTRAL_V03, MISTRAL),
+        ("openai", HARMONY_SHORT, HARMONY),
+    ):
         prompter = load_prompter(str(with_template(target, template, tmp_path_factory.mktemp(name))))
         assert prompter.tool_format is fmt
         config = HttpConfig(host="127.0.0.1", port=0, model_name="tiny", max_model_len=2048)
@@ -170,14 +176,17 @@ def test_auto_is_text_or_calls_never_a_call_in_content(base_urls: dict[str, str]
                 model=model, messages=ASK, tools=TOOLS, temperature=1.0, seed=seed, max_tokens=160
             )
             choice = resp.choices[0]
+            content = choice.message.content or ""
+            # Text (alone, or before the calls where the format has that) holds no call of any format.
+            assert not any(t in content for t in all_triggers()), content
             if choice.finish_reason == "tool_calls":
-                for call in choice.message.tool_calls or []:
+                assert choice.message.tool_calls
+                for call in choice.message.tool_calls:
                     _valid(call.function.name, call.function.arguments)
+                assert not content or fmt in ("hermes", "mistral"), content
             else:
-                content = choice.message.content or ""
                 assert not choice.message.tool_calls
-                assert not any(t in content for t in all_triggers()), content
-                assert content.lstrip()[:1] not in ("<", "{", "["), content
+                assert fmt != "llama3_json" or content.lstrip()[:1] != "{", content
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -194,3 +203,60 @@ def test_langchain_bind_tools_gets_valid_calls(base_urls: dict[str, str], fmt: s
     named = llm.bind_tools(TOOLS, tool_choice="get_weather", seed=8).invoke(ASK[0]["content"])
     assert [c["name"] for c in named.tool_calls] == ["get_weather"]
     jsonschema.validate(named.tool_calls[0]["args"], WEATHER)
+
+
+_INSTRUCTOR_TOOLS = r"""
+import json, sys
+from typing import Literal
+
+import instructor
+import openai
+from pydantic import BaseModel, Field
+
+urls = json.loads(sys.argv[1])
+
+
+class Weather(BaseModel):
+    city: Literal["Paris", "Oslo"]
+    celsius: int = Field(ge=-90, le=60)  # bounded: a tiny random model may not stop digits
+
+
+out = {"instructor": instructor.__version__, "openai": openai.__version__}
+for fmt, url in urls.items():
+    raw = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
+    model = raw.models.list().data[0].id
+    client = instructor.from_openai(raw, mode=instructor.Mode.TOOLS)
+    ask = dict(
+        model=model, max_retries=0, max_tokens=150, temperature=1.0,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+    )
+    try:
+        w = client.chat.completions.create(response_model=Weather, seed=11, **ask)
+        # Streamed: instructor rebuilds the object from the streamed tool-call deltas.
+        partials = list(client.chat.completions.create_partial(response_model=Weather, seed=12, **ask))
+    except Exception as exc:  # the completion instructor refused, for the test's message
+        sys.exit(f"{fmt}: {exc!r}: {getattr(exc, 'last_completion', None)!r}"[:4000])
+    out[fmt] = {"create": w.model_dump(), "partial": partials[-1].model_dump() if partials else None}
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def instructor_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    python, why = instructor_env.build(tmp_path_factory.mktemp("instructor-venv"))
+    if python is None:
+        pytest.skip(why)
+    return python
+
+
+def test_instructor_tools_mode_in_each_format(base_urls: dict[str, str], instructor_python: Path) -> None:
+    """instructor's ``Mode.TOOLS`` (a forced call to a tool made from the response model), plain
+    and streamed (``create_partial``): in every format the object validates on the first try."""
+    proc = instructor_env.run(instructor_python, _INSTRUCTOR_TOOLS, json.dumps(base_urls))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for fmt in FORMATS:
+        for way in ("create", "partial"):
+            weather = out[fmt][way]
+            assert weather is not None and weather["city"] in ("Paris", "Oslo"), (fmt, way, out)
+            assert isinstance(weather["celsius"], int) and -90 <= weather["celsius"] <= 60, (fmt, way, out)
