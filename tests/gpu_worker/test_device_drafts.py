@@ -125,3 +125,47 @@ def test_device_drafts_are_read_once_and_cut_to_each_slot(model: torch.nn.Module
     with pytest.raises(RuntimeError, match="host draft after device drafts"):
         slots[0].add(Proposal(1))
     assert slots[0].context() == [*slots[0].seq.token_ids, *host[1][:1]]
+
+
+def _verify_inputs(on_device: bool) -> list:
+    """Three requests (greedy, sampled, sampled with k_r = 0) verifying drafts held as a
+    ``DeviceDrafts`` batch (rows in another order than the requests) or as host lists."""
+    from specmask.gpu_worker.proposers.base import DeviceDrafts
+    from specmask.gpu_worker.verifier import VerifyInput
+
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (3, 4), generator=g)  # [n, K]
+    probs = torch.softmax(torch.randn(3, 4, VOCAB, generator=g), dim=-1)  # [n, K, V]
+    probs[1] = torch.nn.functional.one_hot(tokens[1], VOCAB).float()  # row 1: the greedy request's (one-hot)
+    drafts = DeviceDrafts(tokens, probs)
+    # (device row, k_r, temperature) per request.
+    spec = [(1, 3, 0.0), (0, 4, 0.9), (2, 0, 0.7)]
+    out = []
+    for r, (row, k, temperature) in enumerate(spec):
+        logits = torch.randn(k + 1, VOCAB, generator=g)
+        logits[torch.arange(k), tokens[row, :k]] += 8.0  # the target agrees with its drafts: most are accepted
+        common = dict(logits=logits, mask=None, temperature=temperature, top_k=0, top_p=1.0, seed=40 + r, step=2)
+        if on_device:
+            out.append(VerifyInput(drafts=(), q_rows=(), device=drafts, device_row=row, num_device=k, **common))
+        else:
+            q = [None if temperature == 0.0 else probs[row, j] for j in range(k)]
+            out.append(VerifyInput(drafts=tokens[row, :k].tolist(), q_rows=q, **common))
+    return out
+
+
+def test_verify_takes_device_drafts_as_it_takes_host_drafts() -> None:
+    from specmask.gpu_worker.verifier import verify
+
+    kwargs = dict(vocab_size=VOCAB, num_mask_words=(VOCAB + 31) // 32, kernel_backend=Backend.REFERENCE)
+    host = verify(_verify_inputs(False), **kwargs)
+    device = verify(_verify_inputs(True), **kwargs)
+    assert device == host
+    assert host[0].num_accepted == 3 and host[1].num_accepted > 0  # not vacuous: drafts were accepted
+
+
+def test_verify_refuses_device_and_host_drafts_in_one_batch() -> None:
+    from specmask.gpu_worker.verifier import verify
+
+    mixed = _verify_inputs(True)[:1] + _verify_inputs(False)[1:]
+    with pytest.raises(ValueError, match="one device draft loop or from the host"):
+        verify(mixed, vocab_size=VOCAB, num_mask_words=(VOCAB + 31) // 32, kernel_backend=Backend.REFERENCE)
