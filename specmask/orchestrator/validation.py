@@ -345,7 +345,7 @@ class RequestValidator:
         if s.proposers is not None:
             unknown = sorted(set(s.proposers) - KNOWN_PROPOSERS)
             if unknown:
-                raise _fail(f"unknown proposers {unknown}; known: {sorted(KNOWN_PROPOSERS)}")
+                raise _fail(f"unknown proposers {unknown}; known: {sorted(str(k) for k in KNOWN_PROPOSERS)}")
             if not s.proposers:
                 raise _fail("proposers must not be empty (disable speculation with enabled=false)")
         if not s.enabled:

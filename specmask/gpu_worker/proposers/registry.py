@@ -29,15 +29,16 @@ def _load_builtins() -> None:
 
 
 def registered_names() -> list[str]:
-    """All proposer names, in priority order."""
+    """All proposer names (plain strings: they go into messages), in priority order."""
     _load_builtins()
-    return sorted(_REGISTRY, key=lambda n: (_REGISTRY[n].priority, n))
+    return [str(n) for n in sorted(_REGISTRY, key=lambda n: (_REGISTRY[n].priority, n))]
 
 
 def order_names(names: Iterable[str]) -> tuple[str, ...]:
-    """Validate ``names`` and return them in priority order (raises ValueError on unknown names)."""
+    """Validate ``names`` and return them in priority order, as plain strings (raises ValueError on
+    unknown names)."""
     _load_builtins()
-    names = tuple(dict.fromkeys(names))
+    names = tuple(dict.fromkeys(str(n) for n in names))
     unknown = [n for n in names if n not in _REGISTRY]
     if unknown:
         raise ValueError(f"unknown proposer(s) {unknown}; known: {registered_names()}")

@@ -62,7 +62,8 @@ def parse_speculative_config(text: str | None) -> Speculative:
         raise ValueError(f"--speculative-config: unsupported keys {unknown}; supported: {sorted(SPECULATIVE_KEYS)}")
     method = data.get("method", ProposerKind.DRAFT_MODEL)
     if method not in SPECULATIVE_METHODS:
-        raise ValueError(f"--speculative-config: method {method!r} is not one of {list(SPECULATIVE_METHODS)}")
+        methods = [str(m) for m in SPECULATIVE_METHODS]
+        raise ValueError(f"--speculative-config: method {method!r} is not one of {methods}")
     k = data.get("num_speculative_tokens")
     if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= cfg.DEFAULT_MAX_K):
         raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer in [0, {cfg.DEFAULT_MAX_K}]")
