@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextvars
 import enum
 import logging
+import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -55,6 +56,12 @@ MAX_TRACEPARENT_CHARS = 256
 OTLP_ENDPOINT_HELP = (
     "send OpenTelemetry trace spans to this OTLP/gRPC collector (http://host:4317; https:// for TLS); "
     "off by default (needs the tracing extra; docs/operations.md#tracing)"
+)
+
+# One tracestate list member, by the W3C grammar: a key (lower-case, optionally tenant@system),
+# "=", then a value of printable ASCII without "," or "=", not ending in a space.
+_TRACESTATE_MEMBER = re.compile(
+    r"[a-z0-9][_0-9a-z\-*/]{0,240}(@[a-z][_0-9a-z\-*/]{0,13})?=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]"
 )
 
 # W3C trace context as headers (traceparent, and tracestate when there is one).
@@ -201,19 +208,31 @@ def force_flush(timeout_s: float = 10.0) -> bool:
 # ---- context in and out ------------------------------------------------------
 
 
+def _valid_tracestate(value: str) -> bool:
+    """Whether ``value`` is a W3C tracestate list. The SDK drops a malformed one too, but logs
+    a warning quoting it: a client's header would then write what it likes (newlines
+    included) into the server's log on every request."""
+    return all(not m or _TRACESTATE_MEMBER.fullmatch(m) for m in (part.strip(" \t") for part in value.split(",")))
+
+
 def extract(headers: Mapping[str, str] | Iterable[tuple[str, str]] | None) -> Carrier:
     """The W3C trace context among incoming ``headers`` (HTTP headers or gRPC metadata
-    pairs); {} when there is none, or it is oversized. Reads nothing else of them."""
+    pairs); {} when there is none, or it is oversized. A malformed or oversized tracestate
+    is dropped (the traceparent alone still continues the trace). Reads nothing else."""
     if headers is None:
         return {}
     pairs = headers.items() if isinstance(headers, Mapping) else headers
     carrier: Carrier = {}
     for key, value in pairs:
         name = key.lower()
-        if name in CONTEXT_HEADERS and isinstance(value, str):
-            limit = MAX_TRACEPARENT_CHARS if name == TRACEPARENT else MAX_TRACESTATE_CHARS
-            if len(value) <= limit:
-                carrier[name] = value
+        if not isinstance(value, str):
+            continue
+        if name == TRACEPARENT:
+            ok = len(value) <= MAX_TRACEPARENT_CHARS
+        else:
+            ok = name == TRACESTATE and len(value) <= MAX_TRACESTATE_CHARS and _valid_tracestate(value)
+        if ok:
+            carrier[name] = value
     return carrier if TRACEPARENT in carrier else {}
 
 

@@ -64,6 +64,10 @@ def test_extract_reads_only_bounded_w3c_headers() -> None:
     assert tracing.extract({"traceparent": "0" * 10_000}) == {}  # oversized: dropped, never forwarded
     assert tracing.extract({"traceparent": TRACEPARENT, "tracestate": "k=" + "v" * 600}) == {"traceparent": TRACEPARENT}
     assert tracing.extract(None) == {}
+    multi = "congo=t61rcWkgMzE, rojo=00f067aa0ba902b7,t@sys=x"
+    assert tracing.extract({"traceparent": TRACEPARENT, "tracestate": multi})["tracestate"] == multi
+    for hostile in ("a=1\r\nInjected: yes", "vendor=é", "no-equals", "a=1,b=\x00", "UPPER=1"):
+        assert tracing.extract({"traceparent": TRACEPARENT, "tracestate": hostile}) == {"traceparent": TRACEPARENT}
     assert tracing.extract([("traceparent", b"\x00")]) == {}  # gRPC binary metadata is not text  # type: ignore[list-item]
 
 
