@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from specmask.orchestrator.dev.local_stack import StackConfig
 from tests.e2e.stack import MAX_BATCH, MAX_QUEUE, ThreadStack
+from tests.fixtures.openai_sdk import openai_sdk, served_model
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +41,16 @@ def stack(tiny_pair: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory
     ).start()
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def openai_client(stack: ThreadStack) -> Iterator[openai.OpenAI]:
+    """The OpenAI SDK on the shared stack's HTTP API."""
+    with openai_sdk(stack.http_url + "/v1") as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(openai_client: openai.OpenAI) -> str:
+    """The id of the one model the shared stack serves."""
+    return served_model(openai_client)

@@ -147,6 +147,12 @@ class ThreadStack:
         assert self.running is not None
         return self.running.address
 
+    @property
+    def http_url(self) -> str:
+        """The HTTP API's root, without /v1 (the stack was started with an http_port)."""
+        assert self.running is not None and self.running.server.http_port, "this stack serves no HTTP API"
+        return f"http://127.0.0.1:{self.running.server.http_port}"
+
     def worker_num_active(self) -> list[int]:
         import ray
 

@@ -129,8 +129,7 @@ def test_backend_choice_is_honoured(stack: ThreadStack) -> None:
 def test_http_extensions(stack: ThreadStack) -> None:
     import urllib.request
 
-    assert stack.running is not None and stack.running.server.http_port
-    url = f"http://127.0.0.1:{stack.running.server.http_port}/v1/completions"
+    url = stack.http_url + "/v1/completions"
 
     def post(body: dict) -> tuple[int, dict]:
         data = json.dumps({"model": "target", "prompt": "x", "max_tokens": 24, **body}).encode()

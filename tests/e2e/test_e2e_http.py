@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx2 as httpx
@@ -80,21 +79,7 @@ NO_INSTRUCTION = {"schema_instruction": ""}
 
 @pytest.fixture(scope="module")
 def base_url(stack: ThreadStack) -> str:
-    assert stack.running is not None and stack.running.server.http_port
-    return f"http://127.0.0.1:{stack.running.server.http_port}/v1"
-
-
-@pytest.fixture(scope="module")
-def client(base_url: str) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    models = client.models.list().data
-    assert len(models) == 1
-    return models[0].id
+    return stack.http_url + "/v1"
 
 
 def _json_format(schema: dict[str, Any]) -> dict[str, Any]:
@@ -108,9 +93,9 @@ def test_models_and_health(base_url: str, model: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
-def test_chat_json_schema_validates(client: openai.OpenAI, model: str, name: str) -> None:
+def test_chat_json_schema_validates(openai_client: openai.OpenAI, model: str, name: str) -> None:
     schema = SCHEMAS[name]
-    resp = client.chat.completions.create(
+    resp = openai_client.chat.completions.create(
         model=model,
         messages=MESSAGES,
         response_format=_json_format(schema),
@@ -129,20 +114,22 @@ def test_chat_json_schema_validates(client: openai.OpenAI, model: str, name: str
     assert ext["target_forwards"] >= 1 and 0.0 <= ext["acceptance_rate"] <= 1.0
 
 
-def test_chat_gets_the_schema_instruction_on_request(stack: ThreadStack, client: openai.OpenAI, model: str) -> None:
+def test_chat_gets_the_schema_instruction_on_request(
+    stack: ThreadStack, openai_client: openai.OpenAI, model: str
+) -> None:
     """A plain JSON Schema chat goes through the engine's chat renderer (specmask/orchestrator/chat.py), which
     puts the schema in a system message only when asked (schema_instruction): the caller's messages
     are the prompt by default, and JSON mode never shows the model a schema to copy."""
     kwargs: dict[str, Any] = dict(
         model=model, messages=MESSAGES, response_format=_json_format(BOUNDED_SCHEMA), temperature=0.0, max_tokens=64
     )
-    with_instruction = client.chat.completions.create(**kwargs, extra_body={"schema_instruction": "default"})
-    without = client.chat.completions.create(**kwargs)
+    with_instruction = openai_client.chat.completions.create(**kwargs, extra_body={"schema_instruction": "default"})
+    without = openai_client.chat.completions.create(**kwargs)
     assert with_instruction.usage.prompt_tokens > without.usage.prompt_tokens + 20
-    off = client.chat.completions.create(**kwargs, extra_body=NO_INSTRUCTION)
+    off = openai_client.chat.completions.create(**kwargs, extra_body=NO_INSTRUCTION)
     assert off.usage.prompt_tokens == without.usage.prompt_tokens
-    plain = client.chat.completions.create(model=model, messages=MESSAGES, temperature=0.0, max_tokens=1)
-    json_mode = client.chat.completions.create(
+    plain = openai_client.chat.completions.create(model=model, messages=MESSAGES, temperature=0.0, max_tokens=1)
+    json_mode = openai_client.chat.completions.create(
         model=model, messages=MESSAGES, response_format={"type": "json_object"}, temperature=0.0, max_tokens=8
     )
     assert json_mode.usage.prompt_tokens == plain.usage.prompt_tokens
@@ -151,15 +138,15 @@ def test_chat_gets_the_schema_instruction_on_request(stack: ThreadStack, client:
         jsonschema.validate(json.loads(resp.choices[0].message.content), BOUNDED_SCHEMA)
 
 
-def test_chat_json_object_and_guided_regex(client: openai.OpenAI, model: str) -> None:
-    resp = client.chat.completions.create(
+def test_chat_json_object_and_guided_regex(openai_client: openai.OpenAI, model: str) -> None:
+    resp = openai_client.chat.completions.create(
         model=model, messages=MESSAGES, response_format={"type": "json_object"}, temperature=0.0, max_tokens=200
     )
     if resp.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(resp.choices[0].message.content), dict)
     else:  # an unbounded object may run out of budget; it is then reported as such
         assert resp.choices[0].finish_reason == "length"
-    resp = client.chat.completions.create(
+    resp = openai_client.chat.completions.create(
         model=model,
         messages=MESSAGES,
         extra_body={"guided_regex": "(yes|no)-[0-9]{2}", "speculation": {"k": 2, "proposers": ["grammar_forced"]}},
@@ -168,7 +155,7 @@ def test_chat_json_object_and_guided_regex(client: openai.OpenAI, model: str) ->
     assert resp.choices[0].finish_reason == "stop"
     content = resp.choices[0].message.content
     assert content[:-3] in ("yes", "no") and content[-3] == "-" and content[-2:].isdigit()
-    choice = client.chat.completions.create(
+    choice = openai_client.chat.completions.create(
         model=model, messages=MESSAGES, extra_body={"guided_choice": ["red", 'say "hi"']}, max_tokens=20
     )
     assert choice.choices[0].message.content in ("red", 'say "hi"')
@@ -196,8 +183,8 @@ def test_chat_async_concurrent(base_url: str, model: str) -> None:
         jsonschema.validate(json.loads(resp.choices[0].message.content), BOUNDED_SCHEMA)
 
 
-def test_chat_streaming_with_usage(client: openai.OpenAI, model: str) -> None:
-    stream = client.chat.completions.create(
+def test_chat_streaming_with_usage(openai_client: openai.OpenAI, model: str) -> None:
+    stream = openai_client.chat.completions.create(
         model=model,
         messages=MESSAGES,
         response_format=_json_format(LONG_SCHEMA),
@@ -218,14 +205,14 @@ def test_chat_streaming_with_usage(client: openai.OpenAI, model: str) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
 
 
-def test_completions_sync_and_streaming(client: openai.OpenAI, model: str) -> None:
-    resp = client.completions.create(
+def test_completions_sync_and_streaming(openai_client: openai.OpenAI, model: str) -> None:
+    resp = openai_client.completions.create(
         model=model, prompt=PROMPT, temperature=0.0, max_tokens=64, extra_body={"guided_json": BOUNDED_SCHEMA}
     )
     assert resp.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(resp.choices[0].text), BOUNDED_SCHEMA)
     # Greedy and the same grammar: the stream concatenates to the same text.
-    stream = client.completions.create(
+    stream = openai_client.completions.create(
         model=model,
         prompt=PROMPT,
         temperature=0.0,
@@ -236,15 +223,15 @@ def test_completions_sync_and_streaming(client: openai.OpenAI, model: str) -> No
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks) == resp.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "stop"
-    free = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, extra_body={"ignore_eos": True})
+    free = openai_client.completions.create(model=model, prompt=PROMPT, max_tokens=5, extra_body={"ignore_eos": True})
     assert free.choices[0].finish_reason == "length" and free.usage.completion_tokens == 5
 
 
 @pytest.mark.parametrize("choice", ["required", "set_alarm"])
-def test_tool_calls_validate(client: openai.OpenAI, model: str, choice: str) -> None:
+def test_tool_calls_validate(openai_client: openai.OpenAI, model: str, choice: str) -> None:
     tool_choice: Any = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
     for seed in (1, 2):
-        resp = client.chat.completions.create(
+        resp = openai_client.chat.completions.create(
             model=model,
             messages=[{"role": "user", "content": "Set an alarm or get the weather."}],
             tools=TOOLS,
@@ -263,8 +250,8 @@ def test_tool_calls_validate(client: openai.OpenAI, model: str, choice: str) -> 
         jsonschema.validate(json.loads(call.arguments), TOOL_PARAMS[call.name])
 
 
-def test_tool_call_streamed(client: openai.OpenAI, model: str) -> None:
-    stream = client.chat.completions.create(
+def test_tool_call_streamed(openai_client: openai.OpenAI, model: str) -> None:
+    stream = openai_client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "Weather?"}],
         tools=TOOLS,
@@ -282,10 +269,10 @@ def test_tool_call_streamed(client: openai.OpenAI, model: str) -> None:
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_refusals(client: openai.OpenAI, model: str) -> None:
+def test_refusals(openai_client: openai.OpenAI, model: str) -> None:
     refused = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(
+        openai_client.chat.completions.create(
             model=model,
             messages=MESSAGES,
             response_format=_json_format(refused),
@@ -304,10 +291,10 @@ def test_refusals(client: openai.OpenAI, model: str) -> None:
     ]
     for kwargs in cases:
         with pytest.raises(openai.BadRequestError) as exc:
-            client.chat.completions.create(model=model, messages=MESSAGES, **kwargs)
+            openai_client.chat.completions.create(model=model, messages=MESSAGES, **kwargs)
         assert exc.value.message, kwargs
     with pytest.raises(openai.NotFoundError) as not_found:
-        client.chat.completions.create(model="no-such-model", messages=MESSAGES)
+        openai_client.chat.completions.create(model="no-such-model", messages=MESSAGES)
     assert not_found.value.body["code"] == "model_not_found"
 
 

@@ -573,8 +573,7 @@ async def _wave(base_url: str, probes: list[Probe]) -> list[Outcome]:
 
 
 def test_hostile_requests_beside_well_formed_ones(stack: ThreadStack) -> None:
-    assert stack.running is not None and stack.running.server.http_port
-    base_url = f"http://127.0.0.1:{stack.running.server.http_port}"
+    base_url = stack.http_url
     model = httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"]
     hostile = [
         *_unicode(model),

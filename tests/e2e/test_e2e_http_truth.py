@@ -39,13 +39,7 @@ _TIMEOUT = httpx.Timeout(300.0)
 
 @pytest.fixture(scope="module")
 def base_url(stack: ThreadStack) -> str:
-    assert stack.running is not None and stack.running.server.http_port
-    return f"http://127.0.0.1:{stack.running.server.http_port}"
-
-
-@pytest.fixture(scope="module")
-def model(base_url: str) -> str:
-    return httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"]
+    return stack.http_url
 
 
 def _post(base_url: str, path: str, body: dict[str, Any] | str, **headers: str) -> httpx.Response:

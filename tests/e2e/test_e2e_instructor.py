@@ -21,7 +21,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import openai
 import pytest
 
 from tests.e2e.stack import ThreadStack
@@ -100,11 +99,8 @@ def instructor_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return python
 
 
-def test_instructor_modes(stack: ThreadStack, instructor_python: Path) -> None:
-    assert stack.running is not None and stack.running.server.http_port
-    base_url = f"http://127.0.0.1:{stack.running.server.http_port}/v1"
-    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0) as c:
-        model = c.models.list().data[0].id
+def test_instructor_modes(stack: ThreadStack, model: str, instructor_python: Path) -> None:
+    base_url = stack.http_url + "/v1"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     proc = subprocess.run(
         [str(instructor_python), "-c", _SCRIPT, base_url, model],

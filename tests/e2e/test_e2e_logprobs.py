@@ -35,19 +35,6 @@ def grpc_client(stack: ThreadStack) -> Iterator[OrchestratorClient]:
         yield c
 
 
-@pytest.fixture(scope="module")
-def client(stack: ThreadStack) -> Iterator[openai.OpenAI]:
-    assert stack.running is not None and stack.running.server.http_port
-    base_url = f"http://127.0.0.1:{stack.running.server.http_port}/v1"
-    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
 @torch.no_grad()
 def _masked_reference(target: Path, prompt: list[int], output: list[int], schema: dict[str, Any] | None):
     """log_softmax of the target's masked rows at T = 1 (greedy) [len(output), V] and the allowed set."""
@@ -129,7 +116,7 @@ def _check_chat_content(content: list[Any], text: str, top: int) -> None:
         assert e.top_logprobs[0].token == e.token and math.isclose(e.top_logprobs[0].logprob, e.logprob)
 
 
-def test_openai_chat_logprobs_stream_and_not(client: openai.OpenAI, model: str) -> None:
+def test_openai_chat_logprobs_stream_and_not(openai_client: openai.OpenAI, model: str) -> None:
     kwargs: dict[str, Any] = dict(
         model=model,
         messages=MESSAGES,
@@ -139,7 +126,7 @@ def test_openai_chat_logprobs_stream_and_not(client: openai.OpenAI, model: str) 
         logprobs=True,
         top_logprobs=3,
     )
-    resp = client.chat.completions.create(**kwargs)
+    resp = openai_client.chat.completions.create(**kwargs)
     choice = resp.choices[0]
     assert choice.finish_reason == "stop" and choice.logprobs is not None and choice.logprobs.content
     json.loads(choice.message.content)
@@ -147,7 +134,7 @@ def test_openai_chat_logprobs_stream_and_not(client: openai.OpenAI, model: str) 
     assert any(len(e.top_logprobs) < 3 for e in choice.logprobs.content)  # forced positions
     assert len(choice.logprobs.content) == resp.usage.completion_tokens
 
-    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    chunks = list(openai_client.chat.completions.create(**kwargs, stream=True))
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == choice.message.content
@@ -163,14 +150,14 @@ def test_openai_chat_logprobs_stream_and_not(client: openai.OpenAI, model: str) 
             assert joined.decode("utf-8", errors="replace").startswith(delta[:1])
 
 
-def test_openai_chat_without_logprobs_has_none(client: openai.OpenAI, model: str) -> None:
-    resp = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8)
+def test_openai_chat_without_logprobs_has_none(openai_client: openai.OpenAI, model: str) -> None:
+    resp = openai_client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8)
     assert resp.choices[0].logprobs is None
 
 
-def test_openai_tool_call_has_no_content_logprobs(client: openai.OpenAI, model: str) -> None:
+def test_openai_tool_call_has_no_content_logprobs(openai_client: openai.OpenAI, model: str) -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": BOUNDED_SCHEMA}}]
-    resp = client.chat.completions.create(
+    resp = openai_client.chat.completions.create(
         model=model,
         messages=MESSAGES,
         tools=tools,
@@ -185,9 +172,9 @@ def test_openai_tool_call_has_no_content_logprobs(client: openai.OpenAI, model: 
     assert choice.logprobs is not None and choice.logprobs.content is None
 
 
-def test_openai_completions_logprobs_follow_a_stop_string(client: openai.OpenAI, model: str) -> None:
+def test_openai_completions_logprobs_follow_a_stop_string(openai_client: openai.OpenAI, model: str) -> None:
     kwargs: dict[str, Any] = dict(model=model, prompt=PROMPT, temperature=1.0, seed=3, max_tokens=40, logprobs=2)
-    full = client.completions.create(**kwargs).choices[0]
+    full = openai_client.completions.create(**kwargs).choices[0]
     lp = full.logprobs
     assert lp is not None and len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
     assert all(len(t) <= 2 for t in lp.top_logprobs)
@@ -198,14 +185,14 @@ def test_openai_completions_logprobs_follow_a_stop_string(client: openai.OpenAI,
     stop = lp.tokens[cut_at]
     cut = full.text.find(stop)
     assert cut >= 0
-    stopped = client.completions.create(**kwargs, stop=[stop]).choices[0]
+    stopped = openai_client.completions.create(**kwargs, stop=[stop]).choices[0]
     assert stopped.text == full.text[:cut] and stopped.finish_reason == "stop"
     kept = stopped.logprobs
     n = sum(1 for off in lp.text_offset if off < cut)
     assert kept.tokens == lp.tokens[:n] and kept.text_offset == lp.text_offset[:n]
     assert kept.token_logprobs == pytest.approx(lp.token_logprobs[:n], abs=TOL)
 
-    chunks = list(client.completions.create(**kwargs, stop=[stop], stream=True))
+    chunks = list(openai_client.completions.create(**kwargs, stop=[stop], stream=True))
     streamed = [t for c in chunks for t in (c.choices[0].logprobs.tokens if c.choices[0].logprobs else [])]
     assert "".join(c.choices[0].text for c in chunks) == stopped.text and streamed == kept.tokens
 
@@ -218,10 +205,10 @@ def test_openai_completions_logprobs_follow_a_stop_string(client: openai.OpenAI,
         ("completions", {"logprobs": 6}),
     ],
 )
-def test_logprobs_bounds(client: openai.OpenAI, model: str, endpoint: str, fields: dict[str, Any]) -> None:
+def test_logprobs_bounds(openai_client: openai.OpenAI, model: str, endpoint: str, fields: dict[str, Any]) -> None:
     with pytest.raises(openai.BadRequestError) as exc:
         if endpoint == "chat":
-            client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, **fields)
+            openai_client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, **fields)
         else:
-            client.completions.create(model=model, prompt=PROMPT, max_tokens=4, **fields)
+            openai_client.completions.create(model=model, prompt=PROMPT, max_tokens=4, **fields)
     assert exc.value.body["param"] in ("logprobs", "top_logprobs")

@@ -39,11 +39,10 @@ def _scrape(url: str) -> tuple[dict[tuple[str, str], float], set[str]]:
     return values, declared
 
 
-def test_router_series_carry_the_model_name_and_the_examples_query_live_series(stack: ThreadStack) -> None:
+def test_router_series_carry_the_model_name_and_the_examples_query_live_series(stack: ThreadStack, model: str) -> None:
     running = stack.running
-    assert running is not None and running.server.http_port and running.server.metrics_port
-    root = f"http://127.0.0.1:{running.server.http_port}"
-    model = httpx.get(f"{root}/v1/models", timeout=30).json()["data"][0]["id"]
+    assert running is not None and running.server.metrics_port
+    root = stack.http_url
     for _ in range(2):  # a second request so the first's tokens have a gap to measure
         reply = httpx.post(
             f"{root}/v1/completions",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import httpx2 as httpx
@@ -41,19 +40,6 @@ TOOLS = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p
 ASK = [{"role": "user", "content": "What is the weather in Paris? Call a tool if you need one."}]
 
 
-@pytest.fixture(scope="module")
-def client(stack: ThreadStack) -> Iterator[openai.OpenAI]:
-    assert stack.running is not None and stack.running.server.http_port
-    base_url = f"http://127.0.0.1:{stack.running.server.http_port}/v1"
-    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
 def _check_answer(choice: Any) -> str:
     """The kind of a successful answer ("text" or "calls"), after checking it like a client would."""
     message = choice.message
@@ -69,23 +55,25 @@ def _check_answer(choice: Any) -> str:
 
 
 @pytest.mark.parametrize("tool_choice", ["auto", None])
-def test_tools_auto_answers_text_or_valid_calls(client: openai.OpenAI, model: str, tool_choice: str | None) -> None:
+def test_tools_auto_answers_text_or_valid_calls(
+    openai_client: openai.OpenAI, model: str, tool_choice: str | None
+) -> None:
     kinds = []
     for seed in range(6):
         kwargs: dict[str, Any] = {} if tool_choice is None else {"tool_choice": tool_choice}
-        resp = client.chat.completions.create(
+        resp = openai_client.chat.completions.create(
             model=model, messages=ASK, tools=TOOLS, temperature=1.0, seed=seed, max_tokens=48, **kwargs
         )
         kinds.append(_check_answer(resp.choices[0]))
     assert set(kinds) <= {"text", "calls"}
 
 
-def test_tools_auto_streamed_matches_unary(client: openai.OpenAI, model: str) -> None:
+def test_tools_auto_streamed_matches_unary(openai_client: openai.OpenAI, model: str) -> None:
     """Same seed, same answer: streamed text arrives as content deltas, calls whole at the end."""
     for seed in (3, 4):
         kwargs: dict[str, Any] = dict(model=model, messages=ASK, tools=TOOLS, temperature=1.0, seed=seed, max_tokens=48)
-        unary = client.chat.completions.create(**kwargs)
-        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        unary = openai_client.chat.completions.create(**kwargs)
+        chunks = list(openai_client.chat.completions.create(**kwargs, stream=True))
         content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
         assert chunks[-1].choices[0].finish_reason == unary.choices[0].finish_reason
@@ -97,27 +85,27 @@ def test_tools_auto_streamed_matches_unary(client: openai.OpenAI, model: str) ->
             assert not calls and content == unary.choices[0].message.content
 
 
-def test_tools_none_is_plain_text(client: openai.OpenAI, model: str) -> None:
-    resp = client.chat.completions.create(
+def test_tools_none_is_plain_text(openai_client: openai.OpenAI, model: str) -> None:
+    resp = openai_client.chat.completions.create(
         model=model, messages=ASK, tools=TOOLS, tool_choice="none", temperature=1.0, seed=1, max_tokens=16
     )
     assert _check_answer(resp.choices[0]) == "text"
 
 
-def test_tools_auto_with_another_constraint_is_refused(client: openai.OpenAI, model: str) -> None:
+def test_tools_auto_with_another_constraint_is_refused(openai_client: openai.OpenAI, model: str) -> None:
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(
+        openai_client.chat.completions.create(
             model=model, messages=ASK, tools=TOOLS, response_format={"type": "json_object"}, max_tokens=8
         )
     assert "auto" in exc.value.message and exc.value.body["param"] == "response_format"
 
 
-def test_json_mode_is_any_object_with_no_schema_in_the_prompt(client: openai.OpenAI, model: str) -> None:
+def test_json_mode_is_any_object_with_no_schema_in_the_prompt(openai_client: openai.OpenAI, model: str) -> None:
     """JSON mode adds nothing to the caller's prompt (the model saw {"type": "object"} and copied it)."""
     messages = [{"role": "user", "content": "Describe a cat as JSON."}]
-    plain = client.chat.completions.create(model=model, messages=messages, temperature=0.0, max_tokens=1)
+    plain = openai_client.chat.completions.create(model=model, messages=messages, temperature=0.0, max_tokens=1)
     for seed in (1, 2):
-        resp = client.chat.completions.create(
+        resp = openai_client.chat.completions.create(
             model=model,
             messages=messages,
             response_format={"type": "json_object"},
@@ -133,7 +121,7 @@ def test_json_mode_is_any_object_with_no_schema_in_the_prompt(client: openai.Ope
             assert choice.finish_reason == "length" and choice.message.content.startswith("{")
 
 
-def test_unknown_fields_are_ignored_and_counted(stack: ThreadStack, client: openai.OpenAI, model: str) -> None:
+def test_unknown_fields_are_ignored_and_counted(stack: ThreadStack, openai_client: openai.OpenAI, model: str) -> None:
     """Fields newer SDKs send (and any other unknown field) are ignored, as vLLM does; known
     fields keep their types (a wrong type is still a 400)."""
     assert stack.running is not None
@@ -143,7 +131,7 @@ def test_unknown_fields_are_ignored_and_counted(stack: ThreadStack, client: open
         return registry.get_sample_value("specmask_http_unknown_fields_total", {"field": name}) or 0.0
 
     before = counted("prompt_cache_key")
-    resp = client.chat.completions.create(
+    resp = openai_client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "hi"}],
         reasoning_effort="low",
@@ -156,17 +144,17 @@ def test_unknown_fields_are_ignored_and_counted(stack: ThreadStack, client: open
     assert counted("prompt_cache_key") == before + 1 and counted("some_framework_field") >= 1
     assert counted("reasoning_effort") == 0
     with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(
+        openai_client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "hi"}], extra_body={"temperature": "hot"}
         )
     assert "temperature" in exc.value.message
 
 
 def test_http_port_serves_metrics_version_tokenize_and_counts_statuses(
-    stack: ThreadStack, client: openai.OpenAI, model: str, caplog: pytest.LogCaptureFixture
+    stack: ThreadStack, openai_client: openai.OpenAI, model: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     assert stack.running is not None
-    root = f"http://127.0.0.1:{stack.running.server.http_port}"
+    root = stack.http_url
 
     def count(route: str, status: int) -> float:
         sample = stack.running.server.metrics.registry.get_sample_value(  # type: ignore[union-attr]
@@ -176,9 +164,9 @@ def test_http_port_serves_metrics_version_tokenize_and_counts_statuses(
 
     ok_before, bad_before = count("/v1/chat/completions", 200), count("/v1/chat/completions", 400)
     with caplog.at_level(logging.INFO, logger="specmask.orchestrator.api.http.access"):
-        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        openai_client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
         with pytest.raises(openai.BadRequestError):
-            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], n=3)
+            openai_client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], n=3)
         assert httpx.get(f"{root}/no/such/route").status_code == 404
     assert count("/v1/chat/completions", 200) == ok_before + 1
     assert count("/v1/chat/completions", 400) == bad_before + 1
@@ -200,7 +188,9 @@ def test_http_port_serves_metrics_version_tokenize_and_counts_statuses(
     tokens = httpx.post(f"{root}/tokenize", json={"model": model, "prompt": "hello world"}).json()
     assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] > 0
     chat = httpx.post(f"{root}/tokenize", json={"model": model, "messages": [{"role": "user", "content": "hi"}]})
-    plain = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+    plain = openai_client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=1
+    )
     assert chat.json()["count"] == plain.usage.prompt_tokens
     assert httpx.post(f"{root}/tokenize", json={"model": model}).status_code == 400
 
@@ -213,9 +203,8 @@ def test_langchain_bind_tools_default_and_json_mode(stack: ThreadStack, model: s
     "json_mode")`` sends response_format json_object. Both come back in LangChain's own types."""
     from langchain_openai import ChatOpenAI
 
-    assert stack.running is not None
     llm = ChatOpenAI(
-        base_url=f"http://127.0.0.1:{stack.running.server.http_port}/v1",
+        base_url=stack.http_url + "/v1",
         api_key="unused",
         model=model,
         max_retries=0,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,43 +33,30 @@ ASK = [{"role": "user", "content": "What colour is the sky?"}]
 SEEDS = (1, 2, 3)
 
 
-@pytest.fixture(scope="module")
-def client(stack: ThreadStack) -> Iterator[openai.OpenAI]:
-    assert stack.running is not None and stack.running.server.http_port
-    base_url = f"http://127.0.0.1:{stack.running.server.http_port}/v1"
-    with openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
-def _chat(client: openai.OpenAI, model: str, seed: int, extra: dict[str, Any], max_tokens: int = 48) -> Any:
-    resp = client.chat.completions.create(
+def _chat(openai_client: openai.OpenAI, model: str, seed: int, extra: dict[str, Any], max_tokens: int = 48) -> Any:
+    resp = openai_client.chat.completions.create(
         model=model, messages=ASK, temperature=1.0, seed=seed, max_tokens=max_tokens, extra_body=extra
     )
     return resp.choices[0]
 
 
-def test_choice(client: openai.OpenAI, model: str) -> None:
+def test_choice(openai_client: openai.OpenAI, model: str) -> None:
     for seed in SEEDS:
-        choice = _chat(client, model, seed, {"structured_outputs": {"choice": ["red", "green"]}})
+        choice = _chat(openai_client, model, seed, {"structured_outputs": {"choice": ["red", "green"]}})
         assert choice.finish_reason == "stop" and choice.message.content in ("red", "green")
 
 
-def test_json(client: openai.OpenAI, model: str) -> None:
+def test_json(openai_client: openai.OpenAI, model: str) -> None:
     for seed in SEEDS:
-        choice = _chat(client, model, seed, {"structured_outputs": {"json": SCHEMA}}, max_tokens=64)
+        choice = _chat(openai_client, model, seed, {"structured_outputs": {"json": SCHEMA}}, max_tokens=64)
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
 
 
-def test_regex(client: openai.OpenAI, model: str) -> None:
+def test_regex(openai_client: openai.OpenAI, model: str) -> None:
     pattern = r"(yes|no)-[0-9]{2}"
     for seed in SEEDS:
-        choice = _chat(client, model, seed, {"structured_outputs": {"regex": pattern}})
+        choice = _chat(openai_client, model, seed, {"structured_outputs": {"regex": pattern}})
         assert choice.finish_reason == "stop" and re.fullmatch(pattern, choice.message.content)
 
 
@@ -81,23 +67,23 @@ def test_regex(client: openai.OpenAI, model: str) -> None:
         'start: "sky is " colour\ncolour: "blue" | "grey"',  # Lark
     ],
 )
-def test_grammar(client: openai.OpenAI, model: str, grammar: str) -> None:
+def test_grammar(openai_client: openai.OpenAI, model: str, grammar: str) -> None:
     for seed in SEEDS:
-        choice = _chat(client, model, seed, {"structured_outputs": {"grammar": grammar}})
+        choice = _chat(openai_client, model, seed, {"structured_outputs": {"grammar": grammar}})
         assert choice.finish_reason == "stop" and choice.message.content in ("sky is blue", "sky is grey")
 
 
-def test_json_object(client: openai.OpenAI, model: str) -> None:
+def test_json_object(openai_client: openai.OpenAI, model: str) -> None:
     for seed in SEEDS:
-        choice = _chat(client, model, seed, {"structured_outputs": {"json_object": True}}, max_tokens=64)
+        choice = _chat(openai_client, model, seed, {"structured_outputs": {"json_object": True}}, max_tokens=64)
         if choice.finish_reason == "stop":
             assert isinstance(json.loads(choice.message.content), dict)
         else:
             assert choice.finish_reason == "length" and choice.message.content.startswith("{")
 
 
-def test_completions_take_structured_outputs_too(client: openai.OpenAI, model: str) -> None:
-    resp = client.completions.create(
+def test_completions_take_structured_outputs_too(openai_client: openai.OpenAI, model: str) -> None:
+    resp = openai_client.completions.create(
         model=model,
         prompt="Colour:",
         temperature=1.0,
@@ -108,7 +94,7 @@ def test_completions_take_structured_outputs_too(client: openai.OpenAI, model: s
     assert resp.choices[0].finish_reason == "stop" and resp.choices[0].text in ("red", "green")
 
 
-def test_what_cannot_be_honoured_is_a_400_naming_it(client: openai.OpenAI, model: str) -> None:
+def test_what_cannot_be_honoured_is_a_400_naming_it(openai_client: openai.OpenAI, model: str) -> None:
     cases = [
         ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
         ({"structured_outputs": {"regex": "a", "unheard_of": 1}}, "structured_outputs.unheard_of"),
@@ -118,11 +104,11 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(client: openai.OpenAI, model
     ]
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as exc:
-            _chat(client, model, 1, extra, max_tokens=4)
+            _chat(openai_client, model, 1, extra, max_tokens=4)
         assert exc.value.body["param"] == param, exc.value.body
     # Neutral values change nothing and pass.
     neutral = {"repetition_penalty": 1.0, "skip_special_tokens": True, "bad_words": [], "n": 1}
-    assert _chat(client, model, 1, neutral, max_tokens=2).finish_reason in ("stop", "length")
+    assert _chat(openai_client, model, 1, neutral, max_tokens=2).finish_reason in ("stop", "length")
 
 
 # Stop tokens and min_tokens' stop-string floor, against a seeded reference output: at a high
@@ -184,7 +170,7 @@ def _first_clean_new_token(ids: list[int], text: str, tokenizer: Any) -> int:
 
 @pytest.mark.parametrize("regex", [None, STOP_REGEX], ids=["unconstrained", "regex"])
 def test_stop_token_ids_end_a_seeded_output_at_the_tokens_first_occurrence(
-    stack: ThreadStack, client: openai.OpenAI, model: str, tokenizer: Any, regex: str | None
+    stack: ThreadStack, openai_client: openai.OpenAI, model: str, tokenizer: Any, regex: str | None
 ) -> None:
     """Over gRPC and HTTP: the output is the reference's tokens through the stop token's first
     occurrence (usage counts it), its text the reference's before the token, and with
@@ -209,7 +195,7 @@ def test_stop_token_ids_end_a_seeded_output_at_the_tokens_first_occurrence(
             extra["ignore_eos"] = True
         else:
             extra["structured_outputs"] = {"regex": regex}
-        resp = client.completions.create(
+        resp = openai_client.completions.create(
             model=model,
             prompt=STOP_PROMPT,
             temperature=STOP_TEMPERATURE,
@@ -227,7 +213,7 @@ def test_stop_token_ids_end_a_seeded_output_at_the_tokens_first_occurrence(
 
 
 def test_min_tokens_lets_only_a_stop_string_ending_after_them_stop(
-    stack: ThreadStack, client: openai.OpenAI, model: str, tokenizer: Any
+    stack: ThreadStack, openai_client: openai.OpenAI, model: str, tokenizer: Any
 ) -> None:
     """vLLM's rule, over gRPC and HTTP: with min_tokens m, a stop-string occurrence ends the
     output only if it ends in the text of a token after the m-th. The stop string is a character
@@ -251,7 +237,7 @@ def test_min_tokens_lets_only_a_stop_string_ending_after_them_stop(
         got = _grpc_sampled(stack, stop=[stop], min_tokens=m)
         assert (got.text, got.finish_reason) == (want, pb.FinishReason.Value(f"FINISH_REASON_{reason.upper()}"))
         assert _grpc_sampled(stack, stop=[stop]).text == text[: text.index(stop)]  # no floor: the first one
-        resp = client.completions.create(
+        resp = openai_client.completions.create(
             model=model,
             prompt=STOP_PROMPT,
             temperature=STOP_TEMPERATURE,

@@ -19,6 +19,7 @@ import pytest
 
 from specmask.orchestrator.dev.serve import Speculative, parse_speculative_config
 from tests.e2e_cli.test_e2e_cli import STOP_TIMEOUT_S, _cli, _descendants, assert_mask_service_locked, wait_until_up
+from tests.fixtures.openai_sdk import openai_sdk
 from tests.fixtures.procs import exited
 
 pytestmark = pytest.mark.slow
@@ -74,7 +75,7 @@ def test_serve_with_vllm_flags(tiny_pair, tmp_path: Path) -> None:
         match = re.search(r"OpenAI API (http://127\.0\.0\.1:\d+)/v1", wait_until_up(serve, "serve", lines))
         assert match, lines[-1]
         root = match.group(1)
-        with openai.OpenAI(base_url=root + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        with openai_sdk(root + "/v1", timeout_s=120) as client:
             (card,) = client.models.list().data
             assert card.id == "tiny-chat" and card.model_extra["max_model_len"] == 256
             resp = client.chat.completions.create(
