@@ -56,6 +56,7 @@ STACK_FIELDS = (
     "reasoning_parser",
     "tool_call_parser",
     "worker_log_level",
+    "otlp_traces_endpoint",  # the stack's mask services get it too (launch)
 )
 
 
@@ -186,6 +187,8 @@ def launch(args: argparse.Namespace, plan: Launch) -> int:
         num_workers=args.num_workers,
         log_dir=args.log_dir,
         restart_replicas=True,  # a crashed mask replica comes back, as under a Deployment
+        # Every tier traces to the same collector (docs/operations.md#tracing).
+        mask_args=("--otlp-traces-endpoint", args.otlp_traces_endpoint) if args.otlp_traces_endpoint else (),
     )
     try:
         # The mask addresses exist once the services serve; any well-formed one lets the

@@ -154,6 +154,7 @@ def test_shared_flags_reach_the_orchestrator_alike() -> None:
     flags = ["--api-key", "k1", "--cors-origin", "https://a.example", "--max-inflight-per-client", "3"]
     flags += ["--max-queue", "7", "--max-num-seqs", "9", "--max-num-batched-tokens", "96", "--kv-cache-bytes", "4096"]
     flags += ["--dtype", "bfloat16", "--reasoning-parser", "qwen3", "--num-workers", "2", "--log-level", "DEBUG"]
+    flags += ["--otlp-traces-endpoint", "http://127.0.0.1:4317"]
 
     def models() -> tuple[str, str | None]:
         raise AssertionError("building the fields resolves no model")
@@ -181,6 +182,7 @@ def test_shared_flags_reach_the_orchestrator_alike() -> None:
         "tool_call_parser": ToolCallParser.AUTO,
         "num_workers": 2,
         "worker_log_level": "DEBUG",
+        "otlp_traces_endpoint": "http://127.0.0.1:4317",  # the stack's mask services get it too
     }
     assert up_fields == {"host": "127.0.0.1", **shared}
     assert serve_fields == {"host": "0.0.0.0", **shared, **own}
