@@ -36,6 +36,7 @@ from specmask.gpu_worker.mask_table import DeviceMaskTable
 from specmask.gpu_worker.masks import MaskChannel, mask_item
 from specmask.gpu_worker.model_runner import DeviceTail, ForwardItem, ModelRunner
 from specmask.gpu_worker.proposers.base import DraftSlot, Proposer
+from specmask.gpu_worker.sampling_cache import SamplingCache
 from specmask.gpu_worker.sequence import SequenceState
 from specmask.gpu_worker.speculation_gate import Arm, BatchKind, SpeculationGate
 from specmask.gpu_worker.token_cost import TokenCost
@@ -98,6 +99,8 @@ class StepRunner:
         self.draft_max_len = draft_max_len
         self.mask_timeout_s = mask_timeout_s + _MASK_WAIT_SLACK_S
         self.kernel_backend = kernel_backend
+        # The verify batch's sampling parameters on the device, built once per batch composition.
+        self.sampling = SamplingCache(target.device)
         self.drafter = Drafter(proposers, masks, mask_timeout_s=self.mask_timeout_s)
 
     # -- planning -----------------------------------------------------------
@@ -277,6 +280,7 @@ class StepRunner:
             num_mask_words=(self.target.vocab_size + 31) // 32,
             kernel_backend=self.kernel_backend,
             mask_table=self.mask_table,
+            sampling_cache=self.sampling,
         )
         for (s, _), result in zip(to_verify, verified):
             if result.error is not None:

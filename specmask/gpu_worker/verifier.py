@@ -27,6 +27,7 @@ import torch
 
 from specmask.gpu_worker.mask_table import DeviceMaskTable
 from specmask.gpu_worker.proposers.base import DeviceDrafts
+from specmask.gpu_worker.sampling_cache import SamplingCache
 from specmask.gpu_worker.types import MIN_TOKENS_UNREACHABLE, ErrorKind, TokenLogprob
 from specmask.kernels.backend import Backend, resolve_backend
 from specmask.mask_service.client.row_table import MaskRow, MaskRows, as_blocks
@@ -85,13 +86,15 @@ def verify(
     num_mask_words: int,
     kernel_backend: Backend | None = None,
     mask_table: DeviceMaskTable | None = None,
+    sampling_cache: SamplingCache | None = None,
 ) -> list[VerifyResult]:
     """Mask and rejection-sample a batch; returns per sequence the emitted tokens.
 
-    ``mask_table``: the worker's device mirror of the mask rows (None: a private one)."""
+    ``mask_table``: the worker's device mirror of the mask rows (None: a private one).
+    ``sampling_cache``: the step runner's device sampling parameters per batch composition
+    (None: built for this call)."""
     from specmask.kernels.bitmask import apply_token_bitmask_indirect_inplace
     from specmask.kernels.rejection import HostLayout, rejection_sample
-    from specmask.kernels.sampling_params import SamplingTensors
 
     if not inputs:
         return []
@@ -157,14 +160,10 @@ def verify(
         )
     seeds = [inp.seed for inp in inputs]
     steps = [inp.step for inp in inputs]
-    sampling = SamplingTensors.from_lists(
-        temperature=[inp.temperature for inp in inputs],
-        top_k=[inp.top_k for inp in inputs],
-        top_p=[inp.top_p for inp in inputs],
-        seeds=seeds,
-        step=steps,
-        device=device,
-        min_p=[inp.min_p for inp in inputs],
+    if sampling_cache is None:
+        sampling_cache = SamplingCache(device)
+    sampling = sampling_cache.tensors(
+        [(inp.temperature, inp.top_k, inp.top_p, inp.min_p, inp.seed) for inp in inputs], steps
     )
     # What the sampler would otherwise read back from the device: the host holds it.
     host = HostLayout(num_drafts, [inp.temperature == 0.0 for inp in inputs], seeds, steps)

@@ -30,6 +30,7 @@ from specmask.gpu_worker.mask_table import DeviceMaskTable
 from specmask.gpu_worker.model_runner import DeviceTail, ForwardItem, ModelRunner
 from specmask.gpu_worker.proposers.base import DeviceDrafts, DraftSlot, Proposal, Proposer, ProposerResources
 from specmask.gpu_worker.proposers.registry import register
+from specmask.gpu_worker.sampling_cache import SamplingCache, sampling_row
 from specmask.kernels.backend import Backend
 from specmask.kernels.sampling_params import SamplingTensors
 
@@ -52,6 +53,7 @@ class DraftModelProposer(Proposer):
         self.kernel_backend = kernel_backend
         # Mask rows as ids into the worker's device-resident row table (shared with the verifier).
         self.mask_table = mask_table if mask_table is not None else DeviceMaskTable(runner.device)
+        self.sampling = SamplingCache(runner.device)  # the rows' sampling parameters on the device
 
     @classmethod
     def create(cls, resources: ProposerResources) -> DraftModelProposer | None:
@@ -115,15 +117,7 @@ class DraftModelProposer(Proposer):
         params = [s.seq.request.sampling for s in slots]
         seeds = [s.seq.seed for s in slots]
         steps = [s.seq.step for s in slots]
-        sampling = SamplingTensors.from_lists(
-            temperature=[p.temperature for p in params],
-            top_k=[p.top_k for p in params],
-            top_p=[p.top_p for p in params],
-            seeds=seeds,
-            step=steps,
-            device=logits.device,
-            min_p=[p.min_p for p in params],
-        )
+        sampling = self.sampling.tensors([sampling_row(p, seed) for p, seed in zip(params, seeds)], steps)
         # The host already holds what the sampler would read back (greedy rows, seeds, steps):
         # the only read of this position is the tokens' below.
         tokens, probs = sample_draft(
@@ -167,16 +161,9 @@ class DraftModelProposer(Proposer):
         greedy = [p.temperature == 0.0 for p in params]
         seeds = [s.seq.seed for s in rows]
         steps = [s.seq.step for s in rows]
-        # Built once for the step's loop; each position takes the prefix of rows still drafting.
-        sampling = SamplingTensors.from_lists(
-            temperature=[p.temperature for p in params],
-            top_k=[p.top_k for p in params],
-            top_p=[p.top_p for p in params],
-            seeds=seeds,
-            step=steps,
-            device=device,
-            min_p=[p.min_p for p in params],
-        )
+        # Once for the step's loop (built once per batch composition); each position takes the
+        # prefix of rows still drafting.
+        sampling = self.sampling.tensors([sampling_row(p, seed) for p, seed in zip(params, seeds)], steps)
         tokens = torch.zeros(n, depth, dtype=torch.int64, device=device)  # [n, K]
         probs = None if all(greedy) else torch.zeros(n, depth, self.vocab_size, dtype=torch.float32, device=device)
         drafts = DeviceDrafts(tokens, probs)
