@@ -31,6 +31,7 @@ from specmask.gpu_worker.model_runner import DeviceTail, ForwardItem, ModelRunne
 from specmask.gpu_worker.proposers.base import DeviceDrafts, DraftSlot, Proposal, Proposer, ProposerResources
 from specmask.gpu_worker.proposers.registry import register
 from specmask.gpu_worker.sampling_cache import SamplingCache, sampling_row
+from specmask.gpu_worker.verifier import to_host
 from specmask.kernels.backend import Backend
 from specmask.kernels.sampling_params import SamplingTensors
 
@@ -132,7 +133,8 @@ class DraftModelProposer(Proposer):
         # A row with no finite logit left (a draft vocabulary holding none of the tokens the grammar
         # allows here) proposes nothing: its sample would be a token the target must reject.
         live = torch.isfinite(logits.amax(dim=1))  # [n] bool
-        tokens_host, live_host = torch.stack([tokens, live.to(tokens.dtype)]).tolist()
+        # One batched copy (through a page-locked buffer and an event on a GPU: verifier.to_host).
+        tokens_host, live_host = to_host(torch.stack([tokens, live.to(tokens.dtype)]))
         return [
             Proposal(tok, None if p.temperature == 0.0 else probs[i]) if ok else None
             for i, (tok, ok, p) in enumerate(zip(tokens_host, live_host, params))
