@@ -191,6 +191,16 @@ def test_end_check_reads_strict_as_the_masking_engine_does(
         assert not checker.check(spec, text, "llguidance").ok, text
 
 
+def _served_exactly(res: dict) -> bool:
+    """A schema exact_rewrites made exact (its dependencies expanded, its allOf merged) is no
+    longer a checked-mode case: then it must accept its valid instances and no invalid one."""
+    if res["accepted"] != 1:
+        return False
+    assert res["invalid_accepted"] == 0 and res["crashes"] == 0, res
+    assert res["valid_accepted"] >= 1, res
+    return True
+
+
 @pytest.mark.parametrize(("schema", "valid", "invalid"), CASES)
 def test_coverage_bench_checks_with_the_selected_engine(
     bpe_dir: Path, schema: dict, valid: str, invalid: list[str]
@@ -200,6 +210,8 @@ def test_coverage_bench_checks_with_the_selected_engine(
     tests = [(json.loads(valid), True)] + [(json.loads(t), False) for t in invalid]
     run_case(Checker(str(bpe_dir), "auto", strict=True, checked=True), Case("c", "c", schema, tests), tally, False)
     res = tally.result(checked=True)
+    if _served_exactly(res):
+        return
     assert res["checked_accepted"] == 1 and res["accepted_by"] == {"checked:llguidance": 1}, res
     assert res["checked_valid_accepted"] == 1 and res["checked_end_check_rejects_valid"] == 0, res
     assert res["checked_lies"] == 0, tally.lies
@@ -214,6 +226,8 @@ def test_maskbench_instances_the_bench_reported_rejected(shared_data: Path, bpe_
     case = Case("maskbench", name, doc["schema"], [(t["data"], bool(t["valid"])) for t in doc["tests"]])
     run_case(Checker(str(bpe_dir), "auto", strict=True, checked=True), case, tally, False)
     res = tally.result(checked=True)
+    if _served_exactly(res):
+        return
     assert res["checked_accepted"] == 1 and res["crashes"] == 0, res
     assert res["checked_valid_accepted"] >= 1 and res["checked_end_check_rejects_valid"] == 0, res
     assert res["checked_lies"] == 0, tally.lies

@@ -23,6 +23,7 @@ import pytest
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.mask_service.client.mask_client import MaskServiceClient, MaskServiceError
+from specmask.mask_service.errors import GrammarError
 from specmask.mask_service.grammar.backends import XGrammarBackend
 from specmask.mask_service.grammar.json_regex import json_safe_pattern
 from specmask.mask_service.grammar.schema_rewrite import FORMAT_PATTERNS, needs_ebnf_repair, repair_ebnf, rewrite_schema
@@ -33,23 +34,11 @@ _ALLOF_NOTYPE = json.loads((DATA / "Handwritten---test.NoType.json").read_text()
 
 REFUSED: list[tuple[Any, str]] = [
     (_ALLOF_NOTYPE, "allOf"),
-    ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf"),
-    ({"type": "object", "properties": {"a": {"allOf": [{"type": "string"}, {"maxLength": 3}]}}}, "allOf"),
-    (
-        {
-            "$defs": {"d": {"allOf": [{"type": "string"}, {"type": "string"}]}},
-            "type": "array",
-            "items": {"$ref": "#/$defs/d"},
-        },
-        "allOf",
-    ),
-    ({"type": "array", "items": {"allOf": [{"type": "object"}, {"required": ["x"]}]}}, "allOf"),
     # One branch next to other keywords: xgrammar keeps the branch and drops the rest.
     (
         {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "allOf": [{"required": ["b"]}]},
         "allOf",
     ),
-    ({"type": "integer", "allOf": [{"minimum": 5}]}, "allOf"),
     # A format xgrammar enforces drops pattern/minLength/maxLength.
     ({"type": "string", "format": "email", "maxLength": 10}, "format"),
     ({"type": "object", "properties": {"t": {"type": "string", "format": "date-time", "pattern": "^2020"}}}, "format"),
@@ -63,7 +52,6 @@ REFUSED: list[tuple[Any, str]] = [
     ({"type": "string", "pattern": "\\bfoo"}, "pattern"),
     ({"type": "object", "patternProperties": {'^["a]$': {}, "^a$": {"type": "integer"}}}, "patternProperties"),
     # Validation keywords next to $ref/const/enum/anyOf/oneOf: xgrammar keeps only the first of those.
-    ({"type": "integer", "minimum": 0, "anyOf": [{"maximum": 5}]}, "anyOf"),
     (
         {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "oneOf": [{"required": ["b"]}]},
         "oneOf",
@@ -80,6 +68,24 @@ REFUSED: list[tuple[Any, str]] = [
     ({"type": "object", "additionalProperties": False, "required": ["a"]}, "unsatisfiable"),
     ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "required": ["a"]}, "required"),
     ({"type": "object", "propertyNames": {"maxLength": 3}, "required": ["a"]}, "required"),
+]
+
+# xgrammar refuses these itself (schema_check), and the service serves them on xgrammar after
+# exact_rewrites merges the allOf or distributes the keywords beside anyOf into its branch.
+MERGED: list[tuple[Any, str]] = [
+    ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf"),
+    ({"type": "object", "properties": {"a": {"allOf": [{"type": "string"}, {"maxLength": 3}]}}}, "allOf"),
+    (
+        {
+            "$defs": {"d": {"allOf": [{"type": "string"}, {"type": "string"}]}},
+            "type": "array",
+            "items": {"$ref": "#/$defs/d"},
+        },
+        "allOf",
+    ),
+    ({"type": "array", "items": {"allOf": [{"type": "object"}, {"required": ["x"]}]}}, "allOf"),
+    ({"type": "integer", "allOf": [{"minimum": 5}]}, "allOf"),
+    ({"type": "integer", "minimum": 0, "anyOf": [{"maximum": 5}]}, "anyOf"),
 ]
 
 # Accepted and enforced (some after a rewrite). Every one is walked.
@@ -180,6 +186,18 @@ def test_refused_over_grpc(client: MaskServiceClient, bpe_id: str, schema: Any, 
         client.open_session(bpe_id, GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema), backend="xgrammar"))
     assert exc.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "unsupported" in exc.value.message and word in exc.value.message, exc.value.message
+
+
+@pytest.mark.parametrize("schema,word", MERGED, ids=[f"merged{i}" for i in range(len(MERGED))])
+def test_merged_served_on_xgrammar(
+    client: MaskServiceClient, registry: Any, bpe_id: str, schema: Any, word: str
+) -> None:
+    """The engine alone still refuses the keyword; the service, which rewrites first, serves it."""
+    compiler = XGrammarBackend.make_compiler(registry.info(bpe_id, None), 1)
+    with pytest.raises(GrammarError, match=word):
+        XGrammarBackend().compile(compiler, _spec(schema))
+    spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema), backend="xgrammar")
+    client.close_session(open_session_retrying(client, bpe_id, spec))
 
 
 def test_accepted_over_grpc(client: MaskServiceClient, bpe_id: str) -> None:

@@ -26,6 +26,7 @@ from specmask.mask_service.errors import GrammarError
 from specmask.mask_service.grammar.backends_llguidance import LLGuidanceBackend
 from specmask.mask_service.grammar.backends_routing import xgrammar_gap
 from specmask.mask_service.grammar.ebnf_classes import compile_scalar_only, unfaithful_print
+from specmask.mask_service.grammar.exact_rewrites import rewrite_exact
 from specmask.mask_service.grammar.grammar_checks import check_language, engine_message, load_schema, precheck
 from specmask.mask_service.grammar.schema_check import check_schema
 from specmask.mask_service.grammar.schema_relax import relax_schema
@@ -255,6 +256,22 @@ def _with_checked_hint(refusal: GrammarError, spec: GrammarSpec) -> GrammarError
     )
 
 
+def exact_rewritten(spec: GrammarSpec) -> GrammarSpec:
+    """A JSON-schema spec with ``exact_rewrites`` applied (the same language, in keywords the
+    engines enforce); other kinds, and schemas no rule changes, as given. Run after
+    ``precheck``: the rewrites assume a valid schema document."""
+    if spec.kind is not GrammarKind.JSON_SCHEMA:
+        return spec
+    try:
+        schema = json.loads(spec.text)
+    except (json.JSONDecodeError, RecursionError):
+        return spec  # the engines report it
+    rewritten, rules = rewrite_exact(schema, strict=spec.strict)
+    if not rules:
+        return spec
+    return dataclasses.replace(spec, text=json.dumps(rewritten, ensure_ascii=False))
+
+
 class SelectingBackend:
     """Picks an engine per grammar (deterministic: fixed order, first that accepts)."""
 
@@ -268,6 +285,7 @@ class SelectingBackend:
         if spec.reasoning is not None:
             return self._compile_with_section(compilers, spec)
         precheck(spec)  # refusals no engine changes (metaschema, Unicode, depth), said once
+        spec = exact_rewritten(spec)
         if spec.backend and spec.backend not in ENGINES:  # never relaxed: a caller's typo
             raise GrammarError(f"unknown grammar backend {spec.backend!r}; known: {', '.join(sorted(ENGINES))}")
         try:
@@ -287,6 +305,7 @@ class SelectingBackend:
         could not see it), picks the same engine and, in checked mode, the same relaxation.
         That costs a second compile per new grammar (the cache keeps the composed one)."""
         alone = self.compile(compilers, spec.without_reasoning())
+        spec = exact_rewritten(spec)  # the text the selection compiled alone
         text = spec.text
         if alone.enforcement == "checked":
             text = json.dumps(relax_schema(load_schema(spec.text))[0], ensure_ascii=False)

@@ -164,7 +164,9 @@ def _strict(node: Any, path: str, *, loose: bool, shared: set[str]) -> Any:
                 for name, sub in value.items()
             }
         elif key in _COMBINATORS and isinstance(value, list):
-            branch_loose = key == "allOf" or inter
+            # A union inside one side of an intersection (an allOf branch holding an anyOf) is
+            # part of that side: its branches stay open to the other sides' properties too.
+            branch_loose = key == "allOf" or inter or loose
             out[key] = [_strict(sub, f"{where}/{i}", loose=branch_loose, shared=shared) for i, sub in enumerate(value)]
         elif isinstance(value, (dict, list)):
             out[key] = _strict(value, where, loose=False, shared=shared)
@@ -175,12 +177,23 @@ def _strict(node: Any, path: str, *, loose: bool, shared: set[str]) -> Any:
         # llguidance would refuse as "Unknown format" ("textarea", "datetime", ...).
         del out["format"]
     props = p if isinstance(p := node.get("properties"), dict) else {}
-    required = req if isinstance(req := node.get("required"), list) else []
+    required = [
+        *(req if isinstance(req := node.get("required"), list) else []),
+        *(n for key in ("dependentRequired", "dependencies") for n in _dependency_names(node.get(key))),
+    ]
     # A required name with no declared schema must stay allowed as an extra key.
     undeclared = any(isinstance(r, str) and r not in props for r in required)
     if not (loose or inter or undeclared) and _is_object_schema(node) and not any(k in node for k in _OPEN_KEYS):
         out["additionalProperties"] = False
     return out
+
+
+def _dependency_names(value: Any) -> list[str]:
+    """Names a dependentRequired (or list-valued dependencies) map can require: like required
+    names, they must stay allowed (output_check.dependency_names)."""
+    if not isinstance(value, dict):
+        return []
+    return [n for names in value.values() if isinstance(names, list) for n in names if isinstance(n, str)]
 
 
 def _pointer_escape(name: str) -> str:

@@ -1,0 +1,329 @@
+"""exact_rewrites (allOf merged, dependencies expanded, anyOf distributed): the same language.
+
+Three kinds of evidence:
+
+* unit cases per rule, with the rewritten schema and instances on both sides of each
+  constraint judged by ``jsonschema`` before and after;
+* the JSON-Schema-Test-Suite's allOf / anyOf / oneOf / dependentRequired / dependentSchemas
+  (2020-12) and allOf / dependencies (draft 7) groups, and every maskbench schema a rule
+  changes: each labelled instance gets the same ``jsonschema`` verdict from the original and
+  the rewrite; in strict mode, whatever the rewrite accepts under the masking engine's strict
+  reading passes the end check against the original (never a lie);
+* the engines: those test-suite groups compiled through the service's selection on each
+  engine, every instance fed token by token: a grammar accepts exactly the instances
+  ``jsonschema`` says are valid.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from bench.coverage import serializations
+from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.mask_service.errors import MaskError
+from specmask.mask_service.grammar.backends import BACKENDS
+from specmask.mask_service.grammar.exact_rewrites import RULES, rewrite_exact
+from specmask.mask_service.grammar.llguidance_check import strict_schema as llguidance_strict
+from specmask.mask_service.server.tokenizers import TokenizerRegistry
+from specmask.orchestrator.output_check import OutputChecker, strict_schema, without_assertions
+from tests.fixtures.shared_data import require, shared_data_dir
+
+DRAFT7 = "http://json-schema.org/draft-07/schema#"
+# (file, draft directory) of the test-suite groups the rules are checked on.
+SUITE_FILES = [
+    ("allOf", "draft2020-12"),
+    ("anyOf", "draft2020-12"),
+    ("oneOf", "draft2020-12"),
+    ("dependentRequired", "draft2020-12"),
+    ("dependentSchemas", "draft2020-12"),
+    ("allOf", "draft7"),
+    ("dependencies", "draft7"),
+]
+PROBES: list[Any] = [None, True, 0, 1, 2.5, -3, 12, "", "a", "abcd", [], [1], {}]
+PROBES += [{"a": 1}, {"b": 1}, {"a": 1, "b": 2}, {"a": "x", "b": "y"}, {"a": 1, "c": 3}, {"c": 1}]
+PROBES += [{"a": 1, "b": 2, "c": 3}, {"a": 20}, {"a": "long string"}, {"kind": "x", "a": 1}, {"kind": "y", "b": 1}]
+
+
+class _Judge:
+    """``jsonschema``'s verdict as the end check reads a schema: its declared draft, and where
+    none is declared and draft 4-7's ``dependencies`` is used, that draft's reading too."""
+
+    def __init__(self, schema: Any) -> None:
+        cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+        self.validators = [cls(schema, format_checker=cls.FORMAT_CHECKER)]
+        if isinstance(schema, dict) and "$schema" not in schema and '"dependencies"' in json.dumps(schema):
+            draft7 = jsonschema.Draft7Validator
+            self.validators.append(draft7(schema, format_checker=draft7.FORMAT_CHECKER))
+
+    def is_valid(self, instance: Any) -> bool:
+        return all(v.is_valid(instance) for v in self.validators)
+
+
+def _validator(schema: Any) -> _Judge:
+    return _Judge(schema)
+
+
+def _same_verdicts(original: Any, rewritten: Any, instances: list[Any], where: str) -> None:
+    before, after = _validator(original), _validator(rewritten)
+    for instance in instances:
+        assert before.is_valid(instance) == after.is_valid(instance), (where, instance, rewritten)
+
+
+UNIT: list[tuple[str, dict[str, Any], str, bool]] = [
+    # (name, schema, the rule expected to change it, strict)
+    (
+        "allOf of objects",
+        {"type": "object", "allOf": [{"properties": {"a": {"type": "integer"}}}, {"required": ["a"]}]},
+        "allOf",
+        False,
+    ),
+    (
+        "allOf of bounds",
+        {"allOf": [{"type": "number", "minimum": 0}, {"maximum": 10}, {"type": "integer"}]},
+        "allOf",
+        False,
+    ),
+    (
+        "allOf with a closed side",
+        {
+            "allOf": [
+                {"properties": {"a": {}}, "additionalProperties": False},
+                {"properties": {"a": {"type": "integer"}, "b": {}}},
+            ]
+        },
+        "allOf",
+        False,
+    ),
+    (
+        "allOf with a $ref",
+        {
+            "$defs": {"base": {"type": "object", "properties": {"a": {"type": "integer", "maximum": 15}}}},
+            "allOf": [{"$ref": "#/$defs/base"}, {"required": ["a"]}],
+        },
+        "allOf",
+        True,
+    ),
+    (
+        "anyOf beside properties",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "anyOf": [{"required": ["a"]}, {"required": ["b"]}],
+        },
+        "anyOf",
+        True,
+    ),
+    (
+        "oneOf beside required",
+        {
+            "required": ["kind"],
+            "oneOf": [{"properties": {"kind": {"const": "x"}}}, {"properties": {"kind": {"const": "y"}}}],
+        },
+        "anyOf",
+        False,
+    ),
+    (
+        "dependentRequired",
+        {"type": "object", "properties": {"a": {}, "b": {}, "c": {}}, "dependentRequired": {"a": ["b"], "b": ["c"]}},
+        "dependencies",
+        True,
+    ),
+    (
+        "dependentRequired without a type",
+        {"dependentRequired": {"a": ["b"]}},
+        "dependencies",
+        False,
+    ),
+    (
+        "dependentSchemas",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {}},
+            "dependentSchemas": {"a": {"properties": {"b": {"type": "integer"}}, "required": ["b"]}},
+        },
+        "dependencies",
+        True,
+    ),
+    (
+        "draft-7 dependencies, list and schema",
+        {
+            "$schema": DRAFT7,
+            "properties": {"a": {}, "b": {}, "c": {"type": "integer"}},
+            "dependencies": {"a": ["b"], "c": {"properties": {"a": {"type": "integer", "maximum": 5}}}},
+        },
+        "dependencies",
+        False,
+    ),
+    (
+        "a dependency on an undeclared name, strict",
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "dependencies": {"a": ["c"]}},
+        "dependencies",
+        True,
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "schema", "rule", "strict"), UNIT, ids=[u[0] for u in UNIT])
+def test_rule_keeps_the_language(name: str, schema: dict[str, Any], rule: str, strict: bool) -> None:
+    rewritten, rules = rewrite_exact(schema, strict=strict)
+    assert rule in rules, (name, rewritten)
+    if strict:
+        # Under strict mode the rewrite is never wider than xgrammar's strict reading.
+        _no_strict_lie(schema, rewritten, PROBES, name)
+    else:
+        _same_verdicts(schema, rewritten, PROBES, name)
+
+
+def _no_strict_lie(original: Any, rewritten: Any, instances: list[Any], where: str) -> None:
+    """What the rewrite accepts under each engine's strict reading passes the end check against
+    the original (the check the orchestrator runs on every output). An engine enforces the
+    rewrite as written and closes its objects, never inside an assertion (``not``...): the
+    same two validators the end check builds, here for the rewrite."""
+    checker = OutputChecker()
+    spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(original), strict=True)
+    as_written = _validator(rewritten)
+    for engine, reading in (("xgrammar", strict_schema), ("llguidance", llguidance_strict)):
+        closed = _validator(reading(without_assertions(rewritten)))
+        for instance in instances:
+            if as_written.is_valid(instance) and closed.is_valid(instance):
+                verdict = checker.check(spec, json.dumps(instance), engine)
+                assert verdict.ok, (where, engine, instance, verdict.reason, rewritten)
+
+
+def test_declared_draft_that_ignores_a_keyword_drops_it() -> None:
+    """``dependencies`` under 2020-12 and ``dependentRequired`` under draft 7 are annotations."""
+    new = {"$schema": "https://json-schema.org/draft/2020-12/schema", "dependencies": {"a": ["b"]}}
+    assert rewrite_exact(new, strict=False)[0] == {"$schema": new["$schema"]}
+    old = {"$schema": DRAFT7, "dependentRequired": {"a": ["b"]}}
+    assert rewrite_exact(old, strict=False)[0] == {"$schema": DRAFT7}
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        # A reference into the properties a merge would change.
+        {
+            "allOf": [{"properties": {"a": {"type": "integer"}}}, {"properties": {"a": {"minimum": 1}}}],
+            "properties": {"a": {}},
+            "$defs": {"x": {"$ref": "#/properties/a"}},
+        },
+        # Anchors and $id below the root change what a reference means once copied.
+        {"allOf": [{"type": "string"}, {"minLength": 1}], "$defs": {"x": {"$id": "x.json", "type": "string"}}},
+        # unevaluatedProperties reads annotations the subschemas produce.
+        {"allOf": [{"properties": {"a": {}}}], "unevaluatedProperties": False},
+    ],
+)
+def test_left_alone(schema: dict[str, Any]) -> None:
+    rewritten, rules = rewrite_exact(schema, strict=False)
+    if rules:  # only the part no reference points into may change
+        assert rewritten["properties"] == schema["properties"]
+    else:
+        assert rewritten == schema
+
+
+def test_merge_that_is_not_exact_is_declined() -> None:
+    """Two patterns, tuple items against items, two anyOf, a split if/then: left in the allOf
+    (the anyOf may then be distributed around it)."""
+    for branches in (
+        [{"pattern": "^a"}, {"pattern": "b$"}],
+        [{"prefixItems": [{"type": "integer"}]}, {"items": {"type": "string"}}],
+        [{"anyOf": [{"type": "string"}, {"type": "null"}]}, {"anyOf": [{"type": "null"}, {"type": "integer"}]}],
+        [{"if": {"type": "string"}}, {"then": {"minLength": 2}}],
+    ):
+        rewritten, _ = rewrite_exact({"allOf": branches}, strict=False)
+        assert "allOf" in json.dumps(rewritten), branches
+        _same_verdicts({"allOf": branches}, rewritten, [*PROBES, [1, "a"], ["a"], "b", "ab"], str(branches))
+
+
+def _suite_groups() -> list[tuple[str, Any, list[tuple[Any, bool]]]]:
+    base = shared_data_dir()
+    if base is None:
+        pytest.skip("shared data not found")
+    out = []
+    for name, draft in SUITE_FILES:
+        path: Path = require(base, "json-schema-test-suite", draft, f"{name}.json")
+        for group in json.loads(path.read_text()):
+            schema = group["schema"]
+            if draft == "draft7" and isinstance(schema, dict) and "$schema" not in schema:
+                schema = {"$schema": DRAFT7, **schema}
+            tests = [(t["data"], bool(t["valid"])) for t in group["tests"]]
+            out.append((f"{draft}/{name}: {group['description']}", schema, tests))
+    return out
+
+
+def test_suite_verdicts() -> None:
+    """Every test-suite group a rule changes keeps every labelled verdict; each rule changes some."""
+    counts = dict.fromkeys(RULES, 0)
+    for where, schema, tests in _suite_groups():
+        rewritten, rules = rewrite_exact(schema, strict=False)
+        for rule in rules:
+            counts[rule] += 1
+        if not rules:
+            continue
+        after = _validator(rewritten)
+        for instance, valid in tests:
+            assert after.is_valid(instance) == valid, (where, instance, rewritten)
+    assert counts["allOf"] >= 10 and counts["dependencies"] >= 10, counts
+
+
+def test_maskbench_verdicts() -> None:
+    """Every maskbench schema a rule changes: the same verdict for each labelled instance (as
+    written), and in strict mode (the service's default) no instance the rewrite accepts fails
+    the end check."""
+    base = shared_data_dir()
+    if base is None:
+        pytest.skip("shared data not found")
+    changed = 0
+    for f in sorted(require(base, "maskbench").glob("*.json")):
+        text = f.read_text()
+        if not any(f'"{k}"' in text for k in ("allOf", "anyOf", "oneOf", "dependencies", "dependent")):
+            continue
+        doc = json.loads(text)
+        schema, instances = doc["schema"], [t["data"] for t in doc["tests"]]
+        loose, rules = rewrite_exact(schema, strict=False)
+        if rules:
+            changed += 1
+            _same_verdicts(schema, loose, instances, f.name)
+        strict, rules = rewrite_exact(schema, strict=True)
+        if rules:
+            _no_strict_lie(schema, strict, instances, f.name)
+    assert changed > 50
+
+
+def _accepts(engine: Any, compiled: Any, hf_tok: Any, stop: int, text: str) -> bool:
+    matcher = engine.new_matcher(compiled)
+    for t in [*hf_tok.encode(text, add_special_tokens=False), stop]:
+        if not matcher.accept_token(t):
+            return False
+    return bool(matcher.is_terminated())
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_engines_enforce_the_suite_exactly(registry: TokenizerRegistry, bpe_id: str, hf_tok: Any, backend: str) -> None:
+    """The rewritten test-suite groups on each engine: invalid instances refused, valid ones
+    accepted (in their own key order or the schema's), exactly as ``jsonschema`` judges them."""
+    auto = BACKENDS["auto"]
+    compilers = auto.make_compiler(registry.info(bpe_id, None), 1)
+    stop = int(registry.info(bpe_id, None).stop_token_ids[0])
+    served = 0
+    for where, schema, tests in _suite_groups():
+        rewritten, rules = rewrite_exact(schema, strict=False)
+        if not rules:
+            continue
+        spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema), strict=False, backend=backend)
+        try:
+            selected = auto.compile(compilers, spec)
+        except MaskError:
+            continue
+        served += 1
+        for instance, valid in tests:
+            # Its own key order, the schema's, and the rewrite's (which appends the names it declares).
+            texts = [*serializations(instance, schema), *serializations(instance, rewritten)]
+            ok = any(_accepts(auto, selected, hf_tok, stop, t) for t in texts)
+            assert ok == valid, (backend, where, instance)
+    assert served >= 10, served
