@@ -112,14 +112,27 @@ def strict_schema(schema: Any) -> Any:
         declared = out.get("properties")
         props: dict[str, Any] = declared if isinstance(declared, dict) else {}
         listed = schema.get("required")
-        required: list[Any] = listed if isinstance(listed, list) else []
-        missing = [r for r in required if isinstance(r, str) and r not in props]
+        required: list[Any] = [*(listed if isinstance(listed, list) else []), *dependency_names(schema)]
+        missing = list(dict.fromkeys(r for r in required if isinstance(r, str) and r not in props))
         if missing:
             out["properties"] = {**props, **{name: {} for name in missing}}
     if "prefixItems" in schema and "items" not in schema and "unevaluatedItems" not in schema:
         out["items"] = False
     if isinstance(schema.get("items"), list) and "additionalItems" not in schema:  # draft 4-7 tuples
         out["additionalItems"] = False
+    return out
+
+
+def dependency_names(node: dict[str, Any]) -> list[str]:
+    """Names a ``dependentRequired`` (or draft 4-7 list-valued ``dependencies``) of ``node`` can
+    require. Strict mode declares them as it declares ``required`` names: the mask service
+    enforces a dependency by requiring its names (``dependencies`` rewrite), and closed
+    without them an object with the trigger could not pass."""
+    out: list[str] = []
+    for key in ("dependentRequired", "dependencies"):
+        value = node.get(key)
+        if isinstance(value, dict):
+            out.extend(n for names in value.values() if isinstance(names, list) for n in names if isinstance(n, str))
     return out
 
 
@@ -149,6 +162,11 @@ def without_assertions(node: Any) -> Any:
     out: dict[str, Any] = {}
     for key, value in node.items():
         if key in _ASSERTION_ONLY:
+            if key == "dependencies" and isinstance(value, dict):
+                # Its lists hold names, not subschemas: kept for strict mode's declared names.
+                lists = {k: v for k, v in value.items() if isinstance(v, list)}
+                if lists:
+                    out[key] = lists
             continue
         if key in _DATA_KEYS:
             out[key] = value
