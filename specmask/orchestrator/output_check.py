@@ -41,6 +41,7 @@ import collections
 import decimal
 import functools
 import json
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -373,6 +374,10 @@ def _uses_keyword(node: Any, keyword: str) -> bool:
     )
 
 
+# Token ids a grammar checked here may name (vocabularies stay far below: 262,144 is a large one).
+_MAX_TOKEN_ID = 1 << 22
+
+
 def _xgrammar_checker(spec: GrammarSpec, _engine: str = "") -> Callable[[str], Verdict]:
     import xgrammar as xgr
 
@@ -380,8 +385,14 @@ def _xgrammar_checker(spec: GrammarSpec, _engine: str = "") -> Callable[[str], V
         GrammarKind.REGEX: xgr.Grammar.from_regex,
         GrammarKind.EBNF: xgr.Grammar.from_ebnf,
     }
-    # No vocabulary: the matcher parses bytes, and compiling costs no mask precomputation.
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([]), max_threads=1, cache_enabled=False)
+    # No vocabulary: the matcher parses bytes, and compiling costs no mask precomputation. A
+    # grammar naming a token by id (``Token(128010)``: a special token, which the detokenized
+    # text never holds) only needs the id in range: the text matches it where it is optional.
+    ids = [int(i) for i in re.findall(r"Token\((\d{1,9})\)", spec.text)] if spec.kind is GrammarKind.EBNF else []
+    if ids and max(ids) >= _MAX_TOKEN_ID:
+        raise OutputCheckError(f"token id {max(ids)} is beyond any vocabulary")
+    info = xgr.TokenizerInfo([], vocab_size=max(ids) + 1) if ids else xgr.TokenizerInfo([])
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     try:
         compiled = compiler.compile_grammar(parse.get(spec.kind, xgr.Grammar.from_lark)(spec.text))
     except Exception as exc:

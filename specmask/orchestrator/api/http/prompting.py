@@ -37,6 +37,8 @@ class ChatPrompter(Protocol):
     template_variables: frozenset[str]
     # The format the model writes tool calls in (tool_formats; ``--tool-call-parser``).
     tool_format: ToolCallFormat
+    # The vocabulary's special tokens, text -> id (a tool format's special_open is admitted by id).
+    special_tokens: Mapping[str, int]
 
     def render(
         self, messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: Mapping[str, Any] | None = None
@@ -75,6 +77,7 @@ class TranscriptPrompter:
     supports_tools = False
     template_variables: frozenset[str] = frozenset()
     tool_format = HERMES
+    special_tokens: Mapping[str, int] = {}  # no tokenizer is loaded for the transcript
 
     def render(
         self, messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: Mapping[str, Any] | None = None
@@ -106,6 +109,9 @@ class TemplatePrompter:
         self, tokenizer: Any, tool_call_parser: ToolCallParser = ToolCallParser.AUTO
     ) -> None:  # tokenizer: transformers.PreTrainedTokenizerBase
         self._tokenizer = tokenizer
+        self.special_tokens: Mapping[str, int] = {
+            str(t.content): int(i) for i, t in tokenizer.added_tokens_decoder.items() if t.special
+        }
         template = tokenizer.chat_template
         texts = template.values() if isinstance(template, dict) else [template]
         self.tool_format = resolve(tool_call_parser, "\n".join(texts))

@@ -11,9 +11,11 @@ identify it in a chat template. The strings are the ones of xgrammar's
 template; ``tool_grammar`` builds the grammar from them and parses the output back.
 
 Markers that are special tokens in the model's vocabulary (harmony's ``<|channel|>``,
-Mistral's ``[TOOL_CALLS]``) are written as their text: grammar engines never sample
-special tokens, and the output is detokenized without them. Such a model writes the
-marker out in ordinary tokens, which it was not trained on; the call is still exact.
+Mistral's ``[TOOL_CALLS]``) are written as their text: the output is detokenized without
+special tokens, so a marker the parser must read cannot be one. Such a model writes the
+marker out in ordinary tokens, which it was not trained on; the call is still exact. An
+optional marker the parser does not need (Llama's ``<|python_tag|>``, ``special_open``)
+is admitted as the special token itself.
 
 ``auto`` detection (``--tool-call-parser auto``) reads the chat template's text for
 each format's markers, in registry order; a template with none of them (or no
@@ -60,6 +62,10 @@ class ToolCallFormat:
     text never holds anywhere. ``text_before_calls``: whether text may come before the
     calls in one answer, its parser splitting it off into ``content`` (vLLM's Hermes and
     Mistral parsers do; its Llama parser reads a call only at the start).
+    ``special_open``: a special token the model may write before its calls (Llama's
+    ``<|python_tag|>``): where the served vocabulary has it as a special token the grammar
+    admits that token, by id, there; the text never holds it (outputs are detokenized
+    without special tokens), so the calls parse as without it.
     ``parallel``: whether several calls may follow one another in one answer.
     """
 
@@ -74,6 +80,7 @@ class ToolCallFormat:
     text_open: str = ""
     text_never_starts: str = ""
     text_before_calls: bool = False
+    special_open: str = ""
     parallel: bool = True
     # Call ids the template takes back in later turns: Mistral's refuses any but 9 alphanumerics.
     call_id_length: int = 0  # 0: OpenAI-style "call_" + 24 hex digits
@@ -121,6 +128,7 @@ LLAMA3_JSON = ToolCallFormat(
     markers=("<|python_tag|>", '"parameters"'),
     triggers=('{"name"', "<|python_tag|>"),
     text_never_starts="{",
+    special_open="<|python_tag|>",  # vLLM's llama3_json parser reads calls after it too
 )
 MISTRAL = ToolCallFormat(
     parser=ToolCallParser.MISTRAL,

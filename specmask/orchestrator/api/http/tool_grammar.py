@@ -17,6 +17,7 @@ tool's JSON Schema keeps its own rules)::
     root  ::= text | calls                     ("auto"; otherwise root ::= calls)
     root  ::= text | text calls                ("auto" where the format has text before calls)
     calls ::= calls_open call (separator call){0, max_calls - 1} calls_close
+    calls ::= (Token(id))? calls_open ...     (a special_open the vocabulary has as a special token)
     call  ::= head("get_weather") <its parameters> tail | ...
     text  ::= text_open body
 
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,9 +106,15 @@ def chosen_tools(tools: list[Tool], choice: str | NamedToolChoice | None) -> lis
 
 
 def tool_grammar(
-    tools: list[Tool], choice: str | NamedToolChoice | None, parallel: bool, fmt: ToolCallFormat = HERMES
+    tools: list[Tool],
+    choice: str | NamedToolChoice | None,
+    parallel: bool,
+    fmt: ToolCallFormat = HERMES,
+    special_tokens: Mapping[str, int] | None = None,
 ) -> ToolGrammar:
-    """The grammar of ``choice`` over ``tools`` in ``fmt``; ``parallel``: up to MAX_PARALLEL_CALLS calls."""
+    """The grammar of ``choice`` over ``tools`` in ``fmt``; ``parallel``: up to MAX_PARALLEL_CALLS calls.
+    ``special_tokens``: the served vocabulary's special tokens (text -> id), where the format's
+    ``special_open`` is admitted by id before the calls."""
     import xgrammar as xgr
 
     chosen = chosen_tools(tools, choice)
@@ -146,6 +154,10 @@ def tool_grammar(
         raise RuntimeError("unexpected printed tool-call grammar")  # an xgrammar change, not a client error
     more = f" ({_literal(fmt.separator)} {_CALL_RULE}){{0, {max_calls - 1}}}" if max_calls > 1 else ""
     calls_rule = f"{_literal(fmt.calls_open)} {_CALL_RULE}{more} {_literal(fmt.calls_close)}"
+    opener = (special_tokens or {}).get(fmt.special_open) if fmt.special_open else None
+    if opener is not None:
+        # The token, never its text: the text is a trigger no text or call may hold.
+        calls_rule = f"(Token({int(opener)}))? {calls_rule}"
     if not text_allowed:
         lines = [f"root ::= {calls_rule}"]
     elif fmt.text_before_calls:

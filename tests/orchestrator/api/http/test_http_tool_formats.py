@@ -38,7 +38,14 @@ from specmask.orchestrator.api.http.tool_grammar import (
     tool_grammar,
 )
 from specmask.orchestrator.output_check import OutputChecker
-from tests.fixtures.chat_templates import HARMONY_SHORT, LLAMA_31, MISTRAL_V03, qwen3_template, with_template
+from tests.fixtures.chat_templates import (
+    HARMONY_SHORT,
+    LLAMA_31,
+    MISTRAL_V03,
+    llama31_tokenizer,
+    qwen3_template,
+    with_template,
+)
 from tests.fixtures.shared_data import require, shared_data_dir
 
 WEATHER = {
@@ -211,7 +218,7 @@ def test_text_before_calls_where_the_format_has_it(fmt: ToolCallFormat) -> None:
     if fmt.text_before_calls:
         before, rest = split_calls(mixed, auto)
         assert before == "Let me check <b>that</b>.\n" and rest == calls
-        assert [c["function"]["name"] for c in parse_calls(rest, auto, CHECKER)][0] == "get_weather"
+        assert parse_calls(rest, auto, CHECKER)[0]["function"]["name"] == "get_weather"
         assert not CHECKER.check(auto.grammar, mixed + " Done.").ok  # nothing after the calls
         required = tool_grammar(TOOLS, "required", True, fmt)
         assert not CHECKER.check(required.grammar, mixed).ok  # text only under "auto"
@@ -308,6 +315,51 @@ def test_auto_refuses_other_formats_token_by_token_on_qwen3(shared: Path) -> Non
     assert _walk(engine, hermes, mixed, stop) is None
     tail = hf.encode(" Done.", add_special_tokens=False)
     assert _walk(engine, hermes, [*mixed, *tail], stop) == len(mixed)  # nothing after the calls
+
+
+@pytest.mark.slow  # the Llama 3 vocabulary's token tables and a compile: ~20 s on 2 cores
+def test_llama_python_tag_is_admitted_as_its_special_token(shared: Path, tmp_path: Path) -> None:
+    """Llama 3.1's ``<|python_tag|>`` is a special token: a model writes it as that one token,
+    never as text. The llama3_json grammar admits it, by id, before the calls (and nowhere
+    else) on the real Llama 3.1 vocabulary (Llama 3's, with the reserved tokens 3.1 renamed);
+    the output is detokenized without it, so the calls parse and the end check passes as
+    without it."""
+    from transformers import AutoTokenizer
+
+    llama_dir = llama31_tokenizer(require(shared, "tokenizers", "llama3"), tmp_path / "llama31")
+    prompter = load_prompter(str(llama_dir))
+    assert prompter.tool_format is LLAMA3_JSON
+    tag = prompter.special_tokens["<|python_tag|>"]
+    hf = AutoTokenizer.from_pretrained(str(llama_dir))
+    assert tag == hf.convert_tokens_to_ids("<|python_tag|>") and hf.added_tokens_decoder[tag].special
+    registry = TokenizerRegistry([TokenizerSource(str(llama_dir))])
+    info = registry.info(tokenizer_id_for_path(llama_dir), None)
+    stop = int(info.stop_token_ids[0])
+    engine = BACKENDS["xgrammar"]
+    compiler = engine.make_compiler(info, 1)
+    call = hf.encode(WRITTEN[ToolCallParser.LLAMA3_JSON], add_special_tokens=False)
+    said = hf.encode("Sure.", add_special_tokens=False)
+    other_special = hf.convert_tokens_to_ids("<|eom_id|>")
+    for choice in ("auto", "required"):
+        tools = tool_grammar(TOOLS, choice, True, LLAMA3_JSON, prompter.special_tokens)
+        assert f"Token({tag})" in tools.grammar.text
+        compiled = engine.compile(compiler, tools.grammar)
+        assert _walk(engine, compiled, [tag, *call], stop) is None
+        assert _walk(engine, compiled, call, stop) is None
+        assert _walk(engine, compiled, [tag, tag], stop) == 1  # once, before the calls only
+        assert _walk(engine, compiled, [tag, *said], stop) == 1
+        assert _walk(engine, compiled, [other_special], stop) == 0
+        if choice == "auto":
+            assert _walk(engine, compiled, said, stop) is None  # text: yes, but never the tag in it
+            assert _walk(engine, compiled, [*said, tag], stop) == len(said)
+        # What the client gets: the text without the special token, which parses and checks.
+        text = hf.decode([tag, *call], skip_special_tokens=True)
+        assert text == WRITTEN[ToolCallParser.LLAMA3_JSON] and CHECKER.check(tools.grammar, text).ok
+        [parsed] = parse_calls(text, tools, CHECKER)
+        assert parsed["function"]["name"] == "get_weather"
+    # Formats without an optional special marker, and vocabularies without the token: no token.
+    assert "Token(" not in tool_grammar(TOOLS, "auto", True, HERMES, prompter.special_tokens).grammar.text
+    assert "Token(" not in tool_grammar(TOOLS, "auto", True, LLAMA3_JSON, {}).grammar.text
 
 
 def test_tool_call_parser_flag_on_every_serving_command() -> None:
