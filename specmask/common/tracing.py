@@ -52,6 +52,7 @@ MAX_TRACESTATE_CHARS = 512
 # traceparent is exactly 55 characters in version 00; later versions may append fields.
 MAX_TRACEPARENT_CHARS = 256
 
+_MISSING = "--otlp-traces-endpoint needs the OpenTelemetry packages: pip install 'specmask[tracing]'"
 # --otlp-traces-endpoint, as every command that takes it explains it (vLLM's flag name).
 OTLP_ENDPOINT_HELP = (
     "send OpenTelemetry trace spans to this OTLP/gRPC collector (http://host:4317; https:// for TLS); "
@@ -148,6 +149,15 @@ def enabled() -> bool:
     return _state is not None
 
 
+def check_installed(endpoint: str | None) -> None:
+    """RuntimeError, naming the extra to install, when ``endpoint`` asks for tracing and the
+    OpenTelemetry packages are not there; imports nothing (a start-up check before any work)."""
+    import importlib.util
+
+    if endpoint and importlib.util.find_spec("opentelemetry.exporter.otlp.proto.grpc") is None:
+        raise RuntimeError(_MISSING)
+
+
 def configure(endpoint: str | None, service_name: str) -> bool:
     """Switch tracing on for this process, exporting to the OTLP/gRPC ``endpoint``
     (``http://host:4317``; ``https://`` for TLS); None or "" leaves it off. Returns whether
@@ -162,9 +172,7 @@ def configure(endpoint: str | None, service_name: str) -> bool:
     try:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     except ImportError as exc:  # the flag was given without the extra: say how to get it
-        raise RuntimeError(
-            "--otlp-traces-endpoint needs the OpenTelemetry packages: pip install 'specmask[tracing]'"
-        ) from exc
+        raise RuntimeError(_MISSING) from exc
     install(OTLPSpanExporter(endpoint=endpoint), service_name)
     logger.info("tracing on: %s spans to %s", service_name, endpoint)
     return True

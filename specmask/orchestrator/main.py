@@ -10,6 +10,7 @@ import logging
 import signal
 from collections.abc import Callable
 
+from specmask.common import tracing
 from specmask.common.config_flags import ConfigFlags
 from specmask.common.log_format import configure_logging
 from specmask.common.startup import StartupError, check_model_dir, check_ports_free
@@ -100,6 +101,10 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         raise StartupError(f"bad configuration: {exc}") from None
+    try:
+        tracing.check_installed(config.otlp_traces_endpoint)
+    except RuntimeError as exc:
+        raise StartupError(str(exc)) from None
     check_model_dir(config.target_dir, "--target")
     if config.draft_dir is not None:
         check_model_dir(config.draft_dir, "--draft", tokenizer=False)

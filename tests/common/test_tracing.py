@@ -56,6 +56,34 @@ print(sorted(m for m in sys.modules if m.startswith("opentelemetry")))
     assert out.stdout.strip() == "[]"
 
 
+def test_the_flag_without_the_extra_is_a_clear_start_up_error() -> None:
+    """Without the OpenTelemetry packages: off works, and asking for tracing names the extra."""
+    probe = """
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "opentelemetry":
+            raise ImportError("blocked " + name)
+sys.meta_path.insert(0, Block())
+import importlib.util
+importlib.util.find_spec = lambda name, package=None: None if name.startswith("opentelemetry") else 1
+from specmask.common import tracing
+tracing.check_installed(None)
+assert tracing.configure(None, "x") is False
+for call in (lambda: tracing.check_installed("http://h:4317"), lambda: tracing.configure("http://h:4317", "x")):
+    try:
+        call()
+    except RuntimeError as exc:
+        assert "specmask[tracing]" in str(exc), exc
+    else:
+        raise AssertionError("no error")
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
 def test_extract_reads_only_bounded_w3c_headers() -> None:
     assert tracing.extract({"Traceparent": TRACEPARENT, "X-Other": "y"}) == {"traceparent": TRACEPARENT}
     pairs = [("traceparent", TRACEPARENT), ("tracestate", "k=v"), ("authorization", "secret")]

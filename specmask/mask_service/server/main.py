@@ -142,6 +142,10 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         raise StartupError(f"bad configuration: {exc}") from None
+    try:
+        tracing.check_installed(config.otlp_traces_endpoint)
+    except RuntimeError as exc:
+        raise StartupError(str(exc)) from None
     for source in config.tokenizers:
         check_tokenizer(source.path, "--tokenizer")
     metrics_port = port_flag(args.metrics_port)
@@ -150,11 +154,7 @@ def run(args: argparse.Namespace) -> int:
 
     handle = build_service(config)
     # After the compile zygote forked (build_service): it and its workers carry no exporter thread.
-    try:
-        tracing.configure(config.otlp_traces_endpoint, TRACE_SERVICE_NAME)
-    except RuntimeError as exc:  # the flag without the tracing extra installed
-        handle.stop(grace_s=0)
-        raise StartupError(str(exc)) from None
+    tracing.configure(config.otlp_traces_endpoint, TRACE_SERVICE_NAME)
     # Tokenizers (hundreds of thousands of long-lived Python objects) are loaded:
     # move them out of the cyclic GC's reach, so a full collection on the hot path
     # scans only request-time objects, not every loaded vocabulary's.
