@@ -5,6 +5,7 @@
     python -m bench.coverage --test-suite ../shared/data/json-schema-test-suite/draft2020-12 \\
         --tokenizer ../shared/data/tokenizers/llama3 --table
     python -m bench.coverage --schemas ... --checked    # also count checked mode apart
+    python -m bench.coverage --schemas ... --checked --without-rules dependencies   # one exact rewrite off
 
 Every schema is compiled through the service's own path (``backends.BACKENDS``,
 the code ``compiler_cache`` runs, in-process). For every accepted schema each
@@ -435,10 +436,22 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="compile as opted-in checked-mode requests: schemas accepted only through a relaxation counted apart",
     )
+    ap.add_argument(
+        "--without-rules",
+        default="",
+        help="comma-separated exact_rewrites rules to switch off (allOf, dependencies, anyOf, enum): "
+        "what each rule adds is the difference to a run with all of them",
+    )
     ap.add_argument("--table", action="store_true", help="print the per-subset table as markdown")
     ap.add_argument("--verbose", action="store_true", help="print every refusal and over-restriction")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    from specmask.mask_service.grammar.exact_rewrites import RULES
+
+    for rule in (r for r in args.without_rules.split(",") if r):
+        if rule not in RULES:
+            ap.error(f"unknown rule {rule!r}; known: {', '.join(RULES)}")
+        del RULES[rule]
     subsets = [s for s in args.subsets.split(",") if s] or None
     if args.schemas:
         cases = maskbench_cases(Path(args.schemas), subsets)
@@ -475,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     result["every"] = args.every
     result["strict"] = strict
     result["backend"] = args.backend
+    result["rules"] = list(RULES)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     result["top_refusals"] = dict(tally.refusal_reasons.most_common(15))
     if args.table:

@@ -1,4 +1,4 @@
-"""exact_rewrites (allOf merged, dependencies expanded, anyOf distributed): the same language.
+"""exact_rewrites (allOf merged, dependencies expanded, anyOf distributed, enum filtered): the same language.
 
 Three kinds of evidence:
 
@@ -160,6 +160,18 @@ UNIT: list[tuple[str, dict[str, Any], str, bool]] = [
         False,
     ),
     (
+        "enum beside assertions no engine enforces",
+        {"type": "number", "multipleOf": 5, "not": {"multipleOf": 2}, "enum": [1, 2, 5, 10, 15, 20, 2.5, "5"]},
+        "enum",
+        True,
+    ),
+    (
+        "const beside a format and a $ref",
+        {"$defs": {"d": {"format": "date"}}, "$ref": "#/$defs/d", "const": "2020-02-28"},
+        "enum",
+        False,
+    ),
+    (
         "a dependency on an undeclared name, strict",
         {"type": "object", "properties": {"a": {"type": "integer"}}, "dependencies": {"a": ["c"]}},
         "dependencies",
@@ -193,6 +205,16 @@ def _no_strict_lie(original: Any, rewritten: Any, instances: list[Any], where: s
             if as_written.is_valid(instance) and closed.is_valid(instance):
                 verdict = checker.check(spec, json.dumps(instance), engine)
                 assert verdict.ok, (where, engine, instance, verdict.reason, rewritten)
+
+
+def test_enum_filter_values() -> None:
+    """The values the end check would pass, and nothing else (decimal multipleOf, formats)."""
+    schema = {"type": "number", "multipleOf": 0.01, "not": {"const": 1}, "enum": [10000.89, 0.3, 1, 0.005]}
+    assert rewrite_exact(schema, strict=True)[0] == {"enum": [10000.89, 0.3]}
+    dates = {"type": "string", "format": "date", "not": {"const": "2020-01-01"}, "enum": ["2020-02-30", "2020-02-29"]}
+    assert rewrite_exact(dates, strict=True)[0] == {"enum": ["2020-02-29"]}
+    objects = {"type": "object", "not": {"required": ["a"]}, "enum": [{"a": 1}, {"b": 1}]}
+    assert rewrite_exact(objects, strict=True)[1] == ()  # strict mode would read objects differently
 
 
 def test_declared_draft_that_ignores_a_keyword_drops_it() -> None:
@@ -281,7 +303,7 @@ def test_maskbench_verdicts() -> None:
     changed = 0
     for f in sorted(require(base, "maskbench").glob("*.json")):
         text = f.read_text()
-        if not any(f'"{k}"' in text for k in ("allOf", "anyOf", "oneOf", "dependencies", "dependent")):
+        if not any(f'"{k}' in text for k in ("allOf", "anyOf", "oneOf", "dependencies", "dependent", "enum", "const")):
             continue
         doc = json.loads(text)
         schema, instances = doc["schema"], [t["data"] for t in doc["tests"]]

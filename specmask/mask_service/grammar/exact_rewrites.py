@@ -7,9 +7,10 @@ module, with when it applies and why its result is the same language:
 * ``allOf`` (``allof_merge``): branches merged into the node;
 * ``dependencies`` (``dependencies``): ``dependentRequired``/``dependentSchemas``/
   ``dependencies`` expanded into an ``anyOf`` of object shapes;
-* ``anyOf`` (``anyof_distribute``): keywords beside ``anyOf``/``oneOf`` pushed into the branches.
+* ``anyOf`` (``anyof_distribute``): keywords beside ``anyOf``/``oneOf`` pushed into the branches;
+* ``enum`` (``enum_filter``): scalar ``enum``/``const`` values filtered by the keywords beside them.
 
-All rest on ``schema_merge.merge``. Rules apply bottom-up (a node's subschemas first), each
+The first three rest on ``schema_merge.merge``. Rules apply bottom-up (a node's subschemas first), each
 node's rules until none changes it (bounded).
 
 What the rewrite never touches, because moving subschemas would change what a reference
@@ -31,6 +32,7 @@ from typing import Any
 from specmask.mask_service.grammar.allof_merge import merge_all_of
 from specmask.mask_service.grammar.anyof_distribute import distribute
 from specmask.mask_service.grammar.dependencies import expand_dependencies
+from specmask.mask_service.grammar.enum_filter import filter_enum
 from specmask.mask_service.grammar.schema_merge import VALIDATION_KEYWORDS, MergeContext
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ RULES: dict[str, Rule] = {
     "allOf": lambda body, ctx, _draft: merge_all_of(body, ctx),
     "dependencies": expand_dependencies,
     "anyOf": lambda body, ctx, _draft: distribute(body, ctx),
+    "enum": lambda body, ctx, _draft: filter_enum(body, ctx),
 }
 MAX_PASSES = 4  # rule rounds per node
 

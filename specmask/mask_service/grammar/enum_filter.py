@@ -1,0 +1,55 @@
+"""``enum``/``const`` beside other keywords replaced by the values that pass them: applies to a
+node whose ``enum``/``const`` values are all scalars (no objects or arrays).
+
+Why exact: every instance of the node is one of the listed values, and a listed value is an
+instance exactly when it passes the whole node. So ``{"enum": [values the node accepts]}``
+is the same language. Each value is judged by ``jsonschema`` the way the end check judges an
+output (the document's draft, references resolved against it, ``format`` asserted,
+``multipleOf`` in decimal; without a declared draft, draft 7's reading of ``dependencies``
+too), so a value is kept only where the end check would pass it.
+
+Why it matters: the keywords beside the values may be ones no engine enforces (``not``,
+``if``/``then``/``else``, ``multipleOf`` on xgrammar); filtered, the node is a plain ``enum``
+both engines enforce. Object and array values are left alone: strict mode closes objects,
+and the end check's strict reading would then judge them differently.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from specmask.mask_service.grammar.schema_merge import MergeContext
+
+MAX_VALUES = 1024
+
+
+def filter_enum(body: dict[str, Any], ctx: MergeContext) -> dict[str, Any] | None:
+    """``body`` (a node's validation keywords) as ``{"enum": [...]}``, or None where it does not apply."""
+    if "const" in body:
+        values = [body["const"]]
+    elif isinstance(body.get("enum"), list):
+        values = list(body["enum"])
+    else:
+        return None
+    if set(body) <= {"enum", "const"} and not ("enum" in body and "const" in body):
+        return None  # nothing beside the values
+    if len(values) > MAX_VALUES or any(isinstance(v, (dict, list)) for v in values):
+        return None
+    judges = _judges(ctx.root, body)
+    kept = [v for v in values if all(j.is_valid(v) for j in judges)]
+    return {"enum": kept} if kept else None  # no value: unsatisfiable, left for the engines to refuse
+
+
+def _judges(root: Any, body: dict[str, Any]) -> list[Any]:
+    import jsonschema
+
+    # The end check's validator classes: multipleOf in decimal (imported here, not at module
+    # load: the orchestrator's module imports this package).
+    from specmask.orchestrator.output_check import exact_multiples
+
+    cls = exact_multiples(jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator))
+    classes = [cls]
+    if isinstance(root, dict) and "$schema" not in root and '"dependencies"' in json.dumps(root):
+        classes.append(exact_multiples(jsonschema.Draft7Validator))
+    return [c(root, format_checker=c.FORMAT_CHECKER).evolve(schema=body) for c in classes]
