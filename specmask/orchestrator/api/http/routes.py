@@ -332,8 +332,12 @@ class OpenAIRoutes:
                 elif split.calls or (out.text and not content):
                     held_logprobs.extend(out.logprobs or ())  # held text's tokens (or tokens after it)
                 elif texts is not None and (content or out.logprobs):
-                    lp = rsp.chat_logprobs([*held_logprobs, *(out.logprobs or ())], texts)
-                    held_logprobs = []
+                    tokens, held_logprobs = [*held_logprobs, *(out.logprobs or ())], []
+                    if split.holding:  # an end that may begin a call keeps its tokens back with it
+                        held_from = output_chars - split.holding
+                        held_logprobs = [e for e in tokens if e.text_offset >= held_from]
+                        tokens = [e for e in tokens if e.text_offset < held_from]
+                    lp = rsp.chat_logprobs(tokens, texts)
                     await stream.send(rsp.chat_chunk(env, {"content": content}, logprobs=lp))
                 elif content:
                     await stream.send_raw(deltas.encode(content))

@@ -317,6 +317,11 @@ class StreamSplit:
         self._undecided, self._start = False, ""
         return start.removeprefix(fmt.text_open), ""
 
+    @property
+    def holding(self) -> int:
+        """Characters fed but neither sent nor held as calls yet (a possible start of a call)."""
+        return len(self._start)
+
     def pending(self) -> str:
         """Text still undecided when the output ends (a prefix of both branches): content."""
         assert self._tools is not None or not self._start

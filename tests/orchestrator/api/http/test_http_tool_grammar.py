@@ -175,14 +175,14 @@ def test_stream_split_sends_text_and_holds_the_calls() -> None:
     # An end that could begin a call is held until the next text decides it.
     fed = [text.feed(t) for t in ("Hi", " <b>", "<tool_c", "all> x", "<tool_call>")]
     assert fed == [("Hi", ""), (" <b>", ""), ("", ""), ("<tool_call> x", ""), ("", "")]
-    assert not text.calls and text.pending() == "<tool_call>"
+    assert not text.calls and text.pending() == "<tool_call>" and text.holding == len("<tool_call>")
     calls = StreamSplit(auto)
     fed = [calls.feed(t) for t in ("<tool", "_call>\n", '{"name": "st', "op")]
     assert fed == [("", ""), ("", ""), ("", '<tool_call>\n{"name": "st'), ("", "op")]
     assert calls.calls
     # Text, then the calls' start in the same piece: the text is sent, the rest held.
     mixed = StreamSplit(auto)
-    assert mixed.feed("Let me <tool") == ("Let me ", "")
+    assert mixed.feed("Let me <tool") == ("Let me ", "") and mixed.holding == len("<tool")
     assert mixed.feed('_call>\n{"name": "stop", "arguments": {}}') == (
         "",
         '<tool_call>\n{"name": "stop", "arguments": {}}',
