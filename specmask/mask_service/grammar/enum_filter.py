@@ -32,8 +32,8 @@ def filter_enum(body: dict[str, Any], ctx: MergeContext) -> dict[str, Any] | Non
         values = list(body["enum"])
     else:
         return None
-    if set(body) <= {"enum", "const"} and not ("enum" in body and "const" in body):
-        return None  # nothing beside the values
+    if set(body) <= {"enum", "const", "type"} and not ("enum" in body and "const" in body):
+        return None  # nothing beside the values but a type, which schema_rewrite filters by already
     if len(values) > MAX_VALUES or any(isinstance(v, (dict, list)) for v in values):
         return None
     judges = _judges(ctx.root, body)

@@ -101,6 +101,8 @@ VALIDATION_KEYWORDS = frozenset(
 # Keys a branch may not carry into a merge: references could point into them, or they change
 # how references resolve.
 _CARRIED = frozenset({"$defs", "definitions", "$id", "id", "$anchor", "$dynamicAnchor", "$recursiveAnchor"})
+# Nested merges (properties of properties, through references) before a merge gives up.
+MAX_DEPTH = 24
 _LOWER = ("minimum", "exclusiveMinimum", "minLength", "minItems", "minProperties")
 _UPPER = ("maximum", "exclusiveMaximum", "maxLength", "maxItems", "maxProperties")
 _SAME = ("pattern", "format", "const", "enum", "contentEncoding", "contentMediaType")
@@ -175,13 +177,15 @@ def inline(node: Any, ctx: MergeContext, depth: int = 0) -> Any:
     return merge(resolved, siblings, ctx)
 
 
-def merge(a: Any, b: Any, ctx: MergeContext, b_strict: bool | None = None) -> dict[str, Any] | None:
+def merge(a: Any, b: Any, ctx: MergeContext, b_strict: bool | None = None, depth: int = 0) -> dict[str, Any] | None:
     """The exact conjunction of ``a`` and ``b`` as one schema (``a``'s annotations kept), or None.
 
     ``b_strict``: whether strict mode's reading applies to ``b`` (default: ``ctx.strict``);
     False for a schema the strict reading never closes, such as a ``dependentSchemas`` value
     (an assertion: the end check reads it as written)."""
     b_strict = ctx.strict if b_strict is None else b_strict
+    if depth > MAX_DEPTH:
+        return None  # recursive references merged into each other: no end to unfold
     a, b = inline(a, ctx), inline(b, ctx)
     if not (isinstance(a, dict) and isinstance(b, dict)):
         return None
@@ -207,12 +211,12 @@ def merge(a: Any, b: Any, ctx: MergeContext, b_strict: bool | None = None) -> di
         if key not in out:
             out[key] = copy.deepcopy(value)
             continue
-        merged = _merge_keyword(key, out[key], value, ctx, b_strict)
+        merged = _merge_keyword(key, out[key], value, ctx, b_strict, depth)
         if merged is _FAIL:
             return None
         out[key] = merged
     if any(k in a or k in b for k in _OBJECT_PART):
-        props = _merge_object(a, b, ctx, b_strict)
+        props = _merge_object(a, b, ctx, b_strict, depth)
         if props is None:
             return None
         for key in _OBJECT_PART:
@@ -245,7 +249,7 @@ def _plain_items(node: dict[str, Any]) -> bool:
 _OBJECT_PART = ("properties", "additionalProperties", "patternProperties")
 
 
-def _merge_keyword(key: str, x: Any, y: Any, ctx: MergeContext, b_strict: bool) -> Any:
+def _merge_keyword(key: str, x: Any, y: Any, ctx: MergeContext, b_strict: bool, depth: int) -> Any:
     if x == y and type(x) is type(y) and key not in ("allOf",):
         return x
     if key == "type":
@@ -266,7 +270,7 @@ def _merge_keyword(key: str, x: Any, y: Any, ctx: MergeContext, b_strict: bool) 
     if key in ("items", "propertyNames", "additionalItems") and not isinstance(x, list) and not isinstance(y, list):
         if x is False or y is False:
             return False
-        merged = merge(x, y, ctx, b_strict)
+        merged = merge(x, y, ctx, b_strict, depth + 1)
         return _FAIL if merged is None else merged
     if key == "dependentRequired" and isinstance(x, dict) and isinstance(y, dict):
         out = {k: list(v) for k, v in x.items()}
@@ -278,7 +282,9 @@ def _merge_keyword(key: str, x: Any, y: Any, ctx: MergeContext, b_strict: bool) 
     return _FAIL  # different patterns/formats/values, two anyOf/oneOf/not/if, tuples...
 
 
-def _merge_object(a: dict[str, Any], b: dict[str, Any], ctx: MergeContext, b_strict: bool) -> dict[str, Any] | None:
+def _merge_object(
+    a: dict[str, Any], b: dict[str, Any], ctx: MergeContext, b_strict: bool, depth: int
+) -> dict[str, Any] | None:
     """The merged properties/additionalProperties/patternProperties (see the module doc)."""
     if "patternProperties" in a or "patternProperties" in b:
         # A key may match a pattern on one side and be declared on the other; kept to one side.
@@ -303,7 +309,7 @@ def _merge_object(a: dict[str, Any], b: dict[str, Any], ctx: MergeContext, b_str
     for name in [*pa, *(n for n in pb if n not in pa)]:
         left = pa.get(name, extra_a)
         right = pb.get(name, extra_b)
-        value = _conjoin(left, right, ctx, b_strict)
+        value = _conjoin(left, right, ctx, b_strict, depth)
         if value is _FAIL:
             return None
         if value is False and (name not in pa or name not in pb):
@@ -312,7 +318,7 @@ def _merge_object(a: dict[str, Any], b: dict[str, Any], ctx: MergeContext, b_str
     out: dict[str, Any] = {}
     if "properties" in a or "properties" in b:
         out["properties"] = out_props
-    extra = _conjoin(extra_a, extra_b, ctx, b_strict)
+    extra = _conjoin(extra_a, extra_b, ctx, b_strict, depth)
     if extra is _FAIL:
         return None
     explicit_false = a.get("additionalProperties") is False or b.get("additionalProperties") is False
@@ -332,7 +338,7 @@ def _names_declared(other: dict[str, Any], side: dict[str, Any]) -> bool:
     return all(r in known for r in required) if isinstance(required, list) else False
 
 
-def _conjoin(x: Any, y: Any, ctx: MergeContext, b_strict: bool) -> Any:
+def _conjoin(x: Any, y: Any, ctx: MergeContext, b_strict: bool, depth: int) -> Any:
     """Conjunction of two subschemas where None means "no constraint"."""
     x_any, y_any = x is None or x is True or x == {}, y is None or y is True or y == {}
     if x_any and y_any:
@@ -343,7 +349,7 @@ def _conjoin(x: Any, y: Any, ctx: MergeContext, b_strict: bool) -> Any:
         return copy.deepcopy(x)
     if x is False or y is False:
         return False
-    merged = merge(x, y, ctx, b_strict)
+    merged = merge(x, y, ctx, b_strict, depth + 1)
     return _FAIL if merged is None else merged
 
 
