@@ -37,8 +37,6 @@ from specmask.orchestrator.types import GenerationRequest
 
 ADMISSION_SPAN = "specmask.admission"
 ITERATION_SPAN = "specmask.iteration"
-# How a request ended that the caller counts as a failure of the request (span status ERROR).
-_FAILED = frozenset({FinishReason.ERROR, FinishReason.GRAMMAR_VIOLATION})
 
 
 def start_request(
@@ -140,7 +138,11 @@ def finish(request: Request) -> None:
     if first is not None:
         span.set("gen_ai.latency.time_to_first_token", first - request.arrival_time)
     span.set("gen_ai.latency.e2e", (request.finish_time or now) - request.arrival_time)
-    if reason in _FAILED:
+    if reason is FinishReason.GRAMMAR_VIOLATION:
+        # Its reason may quote the output (a schema error names the offending value); spans
+        # carry no output text, so the reason stays in the request's log line.
+        span.fail(reason.name)
+    elif reason is FinishReason.ERROR:
         span.fail(request.error or reason.name)
     span.end()
 

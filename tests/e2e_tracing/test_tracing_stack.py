@@ -256,3 +256,22 @@ def test_request_without_traceparent_starts_its_own_trace(traced: TracedStack) -
     (root,) = [s for s in new if s.name == "POST /v1/completions"]
     assert root.parent is None
     assert dict(root.attributes or {})["specmask.grammar.kind"] == "none"
+
+
+def test_refused_request_fails_its_request_and_admission_spans(traced: TracedStack) -> None:
+    traceparent, trace_id, _ = _traceparent()
+    body = {
+        "model": traced.stack.running.config.model_name,  # type: ignore[union-attr]
+        "prompt": PROMPT,
+        "max_tokens": 4,
+        "guided_regex": "(unclosed",
+    }
+    resp = httpx.post(f"{traced.http}/v1/completions", json=body, headers={"traceparent": traceparent}, timeout=300)
+    assert resp.status_code == 400, resp.text
+    local = _local(traced, trace_id)
+    (root,) = [s for s in local if s.name == "POST /v1/completions"]
+    (admission,) = [s for s in local if s.name == "specmask.admission"]
+    assert not root.status.is_ok and not admission.status.is_ok
+    assert (admission.status.description or "").startswith("INVALID_ARGUMENT")
+    assert admission.parent is not None and admission.parent.span_id == root.context.span_id
+    assert not [s for s in local if s.name == "specmask.iteration"]  # it never reached a worker
