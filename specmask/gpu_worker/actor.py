@@ -7,7 +7,8 @@ methods one at a time, so no locking is needed around sequence state.
 It runs what other modules decide or do: which requests it takes (gpu_worker.admission),
 their mask sessions (gpu_worker.sessions), what each iteration takes within its token
 budget (gpu_worker.planning), reading prompts (gpu_worker.prefill), the decoding step
-(gpu_worker.step), and the KV budget's size (gpu_worker.kv_sizing).
+(gpu_worker.step), loading the models (gpu_worker.runners) and sizing the KV budget
+(gpu_worker.kv_sizing).
 
 Errors: a bad sequence never takes the worker down. ``add`` returns an error
 message per refused sequence; ``step`` reports a failed sequence as
@@ -30,26 +31,15 @@ from specmask.common.tracing import NO_SPAN, Carrier
 from specmask.gpu_worker.admission import Admission, WorkerLimits
 from specmask.gpu_worker.config import WorkerConfig, iteration_budget
 from specmask.gpu_worker.kv_sizing import size_kv_budget
-from specmask.gpu_worker.loading import (
-    checkpoint_dtype,
-    cpu_threads,
-    eos_token_ids,
-    has_tokenizer,
-    load_causal_lm,
-    load_tokenizer,
-    read_draft_vocab,
-    resolve_device,
-    resolve_dtype,
-    restrict_output_vocab,
-)
+from specmask.gpu_worker.loading import eos_token_ids, load_tokenizer, resolve_device
 from specmask.gpu_worker.mask_errors import failure_kind
 from specmask.gpu_worker.mask_table import DeviceMaskTable
 from specmask.gpu_worker.masks import MaskChannel
-from specmask.gpu_worker.model_runner import ModelRunner
 from specmask.gpu_worker.planning import IterationPlanner, PlanSeq
 from specmask.gpu_worker.prefill import ChunkRiders, PromptReader, plan_view
 from specmask.gpu_worker.proposers.base import ProposerResources
 from specmask.gpu_worker.proposers.registry import build_proposers
+from specmask.gpu_worker.runners import load_runners
 from specmask.gpu_worker.sequence import SequenceState
 from specmask.gpu_worker.sessions import MaskSessions, note_session_waits
 from specmask.gpu_worker.step import StepRunner
@@ -87,45 +77,10 @@ class GpuWorker:
         # Spans of this process's iterations and the mask-service calls they make (off: None).
         tracing.configure(config.otlp_traces_endpoint, WORKER_SERVICE_NAME)
         self.device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, self.device, checkpoint_dtype(config.target_dir))
         self.tokenizer = load_tokenizer(config.target_dir)
-        if target_model is None:
-            target_model = load_causal_lm(
-                config.target_dir, dtype, self.device, max_model_len=config.max_model_len, name="target"
-            )
-        threads = cpu_threads(config.torch_threads, self.device, sum(p.numel() for p in target_model.parameters()))
-        if threads is not None:
-            torch.set_num_threads(threads)
-        self.target = ModelRunner(
-            target_model,
-            batched=config.batched_forward,
-            name="target",
-            static=config.static_forward,
-            max_model_len=config.max_model_len,
+        self.target, self.draft = load_runners(
+            config, self.device, self.tokenizer, target_model=target_model, draft_model=draft_model
         )
-        self.draft: ModelRunner | None = None
-        if config.draft_dir is not None:
-            self._check_shared_tokenizer(config.draft_dir)
-            draft_ids = read_draft_vocab(config.draft_dir, self.target.vocab_size)
-            if draft_model is None:
-                draft_model = load_causal_lm(
-                    config.draft_dir, dtype, self.device, max_model_len=self.target.max_model_len, name="draft"
-                )
-                if draft_ids is not None:
-                    restrict_output_vocab(draft_model, draft_ids)
-            elif draft_ids is not None and draft_model.get_output_embeddings().weight.shape[0] != len(draft_ids):
-                # A shared draft is another worker's, its head restricted when that worker loaded it.
-                raise ValueError(
-                    f"the shared draft model's head does not score the {len(draft_ids)} draft-vocabulary ids"
-                )
-            self.draft = ModelRunner(
-                draft_model,
-                batched=config.batched_forward,
-                name="draft",
-                static=config.static_forward,
-                output_ids=draft_ids,
-                max_model_len=self.target.max_model_len,  # a draft never runs past the target
-            )
         self.vocab_size = self.target.vocab_size  # V: logits width
         self.max_model_len = self.target.max_model_len
         if config.max_model_len is not None:
@@ -216,13 +171,6 @@ class GpuWorker:
             return None
         return self.kv_budget.usage([self.admission.need(s) for s in self._seqs.values()])
 
-    def _check_shared_tokenizer(self, draft_dir: str) -> None:
-        """Draft tokens are fed to the target as ids: both must use the same vocabulary."""
-        if not has_tokenizer(draft_dir):
-            return  # a draft dir without tokenizer files is taken to share the target's
-        if load_tokenizer(draft_dir).get_vocab() != self.tokenizer.get_vocab():
-            raise ValueError(f"draft tokenizer in {draft_dir} differs from the target's")
-
     # -- public API -----------------------------------------------------------
     def info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -279,18 +227,7 @@ class GpuWorker:
         # session is still opening when a step starts sits it out (``_settle_sessions``).
         for _, state in accepted:
             self.sessions.open(state)
-        if accepted:
-            # Room for the new prompts and their first tokens (up to 64, drafts included) in one
-            # resize of each pool, not one per chunk that passes the capacity while the running
-            # sequences wait on each.
-            longest = max(len(s.token_ids) + min(s.request.sampling.max_tokens, 64) + s.k + 1 for _, s in accepted)
-            for runner in (self.target, self.draft):
-                if runner is None:
-                    continue
-                try:
-                    runner.reserve(len(accepted), longest)
-                except Exception:  # e.g. out of memory: the forwards grow what they need, or fail alone
-                    logger.warning("could not grow the %s KV pool for %d sequences", runner.name, len(accepted))
+        self.prompts.reserve([s for _, s in accepted])
         for _, state in accepted:
             # Cached by the iterations' prefill chunks (``_plan_chunks``), within their budget;
             # the first step feeds the tail (WorkerConfig.step_prefill_tokens, planning.tail_tokens).

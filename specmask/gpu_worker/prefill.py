@@ -42,6 +42,21 @@ class PromptReader:
         # read from its own thread while an iteration runs.
         self.forwards = 0
 
+    def reserve(self, states: Sequence[SequenceState]) -> None:
+        """Room in each pool for new sequences' prompts and first tokens (up to 64, drafts
+        included), in one resize, not one per chunk that passes the capacity while the running
+        sequences wait on each."""
+        if not states:
+            return
+        longest = max(len(s.token_ids) + min(s.request.sampling.max_tokens, 64) + s.k + 1 for s in states)
+        for runner in (self.target, self.draft):
+            if runner is None:
+                continue
+            try:
+                runner.reserve(len(states), longest)
+            except Exception:  # e.g. out of memory: the forwards grow what they need, or fail alone
+                logger.warning("could not grow the %s KV pool for %d sequences", runner.name, len(states))
+
     def read_whole(self, states: Sequence[SequenceState]) -> None:
         """Cache each prompt up to its tail now, sequence by sequence, a whole chunk at a time
         (planning.whole_chunk). Raises on the first failure (the caller fails them all)."""
