@@ -11,7 +11,8 @@ bigram machine. From the generation prompt (``...assistant\\n``) it writes
 With ``--reasoning-parser qwen3`` the answer comes back as ``content``, the thinking
 as ``reasoning`` / ``reasoning_content``, streamed and not, with speculation on
 (the draft is the same model, so drafts cross the end of the section) and off,
-and under a JSON Schema, a regex and no constraint at all.
+and under a JSON Schema, a regex, tools (``auto``: the answer is text) and no constraint
+at all.
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ def client(stack: ThreadStack) -> Iterator[openai.OpenAI]:
 CONSTRAINTS: dict[str, dict[str, Any]] = {
     "json_schema": {"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}},
     "regex": {"extra_body": {"guided_regex": r'\{"n":[0-9]+\}'}},
+    # tool_choice auto: the answer is text, which may start with "{" (no Hermes call does).
+    "tools_auto": {"tools": [{"type": "function", "function": {"name": "stop", "parameters": {"type": "object"}}}]},
     "none": {},
 }
 SPECULATION = {"on": {"enabled": True, "k": 4}, "off": {"enabled": False}}
@@ -128,6 +131,7 @@ def test_reasoning_then_content(client: openai.OpenAI, constraint: str, speculat
     choice = resp.choices[0]
     extra = choice.message.model_extra or {}
     assert (choice.finish_reason, choice.message.content) == ("stop", ANSWER)
+    assert not choice.message.tool_calls
     assert extra["reasoning"] == extra["reasoning_content"] == THINKING
     jsonschema.validate(json.loads(choice.message.content), SCHEMA)
     if constraint != "none":
@@ -137,7 +141,7 @@ def test_reasoning_then_content(client: openai.OpenAI, constraint: str, speculat
 
 
 @pytest.mark.parametrize("speculation", sorted(SPECULATION))
-@pytest.mark.parametrize("constraint", ["json_schema", "none"])
+@pytest.mark.parametrize("constraint", ["json_schema", "tools_auto", "none"])
 def test_streamed_reasoning_then_content(client: openai.OpenAI, constraint: str, speculation: str) -> None:
     thought, content, order = [], [], []
     finish = None
@@ -190,3 +194,17 @@ def test_max_reasoning_tokens_needs_a_section_and_a_grammar(
         client.chat.completions.create(
             **_ask(client, constraint, "off", extra_body={"max_reasoning_tokens": budget, **more})
         )
+
+
+def test_completions_refuse_max_reasoning_tokens(client: openai.OpenAI) -> None:
+    """/v1/completions does not parse reasoning (as vLLM's): a thinking budget sent there is a 400
+    naming it, never a request served without the cap."""
+    with pytest.raises(openai.BadRequestError, match="max_reasoning_tokens") as exc:
+        client.completions.create(
+            model="qwen3-bigram",
+            prompt="Give n as JSON.",
+            max_tokens=8,
+            extra_body={"guided_json": SCHEMA, "max_reasoning_tokens": 2},
+        )
+    body = exc.value.body
+    assert isinstance(body, dict) and body.get("param") == "max_reasoning_tokens", body
