@@ -264,12 +264,12 @@ class Drafter:
         request carried (taken and cleared here)."""
         for s in slots:
             session_id = s.seq.mask_session  # every slot here sent a request
+            base, chain = s.sent if s.sent is not None else (len(s.drafts), [])
+            s.sent = None  # answered
             if session_id in reply.errors:
                 errors[s.seq.seq_id] = reply.errors[session_id]
                 continue
             res = reply.results.get(session_id)
-            base, chain = s.sent if s.sent is not None else (len(s.drafts), [])
-            s.sent = None
             if res is None or res.terminated or res.num_grammar_accepted < base or len(s.drafts) != base:
                 # Terminated: nothing may follow. A grammar-rejected draft cannot
                 # happen (drafts are checked in _fill); stop drafting either way.
