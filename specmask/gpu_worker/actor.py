@@ -218,12 +218,7 @@ class GpuWorker:
             seen.add(req.seq_id)
             accepted.append((i, state))
 
-        # Sessions open on the mask control threads (gpu_worker.masks), and add() does not
-        # wait for them: a session is first needed by the sequence's first step, and add and
-        # step share the actor's thread, so waiting here stalled every running sequence for a
-        # round trip while a flood of new grammars kept the mask service busy. The orchestrator
-        # sends add() as soon as it places a request, so the open runs while the orchestrator
-        # handles the current step's outputs. A sequence whose
+        # Opens are not waited for here (gpu_worker.sessions says why); a sequence whose
         # session is still opening when a step starts sits it out (``_settle_sessions``).
         for _, state in accepted:
             self.sessions.open(state)
@@ -329,9 +324,7 @@ class GpuWorker:
         note_session_waits(self._seqs, in_batch, joined, outputs)
         for out in outputs:
             if out.finish_reason is not None and out.seq_id in self._seqs:
-                state = self._seqs.pop(out.seq_id)
-                state.finished = out.finish_reason
-                self._free(state)
+                state = self._retire(out.seq_id, out.finish_reason)
                 logger.info(
                     "[request_id=%s] seq %s finished: %s after %d output tokens%s",
                     state.request_id,
@@ -383,12 +376,10 @@ class GpuWorker:
         """Cancel the sequences this worker holds; returns the ids it does not."""
         unknown = []
         for seq_id in seq_ids:
-            state = self._seqs.pop(seq_id, None)
-            if state is None:
+            if seq_id not in self._seqs:
                 unknown.append(seq_id)
                 continue
-            state.finished = FinishReason.CANCELLED
-            self._free(state)
+            state = self._retire(seq_id, FinishReason.CANCELLED)
             logger.info(
                 "[request_id=%s] seq %s cancelled after %d output tokens", state.request_id, seq_id, state.num_output
             )
@@ -399,11 +390,7 @@ class GpuWorker:
 
         For a caller that lost track of this worker (a step timed out): whatever it
         still holds belongs to requests that have already been failed."""
-        states = list(self._seqs.values())
-        self._seqs.clear()
-        for state in states:
-            state.finished = FinishReason.CANCELLED
-            self._free(state)
+        states = [self._retire(seq_id, FinishReason.CANCELLED) for seq_id in list(self._seqs)]
         if states:
             logger.warning("reset: freed %d sequences", len(states))
         return len(states)
@@ -458,6 +445,13 @@ class GpuWorker:
                 kind = failure_kind(failure)
                 failed.append(StepOutput(state.seq_id, [], FinishReason.ERROR, error=failure, error_kind=kind))
         return failed
+
+    def _retire(self, seq_id: str, reason: FinishReason) -> SequenceState:
+        """Take a sequence this worker holds off it, finished for ``reason``, and free it."""
+        state = self._seqs.pop(seq_id)
+        state.finished = reason
+        self._free(state)
+        return state
 
     def _free(self, state: SequenceState) -> None:
         state.target_kv.free()

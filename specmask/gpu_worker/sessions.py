@@ -1,7 +1,11 @@
 """The mask sessions of a worker's grammar sequences: opened without waiting, settled at step time, closed when freed.
 
 ``add()`` sends a sequence's open on the mask channel's control threads and returns at once
-(``MaskSessions.open``); a step takes the answer once it is in (``settle``: the session id,
+(``MaskSessions.open``). It does not wait: a session is first needed by the sequence's first
+step, and add and step share the actor's thread, so waiting there stalled every running
+sequence for a round trip while a flood of new grammars kept the mask service busy. The
+orchestrator sends add() as soon as it places a request, so the open runs while it handles
+the current step's outputs. A step takes the answer once it is in (``settle``: the session id,
 and the stop tokens its grammar ends on) or learns why the sequence must fail (refused, or
 still opening past the open timeout). A freed sequence's session is closed, or, still
 opening, closed once its open answers (``release``): none is left open on the service.
