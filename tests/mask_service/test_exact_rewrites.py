@@ -217,6 +217,19 @@ def test_enum_filter_values() -> None:
     assert rewrite_exact(objects, strict=True)[1] == ()  # strict mode would read objects differently
 
 
+def test_enum_filter_reads_multiple_of_as_the_end_check() -> None:
+    """The filter's decimal multipleOf (the grammar layer's copy) and the end check's agree."""
+    from specmask.mask_service.grammar import enum_filter
+    from specmask.orchestrator import output_check
+
+    for divisor in (0.01, 0.1, 3, 2.5, 1e-3):
+        schema = {"multipleOf": divisor}
+        ours = enum_filter.exact_multiples(jsonschema.Draft202012Validator)(schema)
+        theirs = output_check.exact_multiples(jsonschema.Draft202012Validator)(schema)
+        for value in (10000.89, 0.3, 1, 7.5, 0.005, 12, -0.02, 1e-3, 2.675):
+            assert ours.is_valid(value) == theirs.is_valid(value), (divisor, value)
+
+
 def test_declared_draft_that_ignores_a_keyword_drops_it() -> None:
     """``dependencies`` under 2020-12 and ``dependentRequired`` under draft 7 are annotations."""
     new = {"$schema": "https://json-schema.org/draft/2020-12/schema", "dependencies": {"a": ["b"]}}

@@ -16,6 +16,8 @@ and the end check's strict reading would then judge them differently.
 
 from __future__ import annotations
 
+import decimal
+import functools
 import json
 from typing import Any
 
@@ -41,12 +43,33 @@ def filter_enum(body: dict[str, Any], ctx: MergeContext) -> dict[str, Any] | Non
     return {"enum": kept} if kept else None  # no value: unsatisfiable, left for the engines to refuse
 
 
-def _judges(root: Any, body: dict[str, Any]) -> list[Any]:
+def _multiple_of(validator: Any, divisor: Any, instance: Any, schema: Any) -> Any:
+    """``multipleOf`` in decimal on each number's shortest round-trip spelling, as the end check
+    reads it (``orchestrator.output_check.exact_multiples``, which this layer may not import)."""
     import jsonschema
 
-    # The end check's validator classes: multipleOf in decimal (imported here, not at module
-    # load: the orchestrator's module imports this package).
-    from specmask.orchestrator.output_check import exact_multiples
+    if not validator.is_type(instance, "number"):
+        return
+    if isinstance(divisor, float) or isinstance(instance, float):
+        ok = _DECIMAL.remainder(decimal.Decimal(repr(instance)), decimal.Decimal(repr(divisor))) == 0
+    else:
+        ok = instance % divisor == 0
+    if not ok:
+        yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {divisor!r}")
+
+
+_DECIMAL = decimal.Context(prec=700, traps=[decimal.InvalidOperation])
+
+
+@functools.cache
+def exact_multiples(cls: Any) -> Any:
+    import jsonschema
+
+    return jsonschema.validators.extend(cls, {"multipleOf": _multiple_of})
+
+
+def _judges(root: Any, body: dict[str, Any]) -> list[Any]:
+    import jsonschema
 
     cls = exact_multiples(jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator))
     classes = [cls]
