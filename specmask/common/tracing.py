@@ -76,7 +76,6 @@ class SpanKind(enum.Enum):
 
     INTERNAL = "internal"
     SERVER = "server"  # the handling of a request that arrived from another process
-    CLIENT = "client"
 
 
 class Span:
@@ -205,12 +204,6 @@ def shutdown() -> None:
         state, _state = _state, None
     if state is not None:
         state.provider.shutdown()
-
-
-def force_flush(timeout_s: float = 10.0) -> bool:
-    """Export every ended span now; whether it finished within ``timeout_s``."""
-    state = _state
-    return True if state is None else bool(state.provider.force_flush(int(timeout_s * 1000)))
 
 
 # ---- context in and out ------------------------------------------------------
@@ -431,9 +424,7 @@ def _attached(span: _OtelSpan) -> Iterator[Span]:
 def _otel_kind(kind: SpanKind) -> Any:
     from opentelemetry.trace import SpanKind as OtelKind
 
-    return {SpanKind.INTERNAL: OtelKind.INTERNAL, SpanKind.SERVER: OtelKind.SERVER, SpanKind.CLIENT: OtelKind.CLIENT}[
-        kind
-    ]
+    return {SpanKind.INTERNAL: OtelKind.INTERNAL, SpanKind.SERVER: OtelKind.SERVER}[kind]
 
 
 def _clean(attributes: Attributes | None) -> dict[str, AttributeValue] | None:
