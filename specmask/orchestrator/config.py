@@ -300,6 +300,16 @@ class OrchestratorConfig:
         default=DEFAULT_SHUTDOWN_GRACE_S,
         metadata=flag("on SIGTERM, streams get this long to finish, then end with a final message"),
     )
+    # On SIGTERM, before the drain: new requests are still admitted this long (readiness says
+    # NOT_SERVING), while a load balancer's endpoints catch up; pooled workers are marked draining
+    # at once, so the orchestrator replacing this one waits for them (orchestrator.worker_pool).
+    shutdown_delay_s: float = field(
+        default=0.0,
+        metadata=flag(
+            "on SIGTERM, keep admitting requests this long (readiness already NOT_SERVING) while load "
+            "balancers stop routing here, then drain (Kubernetes: the time endpoints take to update)"
+        ),
+    )
     checked_max_attempts: int = field(
         default=DEFAULT_CHECKED_MAX_ATTEMPTS,
         metadata=flag("checked mode: most generations one request may ask for (Grammar.max_attempts)"),
@@ -430,6 +440,8 @@ class OrchestratorConfig:
             raise ValueError(f"worker_max_restarts must be >= -1, got {self.worker_max_restarts}")
         if not self.worker_recovery_wait_s >= 0:
             raise ValueError(f"worker_recovery_wait_s must be >= 0, got {self.worker_recovery_wait_s}")
+        if not self.shutdown_delay_s >= 0:
+            raise ValueError(f"shutdown_delay_s must be >= 0, got {self.shutdown_delay_s}")
         if self.worker_pool and not _POOL_NAME.fullmatch(self.worker_pool):
             raise ValueError(
                 f"worker_pool must be 1-40 lowercase letters, digits or '-' (a Ray actor name part), "

@@ -254,6 +254,10 @@ WORKER_PREFIX = "specmask-worker-"
 LEASE_TTL_S = 30.0
 # A starting orchestrator polls this often for workers a draining one is about to release.
 _HANDOVER_POLL_S = 1.0
+# A starting orchestrator that finds the pool's workers all driven by others waits this long for
+# one to be marked draining before it creates its own: the replaced orchestrator's SIGTERM and
+# this one's start race (the registry may hear this one first).
+HANDOVER_GRACE_S = 15.0
 # A registry call is one actor method on a tiny table.
 _REGISTRY_TIMEOUT_S = 30.0
 # Ray frees a killed actor's name asynchronously; a replacement under the same name waits for it.
@@ -335,6 +339,7 @@ class WorkerPool:
         self._renewal = asyncio.create_task(self._renew_forever(), name="worker-lease-renewal")
         want = self.config.num_workers
         deadline = time.monotonic() + self.config.worker_start_timeout_s
+        handover_until = time.monotonic() + HANDOVER_GRACE_S
         adopted: list[tuple[Any, WorkerInfo]] = []
         try:
             while True:
@@ -342,9 +347,11 @@ class WorkerPool:
                 if len(adopted) >= want or time.monotonic() >= deadline:
                     break
                 # Workers an orchestrator is draining (a rolling update's old pod) are released
-                # within its grace period: wait for them rather than load the models again.
+                # within its grace period: wait for them rather than load the models again. While
+                # others drive every worker, give the one being replaced a moment to say so.
                 views = await self._views()
-                if not any(v.draining and v.owner != self.owner for v in views.values()):
+                others = [v for v in views.values() if v.owner not in ("", self.owner)]
+                if not any(v.draining for v in others) and (not others or time.monotonic() >= handover_until):
                     break
                 logger.info("waiting for workers a draining orchestrator is about to release")
                 await asyncio.sleep(_HANDOVER_POLL_S)

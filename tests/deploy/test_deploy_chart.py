@@ -446,7 +446,7 @@ def test_schema_refuses_bad_values(name: str) -> None:
         ),
         ({"orchestrator": {"numWorkers": 5}}, r"numWorkers \(5\) x orchestrator.replicas \(2\)"),
         ({"orchestrator": {"numWorkers": 2, "replicas": 3}}, "more GPUs than rayCluster.gpuWorkers can ever have"),
-        ({"orchestrator": {"drainSeconds": 60}}, r"preStopSleepSeconds \+ drainSeconds \(5 \+ 60\) must be below"),
+        ({"orchestrator": {"drainSeconds": 60}}, r"shutdownDelaySeconds \+ drainSeconds \(5 \+ 60\) must be below"),
         ({"maskService": {"drainSeconds": 25}}, r"preStopSleepSeconds \+ drainSeconds \(5 \+ 25\)"),
         ({"maskService": {"metrics": {"port": 50051}}}, "metrics.port must differ"),
     ],

@@ -102,7 +102,7 @@ def test_drain_time_flags_below_grace_period() -> None:
         dep = one(docs, "Deployment", suffix)
         grace = dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         c = container(dep)
-        drain = float(flags(c)["shutdown-grace-s"])
+        drain = float(flags(c)["shutdown-grace-s"]) + float(flags(c).get("shutdown-delay-s", 0))
         pre_stop = c.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
         assert pre_stop + drain < grace, suffix
 

@@ -24,7 +24,7 @@ import pytest
 from specmask.orchestrator.client import OrchestratorClient, build_request
 from specmask.orchestrator.dev.local_stack import StackConfig
 from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
-from tests.e2e.stack import BOUNDED_SCHEMA, PROMPT, RAY_CALL_TIMEOUT_S, ThreadStack
+from tests.e2e.stack import BOUNDED_SCHEMA, LONG_MAX_TOKENS, LONG_SCHEMA, PROMPT, RAY_CALL_TIMEOUT_S, ThreadStack
 
 pytestmark = pytest.mark.slow
 POOL = "e2e-roll"
@@ -83,13 +83,14 @@ class Client:
     """Requests sent back to back on ``threads`` threads to the addresses in ``endpoints`` (what a
     Service's endpoints hold: ready replicas), every other one streamed; counts the outcomes."""
 
-    def __init__(self, endpoints: list[str], threads: int, max_tokens: int = 48) -> None:
+    def __init__(self, endpoints: list[str], threads: int, max_tokens: int = 48, schema: Any = BOUNDED_SCHEMA) -> None:
         self.endpoints = endpoints
         self.lock = threading.Lock()
         self.ok = 0
         self.failures: list[str] = []
         self._stop = threading.Event()
         self._max_tokens = max_tokens
+        self._schema = schema
         self._counter = itertools.count()
         self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
 
@@ -103,7 +104,7 @@ class Client:
             n = next(self._counter)
             with self.lock:
                 address = self.endpoints[n % len(self.endpoints)]
-            request = build_request(PROMPT, schema=BOUNDED_SCHEMA, max_tokens=self._max_tokens, temperature=1.0, seed=n)
+            request = build_request(PROMPT, schema=self._schema, max_tokens=self._max_tokens, temperature=1.0, seed=n)
             try:
                 with OrchestratorClient(address) as client:
                     if n % 2:
@@ -201,17 +202,18 @@ def test_workers_follow_the_load_up_and_back_down(stack: ThreadStack) -> None:
         num_workers=1,
         min_workers=1,
         max_workers=2,
-        scale_up_queue_wait_s=0.5,
+        scale_up_queue_wait_s=0.3,
         scale_up_after_s=2.0,
         scale_down_idle_s=5.0,
         max_batch=2,
     )
     server = replica.server
     assert server.scaler is not None
-    client = Client([replica.address], threads=6, max_tokens=32).start()
+    # Eight clients, each sending ~170-token requests back to back, on a batch of two: six wait.
+    client = Client([replica.address], threads=8, max_tokens=LONG_MAX_TOKENS, schema=LONG_SCHEMA).start()
     try:
         deadline = time.monotonic() + WAIT_S
-        while len(server.worker_actors) < 2:  # six in flight on a batch of two: the queue stays behind
+        while len(server.worker_actors) < 2:
             assert not client.failures, client.failures
             assert time.monotonic() < deadline, "no worker was added under a sustained load"
             time.sleep(0.2)

@@ -161,6 +161,9 @@ class OrchestratorServer:
         await self.pool.mark_draining()
         if self.scaler is not None:
             await self.scaler.stop()
+        if self.config.shutdown_delay_s > 0:
+            # Still admitting: requests a load balancer sends before its endpoints catch up complete.
+            await asyncio.sleep(self.config.shutdown_delay_s)
         await self.readiness.stop()
         # Streams get up to `grace` to finish, then a final message each (not a bare
         # UNAVAILABLE "Cancelling all calls"); the RPCs then end on their own.
