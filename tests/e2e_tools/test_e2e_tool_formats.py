@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-import openai
 import pytest
 
 from specmask.orchestrator.api.http.app import HttpConfig, HttpFrontDoor
@@ -32,6 +31,7 @@ from specmask.orchestrator.dev.local_stack import StackConfig
 from tests.e2e.stack import MAX_BATCH, MAX_QUEUE, ThreadStack
 from tests.fixtures import instructor_env
 from tests.fixtures.chat_templates import HARMONY_SHORT, LLAMA_31, MISTRAL_V03, with_template
+from tests.fixtures.openai_sdk import openai_sdk, served_model
 from tests.fixtures.shared_data import require, shared_data_dir
 
 pytestmark = pytest.mark.slow
@@ -76,7 +76,7 @@ def base_urls(stack: ThreadStack, tmp_path_factory: pytest.TempPathFactory) -> I
     assert stack.running is not None
     server = stack.running.server
     target = Path(stack.running.config.target_dir)
-    urls = {"hermes": f"http://127.0.0.1:{server.http_port}/v1"}
+    urls = {"hermes": stack.http_url + "/v1"}
     doors = []
     for name, template, fmt in (
         ("llama3_json", LLAMA_31, LLAMA3_JSON),
@@ -94,22 +94,14 @@ def base_urls(stack: ThreadStack, tmp_path_factory: pytest.TempPathFactory) -> I
         stack.run(door.stop())
 
 
-def _client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300)
-
-
-def _model(client: openai.OpenAI) -> str:
-    return client.models.list().data[0].id
-
-
 def _valid(name: str, arguments: str) -> None:
     jsonschema.validate(json.loads(arguments), PARAMS[name])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_required_and_named_round_trip_through_the_openai_sdk(base_urls: dict[str, str], fmt: str) -> None:
-    with _client(base_urls[fmt]) as client:
-        model = _model(client)
+    with openai_sdk(base_urls[fmt]) as client:
+        model = served_model(client)
         for seed, choice in ((1, "required"), (2, {"type": "function", "function": {"name": "get_weather"}})):
             resp = client.chat.completions.create(
                 model=model, messages=ASK, tools=TOOLS, tool_choice=choice, temperature=1.0, seed=seed, max_tokens=160
@@ -138,8 +130,8 @@ def test_required_and_named_round_trip_through_the_openai_sdk(base_urls: dict[st
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_streamed_calls_arrive_as_vllm_sends_them(base_urls: dict[str, str], fmt: str) -> None:
-    with _client(base_urls[fmt]) as client:
-        model = _model(client)
+    with openai_sdk(base_urls[fmt]) as client:
+        model = served_model(client)
         chunks = list(
             client.chat.completions.create(
                 model=model,
@@ -169,8 +161,8 @@ def test_streamed_calls_arrive_as_vllm_sends_them(base_urls: dict[str, str], fmt
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_auto_is_text_or_calls_never_a_call_in_content(base_urls: dict[str, str], fmt: str) -> None:
-    with _client(base_urls[fmt]) as client:
-        model = _model(client)
+    with openai_sdk(base_urls[fmt]) as client:
+        model = served_model(client)
         for seed in (5, 6):
             resp = client.chat.completions.create(
                 model=model, messages=ASK, tools=TOOLS, temperature=1.0, seed=seed, max_tokens=160
@@ -193,8 +185,8 @@ def test_auto_is_text_or_calls_never_a_call_in_content(base_urls: dict[str, str]
 def test_langchain_bind_tools_gets_valid_calls(base_urls: dict[str, str], fmt: str) -> None:
     from langchain_openai import ChatOpenAI
 
-    with _client(base_urls[fmt]) as client:
-        model = _model(client)
+    with openai_sdk(base_urls[fmt]) as client:
+        model = served_model(client)
     llm = ChatOpenAI(base_url=base_urls[fmt], api_key="unused", model=model, max_retries=0, timeout=300, max_tokens=160)
     answer = llm.bind_tools(TOOLS, tool_choice="required", seed=7).invoke(ASK[0]["content"])
     assert answer.response_metadata["finish_reason"] == "tool_calls" and answer.tool_calls
@@ -260,3 +252,27 @@ def test_instructor_tools_mode_in_each_format(base_urls: dict[str, str], instruc
             weather = out[fmt][way]
             assert weather is not None and weather["city"] in ("Paris", "Oslo"), (fmt, way, out)
             assert isinstance(weather["celsius"], int) and -90 <= weather["celsius"] <= 60, (fmt, way, out)
+
+
+def test_streamed_auto_logprobs_follow_the_content(base_urls: dict[str, str]) -> None:
+    """Under ``auto`` with logprobs, streamed or not, the content's logprob entries spell the
+    content exactly (text held while it could begin a call keeps its tokens with it; call tokens
+    are never content's). Hermes: text may come before calls. (The stack's own front door: the
+    other formats' doors have no tokenizer, so no logprobs.)"""
+    with openai_sdk(base_urls["hermes"]) as client:
+        model = served_model(client)
+        for seed in (21, 22, 23):
+            ask: dict[str, Any] = dict(
+                model=model, messages=ASK, tools=TOOLS, temperature=1.0, seed=seed, max_tokens=60, logprobs=True
+            )
+            whole = client.chat.completions.create(**ask).choices[0]
+            entries = (whole.logprobs.content or []) if whole.logprobs else []
+            assert bytes(b for e in entries for b in (e.bytes or [])).decode() == (whole.message.content or "")
+            content, spelled = [], []
+            for chunk in client.chat.completions.create(**ask, stream=True):
+                if not chunk.choices:
+                    continue
+                content.append(chunk.choices[0].delta.content or "")
+                lp = chunk.choices[0].logprobs
+                spelled += [bytes(e.bytes or []) for e in (lp.content or [])] if lp else []
+            assert b"".join(spelled).decode() == "".join(content) == (whole.message.content or "")
