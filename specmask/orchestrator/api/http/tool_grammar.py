@@ -1,7 +1,8 @@
 """Tool calls as a grammar in the model's own format, and the output back to OpenAI ``tool_calls``.
 
 One grammar serves every ``tool_choice`` that calls tools: ``"auto"`` (and tools
-without ``tool_choice``) admits plain text or calls, ``"required"`` one or more
+without ``tool_choice``) admits plain text or calls (or text then calls, where the
+format's parser splits that), ``"required"`` one or more
 calls to any tool, a named function one call to that tool. ``parallel_tool_calls:
 false`` (or a format with one call per turn) allows one call. The calls are written
 in the format of ``tool_formats`` the server serves (``--tool-call-parser``), e.g.
