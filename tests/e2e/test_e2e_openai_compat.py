@@ -16,6 +16,7 @@ import jsonschema
 import openai
 import pytest
 
+from specmask.orchestrator.api.http.tool_formats import all_triggers
 from tests.e2e.stack import ThreadStack
 
 pytestmark = pytest.mark.slow
@@ -44,7 +45,8 @@ def _check_answer(choice: Any) -> str:
     """The kind of a successful answer ("text" or "calls"), after checking it like a client would."""
     message = choice.message
     if choice.finish_reason == "tool_calls":
-        assert message.content is None and message.tool_calls
+        # Text before the calls (Hermes: "Let me check.<tool_call>...") is content, never a call.
+        assert message.tool_calls and not any(t in (message.content or "") for t in all_triggers())
         for call in message.tool_calls:
             assert call.id and call.type == "function"
             jsonschema.validate(json.loads(call.function.arguments), TOOL_PARAMS[call.function.name])
@@ -81,6 +83,7 @@ def test_tools_auto_streamed_matches_unary(openai_client: openai.OpenAI, model: 
             assert [c.function.arguments for c in calls if c.function.arguments is not None] == [
                 c.function.arguments for c in unary.choices[0].message.tool_calls
             ]
+            assert content == (unary.choices[0].message.content or "")
         else:
             assert not calls and content == unary.choices[0].message.content
 

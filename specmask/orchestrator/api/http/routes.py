@@ -280,8 +280,9 @@ class OpenAIRoutes:
                 raise ApiError(
                     GRAMMAR_VIOLATION, f"grammar violation: the generated tool call is not valid: {exc}"
                 ) from None
-            # Text before the calls is their content, as vLLM's parsers return it ("Let me check.").
-            content = before if before.strip() else None
+            # Text before the calls is their content, as vLLM's parsers return it ("Let me check."),
+            # whitespace too: the same text a stream has sent as content deltas.
+            content = before or None
             return {"role": "assistant", "content": content, "tool_calls": parsed}, "tool_calls"
         return {"role": "assistant", "content": tool_grammar.text_content(text, calls)}, rsp.FINISH_REASONS[reason]
 
