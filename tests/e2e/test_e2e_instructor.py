@@ -2,10 +2,10 @@
 instructor's own schema prompt), ``Mode.JSON_SCHEMA`` (``response_format`` json_schema) and
 ``Mode.TOOLS`` (a forced function call).
 
-instructor runs in a virtual environment of its own: its releases pin ``jiter<0.15``, which
-the newest ``openai`` SDK (the one the rest of the suite drives) cannot share. The environment
-is built from the package index (instructor with the ``openai`` it resolves); without an
-index the test is skipped, with the reason.
+instructor runs in a virtual environment of its own (tests/fixtures/instructor_env.py: its
+releases cannot share the suite's pinned ``openai``). The environment is built from the package
+index (instructor with the ``openai`` it resolves); without an index the test is skipped, with
+the reason.
 
 A grammar-enforced mode must hand back a valid object on the first try (instructor's own
 retries are off). JSON mode is only "some JSON object" to the server; the script checks that
@@ -16,18 +16,14 @@ object, so a non-JSON answer or a refused request fails it.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.e2e.stack import ThreadStack
+from tests.fixtures import instructor_env
 
 pytestmark = pytest.mark.slow
-
-INSTRUCTOR = "instructor==1.17.0"
 
 _SCRIPT = r"""
 import json, sys
@@ -85,31 +81,15 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def instructor_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    env_dir = tmp_path_factory.mktemp("instructor-venv")
-    subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True, timeout=300)
-    python = env_dir / "bin" / "python"
-    install = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", INSTRUCTOR],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if install.returncode != 0:
-        pytest.skip(f"{INSTRUCTOR} is not installable here (no package index?): {install.stderr[-300:]}")
+    python, why = instructor_env.build(tmp_path_factory.mktemp("instructor-venv"))
+    if python is None:
+        pytest.skip(why)
     return python
 
 
 def test_instructor_modes(stack: ThreadStack, model: str, instructor_python: Path) -> None:
     base_url = stack.http_url + "/v1"
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    proc = subprocess.run(
-        [str(instructor_python), "-c", _SCRIPT, base_url, model],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=env,
-        cwd=instructor_python.parent,
-    )
+    proc = instructor_env.run(instructor_python, _SCRIPT, base_url, model)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for mode in ("JSON_SCHEMA", "TOOLS"):
