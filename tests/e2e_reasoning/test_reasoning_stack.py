@@ -31,6 +31,7 @@ import pytest
 from specmask.orchestrator.dev.local_stack import StackConfig
 from specmask.orchestrator.reasoning import ReasoningParser
 from tests.e2e.stack import ThreadStack
+from tests.fixtures.openai_sdk import openai_sdk
 from tests.fixtures.shared_data import shared_data_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_data]
@@ -102,9 +103,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadStack]:
 
 @pytest.fixture(scope="module")
 def client(stack: ThreadStack) -> Iterator[openai.OpenAI]:
-    assert stack.running is not None and stack.running.server.http_port
-    url = f"http://127.0.0.1:{stack.running.server.http_port}/v1"
-    with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=300) as c:
+    with openai_sdk(stack.http_url + "/v1") as c:
         yield c
 
 
