@@ -340,6 +340,7 @@ class WorkerPool:
         want = self.config.num_workers
         deadline = time.monotonic() + self.config.worker_start_timeout_s
         handover_until = time.monotonic() + HANDOVER_GRACE_S
+        said = ""
         adopted: list[tuple[Any, WorkerInfo]] = []
         try:
             while True:
@@ -353,7 +354,15 @@ class WorkerPool:
                 others = [v for v in views.values() if v.owner not in ("", self.owner)]
                 if not any(v.draining for v in others) and (not others or time.monotonic() >= handover_until):
                     break
-                logger.info("waiting for workers a draining orchestrator is about to release")
+                why = (
+                    "waiting for workers a draining orchestrator is about to release"
+                    if any(v.draining for v in others)
+                    else f"every worker is driven by another orchestrator: waiting up to {HANDOVER_GRACE_S:g} s "
+                    "for one to be handed over"
+                )
+                if why != said:
+                    logger.info(why)
+                    said = why
                 await asyncio.sleep(_HANDOVER_POLL_S)
             await self._sweep_stale()
             self.adopted = len(adopted)
