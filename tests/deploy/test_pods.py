@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 
 CHART_DIR = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "specmask"
 RELEASE, NAMESPACE = "sm", "llm"
-READY_TIMEOUT_S = 420.0
+# Six pods (two orchestrator replicas) start at once; a saturated two-core box needs minutes.
+READY_TIMEOUT_S = 600.0
 SCHEMA = {
     "type": "object",
     "properties": {
