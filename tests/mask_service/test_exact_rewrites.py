@@ -1,4 +1,5 @@
-"""exact_rewrites (allOf merged, dependencies expanded, anyOf distributed, enum filtered): the same language.
+"""exact_rewrites (allOf merged, dependencies expanded, anyOf distributed, enums filtered or
+enumerated): the same language.
 
 Three kinds of evidence:
 
@@ -172,6 +173,26 @@ UNIT: list[tuple[str, dict[str, Any], str, bool]] = [
         False,
     ),
     (
+        "a bounded integer beside not",
+        {"type": "integer", "minimum": -3, "exclusiveMaximum": 20, "multipleOf": 2, "not": {"enum": [4, 8]}},
+        "integers",
+        True,
+    ),
+    (
+        "a bounded integer beside if/then and a $ref",
+        {
+            "$defs": {"d": {"not": {"const": 3}}},
+            "$ref": "#/$defs/d",
+            "type": "integer",
+            "minimum": 0,
+            "maximum": 12,
+            "if": {"minimum": 5},
+            "then": {"multipleOf": 3},
+        },
+        "integers",
+        False,
+    ),
+    (
         "a dependency on an undeclared name, strict",
         {"type": "object", "properties": {"a": {"type": "integer"}}, "dependencies": {"a": ["c"]}},
         "dependencies",
@@ -228,6 +249,17 @@ def test_enum_filter_reads_multiple_of_as_the_end_check() -> None:
         theirs = output_check.exact_multiples(jsonschema.Draft202012Validator)(schema)
         for value in (10000.89, 0.3, 1, 7.5, 0.005, 12, -0.02, 1e-3, 2.675):
             assert ours.is_valid(value) == theirs.is_valid(value), (divisor, value)
+
+
+def test_integer_enumeration_bounds() -> None:
+    """Exclusive and fractional bounds give the right integers; unbounded or huge ranges are left alone."""
+    schema = {"type": "integer", "exclusiveMinimum": 1.5, "maximum": 9.9, "not": {"const": 5}}
+    assert rewrite_exact(schema, strict=True)[0] == {"enum": [2, 3, 4, 6, 7, 8, 9]}
+    assert rewrite_exact({"type": "integer", "minimum": 0, "not": {"const": 5}}, strict=True)[1] == ()
+    huge = {"type": "integer", "minimum": 0, "maximum": 10**6, "not": {"const": 5}}
+    assert rewrite_exact(huge, strict=True)[1] == ()
+    plain = {"type": "integer", "minimum": 0, "maximum": 10}  # both engines enforce it as it is
+    assert rewrite_exact(plain, strict=True)[1] == ()
 
 
 def test_declared_draft_that_ignores_a_keyword_drops_it() -> None:
@@ -316,7 +348,10 @@ def test_maskbench_verdicts() -> None:
     changed = 0
     for f in sorted(require(base, "maskbench").glob("*.json")):
         text = f.read_text()
-        if not any(f'"{k}' in text for k in ("allOf", "anyOf", "oneOf", "dependencies", "dependent", "enum", "const")):
+        if not any(
+            f'"{k}' in text
+            for k in ("allOf", "anyOf", "oneOf", "dependencies", "dependent", "enum", "const", "not", "multipleOf")
+        ):
             continue
         doc = json.loads(text)
         schema, instances = doc["schema"], [t["data"] for t in doc["tests"]]

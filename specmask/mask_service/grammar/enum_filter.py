@@ -38,8 +38,8 @@ def filter_enum(body: dict[str, Any], ctx: MergeContext) -> dict[str, Any] | Non
         return None  # nothing beside the values but a type, which schema_rewrite filters by already
     if len(values) > MAX_VALUES or any(isinstance(v, (dict, list)) for v in values):
         return None
-    judges = _judges(ctx.root, body)
-    kept = [v for v in values if all(j.is_valid(v) for j in judges)]
+    checks = judges(ctx.root, body)
+    kept = [v for v in values if all(j.is_valid(v) for j in checks)]
     return {"enum": kept} if kept else None  # no value: unsatisfiable, left for the engines to refuse
 
 
@@ -68,7 +68,8 @@ def exact_multiples(cls: Any) -> Any:
     return jsonschema.validators.extend(cls, {"multipleOf": _multiple_of})
 
 
-def _judges(root: Any, body: dict[str, Any]) -> list[Any]:
+def judges(root: Any, body: dict[str, Any]) -> list[Any]:
+    """Validators of ``body`` read as the end check reads an output (see the module doc)."""
     import jsonschema
 
     cls = exact_multiples(jsonschema.validators.validator_for(root, default=jsonschema.Draft202012Validator))

@@ -8,7 +8,9 @@ module, with when it applies and why its result is the same language:
 * ``dependencies`` (``dependencies``): ``dependentRequired``/``dependentSchemas``/
   ``dependencies`` expanded into an ``anyOf`` of object shapes;
 * ``anyOf`` (``anyof_distribute``): keywords beside ``anyOf``/``oneOf`` pushed into the branches;
-* ``enum`` (``enum_filter``): scalar ``enum``/``const`` values filtered by the keywords beside them.
+* ``enum`` (``enum_filter``): scalar ``enum``/``const`` values filtered by the keywords beside them;
+* ``integers`` (``integer_enum``): a bounded ``integer`` beside ``not``/``if``/``multipleOf`` as the
+  ``enum`` of the integers that pass it.
 
 The first three rest on ``schema_merge.merge``. Rules apply bottom-up (a node's subschemas first), each
 node's rules until none changes it (bounded).
@@ -33,6 +35,7 @@ from specmask.mask_service.grammar.allof_merge import merge_all_of
 from specmask.mask_service.grammar.anyof_distribute import distribute
 from specmask.mask_service.grammar.dependencies import expand_dependencies
 from specmask.mask_service.grammar.enum_filter import filter_enum
+from specmask.mask_service.grammar.integer_enum import enumerate_integers
 from specmask.mask_service.grammar.schema_merge import VALIDATION_KEYWORDS, MergeContext
 
 logger = logging.getLogger(__name__)
@@ -45,6 +48,7 @@ RULES: dict[str, Rule] = {
     "dependencies": expand_dependencies,
     "anyOf": lambda body, ctx, _draft: distribute(body, ctx),
     "enum": lambda body, ctx, _draft: filter_enum(body, ctx),
+    "integers": lambda body, ctx, _draft: enumerate_integers(body, ctx),
 }
 MAX_PASSES = 4  # rule rounds per node
 
