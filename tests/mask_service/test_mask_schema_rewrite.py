@@ -57,8 +57,6 @@ REFUSED: list[tuple[Any, str]] = [
         "oneOf",
     ),
     ({"$ref": "#/$defs/a", "maxLength": 3, "$defs": {"a": {"type": "string"}}}, "$ref"),
-    ({"enum": ["a", "bb"], "maxLength": 1}, "enum"),
-    ({"const": "x", "enum": ["x", "y"]}, "const"),
     ({"type": "string", "$ref": "#/$defs/n", "$defs": {"n": {"type": "integer"}}}, "$ref"),
     ({"type": "string", "anyOf": [{"$ref": "#/$defs/n"}], "$defs": {"n": {}}}, "anyOf"),
     # A type nothing next to it can have: unsatisfiable.
@@ -71,7 +69,8 @@ REFUSED: list[tuple[Any, str]] = [
 ]
 
 # xgrammar refuses these itself (schema_check), and the service serves them on xgrammar after
-# exact_rewrites merges the allOf or distributes the keywords beside anyOf into its branch.
+# exact_rewrites merges the allOf, distributes the keywords beside anyOf into its branch or
+# filters the enum.
 MERGED: list[tuple[Any, str]] = [
     ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf"),
     ({"type": "object", "properties": {"a": {"allOf": [{"type": "string"}, {"maxLength": 3}]}}}, "allOf"),
@@ -86,6 +85,9 @@ MERGED: list[tuple[Any, str]] = [
     ({"type": "array", "items": {"allOf": [{"type": "object"}, {"required": ["x"]}]}}, "allOf"),
     ({"type": "integer", "allOf": [{"minimum": 5}]}, "allOf"),
     ({"type": "integer", "minimum": 0, "anyOf": [{"maximum": 5}]}, "anyOf"),
+    # Scalar values beside other keywords: the enum filter keeps the ones that pass.
+    ({"enum": ["a", "bb"], "maxLength": 1}, "enum"),
+    ({"const": "x", "enum": ["x", "y"]}, "const"),
 ]
 
 # Accepted and enforced (some after a rewrite). Every one is walked.
