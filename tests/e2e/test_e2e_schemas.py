@@ -29,7 +29,7 @@ EXPECTED_REFUSED = {
     "Handwritten---key4",
     "Handwritten---allany9",
     "Synthesized---draft2019_09_nonvalid_patternProperties_id6_subschema1_not_2",
-    "Synthesized---draft2019_09_valid_type_id27_subschema1_not_2",
+    # (Synthesized ...valid_type_id27...: served exactly since the allOf merge and enum filter.)
 }
 # Random-init models wander inside strings and numbers; 384 tokens lets most
 # small documents close. Outputs cut by LENGTH are counted, not validated.
