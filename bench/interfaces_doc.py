@@ -66,10 +66,21 @@ def class_listing(path: Path, name: str) -> str:
             while first - 1 > previous_end and lines[first - 2].strip().startswith("#"):
                 first -= 1
             out.extend(lines[first - 1 : node.end_lineno])
+            if (
+                node is cls.body[0]
+                and _is_docstring(node)
+                and node.end_lineno < len(lines)
+                and not lines[node.end_lineno].strip()
+            ):
+                out.append("")  # a blank line after the docstring, as written (ruff format wants it)
         previous_end = node.end_lineno
     if methods:
         out.append(f"    # also: {', '.join(methods)}")
     return "\n".join(out) + "\n"
+
+
+def _is_docstring(node: ast.stmt) -> bool:
+    return isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)
 
 
 def render(page: str) -> str:
