@@ -57,7 +57,7 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -302,7 +302,10 @@ class ReplayStepRunner(StepRunner):
     def _commit(self, slot: DraftSlot, emitted: list[int], num_accepted: int) -> Any:
         rec = self.replay.trace[(slot.seq.seq_id, slot.seq.step)]
         if rec.emitted is None or rec.verified != len(slot.drafts):
-            raise RuntimeError(f"replay: seq {slot.seq.seq_id} step {slot.seq.step} does not match its recording")
+            raise RuntimeError(
+                f"replay: seq {slot.seq.seq_id} step {slot.seq.step} does not match its recording "
+                f"({len(slot.drafts)} drafts of k={slot.k} to verify, {rec.verified} recorded)"
+            )
         return super()._commit(slot, list(rec.emitted), rec.num_accepted)
 
 
@@ -547,7 +550,11 @@ def _run(args: argparse.Namespace) -> int:
         workers.append(peer_worker)
         cases = load_cases(args, constrained_worker.tokenizer)
         replay = ReplayProposer(peer_worker.proposers)
-        peer_worker.proposers[ReplayProposer.name] = replay  # so add() accepts sequences that name it
+        peer_worker.proposers[ReplayProposer.name] = replay
+        # Admission keeps the proposers the worker built when it was made: without ``replay``
+        # there, add() would drop it from the peer's sequences, which would then not draft.
+        limits = peer_worker.admission.limits
+        peer_worker.admission.limits = replace(limits, proposers=limits.proposers | {ReplayProposer.name})
         base = constrained_worker.stepper
         common = {
             "max_model_len": base.max_model_len,
