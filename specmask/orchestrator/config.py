@@ -127,6 +127,16 @@ class OrchestratorConfig:
     port: int = field(default=50051, metadata=flag("gRPC API port (0 = pick a free one)"))
     # "local" = start (or join) an in-process Ray; else a Ray address
     ray_address: str = field(default="local", metadata=flag("Ray cluster address, or 'local' to start one in-process"))
+    # A Ray head started with the release (KubeRay) can take minutes to accept clients on a busy
+    # node; well inside the chart's startup probe (10 minutes), so a slow head is waited for
+    # rather than answered with restarts, and a wrong address still ends the container.
+    ray_join_timeout_s: float = field(
+        default=300.0,
+        metadata=flag(
+            "how long to keep trying to join a Ray cluster (--ray-address) that refuses or times out "
+            "the connection at start-up, with back-off, before exiting (0 = one try)"
+        ),
+    )
     num_workers: int = field(default=1, metadata=flag("GPU worker actors"))
     # Prometheus endpoint; None = off, 0 = pick a free port
     metrics_port: int | None = field(
@@ -421,6 +431,8 @@ class OrchestratorConfig:
             )
         if self.max_iteration_tokens < 0:
             raise ValueError(f"max_iteration_tokens must be >= 0 (0 = by device), got {self.max_iteration_tokens}")
+        if not 0 <= self.ray_join_timeout_s < float("inf"):  # also refuses NaN
+            raise ValueError(f"ray_join_timeout_s must be >= 0 and finite, got {self.ray_join_timeout_s}")
         self.prompt_token_bounds()  # negative bounds raise ValueError
         if self.reasoning_parser is not None and not isinstance(self.reasoning_parser, ReasoningParser):
             raise ValueError(f"reasoning_parser must be a ReasoningParser or None, got {self.reasoning_parser!r}")

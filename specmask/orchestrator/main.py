@@ -115,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         from specmask.orchestrator.worker_pool import connect_ray
 
-        connect_ray(config.ray_address)  # here, on the main thread: create_server's call is then a no-op
+        # Here, on the main thread: create_server's call is then a no-op.
+        connect_ray(config.ray_address, join_timeout_s=config.ray_join_timeout_s)
     except (ConnectionError, TimeoutError, ValueError) as exc:
         raise StartupError(f"cannot join the Ray cluster at {config.ray_address}: {exc}") from None
     try:

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +65,13 @@ def _local_ray_on_loopback() -> None:
         ray_constants.ENABLE_RAY_CLUSTER = False
 
 
-def connect_ray(address: str, *, log_to_driver: bool = True) -> bool:
+def connect_ray(address: str, *, log_to_driver: bool = True, join_timeout_s: float = 0.0) -> bool:
     """Join Ray; ``"local"`` starts an in-process cluster. Returns True if this call started Ray.
 
     Call it from the main thread: Ray installs its signal handlers there.
     ``log_to_driver=False`` keeps worker output out of this process's terminal.
+    ``join_timeout_s``: how long a cluster that refuses or times out the connection is tried
+    again (with back-off) before giving up; 0 = one try.
     """
     import ray
 
@@ -80,8 +83,59 @@ def connect_ray(address: str, *, log_to_driver: bool = True) -> bool:
         _local_ray_on_loopback()
         init_local_ray(num_cpus=os.cpu_count() or 1, log_to_driver=log_to_driver)
     else:
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=log_to_driver)
+        retry_ray_join(
+            lambda: ray.init(address=address, logging_level=logging.WARNING, log_to_driver=log_to_driver),
+            address,
+            join_timeout_s,
+        )
     return True
+
+
+# Waits between tries to join a Ray cluster: the first, and the longest (doubling in between).
+_JOIN_FIRST_WAIT_S = 2.0
+_JOIN_MAX_WAIT_S = 30.0
+
+
+def retry_ray_join(
+    join: Callable[[], object],
+    address: str,
+    window_s: float,
+    *,
+    first_wait_s: float = _JOIN_FIRST_WAIT_S,
+    max_wait_s: float = _JOIN_MAX_WAIT_S,
+) -> None:
+    """Call ``join`` until it returns, again after each connection failure while ``window_s``
+    (from the first try) allows another; the last failure is raised once it does not.
+
+    A Ray head that is still starting (a KubeRay head pod scheduled with the release, on a busy
+    node) refuses or times out a client's connection though nothing is wrong; failing at once
+    only turns that into container restarts and CrashLoopBackOff back-off. Anything other than
+    a connection failure or timeout (a malformed address) is raised at once.
+    """
+    deadline = time.monotonic() + max(0.0, window_s)
+    wait_s = first_wait_s
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            join()
+            if tries > 1:
+                logger.warning("joined the Ray cluster at %s after %d tries", address, tries)
+            return
+        except (ConnectionError, TimeoutError) as exc:
+            left_s = deadline - time.monotonic()
+            if left_s < wait_s:
+                raise
+            logger.warning(
+                "cannot join the Ray cluster at %s yet (try %d: %s); trying again in %.0f s, for %.0f s more",
+                address,
+                tries,
+                exc,
+                wait_s,
+                left_s,
+            )
+        time.sleep(wait_s)
+        wait_s = min(wait_s * 2, max_wait_s)
 
 
 def init_local_ray(*, num_cpus: int, log_to_driver: bool, object_store_bytes: int = _LOCAL_OBJECT_STORE_BYTES) -> None:
