@@ -211,8 +211,15 @@ class Drafter:
             return None
         drafting = [s for s in slots if s.k > 0 and s.seq.seq_id not in errors]
         for s in drafting:
-            runnable = {name for name in s.seq.proposers if name in self.proposers}
-            if runnable != {ProposerKind.DRAFT_MODEL} or self.wants_masks(s.seq):
+            if self.wants_masks(s.seq):
+                return None
+            # A proposer that drafts from mask rows (grammar-forced) proposes nothing for a
+            # slot that never gets one: without a grammar (SpeculationParams' default names
+            # it beside the draft model) the draft model drafts alone.
+            runnable = {
+                name for name in s.seq.proposers if name in self.proposers and not self.proposers[name].needs_masks
+            }
+            if runnable != {ProposerKind.DRAFT_MODEL}:
                 return None
         return self.draft_model, drafting
 

@@ -29,6 +29,8 @@ SCHEMA = json.dumps(
 # name -> (grammar, proposers, draft masks): the worker's step kinds.
 CASES: dict[str, tuple[bool, tuple[str, ...], bool]] = {
     "unconstrained": (False, ("draft_model",), False),
+    # The default proposers without a grammar: the forced proposer has no row to draft from.
+    "unconstrained/draft+forced": (False, ("draft_model", "grammar_forced"), False),
     "constrained/draft-masks-off": (True, ("draft_model",), False),
     "constrained/draft-masks-on": (True, ("draft_model",), True),
     "constrained/forced+ngram": (True, ("grammar_forced", "ngram"), False),
