@@ -83,11 +83,13 @@ def connect_ray(address: str, *, log_to_driver: bool = True, join_timeout_s: flo
         _local_ray_on_loopback()
         init_local_ray(num_cpus=os.cpu_count() or 1, log_to_driver=log_to_driver)
     else:
-        retry_ray_join(
-            lambda: ray.init(address=address, logging_level=logging.WARNING, log_to_driver=log_to_driver),
-            address,
-            join_timeout_s,
-        )
+
+        def join() -> None:
+            if ray.is_initialized():  # a failed try that left Ray half set up: start the next one clean
+                ray.shutdown()
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=log_to_driver)
+
+        retry_ray_join(join, address, join_timeout_s)
     return True
 
 
