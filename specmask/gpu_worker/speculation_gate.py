@@ -43,10 +43,14 @@ class BatchKind:
     size_bucket: int  # the batch size rounded up to a power of two
     constrained: bool  # any row has a grammar
     draft_masks: bool  # any row masks its draft model's logits (a mask round trip per position)
+    # Any row samples (temperature > 0). Acceptance of sampled rows is far below greedy rows'
+    # on the same models, so one traffic mix must not decide for the other: a stretch of
+    # sampled requests that made speculation lose would otherwise switch it off for greedy ones.
+    sampled: bool = False
 
     @classmethod
-    def of(cls, size: int, *, constrained: bool, draft_masks: bool) -> BatchKind:
-        return cls(1 << max(0, size - 1).bit_length(), constrained, draft_masks)
+    def of(cls, size: int, *, constrained: bool, draft_masks: bool, sampled: bool = False) -> BatchKind:
+        return cls(1 << max(0, size - 1).bit_length(), constrained, draft_masks, sampled)
 
 
 @dataclass

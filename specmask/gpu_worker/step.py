@@ -352,6 +352,7 @@ class StepRunner:
                 seq.has_grammar and seq.request.speculation.draft_masking and ProposerKind.DRAFT_MODEL in seq.proposers
                 for seq in seqs
             ),
+            sampled=any(seq.request.sampling.temperature > 0 for seq in seqs),
         )
 
     def _commit(self, slot: DraftSlot, emitted: list[int], num_accepted: int) -> StepOutput:

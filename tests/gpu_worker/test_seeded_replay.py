@@ -31,7 +31,7 @@ def test_seeded_sampling_replays_when_the_gate_has_learned_plain_decoding(make_w
     sampling = SamplingParams(temperature=1.0, seed=1234, max_tokens=24)
     fresh = make_worker()
     taught = make_worker()
-    _teach_plain(taught.stepper.gate, BatchKind.of(1, constrained=False, draft_masks=False))
+    _teach_plain(taught.stepper.gate, BatchKind.of(1, constrained=False, draft_masks=False, sampled=True))
     expected = _run(fresh, sampling)
     assert len(expected) == 24
     assert _run(taught, sampling) == expected
@@ -46,3 +46,19 @@ def test_unseeded_batches_still_follow_the_gate(make_worker) -> None:
     result = run_to_completion(worker)["g"]
     assert len(result.tokens) == 12
     assert result.drafts_proposed <= 3  # at most a probe's drafts: the gate decoded plainly
+
+
+def test_greedy_and_sampled_batches_are_measured_apart(make_worker) -> None:
+    """Sampled traffic that made speculation lose leaves greedy requests drafting."""
+    worker = make_worker()
+    _teach_plain(worker.stepper.gate, BatchKind.of(1, constrained=False, draft_masks=False, sampled=True))
+    seq = NewSequence("g", (5, 6, 7), None, SamplingParams(max_tokens=12), SpeculationParams(k=3))
+    assert worker.add([seq]) == [None]
+    result = run_to_completion(worker)["g"]
+    assert len(result.tokens) == 12
+    assert result.drafts_proposed > 3  # drafted beyond a probe: the sampled kind's choice did not apply
+    sampled = NewSequence("s", (5, 6, 7), None, SamplingParams(temperature=1.0, max_tokens=12), SpeculationParams(k=3))
+    assert worker.add([sampled]) == [None]
+    result = run_to_completion(worker)["s"]
+    assert len(result.tokens) == 12
+    assert result.drafts_proposed <= 3  # an unseeded sampled batch follows what its kind taught
