@@ -92,7 +92,16 @@ class WorkerScaler:
                     await task
 
     @property
+    def policy(self) -> AutoscalePolicy:
+        return self._policy.policy
+
+    @property
+    def tick_s(self) -> float:
+        return self._tick_s
+
+    @property
     def busy(self) -> bool:
+        """A change (a worker starting, or one retiring until its actor is killed) is in flight."""
         return self._change is not None and not self._change.done()
 
     def sample(self, now: float) -> LoadSample:
