@@ -128,7 +128,7 @@ class OrchestratorConfig:
     # "local" = start (or join) an in-process Ray; else a Ray address
     ray_address: str = field(default="local", metadata=flag("Ray cluster address, or 'local' to start one in-process"))
     # A Ray head started with the release (KubeRay) can take minutes to accept clients on a busy
-    # node; well inside the chart's startup probe (10 minutes), so a slow head is waited for
+    # node; the default sits well inside the chart's startup probe, so a slow head is waited for
     # rather than answered with restarts, and a wrong address still ends the container.
     ray_join_timeout_s: float = field(
         default=300.0,
