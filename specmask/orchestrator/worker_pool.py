@@ -240,10 +240,7 @@ async def start_workers(config: OrchestratorConfig) -> list[WorkerSlot]:
     except BaseException as exc:
         stop_workers(actors)
         if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
-            raise RuntimeError(
-                f"GPU workers did not start within {config.worker_start_timeout_s:.0f} s "
-                "(an actor asking for a GPU the cluster lacks waits forever; see --worker-num-gpus)"
-            ) from None
+            raise _start_timeout(config.worker_start_timeout_s) from None
         raise
     first = infos[0]
     for i, info in enumerate(infos):
@@ -436,10 +433,7 @@ class WorkerPool:
             await self._discard(self._names_to_actors())
             await self._stop_renewal()
             if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
-                raise RuntimeError(
-                    f"GPU workers did not start within {self.config.worker_start_timeout_s:.0f} s "
-                    "(an actor asking for a GPU the cluster lacks waits forever; see --worker-num-gpus)"
-                ) from None
+                raise _start_timeout(self.config.worker_start_timeout_s) from None
             raise
         pairs = adopted + list(zip(created, infos))
         first = pairs[0][1]
@@ -677,3 +671,11 @@ class WorkerPool:
 
 def _actor_id(actor: Any) -> str:
     return actor._actor_id.hex()
+
+
+def _start_timeout(timeout_s: float) -> RuntimeError:
+    """The error for workers that did not start in time, naming the likeliest cause."""
+    return RuntimeError(
+        f"GPU workers did not start within {timeout_s:.0f} s "
+        "(an actor asking for a GPU the cluster lacks waits forever; see --worker-num-gpus)"
+    )
