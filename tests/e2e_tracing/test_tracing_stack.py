@@ -146,11 +146,17 @@ def _local(traced: TracedStack, trace_id: str) -> list[ReadableSpan]:
 
 
 def _wait_remote(traced: TracedStack, trace_id: str, want: set[tuple[str, str]]) -> list[Received]:
-    """The remote spans of ``trace_id`` once every (service, name) in ``want`` has arrived."""
+    """The remote spans of ``trace_id`` once every (service, name) in ``want`` has arrived and
+    every received span's parent has too. Each process exports on its own schedule, and a child
+    span ends (and so ships) before its parent: a mask service span can arrive while the worker
+    span it belongs to is still in the worker's export queue."""
+    local_ids = {_sid(s) for s in _local(traced, trace_id)}
     deadline = time.monotonic() + EXPORT_WAIT_S
     while True:
         spans = traced.collector.of_trace(trace_id)
-        if want <= {(s.service, s.name) for s in spans} or time.monotonic() > deadline:
+        known = local_ids | {s.span_id for s in spans}
+        closed = all(s.parent_id in known or not s.parent_id for s in spans)
+        if (want <= {(s.service, s.name) for s in spans} and closed) or time.monotonic() > deadline:
             return spans
         time.sleep(0.2)
 
