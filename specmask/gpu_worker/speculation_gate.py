@@ -32,8 +32,16 @@ PROBE_STEPS = 1
 class Arm(enum.Enum):
     """What a step does with its drafts."""
 
-    SPECULATE = enum.auto()  # k_r as planned
+    SPECULATE = enum.auto()  # k_r as planned, draft-side masks as the requests ask
+    # k_r as planned, the draft model alone and no draft-side mask round trips (the device
+    # draft loop); the verifier still masks every position. Offered where draft-side masks
+    # cost more than the acceptance they buy (BatchKind.unmaskable).
+    SPECULATE_UNMASKED = enum.auto()
     PLAIN = enum.auto()  # k_r = 0 for every row
+
+    @property
+    def drafts(self) -> bool:
+        return self is not Arm.PLAIN
 
 
 @dataclass(frozen=True)
@@ -47,10 +55,22 @@ class BatchKind:
     # on the same models, so one traffic mix must not decide for the other: a stretch of
     # sampled requests that made speculation lose would otherwise switch it off for greedy ones.
     sampled: bool = False
+    # With draft masks, every row drafts with the draft model, so the batch can also draft
+    # without draft-side masks (Arm.SPECULATE_UNMASKED).
+    unmaskable: bool = False
 
     @classmethod
-    def of(cls, size: int, *, constrained: bool, draft_masks: bool, sampled: bool = False) -> BatchKind:
-        return cls(1 << max(0, size - 1).bit_length(), constrained, draft_masks, sampled)
+    def of(
+        cls, size: int, *, constrained: bool, draft_masks: bool, sampled: bool = False, unmaskable: bool = False
+    ) -> BatchKind:
+        return cls(1 << max(0, size - 1).bit_length(), constrained, draft_masks, sampled, draft_masks and unmaskable)
+
+    @property
+    def arms(self) -> tuple[Arm, ...]:
+        """The arms a batch of this kind may run, in order of preference on equal figures."""
+        if self.unmaskable:
+            return (Arm.SPECULATE, Arm.SPECULATE_UNMASKED, Arm.PLAIN)
+        return (Arm.SPECULATE, Arm.PLAIN)
 
 
 @dataclass
@@ -81,18 +101,33 @@ class _Arm:
 
 @dataclass
 class _KindState:
-    arms: dict[Arm, _Arm] = field(default_factory=lambda: {arm: _Arm() for arm in Arm})
+    arms: dict[Arm, _Arm]
     current: Arm = Arm.SPECULATE  # the arm the measurements favour (optimistic at first)
-    since_probe: int = 0  # steps of ``current`` since the other arm last ran
+    since_probe: int = 0  # steps of ``current`` since another arm last ran
     probe_every: int = MIN_PROBE_EVERY
-    other_run: int = 0  # steps of the other arm in a row (a probe under way)
+    probing: Arm | None = None  # the arm a probe under way runs
+    probe_run: int = 0  # steps of that probe so far
+    next_probe: int = 0  # round robin over the other arms, for the periodic probes
+
+    @classmethod
+    def of(cls, kind: BatchKind) -> _KindState:
+        return cls(arms={arm: _Arm() for arm in kind.arms})
+
+    def others(self) -> list[Arm]:
+        return [arm for arm in self.arms if arm is not self.current]
+
+    def best(self) -> Arm:
+        """The measured arm with the most tokens per row per second (the earlier on a tie)."""
+        measured = [arm for arm, a in self.arms.items() if a.seconds]
+        return max(measured, key=lambda arm: self.arms[arm].rate)
 
 
 @dataclass
 class SpeculationGate:
-    """Chooses, per step, between speculating and plain decoding (see the module doc)."""
+    """Chooses, per step, between speculating (with or without draft-side masks) and plain
+    decoding (see the module doc)."""
 
-    # False: always speculate (benches replaying a recorded run step for step).
+    # False: always speculate as requested (benches replaying a recorded run step for step).
     enabled: bool = True
     kinds: dict[BatchKind, _KindState] = field(default_factory=dict)
 
@@ -101,45 +136,58 @@ class SpeculationGate:
         state = self.kinds.get(kind)
         if state is None or not self.enabled:
             return Arm.SPECULATE
-        if state.other_run:
-            return Arm.PLAIN if state.current is Arm.SPECULATE else Arm.SPECULATE  # the probe goes on
-        spec, plain = state.arms[Arm.SPECULATE], state.arms[Arm.PLAIN]
-        if state.current is Arm.PLAIN:
-            return Arm.SPECULATE if state.since_probe >= state.probe_every else Arm.PLAIN
-        if spec.steps < WARMUP_STEPS:
+        if state.probing is not None:
+            return state.probing  # the probe goes on
+        current = state.arms[state.current]
+        if state.current is Arm.SPECULATE and current.steps < WARMUP_STEPS:
             return Arm.SPECULATE
-        if not plain.seconds or state.since_probe >= state.probe_every or spec.rate < plain.rate:
-            return Arm.PLAIN  # the plain step's first measurement, a probe, or speculation fell below it
-        return Arm.SPECULATE
+        others = state.others()
+        unmeasured = [arm for arm in others if not state.arms[arm].seconds]
+        if unmeasured:
+            return unmeasured[-1]  # an arm's first measurement (plain decoding's first)
+        if state.since_probe >= state.probe_every:
+            return others[state.next_probe % len(others)]  # a periodic probe
+        faster = max(others, key=lambda arm: state.arms[arm].rate)
+        if current.rate < state.arms[faster].rate:
+            return faster  # the current arm fell below another's last figure: measure that one now
+        return state.current
 
     def record(self, kind: BatchKind, arm: Arm, *, seconds: float, rows: int, tokens: int) -> None:
         """Learn from one step of ``kind`` that ran ``arm``: ``seconds`` of wall clock, ``tokens``
         emitted over ``rows`` rows."""
         if rows <= 0 or seconds <= 0:
             return
-        state = self.kinds.setdefault(kind, _KindState())
-        measured = state.arms[arm]
+        state = self.kinds.get(kind)
+        if state is None:
+            state = self.kinds[kind] = _KindState.of(kind)
+        measured = state.arms.get(arm)
+        if measured is None:
+            return  # an arm this kind does not offer (a caller's own choice): nothing to learn
         if arm is state.current:
             measured.add(seconds, tokens / rows)
             state.since_probe += 1
-            state.other_run = 0
+            state.probing, state.probe_run = None, 0
             return
         if not state.arms[state.current].seconds:
             measured.add(seconds, tokens / rows)
             return  # nothing to compare with yet: its steps just add up
-        if state.other_run == 0:
+        if state.probing is not arm:
             measured.stale = True  # a probe starts: its steps replace the arm's old ones
+            state.probing, state.probe_run = arm, 0
         measured.add(seconds, tokens / rows)
-        state.other_run += 1
-        if state.other_run < PROBE_STEPS:
+        state.probe_run += 1
+        if state.probe_run < PROBE_STEPS:
             return  # the probe goes on
-        spec, plain = state.arms[Arm.SPECULATE], state.arms[Arm.PLAIN]
-        best = Arm.SPECULATE if spec.rate >= plain.rate else Arm.PLAIN
+        best = state.best()
         if best is state.current:
             state.probe_every = min(MAX_PROBE_EVERY, 2 * state.probe_every)  # confirmed: probe less
+            state.next_probe += 1
         else:
             state.current = best  # the probe's arm, measured faster just now
             state.probe_every = MIN_PROBE_EVERY
-        state.arms[Arm.PLAIN if best is Arm.SPECULATE else Arm.SPECULATE].stale = True
+            state.next_probe = 0
+        for other, figures in state.arms.items():
+            if other is not best:
+                figures.stale = True
         state.since_probe = 0
-        state.other_run = 0
+        state.probing, state.probe_run = None, 0

@@ -103,3 +103,84 @@ def test_kinds_are_learned_apart_and_a_disabled_gate_always_speculates() -> None
     off = SpeculationGate(enabled=False)
     _run(off, 300, spec_tokens=1.0)
     assert off.choose(KIND) is Arm.SPECULATE
+
+
+MASKED_KIND = BatchKind.of(4, constrained=True, draft_masks=True, unmaskable=True)
+
+
+def _run3(gate: SpeculationGate, steps: int, *, costs: dict[Arm, tuple[float, float]]) -> list[Arm]:
+    """``steps`` steps of a 4-row batch that may also draft without draft-side masks; ``costs``
+    gives each arm's (seconds per step, tokens per row per step)."""
+    arms = []
+    for _ in range(steps):
+        arm = gate.choose(MASKED_KIND)
+        arms.append(arm)
+        seconds, tokens = costs[arm]
+        gate.record(MASKED_KIND, arm, seconds=seconds, rows=4, tokens=round(4 * tokens))
+    return arms
+
+
+def test_only_batches_that_can_draft_unmasked_get_that_arm() -> None:
+    assert MASKED_KIND.arms == (Arm.SPECULATE, Arm.SPECULATE_UNMASKED, Arm.PLAIN)
+    assert KIND.arms == (Arm.SPECULATE, Arm.PLAIN)
+    # Without draft masks there is nothing to turn off.
+    assert not BatchKind.of(4, constrained=True, draft_masks=False, unmaskable=True).unmaskable
+    assert [a for a in Arm if a.drafts] == [Arm.SPECULATE, Arm.SPECULATE_UNMASKED]
+
+
+def test_draft_masks_that_cost_more_than_they_buy_are_switched_off() -> None:
+    """Masked drafts: 3.2 tokens per row for 2.0 s (1.6/s); unmasked: 3.0 for 1.5 s (2.0/s);
+    plain: 1.0 for 1.0 s. The gate settles on unmasked drafts and probes the others rarely."""
+    gate = SpeculationGate()
+    costs = {Arm.SPECULATE: (2.0, 3.2), Arm.SPECULATE_UNMASKED: (1.5, 3.0), Arm.PLAIN: (1.0, 1.0)}
+    arms = _run3(gate, 1000, costs=costs)
+    assert arms[:WARMUP_STEPS] == [Arm.SPECULATE] * WARMUP_STEPS
+    assert set(arms[WARMUP_STEPS : WARMUP_STEPS + 2]) == {Arm.PLAIN, Arm.SPECULATE_UNMASKED}  # first figures
+    assert gate.kinds[MASKED_KIND].current is Arm.SPECULATE_UNMASKED
+    tail = arms[200:]
+    assert tail.count(Arm.SPECULATE_UNMASKED) >= len(tail) - 2 * (len(tail) // MAX_PROBE_EVERY + 2)
+    # Both other arms are still probed (the figures may change).
+    assert Arm.SPECULATE in tail and Arm.PLAIN in tail
+    # Throughput within 5% of always running the best arm.
+    spent = sum(costs[a][0] for a in arms)
+    made = sum(costs[a][1] for a in arms)
+    best = costs[Arm.SPECULATE_UNMASKED][1] / costs[Arm.SPECULATE_UNMASKED][0]
+    assert made / spent >= 0.95 * best
+
+
+def test_draft_masks_that_pay_stay_on() -> None:
+    """Masked drafts 4.5 tokens for 2.0 s (2.25/s) against unmasked 2.5 for 1.5 s (1.67/s)."""
+    gate = SpeculationGate()
+    costs = {Arm.SPECULATE: (2.0, 4.5), Arm.SPECULATE_UNMASKED: (1.5, 2.5), Arm.PLAIN: (1.0, 1.0)}
+    arms = _run3(gate, 1000, costs=costs)
+    assert gate.kinds[MASKED_KIND].current is Arm.SPECULATE
+    tail = arms[200:]
+    assert tail.count(Arm.SPECULATE) >= len(tail) - 2 * (len(tail) // MAX_PROBE_EVERY + 2)
+
+
+def test_the_gate_follows_when_draft_masks_start_paying() -> None:
+    gate = SpeculationGate()
+    cheap = {Arm.SPECULATE: (2.0, 3.2), Arm.SPECULATE_UNMASKED: (1.5, 3.0), Arm.PLAIN: (1.0, 1.0)}
+    _run3(gate, 500, costs=cheap)
+    assert gate.kinds[MASKED_KIND].current is Arm.SPECULATE_UNMASKED
+    paying = {Arm.SPECULATE: (2.0, 5.0), Arm.SPECULATE_UNMASKED: (1.5, 2.0), Arm.PLAIN: (1.0, 1.0)}
+    arms = _run3(gate, 2 * MAX_PROBE_EVERY + 100, costs=paying)
+    assert gate.kinds[MASKED_KIND].current is Arm.SPECULATE
+    assert arms[-50:].count(Arm.SPECULATE) >= 50 - 2 * (50 // MIN_PROBE_EVERY + 1)
+
+
+def test_no_drafting_arm_pays_then_plain_decoding() -> None:
+    gate = SpeculationGate()
+    costs = {Arm.SPECULATE: (2.0, 1.2), Arm.SPECULATE_UNMASKED: (1.5, 1.1), Arm.PLAIN: (1.0, 1.0)}
+    arms = _run3(gate, 1000, costs=costs)
+    assert gate.kinds[MASKED_KIND].current is Arm.PLAIN
+    spent = sum(costs[a][0] for a in arms)
+    made = sum(costs[a][1] for a in arms)
+    assert made / spent >= 0.95
+
+
+def test_an_arm_the_kind_does_not_offer_is_not_learned() -> None:
+    gate = SpeculationGate()
+    gate.record(KIND, Arm.SPECULATE, seconds=1.0, rows=1, tokens=2)
+    gate.record(KIND, Arm.SPECULATE_UNMASKED, seconds=1.0, rows=1, tokens=2)
+    assert Arm.SPECULATE_UNMASKED not in gate.kinds[KIND].arms
