@@ -65,6 +65,7 @@ from bench.soak import cpu_seconds
 from bench.worker import tally_outputs
 from specmask.common.proposer_kind import ProposerKind
 from specmask.gpu_worker.drafting import Drafter
+from specmask.gpu_worker.mask_errors import MaskFailure
 from specmask.gpu_worker.proposers.base import DraftSlot, Proposal, Proposer
 from specmask.gpu_worker.speculation_gate import SpeculationGate
 from specmask.gpu_worker.step import StepRunner
@@ -155,7 +156,7 @@ class _RecordingDrafter(Drafter):
         self._slots: Sequence[DraftSlot] = ()
         self.lookahead_seq: Any = None  # the sequence whose lookahead is being computed
 
-    def propose(self, slots: Sequence[DraftSlot], errors: dict[str, str]) -> float:
+    def propose(self, slots: Sequence[DraftSlot], errors: dict[str, MaskFailure]) -> float:
         self._position, self._slots = 1, slots
         waited = super().propose(slots, errors)
         self._note()

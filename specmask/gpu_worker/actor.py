@@ -32,7 +32,6 @@ from specmask.gpu_worker.admission import Admission, WorkerLimits
 from specmask.gpu_worker.config import WorkerConfig, iteration_budget
 from specmask.gpu_worker.kv_sizing import size_kv_budget
 from specmask.gpu_worker.loading import eos_token_ids, load_tokenizer, resolve_device
-from specmask.gpu_worker.mask_errors import failure_kind
 from specmask.gpu_worker.mask_table import DeviceMaskTable
 from specmask.gpu_worker.masks import MaskChannel
 from specmask.gpu_worker.planning import IterationPlanner, PlanSeq
@@ -242,7 +241,7 @@ class GpuWorker:
             # is then add()'s answer; later, it is the sequence's step output.
             failure = self.sessions.settle(state)
             if failure is not None:
-                errors[i] = failure
+                errors[i] = failure.message
                 self._free(state)
                 continue
             self._seqs[state.seq_id] = state
@@ -442,8 +441,7 @@ class GpuWorker:
                 del self._seqs[state.seq_id]
                 state.finished = FinishReason.ERROR
                 self._free(state)
-                kind = failure_kind(failure)
-                failed.append(StepOutput(state.seq_id, [], FinishReason.ERROR, error=failure, error_kind=kind))
+                failed.append(failure.output(state.seq_id))
         return failed
 
     def _retire(self, seq_id: str, reason: FinishReason) -> SequenceState:

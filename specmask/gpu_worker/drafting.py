@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from specmask.common.proposer_kind import ProposerKind
+from specmask.gpu_worker.mask_errors import MaskFailure
 from specmask.gpu_worker.masks import MaskChannel, MaskReply, PendingMasks, mask_item
 from specmask.gpu_worker.proposers.base import DraftSlot, Proposal, Proposer
 from specmask.gpu_worker.proposers.draft_model import DraftModelProposer
@@ -125,12 +126,17 @@ class Drafter:
         if self._first is not None:
             self._first.settle()
 
-    def propose(self, slots: Sequence[DraftSlot], errors: dict[str, str]) -> float:
+    def propose(self, slots: Sequence[DraftSlot], errors: dict[str, MaskFailure], *, masked: bool = True) -> float:
         """Fill slot.drafts position by position; failed sequences go to ``errors``
-        (seq_id -> message). Returns seconds spent waiting on masks."""
+        (seq_id -> why). Returns seconds spent waiting on masks.
+
+        ``masked`` False: the draft model drafts every slot alone, without draft-side mask
+        rows, in the device loop (the speculation gate's ``SPECULATE_UNMASKED``, for batches
+        whose every slot drafts with the draft model); proposers that need mask rows propose
+        nothing this step. Exact either way: the verifier masks every position."""
         first, self._first = self._first, None
         first_chains, self._first_chains = self._first_chains, {}
-        on_device = self._device_loop(slots, errors)
+        on_device = self._device_loop(slots, errors) if masked else self._unmasked(slots, errors)
         if on_device is not None:
             draft_model, drafting = on_device
             if drafting:
@@ -201,7 +207,7 @@ class Drafter:
         return waited
 
     def _device_loop(
-        self, slots: Sequence[DraftSlot], errors: dict[str, str]
+        self, slots: Sequence[DraftSlot], errors: dict[str, MaskFailure]
     ) -> tuple[DraftModelProposer, list[DraftSlot]] | None:
         """The draft model and the slots it drafts for, when the whole batch can draft in the
         device loop (``DraftModelProposer.draft_on_device``): every slot that drafts this step
@@ -221,6 +227,16 @@ class Drafter:
             }
             if runnable != {ProposerKind.DRAFT_MODEL}:
                 return None
+        return self.draft_model, drafting
+
+    def _unmasked(
+        self, slots: Sequence[DraftSlot], errors: dict[str, MaskFailure]
+    ) -> tuple[DraftModelProposer, list[DraftSlot]] | None:
+        """The device loop for every drafting slot, draft-side masks or not; None (proposal
+        as requested) where the worker has no draft model or a slot does not draft with it."""
+        drafting = [s for s in slots if s.k > 0 and s.seq.seq_id not in errors]
+        if self.draft_model is None or any(ProposerKind.DRAFT_MODEL not in s.seq.proposers for s in drafting):
+            return self._device_loop(slots, errors)
         return self.draft_model, drafting
 
     def _foreseen(self, slot: DraftSlot, preparing: Proposer) -> bool:
@@ -263,7 +279,7 @@ class Drafter:
         self,
         reply: MaskReply,
         slots: Sequence[DraftSlot],
-        errors: dict[str, str],
+        errors: dict[str, MaskFailure],
     ) -> float:
         """Give each slot its row from ``reply`` (or its error), walk its lookahead if it sent
         one, then take the forced run if the reply has one for where the slot stands (the
@@ -300,7 +316,9 @@ class Drafter:
             if forced:
                 after = res.forced_rows  # one per forced token: _item asks for them with every run
                 if after is None or len(after) < len(forced):
-                    errors[s.seq.seq_id] = "mask service sent a forced run without the row after each token"
+                    errors[s.seq.seq_id] = MaskFailure.internal(
+                        "mask service sent a forced run without the row after each token"
+                    )
                     continue
                 for j, token in enumerate(forced):
                     s.add(Proposal(token), FORCED_CONTINUATION)  # q = 1; every forced token is grammar-accepted

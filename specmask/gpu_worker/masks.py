@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from specmask.common import tracing
 from specmask.common.grammar_spec import GrammarSpec
-from specmask.gpu_worker.mask_errors import MASK_TIER_UNAVAILABLE, describe_mask_failure
+from specmask.gpu_worker.mask_errors import MaskFailure, describe_mask_failure
 from specmask.mask_service.auth import public_owner
 from specmask.mask_service.client.mask_client import MaskServiceError
 
@@ -204,7 +204,7 @@ class MaskReply:
     """What one batched request gave, keyed by mask session id (unique per sequence)."""
 
     results: dict[str, DraftMaskResult] = field(default_factory=dict)  # session_id -> its rows
-    errors: dict[str, str] = field(default_factory=dict)  # session_id -> message; only that sequence fails
+    errors: dict[str, MaskFailure] = field(default_factory=dict)  # session_id -> why; only that sequence fails
     wait_s: float = 0.0  # time the caller was blocked in wait()
 
 
@@ -241,8 +241,8 @@ class PendingMasks:
             if len(outcomes) != len(self._items):
                 raise RuntimeError(f"mask service returned {len(outcomes)} answers for {len(self._items)} items")
         except FutureTimeout:
-            msg = f"{MASK_TIER_UNAVAILABLE}: no mask answer within {self._timeout_s:.1f}s; retry"
-            reply.errors.update((session_id, msg) for session_id in self._items)
+            late = MaskFailure.tier_unavailable(f"no mask answer within {self._timeout_s:.1f}s")
+            reply.errors.update((session_id, late) for session_id in self._items)
         except Exception as exc:
             why = describe_mask_failure(exc, "computing masks")
             reply.errors.update((session_id, why) for session_id in self._items)

@@ -21,7 +21,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as futures_wait
 
-from specmask.gpu_worker.mask_errors import MASK_TIER_UNAVAILABLE, describe_mask_failure
+from specmask.gpu_worker.mask_errors import MaskFailure, describe_mask_failure
 from specmask.gpu_worker.masks import MaskChannel, OpenedSession
 from specmask.gpu_worker.sequence import SequenceState
 from specmask.gpu_worker.types import SessionWait, StepOutput
@@ -52,7 +52,7 @@ class MaskSessions:
         state.session_opening = self.masks.open_session_async(grammar, request_id=state.request_id)
         state.opening_since = time.monotonic()
 
-    def settle(self, state: SequenceState) -> str | None:
+    def settle(self, state: SequenceState) -> MaskFailure | None:
         """If ``state``'s session open has answered, take its session id, or return why it
         failed. Still opening past ``open_timeout_s`` is a failure too (the router's own
         deadlines end a call well before). None: open, or still opening."""
@@ -63,7 +63,7 @@ class MaskSessions:
             waited = time.monotonic() - state.opening_since
             if waited <= self.open_timeout_s:
                 return None
-            return f"{MASK_TIER_UNAVAILABLE}: opening the grammar session took over {waited:.0f} s; retry"
+            return MaskFailure.tier_unavailable(f"opening the grammar session took over {waited:.0f} s")
         state.session_opening = None
         try:
             opened = opening.result()

@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from specmask.common.proposer_kind import ProposerKind
-from specmask.gpu_worker import mask_errors
 from specmask.gpu_worker.drafting import Drafter
+from specmask.gpu_worker.mask_errors import MaskFailure
 from specmask.gpu_worker.mask_table import DeviceMaskTable
 from specmask.gpu_worker.masks import MaskChannel, mask_item
 from specmask.gpu_worker.model_runner import DeviceTail, ForwardItem, ModelRunner
@@ -146,7 +146,7 @@ class StepRunner:
         fails, the step's rows are forwarded again alone and the riders are told
         (``Riders.failed``): a prompt that cannot be read fails only its own sequence."""
         started = time.perf_counter()
-        errors: dict[str, str] = {}
+        errors: dict[str, MaskFailure] = {}  # seq_id -> why its mask call failed
         ks = [self.plan_k(seq) for seq in seqs]
         kind = self.batch_kind(seqs)
         if not any(ks):
@@ -158,7 +158,7 @@ class StepRunner:
             arm = Arm.SPECULATE
         else:
             arm = self.gate.choose(kind)
-        if arm is Arm.PLAIN:
+        if not arm.drafts:
             ks = [0] * len(ks)  # plain decoding this step: speculation measured slower (or off)
         if token_budget is not None:
             ks = trim_to_budget(
@@ -169,7 +169,7 @@ class StepRunner:
                 self.target.cost,
             )
         slots = [DraftSlot(seq, k=k) for seq, k in zip(seqs, ks, strict=True)]
-        mask_wait = self.drafter.propose(slots, errors)
+        mask_wait = self.drafter.propose(slots, errors, masked=arm is not Arm.SPECULATE_UNMASKED)
         self.width.trim([s for s in slots if s.seq.seq_id not in errors])
         late = joiners() if joiners is not None else ()
         slots.extend(DraftSlot(seq, k=0) for seq in late)
@@ -318,10 +318,8 @@ class StepRunner:
                 # The kept tokens are a prefix of the emitted ones (a stop token or the budget
                 # cuts the tail): so are their logprobs.
                 out.logprobs = result.logprobs[: len(out.new_token_ids)]
-        for seq_id, message in errors.items():
-            outputs[seq_id] = StepOutput(
-                seq_id, [], FinishReason.ERROR, error=message, error_kind=mask_errors.failure_kind(message)
-            )
+        for seq_id, failure in errors.items():
+            outputs[seq_id] = failure.output(seq_id)
         for out in outputs.values():
             out.mask_time_s = mask_wait
         if not late and not riding:
@@ -335,12 +333,13 @@ class StepRunner:
             )
         # Position-1 masks of the next step depend only on this commit: send them now,
         # so they are computed while the caller handles this step's outputs (unless the
-        # next step is expected to decode plainly: nothing would read them).
+        # next step is expected to decode plainly, or to draft without draft-side masks:
+        # nothing would read them).
         going_on = [s.seq for s in slots if outputs[s.seq.seq_id].finish_reason is None]
-        speculating = any(_replays(seq) for seq in going_on) or (
+        masked_next = any(_replays(seq) for seq in going_on) or (
             self.gate.choose(self.batch_kind(going_on)) is Arm.SPECULATE
         )
-        self.drafter.prefetch_first([seq for seq in going_on if speculating and self.plan_k(seq) > 0])
+        self.drafter.prefetch_first([seq for seq in going_on if masked_next and self.plan_k(seq) > 0])
         return [outputs[s.seq.seq_id] for s in slots]
 
     def batch_kind(self, seqs: Sequence[SequenceState]) -> BatchKind:
@@ -353,6 +352,8 @@ class StepRunner:
                 for seq in seqs
             ),
             sampled=any(seq.request.sampling.temperature > 0 for seq in seqs),
+            unmaskable=self.drafter.draft_model is not None
+            and all(ProposerKind.DRAFT_MODEL in seq.proposers for seq in seqs),
         )
 
     def _commit(self, slot: DraftSlot, emitted: list[int], num_accepted: int) -> StepOutput:

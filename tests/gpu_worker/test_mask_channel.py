@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
+from specmask.gpu_worker.types import ErrorKind
 from specmask.mask_service.client.mask_client import DraftMaskItem
 
 SCHEMA = GrammarSpec(
@@ -154,8 +155,10 @@ def test_a_failed_item_fails_its_sequence_alone_in_one_call(channel, mask_servic
     reply = pending.wait()
     assert set(reply.results) == {good} and reply.results[good].num_grammar_accepted == 0
     assert set(reply.errors) == {refused, "never-opened"}
-    assert reply.errors[refused].startswith("grammar refused by the mask service")
-    assert "NOT_FOUND" in reply.errors["never-opened"]
+    assert reply.errors[refused].message.startswith("grammar refused by the mask service")
+    assert "NOT_FOUND" in reply.errors["never-opened"].message
+    # The service answered both: neither is the tier being away, whatever the words say.
+    assert {f.kind for f in reply.errors.values()} == {ErrorKind.INTERNAL}
     assert len(router.of("draft_masks")) == 1
     assert pending.wait() is reply
     for sid in (good, refused):

@@ -14,7 +14,7 @@ from specmask.gpu_worker.mask_errors import MASK_TIER_UNAVAILABLE
 from specmask.gpu_worker.masks import OpenedSession
 from specmask.gpu_worker.sequence import SequenceState
 from specmask.gpu_worker.sessions import MaskSessions, note_session_waits
-from specmask.gpu_worker.types import NewSequence, SessionWait, StepOutput
+from specmask.gpu_worker.types import ErrorKind, FinishReason, NewSequence, SessionWait, StepOutput
 from specmask.mask_service.client.mask_client import MaskServiceError
 
 GRAMMAR = GrammarSpec(GrammarKind.REGEX, "(yes|no)")
@@ -46,12 +46,17 @@ def test_a_refused_open_is_worded_for_the_client() -> None:
     sessions = MaskSessions(None, open_timeout_s=60.0, wait_s=1.0)
     refused, opening = _opening("refused")
     opening.set_exception(MaskServiceError(grpc.StatusCode.INVALID_ARGUMENT, "bad regex at 3"))
-    assert sessions.settle(refused) == "grammar refused by the mask service: bad regex at 3"
+    failure = sessions.settle(refused)
+    assert failure is not None and failure.message == "grammar refused by the mask service: bad regex at 3"
+    assert failure.kind is ErrorKind.INTERNAL  # the grammar was validated before admission
     unreachable, down = _opening("down")
     down.set_exception(MaskServiceError(grpc.StatusCode.UNAVAILABLE, "ipv4:127.0.0.1:1: Failed to connect"))
     failure = sessions.settle(unreachable)
-    assert failure is not None and failure.startswith(MASK_TIER_UNAVAILABLE)
-    assert "127.0.0.1" not in failure  # a replica's address means nothing to a client
+    assert failure is not None and failure.kind is ErrorKind.MASK_TIER_UNAVAILABLE
+    assert failure.message.startswith(MASK_TIER_UNAVAILABLE)
+    assert "127.0.0.1" not in failure.message  # a replica's address means nothing to a client
+    out = failure.output("down")  # the kind rides beside the words onto the step output
+    assert (out.finish_reason, out.error, out.error_kind) == (FinishReason.ERROR, failure.message, failure.kind)
 
 
 def test_an_open_past_its_timeout_fails_and_wait_any_returns_on_the_first_answer() -> None:
@@ -59,7 +64,8 @@ def test_an_open_past_its_timeout_fails_and_wait_any_returns_on_the_first_answer
     slow, _ = _opening("slow")
     slow.opening_since = time.monotonic() - 6.0
     failure = sessions.settle(slow)
-    assert failure is not None and failure.startswith(MASK_TIER_UNAVAILABLE) and "took over 6 s" in failure
+    assert failure is not None and failure.kind is ErrorKind.MASK_TIER_UNAVAILABLE
+    assert failure.message.startswith(MASK_TIER_UNAVAILABLE) and "took over 6 s" in failure.message
     waiting, never = _opening("waiting")
     ready, answered = _opening("ready")
     answered.set_result(OpenedSession("sid", frozenset()))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from specmask.gpu_worker.mask_errors import MASK_TIER_UNAVAILABLE, describe_mask_failure, failure_kind
+from specmask.gpu_worker.mask_errors import MASK_TIER_UNAVAILABLE, MaskFailure, describe_mask_failure
 from specmask.gpu_worker.types import MIN_TOKENS_UNREACHABLE, ErrorKind, FinishReason
 from specmask.mask_service.client.mask_client import MaskServiceError
 from specmask.orchestrator.api.error_table import FAILED, REFUSED
@@ -72,6 +72,11 @@ def test_successes_and_cancels_have_no_kind() -> None:
 def test_mask_failures_are_typed_where_they_are_worded() -> None:
     down = describe_mask_failure(MaskServiceError(grpc.StatusCode.UNAVAILABLE, "ipv4:127.0.0.1:1"), "computing masks")
     refused = describe_mask_failure(MaskServiceError(grpc.StatusCode.INVALID_ARGUMENT, "bad"), "computing masks")
-    assert failure_kind(down) is ErrorKind.MASK_TIER_UNAVAILABLE
-    assert failure_kind(refused) is ErrorKind.INTERNAL
-    assert failure_kind(describe_mask_failure(RuntimeError("boom"), "opening")) is ErrorKind.INTERNAL
+    assert down.kind is ErrorKind.MASK_TIER_UNAVAILABLE and down.message.startswith(MASK_TIER_UNAVAILABLE)
+    assert "127.0.0.1" not in down.message
+    assert refused.kind is ErrorKind.INTERNAL
+    assert describe_mask_failure(RuntimeError("boom"), "opening").kind is ErrorKind.INTERNAL
+    # Words that merely look like the tier's carry no kind of their own: only the typed one counts.
+    lookalike = MaskFailure.internal(f"{MASK_TIER_UNAVAILABLE}: but the service answered")
+    error = finish_error(FinishReason.ERROR, lookalike.message, lookalike.output("s").error_kind)
+    assert error is not None and error.status == 500
