@@ -95,7 +95,12 @@ def mask_addresses(text: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class OrchestratorConfig:
+class _OrchestratorFields:
+    """OrchestratorConfig's fields, each with its command-line flag (common.config_flags), in the
+    order `specmask orchestrator --help` lists them. Kept apart from the rules that join them and
+    the settings derived from them (``OrchestratorConfig``), so each reads on its own: build
+    ``OrchestratorConfig``, which checks every value; this class checks none."""
+
     # HF dir of the target model (its tokenizer is the API's tokenizer)
     target_dir: str = field(
         metadata=flag(
@@ -410,6 +415,14 @@ class OrchestratorConfig:
     )
     # OTLP/gRPC collector for this process's and its GPU workers' trace spans (common.tracing); None = off.
     otlp_traces_endpoint: str | None = field(default=None, metadata=flag(OTLP_ENDPOINT_HELP, metavar="URL"))
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig(_OrchestratorFields):
+    """The orchestrator's configuration: the fields (``_OrchestratorFields``, each a flag), checked
+    together when built (a bad value or combination is a ValueError, never a server that starts
+    and misbehaves), and what the components derive from them (the workers' WorkerConfig, the
+    autoscaler's policy, the admission bounds)."""
 
     def __post_init__(self) -> None:
         if not self.mask_service_addresses:
