@@ -4,11 +4,10 @@ Each server owns a ``CollectorRegistry`` (not the process-global one), so two
 servers in one process (tests) do not collide, and the endpoint shows only
 this server's series.
 
-Beside SpecMask's own ``specmask_*`` series, the ``vllm:*`` names autoscalers,
-routers and dashboards built for vLLM read (KEDA recipes, the production-stack
-router, the llm-d endpoint picker, vLLM's Grafana boards), with vLLM's types,
-buckets and ``model_name`` label (the served model id). What each means here,
-where SpecMask differs from vLLM, is in docs/operations.md.
+Beside SpecMask's own ``specmask_*`` series: the ``vllm:*`` names autoscalers, routers
+and dashboards built for vLLM read (orchestrator.vllm_metrics), and acceptance by draft
+position (orchestrator.draft_positions). They are registered in that order, after SpecMask's
+own, which is the order /metrics lists them in.
 """
 
 from __future__ import annotations
@@ -19,25 +18,13 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from specmask.gpu_worker.types import FinishReason, StepOutput
+from specmask.orchestrator.draft_positions import DraftPositionMetrics
 from specmask.orchestrator.types import Usage
+from specmask.orchestrator.vllm_metrics import VllmMetrics
 
 # Latency buckets spanning one GPU step to a multi-minute CPU request.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TPS_BUCKETS = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000)
-# vLLM's buckets for its names (vllm/v1/metrics/loggers.py), so a board's le="..." matches.
-_VLLM_TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-    160.0, 640.0, 2560.0,
-)  # fmt: skip
-_VLLM_ITL_BUCKETS = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
-)  # fmt: skip
-_VLLM_REQUEST_BUCKETS = (
-    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
-    1920.0, 7680.0,
-)  # fmt: skip
-# The label vLLM puts on every series: the served model id.
-MODEL_NAME_LABEL = "model_name"
 # One step emits at most k+1 tokens (k <= 16 anywhere in the stack): a request with
 # more tokens than one step can carry spans at least one step after its first token.
 MIN_TOKENS_FOR_RATE = 18
@@ -191,101 +178,9 @@ class OrchestratorMetrics:
             "without a budget, specmask_batch_slot_usage",
             registry=r,
         )
-        self._vllm_series(r)
-        # Acceptance by draft position: position i (1-based) is *reached* in a step that proposed at
-        # least i drafts and accepted the i - 1 before it; acceptance at i = accepted / reached (the
-        # conditional rate, what a longer draft must beat to pay off).
-        self.draft_position_reached = Counter(
-            "specmask_draft_position_reached",
-            "Draft positions verified after every earlier one",
-            ["position"],
-            registry=r,
-        )
-        self.draft_position_accepted = Counter(
-            "specmask_draft_position_accepted", "Draft positions accepted", ["position"], registry=r
-        )
-        # id(a per-position counter) -> its children by position, made as positions are first seen.
-        self._children: dict[int, list[Counter]] = {}
+        self.vllm = VllmMetrics(r, model_name)
+        self.draft_positions = DraftPositionMetrics(r)
         self._http_server: WSGIServer | None = None
-
-    def _vllm_series(self, r: CollectorRegistry) -> None:
-        """vLLM's names for the same measures. Each is bound to this server's ``model_name``
-        once; the per-position and per-reason ones add their own label."""
-        labels = [MODEL_NAME_LABEL]
-        model = {MODEL_NAME_LABEL: self.model_name}
-        self.vllm_running = Gauge(
-            "vllm:num_requests_running",
-            "Requests placed on a worker (in a batch, or sent with its next iteration)",
-            labels,
-            registry=r,
-        ).labels(**model)
-        self.vllm_waiting = Gauge(
-            "vllm:num_requests_waiting",
-            "Requests validating or waiting for a batch slot (specmask_queue_depth)",
-            labels,
-            registry=r,
-        ).labels(**model)
-        # With a KV budget: the fraction of it the placed requests reserve (each its prompt and
-        # max_tokens, gpu_worker.kv_budget), which reads near 1 when a new request would wait for
-        # memory. Without one, each running sequence holds one row of its worker's KV slot pool,
-        # so it is the batch-slot fraction: not a byte figure (a row grows with its sequence).
-        self.vllm_kv_cache_usage = Gauge(
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage, 1 = full: the fraction of the workers' KV budgets reserved (without a budget, "
-            "of their KV pool rows, the batch slots, in use)",
-            labels,
-            registry=r,
-        ).labels(**model)
-        self.vllm_time_to_first_token = Histogram(
-            "vllm:time_to_first_token_seconds",
-            "Arrival to first token",
-            labels,
-            buckets=_VLLM_TTFT_BUCKETS,
-            registry=r,
-        ).labels(**model)
-        self.vllm_inter_token_latency = Histogram(
-            "vllm:inter_token_latency_seconds",
-            "Time per output token after the first: a step delivering n tokens after a gap of t counts n tokens of t/n",
-            labels,
-            buckets=_VLLM_ITL_BUCKETS,
-            registry=r,
-        ).labels(**model)
-        self.vllm_e2e_latency = Histogram(
-            "vllm:e2e_request_latency_seconds",
-            "Arrival to final token",
-            labels,
-            buckets=_VLLM_REQUEST_BUCKETS,
-            registry=r,
-        ).labels(**model)
-        self.vllm_queue_time = Histogram(
-            "vllm:request_queue_time_seconds",
-            "Admission to being sent to a worker (specmask_request_queue_seconds)",
-            labels,
-            buckets=_VLLM_REQUEST_BUCKETS,
-            registry=r,
-        ).labels(**model)
-        self.vllm_prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Prompt tokens of finished requests", labels, registry=r
-        ).labels(**model)
-        self.vllm_generation_tokens = Counter(
-            "vllm:generation_tokens", "Completion tokens emitted", labels, registry=r
-        ).labels(**model)
-        self.vllm_request_success = Counter(
-            "vllm:request_success", "Finished requests by finish reason", [*labels, "finished_reason"], registry=r
-        )
-        self.vllm_spec_draft_tokens = Counter(
-            "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", labels, registry=r
-        ).labels(**model)
-        self.vllm_spec_accepted_tokens = Counter(
-            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", labels, registry=r
-        ).labels(**model)
-        # Accepted tokens per draft position (0-based).
-        self.vllm_spec_accepted_per_pos = Counter(
-            "vllm:spec_decode_num_accepted_tokens_per_pos",
-            "Accepted tokens per draft position",
-            [*labels, "position"],
-            registry=r,
-        )
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Expose /metrics over HTTP (a daemon thread); returns the bound port (``port=0`` picks one)."""
@@ -315,10 +210,8 @@ class OrchestratorMetrics:
             self.target_forwards.inc(o.target_forwards)
             self.drafts_proposed.inc(o.drafts_proposed)
             self.drafts_accepted.inc(o.drafts_accepted)
-            self.vllm_generation_tokens.inc(len(o.new_token_ids))
-            self.vllm_spec_draft_tokens.inc(o.drafts_proposed)
-            self.vllm_spec_accepted_tokens.inc(o.drafts_accepted)
-            self._observe_positions(o.drafts_proposed, o.drafts_accepted)
+            self.vllm.observe_output(len(o.new_token_ids), o.drafts_proposed, o.drafts_accepted)
+            self.draft_positions.observe(o.drafts_proposed, o.drafts_accepted)
             if o.session_wait is not None:
                 self.session_waits.labels(outcome=o.session_wait.value).inc()
                 self.steps_sat_out.inc(o.steps_sat_out)
@@ -328,60 +221,27 @@ class OrchestratorMetrics:
         the batch slots of the healthy workers, and the fraction of their KV budgets reserved
         (None: they have none)."""
         self.queue_depth.set(waiting)
-        self.vllm_waiting.set(waiting)
-        self.vllm_running.set(running)
         usage = min(1.0, running / slots) if slots > 0 else 1.0  # no healthy worker: no room at all
         self.slot_usage.set(usage)
         kv = usage if kv_usage is None else min(1.0, kv_usage)
         self.kv_usage.set(kv)
-        self.vllm_kv_cache_usage.set(kv)
+        self.vllm.observe_load(waiting=waiting, running=running, kv_usage=kv)
 
     def observe_queued(self, seconds: float) -> None:
         """Admission to being sent to a worker, once per request."""
         self.queue_time.observe(seconds)
-        self.vllm_queue_time.observe(seconds)
+        self.vllm.queue_time.observe(seconds)
 
     def observe_tokens_after_first(self, gap_s: float, n_tokens: int) -> None:
         """``n_tokens`` reached a request's client ``gap_s`` after its previous tokens. A step
         delivers up to k + 1 tokens at once; each counts as ``gap_s / n_tokens``, so the sum over
         the count is the time per output token, as vLLM's inter-token latency is without
         speculation (one token a step)."""
-        if n_tokens <= 0 or gap_s < 0:
-            return
-        per_token = gap_s / n_tokens
-        for _ in range(n_tokens):
-            self.vllm_inter_token_latency.observe(per_token)
-
-    def _observe_positions(self, proposed: int, accepted: int) -> None:
-        for reached in self._position_children(self.draft_position_reached, min(accepted + 1, proposed)):
-            reached.inc()
-        for accepted_at in self._position_children(self.draft_position_accepted, accepted):
-            accepted_at.inc()
-        for accepted_at in self._position_children(
-            self.vllm_spec_accepted_per_pos, accepted, first=0, labels={MODEL_NAME_LABEL: self.model_name}
-        ):
-            accepted_at.inc()
-
-    def _position_children(
-        self, counter: Counter, n: int, *, first: int = 1, labels: dict[str, str] | None = None
-    ) -> list[Counter]:
-        """The children of ``counter`` for its first ``n`` positions (labels ``first``.., plus
-        ``labels``), made once each: observe_step would otherwise look labels up for every draft
-        of every output."""
-        children = self._children.setdefault(id(counter), [])
-        while len(children) < n:
-            children.append(counter.labels(**(labels or {}), position=str(len(children) + first)))
-        return children[:n]
+        self.vllm.observe_tokens_after_first(gap_s, n_tokens)
 
     def position_totals(self) -> tuple[dict[int, int], dict[int, int]]:
         """(reached, accepted) per draft position so far, for benchmarks."""
-        out: tuple[dict[int, int], dict[int, int]] = ({}, {})
-        for counts, counter in zip(out, (self.draft_position_reached, self.draft_position_accepted)):
-            for metric in counter.collect():
-                for sample in metric.samples:
-                    if sample.name.endswith("_total"):
-                        counts[int(sample.labels["position"])] = int(sample.value)
-        return out
+        return self.draft_positions.totals()
 
     def step_totals(self) -> tuple[int, float, int]:
         """(steps, seconds in steps, sequence-steps) summed over workers, for benchmarks."""
@@ -406,12 +266,10 @@ class OrchestratorMetrics:
         self.requests.labels(finish_reason=reason.value).inc()
         self.request_latency.observe(finish - arrival)
         self.prompt_tokens.inc(usage.prompt_tokens)
-        self.vllm_request_success.labels(model_name=self.model_name, finished_reason=reason.value).inc()
-        self.vllm_e2e_latency.observe(finish - arrival)
-        self.vllm_prompt_tokens.inc(usage.prompt_tokens)
+        ttft = None if first_token is None else first_token - arrival
+        self.vllm.observe_finish(reason, usage.prompt_tokens, finish - arrival, ttft)
         if first_token is not None:
             self.time_to_first_token.observe(first_token - arrival)
-            self.vllm_time_to_first_token.observe(first_token - arrival)
             # Tokens arrive in bursts of up to k+1 per step, so over a request of a few
             # tokens (finish - first_token) may span no step at all: 2 tokens of one burst
             # read as thousands of tokens a second. Shorter requests are not rated.
