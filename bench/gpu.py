@@ -665,6 +665,7 @@ class StepStats:
     # stretches does not swing it, the mix of steps and what each kind costs still count.
     tokens_per_s_steady: float
     drafting_steps: float  # the fraction of steps that proposed drafts
+    unmasked_steps: float  # the fraction of steps that drafted without draft-side masks
     # Median host ms per step inside each model's forward calls (no sync added: the time the
     # host spends launching them, plus any sync the forward itself does).
     target_forward_host_ms: float
@@ -694,6 +695,8 @@ class Samples:
     accepted: int = 0
     counts: list[Any] = field(default_factory=list)  # host_counter.StepCount per counted step
     drafted: list[bool] = field(default_factory=list)  # per step: whether it proposed drafts
+    # per step: whether the speculation gate had it draft without draft-side masks
+    unmasked: list[bool] = field(default_factory=list)
 
     def extend(self, other: Samples) -> None:
         self.times += other.times
@@ -706,12 +709,16 @@ class Samples:
         self.proposed += other.proposed
         self.accepted += other.accepted
         self.drafted += other.drafted
+        self.unmasked += other.unmasked
 
     def steady_seconds(self) -> float:
-        """The cell's time with each step timed at the median of the steps of its kind (drafting or not)."""
-        kinds = {d: statistics.median(t for t, dd in zip(self.times, self.drafted, strict=True) if dd == d)
-                 for d in set(self.drafted)}  # fmt: skip
-        return sum(kinds[d] for d in self.drafted)
+        """The cell's time with each step timed at the median of the steps of its kind (plain,
+        drafting with draft-side masks, drafting without)."""
+        of = list(zip(self.drafted, self.unmasked, strict=True))
+        kinds = {
+            kind: statistics.median(t for t, k in zip(self.times, of, strict=True) if k == kind) for kind in set(of)
+        }
+        return sum(kinds[kind] for kind in of)
 
     def stats(self) -> StepStats:
         ordered = sorted(self.times)
@@ -724,6 +731,7 @@ class Samples:
             tokens_per_step=self.tokens / len(self.times),
             tokens_per_s_steady=self.tokens / self.steady_seconds(),
             drafting_steps=sum(self.drafted) / len(self.drafted),
+            unmasked_steps=sum(self.unmasked) / len(self.unmasked),
             acceptance=self.accepted / self.proposed if self.proposed else None,
             steps=len(self.times),
             target_forward_host_ms=1e3 * statistics.median(self.target_host),
@@ -747,6 +755,7 @@ def time_mode(
     ``args.warmup`` untimed ones, remove them. ``on_step`` runs after every timed step."""
     from specmask.common.grammar_spec import GrammarKind, GrammarSpec
     from specmask.common.proposer_kind import ProposerKind
+    from specmask.gpu_worker.speculation_gate import Arm
     from specmask.gpu_worker.types import NewSequence, SamplingParams, SpeculationParams
 
     steps = args.warmup + args.steps
@@ -803,6 +812,7 @@ def time_mode(
                 out_samples.tokens += sum(len(o.new_token_ids) for o in outs)
                 out_samples.proposed += sum(o.drafts_proposed for o in outs)
                 out_samples.drafted.append(any(o.drafts_proposed for o in outs))
+                out_samples.unmasked.append(worker.stepper.last_arm is Arm.SPECULATE_UNMASKED)
                 out_samples.accepted += sum(o.drafts_accepted for o in outs)
                 if on_step is not None:
                     on_step()
@@ -1046,7 +1056,8 @@ def agreement_sweep(
         for mode, by_batch in out[str(agreement)].items():
             cells = ", ".join(
                 f"B={b}: {v:.2f} (steady {steady[str(agreement)][mode][b]:.2f}, "
-                f"{rows[mode][b]['drafting_steps']:.0%} of steps drafting)"
+                f"{rows[mode][b]['drafting_steps']:.0%} of steps drafting, "
+                f"{rows[mode][b]['unmasked_steps']:.0%} without draft-side masks)"
                 for b, v in by_batch.items()
             )
             print(f"  agreement {agreement}: {mode} spec/no-spec tokens/s {cells}", flush=True)

@@ -148,9 +148,9 @@ class Drafter:
             open_slots = [s for s in slots if s.open and len(s.drafts) < s.k and s.seq.seq_id not in errors]
             if not open_slots:
                 break
-            masked = [s for s in open_slots if self.wants_masks(s.seq)]
+            with_rows = [s for s in open_slots if self.wants_masks(s.seq)]
             if position == 1 and first is not None:
-                covered = [s for s in masked if s.seq.session_id in first.session_ids]
+                covered = [s for s in with_rows if s.seq.session_id in first.session_ids]
                 if covered:
                     for s in covered:
                         s.sent = (0, first_chains.get(s.seq.mask_session, []))
@@ -160,7 +160,7 @@ class Drafter:
                             s.mask_row, s.next_row = s.next_row, None
             fetch = [
                 s
-                for s in masked
+                for s in with_rows
                 if s.open and s.mask_row is None and len(s.drafts) < s.k and s.seq.seq_id not in errors
             ]
             pending = None

@@ -92,6 +92,7 @@ class StepRunner:
         # Decides before proposal whether a step drafts at all (speculation_gate.py): from the
         # measured tokens per second of steps with and without drafts.
         self.gate: SpeculationGate = gate if gate is not None else SpeculationGate()
+        self.last_arm = Arm.SPECULATE  # what the latest step did with its drafts (benches report it)
         # The device mirror of the mask rows, shared with the draft-side masking.
         self.mask_table = mask_table if mask_table is not None else DeviceMaskTable(target.device)
         self.masks = masks
@@ -158,6 +159,7 @@ class StepRunner:
             arm = Arm.SPECULATE
         else:
             arm = self.gate.choose(kind)
+        self.last_arm = arm
         if not arm.drafts:
             ks = [0] * len(ks)  # plain decoding this step: speculation measured slower (or off)
         if token_budget is not None:
