@@ -17,7 +17,9 @@ from typing import Any
 
 from specmask.gpu_worker.types import ErrorKind, FinishReason
 from specmask.orchestrator.api.error_table import FAILED
-from specmask.orchestrator.api.http.errors import UNAVAILABLE, ApiError
+from specmask.orchestrator.api.http.errors import GRAMMAR_VIOLATION, UNAVAILABLE, ApiError
+from specmask.orchestrator.api.http.tool_grammar import ToolGrammar, parse_calls, split_calls, text_content
+from specmask.orchestrator.output_check import OutputChecker
 from specmask.orchestrator.token_text import TokenTexts
 from specmask.orchestrator.types import GrammarReport, OutputLogprob, Usage
 
@@ -101,6 +103,32 @@ def chat_completion(
 ) -> dict[str, Any]:
     choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     return _body(env, "chat.completion", [choice], usage_body(usage, grammar))
+
+
+def chat_message(
+    text: str, reason: FinishReason, calls: ToolGrammar | None, checker: OutputChecker
+) -> tuple[dict[str, Any], str]:
+    """The assistant message and finish_reason of a successful finish.
+
+    With tools, complete calls are ``tool_calls``, each checked against its tool's schema with
+    ``checker`` (a failure is an error, never a success); text (tool_choice "auto") is content.
+    Calls cut short (length, stop string) are plain content with that finish reason.
+    """
+    if calls is None:
+        return {"role": "assistant", "content": text}, FINISH_REASONS[reason]
+    before, call_text = split_calls(text, calls)
+    if reason is FinishReason.GRAMMAR_COMPLETE and call_text is not None:
+        try:
+            parsed = parse_calls(call_text, calls, checker)
+        except ValueError as exc:
+            raise ApiError(
+                GRAMMAR_VIOLATION, f"grammar violation: the generated tool call is not valid: {exc}"
+            ) from None
+        # Text before the calls is their content, as vLLM's parsers return it ("Let me check."),
+        # whitespace too: the same text a stream has sent as content deltas.
+        content = before or None
+        return {"role": "assistant", "content": content, "tool_calls": parsed}, "tool_calls"
+    return {"role": "assistant", "content": text_content(text, calls)}, FINISH_REASONS[reason]
 
 
 # The reasoning's field names: vLLM's current one, and its former one (DeepSeek's API), which

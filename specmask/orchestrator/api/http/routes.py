@@ -24,13 +24,12 @@ from specmask.common.tracing import NO_SPAN, Span
 from specmask.gpu_worker.types import ErrorKind, FinishReason
 from specmask.orchestrator import reasoning, request_trace
 from specmask.orchestrator.api.http import responses as rsp
-from specmask.orchestrator.api.http import tool_grammar, translate
-from specmask.orchestrator.api.http.errors import GRAMMAR_VIOLATION, NOT_FOUND, ApiError
+from specmask.orchestrator.api.http import streaming, translate
+from specmask.orchestrator.api.http.errors import NOT_FOUND, ApiError
 from specmask.orchestrator.api.http.input_checks import check_content_type, refuse_lone_surrogates
 from specmask.orchestrator.api.http.lenient import UnknownFieldLog
 from specmask.orchestrator.api.http.prompting import ChatPrompter
 from specmask.orchestrator.api.http.protocol import ChatCompletionRequest, CompletionRequest
-from specmask.orchestrator.api.http.sse import DeltaEncoder, EventStream
 from specmask.orchestrator.client_identity import client_identity
 from specmask.orchestrator.engine import Engine
 from specmask.orchestrator.errors import RequestError
@@ -38,14 +37,7 @@ from specmask.orchestrator.metrics import OrchestratorMetrics
 from specmask.orchestrator.output_check import OutputChecker
 from specmask.orchestrator.request import Request
 from specmask.orchestrator.token_text import TokenTexts, VocabTokenizer
-from specmask.orchestrator.types import (
-    GenerationRequest,
-    GenerationResult,
-    GrammarReport,
-    OutputLogprob,
-    RequestOutput,
-    Usage,
-)
+from specmask.orchestrator.types import GenerationRequest, GenerationResult
 from specmask.orchestrator.validation import RequestValidator
 
 logger = logging.getLogger(__name__)
@@ -209,8 +201,16 @@ class OpenAIRoutes:
         try:
             if body.stream:
                 include_usage = body.stream_options is not None and body.stream_options.include_usage
-                return await self._stream_chat(
-                    request, admitted, env, headers, translated, include_usage, texts, thinking
+                return await streaming.stream_chat(
+                    request,
+                    admitted,
+                    env,
+                    headers,
+                    calls=translated.tools,
+                    checker=self._checker,
+                    include_usage=include_usage,
+                    texts=texts,
+                    thinking=thinking,
                 )
             result = await admitted.result()
             _raise_for_finish(result.finish_reason, result.error, result.error_kind)
@@ -218,7 +218,7 @@ class OpenAIRoutes:
             answer = reasoning.split_answer(thinking, result.text) if thinking is not None else None
             if answer is not None:  # the grammar, and every check, governed only the content
                 result = dataclasses.replace(result, text=answer.content or "")
-            message, finish = self._chat_message(result.text, result.finish_reason, translated.tools)
+            message, finish = rsp.chat_message(result.text, result.finish_reason, translated.tools, self._checker)
             if answer is not None:
                 message = rsp.with_reasoning(message, answer.reasoning, answer.content is None)
             logprobs = None
@@ -249,7 +249,9 @@ class OpenAIRoutes:
         try:
             if body.stream:
                 include_usage = body.stream_options is not None and body.stream_options.include_usage
-                return await self._stream_completion(request, admitted, env, headers, include_usage, texts)
+                return await streaming.stream_completion(
+                    request, admitted, env, headers, include_usage=include_usage, texts=texts
+                )
             result: GenerationResult = await admitted.result()
             _raise_for_finish(result.finish_reason, result.error, result.error_kind)
             finish = rsp.FINISH_REASONS[result.finish_reason]
@@ -260,202 +262,6 @@ class OpenAIRoutes:
         finally:
             self._engine.cancel(admitted.request_id)
             request_trace.finish(admitted)
-
-    def _chat_message(
-        self, text: str, reason: FinishReason, calls: tool_grammar.ToolGrammar | None
-    ) -> tuple[dict[str, Any], str]:
-        """The assistant message and finish_reason of a successful finish.
-
-        With tools, complete calls are ``tool_calls``, each checked against its tool's schema
-        (a failure is an error, never a success); text (tool_choice "auto") is content. Calls
-        cut short (length, stop string) are plain content with that finish reason.
-        """
-        if calls is None:
-            return {"role": "assistant", "content": text}, rsp.FINISH_REASONS[reason]
-        before, call_text = tool_grammar.split_calls(text, calls)
-        if reason is FinishReason.GRAMMAR_COMPLETE and call_text is not None:
-            try:
-                parsed = tool_grammar.parse_calls(call_text, calls, self._checker)
-            except ValueError as exc:
-                raise ApiError(
-                    GRAMMAR_VIOLATION, f"grammar violation: the generated tool call is not valid: {exc}"
-                ) from None
-            # Text before the calls is their content, as vLLM's parsers return it ("Let me check."),
-            # whitespace too: the same text a stream has sent as content deltas.
-            content = before or None
-            return {"role": "assistant", "content": content, "tool_calls": parsed}, "tool_calls"
-        return {"role": "assistant", "content": tool_grammar.text_content(text, calls)}, rsp.FINISH_REASONS[reason]
-
-    # ---- streaming -------------------------------------------------------
-
-    async def _stream_chat(
-        self,
-        request: web.Request,
-        admitted: Request,
-        env: rsp.Envelope,
-        headers: dict[str, str],
-        translated: translate.Translated,
-        include_usage: bool,
-        texts: TokenTexts | None = None,
-        thinking: reasoning.ReasoningFormat | None = None,
-    ) -> web.StreamResponse:
-        """``texts``: the request asked for logprobs; each text chunk then carries its tokens'.
-        ``thinking``: the output starts with reasoning, streamed as its own deltas first."""
-        stream = await EventStream.open(request, headers)
-        deltas = DeltaEncoder(rsp.chat_chunk(env, {"content": DeltaEncoder.PLACEHOLDER}))
-        sections = reasoning.ReasoningStream(thinking) if thinking is not None else None
-        calls = translated.tools
-        # Tool calls are sent once complete and checked; text is streamed (its start is held
-        # while it could still begin a call).
-        split = tool_grammar.StreamSplit(calls)
-        try:
-            await stream.send(rsp.chat_chunk(env, {"role": "assistant", "content": ""}))
-            held: list[str] = []
-            held_logprobs: list[OutputLogprob] = []
-            output_chars = 0  # the whole output's so far, which logprob offsets count in
-            async for out in admitted.events():
-                output_chars += len(out.text)
-                if sections is not None:  # what follows sees only the content
-                    out = await self._send_reasoning(stream, env, sections, out, texts)
-                content, call_text = split.feed(out.text) if out.text else ("", "")
-                if call_text:
-                    held.append(call_text)
-                if content and call_text:  # text, then the calls' start: each its tokens
-                    tokens = [*held_logprobs, *(out.logprobs or ())]
-                    calls_at = output_chars - len(call_text)
-                    held_logprobs = [e for e in tokens if e.text_offset >= calls_at]
-                    lp = (
-                        None
-                        if texts is None
-                        else rsp.chat_logprobs([e for e in tokens if e.text_offset < calls_at], texts)
-                    )
-                    await stream.send(rsp.chat_chunk(env, {"content": content}, logprobs=lp))
-                elif split.calls or (out.text and not content):
-                    held_logprobs.extend(out.logprobs or ())  # held text's tokens (or tokens after it)
-                elif texts is not None and (content or out.logprobs):
-                    tokens, held_logprobs = [*held_logprobs, *(out.logprobs or ())], []
-                    if split.holding:  # an end that may begin a call keeps its tokens back with it
-                        held_from = output_chars - split.holding
-                        held_logprobs = [e for e in tokens if e.text_offset >= held_from]
-                        tokens = [e for e in tokens if e.text_offset < held_from]
-                    lp = rsp.chat_logprobs(tokens, texts)
-                    await stream.send(rsp.chat_chunk(env, {"content": content}, logprobs=lp))
-                elif content:
-                    await stream.send_raw(deltas.encode(content))
-                if not out.finished:
-                    continue
-                assert out.finish_reason is not None and out.usage is not None
-                error = rsp.finish_error(out.finish_reason, out.error, out.error_kind)
-                if error is not None:
-                    await stream.error(error)
-                    return stream.response
-                if split.calls:
-                    try:
-                        message, finish = self._chat_message("".join(held), out.finish_reason, calls)
-                    except ApiError as exc:
-                        await stream.error(exc)
-                        return stream.response
-                    await self._send_calls(stream, env, message, held_logprobs, texts)
-                else:
-                    finish = rsp.FINISH_REASONS[out.finish_reason]
-                    pending = split.pending()  # a start that never became either branch: text
-                    if pending or (texts is not None and held_logprobs):
-                        last = None if texts is None else rsp.chat_logprobs(held_logprobs, texts)
-                        await stream.send(rsp.chat_chunk(env, {"content": pending}, logprobs=last))
-                await stream.send(rsp.chat_chunk(env, {}, finish))
-                await self._finish_stream(stream, env, "chat.completion.chunk", out.usage, include_usage, out.grammar)
-        except ConnectionResetError:
-            logger.info("[request_id=%s] client went away mid-stream", admitted.request_id)
-        return stream.response
-
-    @staticmethod
-    async def _send_reasoning(
-        stream: EventStream,
-        env: rsp.Envelope,
-        sections: reasoning.ReasoningStream,
-        out: RequestOutput,
-        texts: TokenTexts | None,
-    ) -> RequestOutput:
-        """Send the event's reasoning as a reasoning delta; return the event holding only its content.
-        Its tokens' logprobs go with the reasoning delta when it has no content, else with the content."""
-        thought, content = sections.feed(out.text)
-        if out.finished:
-            more_thought, more_content = sections.finish()
-            thought, content = thought + more_thought, content + more_content
-        if thought:
-            logprobs = None
-            if texts is not None and not content:
-                logprobs, out = rsp.chat_logprobs(out.logprobs or (), texts), dataclasses.replace(out, logprobs=None)
-            await stream.send(rsp.chat_chunk(env, rsp.reasoning_delta(thought), logprobs=logprobs))
-        return dataclasses.replace(out, text=content)
-
-    @staticmethod
-    async def _send_calls(
-        stream: EventStream,
-        env: rsp.Envelope,
-        message: dict[str, Any],
-        held_logprobs: list[OutputLogprob],
-        texts: TokenTexts | None,
-    ) -> None:
-        """The held output's deltas, as vLLM streams calls: per call, one delta with its id and
-        name, then one with its arguments; or content, when the calls were cut short."""
-        calls = message.get("tool_calls")
-        if not calls:
-            lp = None if texts is None else rsp.chat_logprobs(held_logprobs, texts)
-            await stream.send(rsp.chat_chunk(env, {"content": message["content"]}, logprobs=lp))
-            return
-        # Tool calls are not content: their tokens have no content logprobs (OpenAI's shape).
-        no_content = None if texts is None else rsp.chat_logprobs(None, texts)
-        for i, call in enumerate(calls):
-            head = {"index": i, "id": call["id"], "type": "function", "function": {"name": call["function"]["name"]}}
-            await stream.send(rsp.chat_chunk(env, {"tool_calls": [head]}, logprobs=no_content if i == 0 else None))
-            arguments = {"index": i, "function": {"arguments": call["function"]["arguments"]}}
-            await stream.send(rsp.chat_chunk(env, {"tool_calls": [arguments]}))
-
-    async def _stream_completion(
-        self,
-        request: web.Request,
-        admitted: Request,
-        env: rsp.Envelope,
-        headers: dict[str, str],
-        include_usage: bool,
-        texts: TokenTexts | None = None,
-    ) -> web.StreamResponse:
-        """``texts``: the request asked for logprobs; each chunk then carries its tokens'."""
-        stream = await EventStream.open(request, headers)
-        deltas = DeltaEncoder(rsp.completion_chunk(env, DeltaEncoder.PLACEHOLDER))
-        try:
-            async for out in admitted.events():
-                lp = None if texts is None else rsp.completion_logprobs(out.logprobs or (), texts)
-                if out.finished:
-                    assert out.finish_reason is not None and out.usage is not None
-                    error = rsp.finish_error(out.finish_reason, out.error, out.error_kind)
-                    if error is not None:
-                        await stream.error(error)
-                        return stream.response
-                    finish = rsp.FINISH_REASONS[out.finish_reason]
-                    await stream.send(rsp.completion_chunk(env, out.text, finish, logprobs=lp))
-                    await self._finish_stream(stream, env, "text_completion", out.usage, include_usage, out.grammar)
-                elif texts is not None and (out.text or out.logprobs):
-                    await stream.send(rsp.completion_chunk(env, out.text, logprobs=lp))
-                elif out.text:
-                    await stream.send_raw(deltas.encode(out.text))
-        except ConnectionResetError:
-            logger.info("[request_id=%s] client went away mid-stream", admitted.request_id)
-        return stream.response
-
-    @staticmethod
-    async def _finish_stream(
-        stream: EventStream,
-        env: rsp.Envelope,
-        obj: str,
-        usage: Usage,
-        include: bool,
-        grammar: GrammarReport | None = None,
-    ) -> None:
-        if include:
-            await stream.send(rsp.usage_chunk(env, obj, usage, grammar))
-        await stream.done()
 
 
 def _guard_depth(translate_fn: Callable[..., translate.Translated], *args: Any) -> translate.Translated:
