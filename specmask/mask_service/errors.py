@@ -1,31 +1,21 @@
 """Typed domain errors of the mask service, each bound to one gRPC status.
 
-Domain code raises these; the servicer maps them to status codes in one place,
-so a client never sees a traceback and a bad request never kills the server.
+Domain code raises these; the servicer turns them into that status in one place
+(a call's, or a DraftMasks item's ``error_code``), so a client never sees a
+traceback and a bad request never kills the server. Each class names its
+``grpc.StatusCode`` itself: a copy of the status names would be a second
+mapping to keep in step.
 """
 
 from __future__ import annotations
 
-import enum
-
-
-class ErrorCode(enum.Enum):
-    """Mirrors the subset of grpc.StatusCode we use (names match)."""
-
-    INVALID_ARGUMENT = "INVALID_ARGUMENT"
-    NOT_FOUND = "NOT_FOUND"
-    PERMISSION_DENIED = "PERMISSION_DENIED"
-    FAILED_PRECONDITION = "FAILED_PRECONDITION"
-    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
-    UNIMPLEMENTED = "UNIMPLEMENTED"
-    INTERNAL = "INTERNAL"
+import grpc
 
 
 class MaskError(Exception):
     """Base class: ``code`` says which status the client gets."""
 
-    code: ErrorCode = ErrorCode.INTERNAL
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -38,7 +28,7 @@ class InternalItemError(MaskError):
 
 
 class InvalidArgument(MaskError):
-    code = ErrorCode.INVALID_ARGUMENT
+    code = grpc.StatusCode.INVALID_ARGUMENT
 
 
 class GrammarError(InvalidArgument):
@@ -59,20 +49,20 @@ class UnknownTokenizer(InvalidArgument):
 
 
 class SessionNotFound(MaskError):
-    code = ErrorCode.NOT_FOUND
+    code = grpc.StatusCode.NOT_FOUND
 
 
 class NotOwner(MaskError):
     """A call on a session names another owner than the one that opened it."""
 
-    code = ErrorCode.PERMISSION_DENIED
+    code = grpc.StatusCode.PERMISSION_DENIED
 
 
 class TokenRejected(MaskError):
     """A committed token the grammar does not allow; state was rolled back."""
 
-    code = ErrorCode.FAILED_PRECONDITION
+    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class LimitExceeded(MaskError):
-    code = ErrorCode.RESOURCE_EXHAUSTED
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -6,12 +6,13 @@ import dataclasses
 import json
 import math
 
+import grpc
 import pytest
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.common.tokenizer_id import tokenizer_id_for_path
 from specmask.gpu_worker.types import WorkerInfo
-from specmask.orchestrator.errors import ErrorCode, InvalidRequest, Unavailable
+from specmask.orchestrator.errors import InvalidRequest, Unavailable
 from specmask.orchestrator.grammar_check import MaskServiceGrammarChecker
 from specmask.orchestrator.types import GenerationRequest, SamplingOptions, SpeculationOptions
 from specmask.orchestrator.validation import MAX_STOP_STRINGS, GrammarFallback, RequestValidator, ServingDefaults
@@ -143,7 +144,7 @@ def test_speculation_off(validator) -> None:
 def test_invalid_requests(validator, req: GenerationRequest, needle: str) -> None:
     with pytest.raises(InvalidRequest) as exc:
         validator.validate(req)
-    assert exc.value.code is ErrorCode.INVALID_ARGUMENT
+    assert exc.value.code is grpc.StatusCode.INVALID_ARGUMENT
     assert needle in exc.value.message
 
 
@@ -285,7 +286,7 @@ def test_min_p_and_min_tokens(validator) -> None:
         with pytest.raises(InvalidRequest) as err:
             validator.validate(_req(**kw))
         assert needle in str(err.value), (kw, str(err.value))
-        assert err.value.code is ErrorCode.INVALID_ARGUMENT
+        assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_grammar_fallback_default_and_per_request(bpe_tokenizer, info, checker) -> None:

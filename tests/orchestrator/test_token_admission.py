@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from specmask.orchestrator.config import OrchestratorConfig
-from specmask.orchestrator.errors import ErrorCode, Overloaded
+from specmask.orchestrator.errors import Overloaded
 from specmask.orchestrator.token_admission import PromptTokenBounds
 
 
@@ -14,7 +15,7 @@ def test_the_queue_refuses_past_its_token_bound_with_a_retry_hint() -> None:
     bounds.check_queue(6_000, 4_000)  # exactly at the bound: admitted
     with pytest.raises(Overloaded, match="prompt tokens waiting") as refused:
         bounds.check_queue(6_000, 4_001)
-    assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED and refused.value.retry_after_s
+    assert refused.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and refused.value.retry_after_s
     # Before validation the count is unknown: a queue already at its bound refuses at once.
     with pytest.raises(Overloaded):
         bounds.check_queue(10_000, 1)

@@ -362,7 +362,7 @@ class MaskServiceClient:
         for it, r in zip(items, resp.results):
             if r.error_code:
                 offset += r.num_rows + r.num_forced_rows  # none, as the server answers; skipped all the same
-                code = grpc.StatusCode(_status_tuple(r.error_code))
+                code = _STATUS_BY_NUMBER.get(r.error_code, grpc.StatusCode.UNKNOWN)
                 out.append(MaskServiceError(code, r.error_message, it.session_id))
                 continue
             assert view is not None  # a result implies a row width
@@ -385,8 +385,5 @@ class MaskServiceClient:
         return out
 
 
-def _status_tuple(value: int) -> tuple[int, str]:
-    for code in grpc.StatusCode:
-        if code.value[0] == value:
-            return code.value
-    return grpc.StatusCode.UNKNOWN.value
+# A DraftMasks item's ``error_code`` is its status's number (mask_service.errors).
+_STATUS_BY_NUMBER: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}

@@ -62,13 +62,13 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
         try:
             return fn()
         except MaskError as exc:
-            logger.info("%s -> %s: %s", what, exc.code.value, exc.message)
-            metrics.RPC_ERRORS.labels(exc.code.value).inc()
+            logger.info("%s -> %s: %s", what, exc.code.name, exc.message)
+            metrics.RPC_ERRORS.labels(exc.code.name).inc()
             retry_after = getattr(exc, "retry_after_s", None)
             # Back-off hint for RESOURCE_EXHAUSTED (compile queue): RetryInfo, and the plain trailer.
             trailers = () if retry_after is None else ((RETRY_AFTER_METADATA_KEY, str(int(retry_after * 1000))),)
             status = status_for(
-                getattr(grpc.StatusCode, exc.code.value),
+                exc.code,
                 exc.message,
                 reason=reason_from_class(exc),  # e.g. GRAMMAR_TOO_COMPLEX (specmask/proto/rpc_status.py)
                 bad_fields=(("grammar", exc.message),) if isinstance(exc, GrammarError) else (),
@@ -194,16 +194,16 @@ class MaskServicer(pb_grpc.MaskServiceServicer):
                     num_forced_rows=len(out.forced_rows),
                 )
                 if out.error is not None:
-                    r.error_code = getattr(grpc.StatusCode, out.error.code.value).value[0]
+                    r.error_code = out.error.code.value[0]  # the status's number (grpc.StatusCode value)
                     r.error_message = out.error.message
                     logger.info(
                         "%sDraftMasks[%s] -> %s: %s",
                         self._sessions.log_prefix_of(req.session_id),
                         req.session_id,
-                        out.error.code.value,
+                        out.error.code.name,
                         out.error.message,
                     )
-                    metrics.RPC_ERRORS.labels(out.error.code.value).inc()
+                    metrics.RPC_ERRORS.labels(out.error.code.name).inc()
                 rows.extend(out.rows)
                 rows.extend(out.forced_rows)  # row_ids: the item's rows, then its forced rows
             self._beliefs.encode_response_rows(request.client_id, request.dict_generation, rows, resp)

@@ -3,7 +3,8 @@
 Two families, both typed, neither read from a message's words:
 
 * a request *refused* before generation (``orchestrator.errors.RequestError``, by its
-  ``ErrorCode``): an HTTP error status, or the RPC ends with a gRPC status;
+  ``grpc.StatusCode``): the RPC ends with that status, and HTTP answers the error this
+  table gives it;
 * a request that *failed* during generation (``gpu_worker.types.ErrorKind``, set on the step
   output or by the engine): an HTTP error response instead of the output; on gRPC the RPC
   itself succeeds and the response reports it in-band (``finish_reason`` ERROR or
@@ -19,7 +20,6 @@ from dataclasses import dataclass
 import grpc
 
 from specmask.gpu_worker.types import ErrorKind
-from specmask.orchestrator.errors import ErrorCode
 
 
 @dataclass(frozen=True)
@@ -59,15 +59,16 @@ class WireError:
     own_words: bool = True
 
 
-# Refusals. DEADLINE_EXCEEDED is a grammar that did not compile in time: the request (its schema)
-# is what is refused, so HTTP answers 400, while gRPC keeps the status that names the cause.
-REFUSED: dict[ErrorCode, WireError] = {
-    ErrorCode.INVALID_ARGUMENT: WireError(INVALID, grpc.StatusCode.INVALID_ARGUMENT),
-    ErrorCode.ALREADY_EXISTS: WireError(CONFLICT, grpc.StatusCode.ALREADY_EXISTS),
-    ErrorCode.RESOURCE_EXHAUSTED: WireError(OVERLOADED, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    ErrorCode.UNAVAILABLE: WireError(UNAVAILABLE, grpc.StatusCode.UNAVAILABLE),
-    ErrorCode.DEADLINE_EXCEEDED: WireError(GRAMMAR_TIMEOUT, grpc.StatusCode.DEADLINE_EXCEEDED),
-    ErrorCode.INTERNAL: WireError(INTERNAL, grpc.StatusCode.INTERNAL),
+# Refusals, by the status a RequestError names (on gRPC the RPC ends with that very status).
+# DEADLINE_EXCEEDED is a grammar that did not compile in time: the request (its schema) is what
+# is refused, so HTTP answers 400, while gRPC keeps the status that names the cause.
+REFUSED: dict[grpc.StatusCode, HttpError] = {
+    grpc.StatusCode.INVALID_ARGUMENT: INVALID,
+    grpc.StatusCode.ALREADY_EXISTS: CONFLICT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: OVERLOADED,
+    grpc.StatusCode.UNAVAILABLE: UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: GRAMMAR_TIMEOUT,
+    grpc.StatusCode.INTERNAL: INTERNAL,
 }
 
 # Failures during generation (gRPC: the RPC succeeds; its response says what failed).

@@ -22,10 +22,9 @@ from google.protobuf.message import DecodeError
 from specmask.common import tracing
 from specmask.common.tracing import NO_SPAN, Span
 from specmask.orchestrator import convert, request_trace
-from specmask.orchestrator.api.error_table import REFUSED
 from specmask.orchestrator.client_identity import client_identity
 from specmask.orchestrator.engine import Engine
-from specmask.orchestrator.errors import ErrorCode, RequestError
+from specmask.orchestrator.errors import RequestError
 from specmask.orchestrator.metrics import OrchestratorMetrics
 from specmask.orchestrator.request import Request
 from specmask.orchestrator.types import GenerationRequest
@@ -49,7 +48,7 @@ class OrchestratorServicer:
         try:
             return pb.GenerateRequest.FromString(raw)
         except DecodeError:
-            self._metrics.rejected.labels(code=ErrorCode.INVALID_ARGUMENT.name).inc()
+            self._metrics.rejected.labels(code=grpc.StatusCode.INVALID_ARGUMENT.name).inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "malformed GenerateRequest message")
             raise  # unreachable: abort raises
 
@@ -77,18 +76,18 @@ class OrchestratorServicer:
             self._metrics.rejected.labels(code=exc.code.name).inc()
             logger.info("[request_id=%s] refused (%s): %s", msg.request_id or "-", exc.code.name, exc.message)
             status = status_for(
-                REFUSED[exc.code].grpc,
+                exc.code,  # the status the error names (api/error_table.py: refusals)
                 exc.message,
                 reason=exc.reason or reason_from_class(exc),
                 bad_fields=((exc.field, exc.message),) if exc.field else (),
-                retry_after_s=exc.retry_after_s if exc.code is ErrorCode.RESOURCE_EXHAUSTED else None,
+                retry_after_s=exc.retry_after_s if exc.code is grpc.StatusCode.RESOURCE_EXHAUSTED else None,
             )
             await context.abort(status.code, status.details, status.trailing_metadata)
             raise  # unreachable: abort raises
         except Exception:
             # A bug, not the client's fault: log it here, never send a traceback.
             logger.exception("[request_id=%s] admission failed", msg.request_id or "-")
-            self._metrics.rejected.labels(code=ErrorCode.INTERNAL.name).inc()
+            self._metrics.rejected.labels(code=grpc.StatusCode.INTERNAL.name).inc()
             await context.abort(grpc.StatusCode.INTERNAL, "internal error")
             raise
 

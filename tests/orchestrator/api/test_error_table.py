@@ -12,18 +12,27 @@ from specmask.gpu_worker.types import MIN_TOKENS_UNREACHABLE, ErrorKind, FinishR
 from specmask.mask_service.client.mask_client import MaskServiceError
 from specmask.orchestrator.api.error_table import FAILED, REFUSED
 from specmask.orchestrator.api.http.responses import finish_error
-from specmask.orchestrator.errors import ErrorCode
+from specmask.orchestrator.errors import RequestError
+
+
+def _refusals() -> list[type[RequestError]]:
+    found, todo = [], [RequestError]
+    while todo:
+        cls = todo.pop()
+        found.append(cls)
+        todo.extend(cls.__subclasses__())
+    return found
 
 
 def test_every_kind_has_a_row() -> None:
-    assert set(REFUSED) == set(ErrorCode)
+    # Every status a refusal can name has its HTTP answer, and the table has no row nothing names.
+    assert set(REFUSED) == {cls.code for cls in _refusals()}
     assert set(FAILED) == set(ErrorKind)
 
 
-def test_refusals_end_the_rpc_with_the_status_of_their_name() -> None:
-    for code, wire in REFUSED.items():
-        assert wire.grpc is getattr(grpc.StatusCode, code.name), code
-        assert wire.grpc is not grpc.StatusCode.OK and wire.http.status >= 400
+def test_refusals_are_errors_on_both_wires() -> None:
+    for code, http in REFUSED.items():
+        assert code is not grpc.StatusCode.OK and http.status >= 400, code
 
 
 def test_failures_are_reported_in_the_response_and_are_http_errors() -> None:

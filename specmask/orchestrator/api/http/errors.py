@@ -62,7 +62,7 @@ class ApiError(Exception):
 
     @classmethod
     def from_request_error(cls, exc: RequestError) -> ApiError:
-        return cls(REFUSED[exc.code].http, exc.message)
+        return cls(REFUSED[exc.code], exc.message)
 
     @property
     def status(self) -> int:
