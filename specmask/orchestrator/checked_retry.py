@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from specmask.gpu_worker.types import FinishReason, SamplingParams
 from specmask.orchestrator.detokenizer import Decoder
+from specmask.orchestrator.kept_tokens import KeptToken, decoder_for, finder, kept_in
 from specmask.orchestrator.metrics import OrchestratorMetrics
 from specmask.orchestrator.output_check import OutputChecker, OutputCheckError, Verdict
 from specmask.orchestrator.request import Request
@@ -123,10 +124,13 @@ class EndCheck:
             return None
         engine = validated.grammar.backend if validated.grammar is not None else ""
         checker = self._checker
+        # The probe has the text alone: a kept token's text is read as the token there (the
+        # end check of the finished output reads where the tokens are from the ids).
+        find = finder(decoder_for(self._tokenizer, spec))
 
         def may_end(text: str) -> bool:
             try:
-                return checker.check(spec, text, engine).ok
+                return checker.check(spec, text, engine, find(text)).ok
             except OutputCheckError:
                 return False
 
@@ -137,16 +141,20 @@ class EndCheck:
         STOP), once its text passes the end check."""
         assert request.seq.grammar is not None
         spec = request.seq.grammar
-        if reason is FinishReason.STOP:
-            text = request.stop_text
-        else:
-            text = self._tokenizer.decode(list(request.token_ids), skip_special_tokens=True)
+        # The text the client gets: with the special tokens the grammar names (kept_tokens.py).
+        decoder = decoder_for(self._tokenizer, spec)
+        ids = list(request.token_ids)
+        text = request.stop_text if reason is FinishReason.STOP else decoder.decode(ids, skip_special_tokens=True)
         engine = request.grammar.backend if request.grammar is not None else ""
 
         def check() -> Verdict:
             try:
-                return self._checker.check(spec, text, engine)
+                # A stop string's text is a prefix of the whole output's: the tokens within it.
+                tokens: list[KeptToken] = [t for t in kept_in(decoder, ids) if t.offset + len(t.text) <= len(text)]
+                return self._checker.check(spec, text, engine, tokens)
             except OutputCheckError as exc:  # fail closed: unverifiable is not valid
+                return Verdict(False, f"the output could not be verified ({exc})")
+            except ValueError as exc:  # a kept token the text does not hold where it is
                 return Verdict(False, f"the output could not be verified ({exc})")
 
         async def run() -> None:

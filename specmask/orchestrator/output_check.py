@@ -25,7 +25,13 @@ What "the caller's grammar" means, per kind (a registry, not an if-chain):
 * ``REGEX`` / ``EBNF`` / ``LARK``: the grammar is written in xgrammar's dialect, so
   a *fresh* xgrammar matcher (no tokenizer: it parses bytes) must accept the whole
   UTF-8 text and be able to end there. Python's ``re`` is a different dialect and is
-  not used. Compiled grammars are cached by cache key.
+  not used. Compiled grammars are cached by cache key. A special token the grammar
+  names by id (``Token(id)``) is in the text as its text (kept_tokens.py); the caller
+  says where (``KeptToken``), and the matcher takes the token there as the mask service's
+  engine does: by a ``Token(id)`` of the grammar, or as its text where the grammar
+  admits that text (xgrammar reads an added token as its text: inside a JSON string,
+  say). The marker's characters in ordinary tokens where the grammar names the token,
+  or the token where neither fits, fail the check.
 
 Formatting options (separators, whitespace) are not checked: they change how a
 document is written, not whether it satisfies the grammar.
@@ -38,12 +44,12 @@ valid ``10000.89`` against ``multipleOf: 0.01`` (bench.e2e, Github_easy---o46379
 from __future__ import annotations
 
 import collections
+import dataclasses
 import decimal
 import functools
 import json
-import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +58,7 @@ from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.common.reasoning_section import split_output
 from specmask.mask_service.grammar.llguidance_check import strict_schema as llguidance_strict
 from specmask.mask_service.grammar.schema_check import unverifiable_formats
+from specmask.orchestrator.kept_tokens import TOKEN_REF, KeptToken
 
 __all__ = ["OutputCheckError", "OutputChecker", "Verdict", "exact_multiples", "strict_schema", "validate_decimal"]
 
@@ -219,28 +226,33 @@ class OutputChecker:
 
         assert verifiable_formats()
         self._max_cached = max_cached
-        self._cache: collections.OrderedDict[str, Callable[[str], Verdict]] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[str, _Check] = collections.OrderedDict()
         self._lock = threading.Lock()
-        self._builders: dict[GrammarKind, Callable[[GrammarSpec, str], Callable[[str], Verdict]]] = {
-            GrammarKind.JSON_SCHEMA: _json_schema_checker,
-            GrammarKind.ANY_JSON: lambda _spec, _engine: _any_json_check,
+        self._builders: dict[GrammarKind, Callable[[GrammarSpec, str], _Check]] = {
+            GrammarKind.JSON_SCHEMA: _text_only(_json_schema_checker),
+            GrammarKind.ANY_JSON: _text_only(lambda _spec, _engine: _any_json_check),
             GrammarKind.REGEX: _xgrammar_checker,
             GrammarKind.EBNF: _xgrammar_checker,
             GrammarKind.LARK: _xgrammar_checker,
         }
 
-    def check(self, spec: GrammarSpec, text: str, engine: str = "") -> Verdict:
+    def check(self, spec: GrammarSpec, text: str, engine: str = "", tokens: Sequence[KeptToken] = ()) -> Verdict:
         """Whether ``text`` is a complete document of ``spec``; raises OutputCheckError if it cannot tell.
 
         ``engine``: the engine that masked the output (the mask service's GrammarReport). It
         picks what ``strict`` means for a JSON schema (see ``_json_schema_checker``); "" or
-        an unknown name takes xgrammar's reading, the stricter one."""
+        an unknown name takes xgrammar's reading, the stricter one. ``tokens``: the special
+        tokens ``text`` holds as their text (kept_tokens.py), each checked as its token."""
         if spec.reasoning is not None:
             # The output is the reasoning section then the caller's document (reasoning_section.py):
             # only the document is the caller's, and an output whose section never closed has none.
             split = split_output(spec.reasoning, text)
             if split is None or not split.closed:
                 return Verdict(False, f"the reasoning section of the output {_preview(text)} never closed")
+            start = len(text) - len(split.content)
+            if any(t.offset < start for t in tokens):
+                return Verdict(False, "a special token in the reasoning section, which admits none")
+            tokens = [dataclasses.replace(t, offset=t.offset - start) for t in tokens]
             spec, text = spec.without_reasoning(), split.content
         # One name per reading, so "" and "xgrammar" share a cached validator.
         if spec.kind is not GrammarKind.JSON_SCHEMA:
@@ -248,13 +260,13 @@ class OutputChecker:
         elif engine not in STRICT_READINGS:
             engine = "xgrammar"
         try:
-            return self._checker(spec, engine)(text)
+            return self._checker(spec, engine)(text, tuple(tokens))
         except OutputCheckError:
             raise
         except Exception as exc:  # an engine or library failure must not pass as valid
             raise OutputCheckError(f"{type(exc).__name__}: {exc}") from exc
 
-    def _checker(self, spec: GrammarSpec, engine: str = "") -> Callable[[str], Verdict]:
+    def _checker(self, spec: GrammarSpec, engine: str = "") -> _Check:
         key = f"{spec.cache_key()}|{engine}"
         with self._lock:
             found = self._cache.get(key)
@@ -267,6 +279,28 @@ class OutputChecker:
             while len(self._cache) > self._max_cached:
                 self._cache.popitem(last=False)
         return built
+
+
+# A built check: the output's text and the kept special tokens in it -> the verdict.
+_Check = Callable[[str, tuple[KeptToken, ...]], Verdict]
+
+
+def _text_only(build: Callable[[GrammarSpec, str], Callable[[str], Verdict]]) -> Callable[[GrammarSpec, str], _Check]:
+    """A kind whose grammar names no token: an output holding a special token breaks it."""
+
+    def built(spec: GrammarSpec, engine: str) -> _Check:
+        check = build(spec, engine)
+
+        def run(text: str, tokens: tuple[KeptToken, ...]) -> Verdict:
+            if tokens:
+                return Verdict(
+                    False, f"the output holds special token {tokens[0].token_id}, which the grammar never names"
+                )
+            return check(text)
+
+        return run
+
+    return built
 
 
 def _any_json_check(text: str) -> Verdict:
@@ -378,7 +412,7 @@ def _uses_keyword(node: Any, keyword: str) -> bool:
 _MAX_TOKEN_ID = 1 << 22
 
 
-def _xgrammar_checker(spec: GrammarSpec, _engine: str = "") -> Callable[[str], Verdict]:
+def _xgrammar_checker(spec: GrammarSpec, _engine: str = "") -> _Check:
     import xgrammar as xgr
 
     parse: dict[GrammarKind, Callable[[str], xgr.Grammar]] = {
@@ -386,21 +420,39 @@ def _xgrammar_checker(spec: GrammarSpec, _engine: str = "") -> Callable[[str], V
         GrammarKind.EBNF: xgr.Grammar.from_ebnf,
     }
     # No vocabulary: the matcher parses bytes, and compiling costs no mask precomputation. A
-    # grammar naming a token by id (``Token(128010)``: a special token, which the detokenized
-    # text never holds) only needs the id in range: the text matches it where it is optional.
-    ids = [int(i) for i in re.findall(r"Token\((\d{1,9})\)", spec.text)] if spec.kind is GrammarKind.EBNF else []
+    # grammar naming a token by id (``Token(128010)``) gets a vocabulary where that id is a token
+    # of its own, accepted by id: its bytes (0xFF, never in UTF-8) match no text of any grammar,
+    # so only a ``Token(id)`` admits it; every other id is empty, which xgrammar never accepts.
+    ids = [int(i) for i in TOKEN_REF.findall(spec.text)] if spec.kind is GrammarKind.EBNF else []
     if ids and max(ids) >= _MAX_TOKEN_ID:
         raise OutputCheckError(f"token id {max(ids)} is beyond any vocabulary")
-    info = xgr.TokenizerInfo([], vocab_size=max(ids) + 1) if ids else xgr.TokenizerInfo([])
+    vocab: list[bytes] = [b""] * (max(ids) + 1 if ids else 0)
+    for i in ids:
+        vocab[i] = b"\xff"
+    info = xgr.TokenizerInfo(vocab) if ids else xgr.TokenizerInfo([])
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     try:
         compiled = compiler.compile_grammar(parse.get(spec.kind, xgr.Grammar.from_lark)(spec.text))
     except Exception as exc:
         raise OutputCheckError(f"cannot compile the grammar to check the output: {exc}") from exc
 
-    def check(text: str) -> Verdict:
+    def check(text: str, tokens: tuple[KeptToken, ...]) -> Verdict:
         matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
-        if not matcher.accept_string(text.encode("utf-8")):
+        pos = 0
+        for token in sorted(tokens, key=lambda t: t.offset):
+            if token.offset < pos or not text.startswith(token.text, token.offset):
+                return Verdict(False, f"special token {token.token_id} is not where the output's text holds it")
+            if not matcher.accept_string(text[pos : token.offset].encode("utf-8")):
+                return Verdict(False, f"the grammar rejects the output {_preview(text)}")
+            # As the mask reads the token: a Token(id) of the grammar, or its text where the grammar
+            # admits that text (xgrammar reads an added token as its text; a failed accept_token
+            # leaves the matcher as it was).
+            as_token = token.token_id < len(vocab) and matcher.accept_token(token.token_id)
+            if not as_token and not matcher.accept_string(token.text.encode("utf-8")):
+                where = _preview(text[: token.offset])
+                return Verdict(False, f"the grammar does not admit special token {token.token_id} after {where}")
+            pos = token.offset + len(token.text)
+        if not matcher.accept_string(text[pos:].encode("utf-8")):
             return Verdict(False, f"the grammar rejects the output {_preview(text)}")
         if not matcher.is_terminated():
             return Verdict(False, f"the output {_preview(text)} is an incomplete document of the grammar")

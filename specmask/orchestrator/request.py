@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from specmask.common.tracing import NO_SPAN, Span
 from specmask.gpu_worker.types import ErrorKind, FinishReason, NewSequence, StepOutput, TokenLogprob
 from specmask.orchestrator.detokenizer import Decoder, IncrementalDetokenizer
+from specmask.orchestrator.kept_tokens import decoder_for
 from specmask.orchestrator.stop_strings import StopStringMatcher
 from specmask.orchestrator.types import GenerationResult, GrammarReport, OutputLogprob, RequestOutput, Usage
 
@@ -123,7 +124,8 @@ class Request:
         self._held_ids: list[int] = []
         self._held_text: list[str] = []
         self._held_logprobs: list[OutputLogprob] = []
-        self._tokenizer = tokenizer
+        # A grammar that names special tokens by id keeps them in the text (kept_tokens.py).
+        self._tokenizer = tokenizer = decoder_for(tokenizer, seq.grammar)
         self._stop_strings = stop
         self._stop_may_end = stop_may_end
         self._stop_token_ids = frozenset(stop_token_ids)

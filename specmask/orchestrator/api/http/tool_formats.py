@@ -10,12 +10,14 @@ identify it in a chat template. The strings are the ones of xgrammar's
 ``get_model_structural_tag`` (llama, qwen_3, harmony) and of the published Mistral
 template; ``tool_grammar`` builds the grammar from them and parses the output back.
 
-Markers that are special tokens in the model's vocabulary (harmony's ``<|channel|>``,
-Mistral's ``[TOOL_CALLS]``) are written as their text: the output is detokenized without
-special tokens, so a marker the parser must read cannot be one. Such a model writes the
-marker out in ordinary tokens, which it was not trained on; the call is still exact. An
-optional marker the parser does not need (Llama's ``<|python_tag|>``, ``special_open``)
-is admitted as the special token itself.
+A marker that the served vocabulary holds as a special token (Mistral's ``[TOOL_CALLS]``,
+harmony's ``<|channel|>``, ``<|constrain|>``, ``<|message|>``, ``<|call|>``: a format's
+``special_markers``; Llama's optional ``<|python_tag|>``, ``special_open``) is admitted
+as that token, by id, as the model writes it; the output's text keeps exactly the tokens
+its grammar names, as their text (orchestrator/kept_tokens.py), so the parser reads
+the same text either way, and the end check accepts each such token only where the
+grammar names it. A vocabulary without the token gets the marker's text in ordinary
+tokens.
 
 ``auto`` detection (``--tool-call-parser auto``) reads the chat template's text for
 each format's markers, in registry order; a template with none of them (or no
@@ -64,8 +66,10 @@ class ToolCallFormat:
     Mistral parsers do; its Llama parser reads a call only at the start).
     ``special_open``: a special token the model may write before its calls (Llama's
     ``<|python_tag|>``): where the served vocabulary has it as a special token the grammar
-    admits that token, by id, there; the text never holds it (outputs are detokenized
-    without special tokens), so the calls parse as without it.
+    admits that token, by id, there, and the parser reads the calls after it (the text
+    holds it: kept_tokens.py); the client never gets it.
+    ``special_markers``: the format's markers that a vocabulary may hold as special tokens:
+    where it does, the grammar admits the token (by id) wherever the marker is written.
     ``parallel``: whether several calls may follow one another in one answer.
     """
 
@@ -81,6 +85,7 @@ class ToolCallFormat:
     text_never_starts: str = ""
     text_before_calls: bool = False
     special_open: str = ""
+    special_markers: tuple[str, ...] = ()
     parallel: bool = True
     # Call ids the template takes back in later turns: Mistral's refuses any but 9 alphanumerics.
     call_id_length: int = 0  # 0: OpenAI-style "call_" + 24 hex digits
@@ -140,6 +145,7 @@ MISTRAL = ToolCallFormat(
     markers=("[TOOL_CALLS]",),
     triggers=("[TOOL_CALLS]",),
     text_before_calls=True,
+    special_markers=("[TOOL_CALLS]",),
     call_id_length=9,
 )
 HARMONY = ToolCallFormat(
@@ -152,6 +158,7 @@ HARMONY = ToolCallFormat(
     markers=("<|channel|>", "<|call|>"),
     triggers=("<|channel|>", "<|call|>", "<|start|>"),
     text_open="<|channel|>final<|message|>",
+    special_markers=("<|channel|>", "<|constrain|>", "<|message|>", "<|call|>"),
     parallel=False,  # harmony ends the turn at <|call|>: one call per assistant turn
 )
 

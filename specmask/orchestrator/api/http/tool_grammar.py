@@ -22,6 +22,11 @@ tool's JSON Schema keeps its own rules)::
     call  ::= head("get_weather") <its parameters> tail | ...
     text  ::= text_open body
 
+A marker of the format that the vocabulary holds as a special token (``special_markers``)
+is ``Token(id)`` wherever it is written in those literals (``"[TOOL_CALLS]" " ["`` becomes
+``Token(id) " ["``): the model writes its own token, and the text keeps it as the marker's
+text (orchestrator/kept_tokens.py), so the parsing below reads the same text either way.
+
 ``body`` is free text with two exclusions, so a call can never hide in content: it
 never contains ``tool_formats.TEXT_EXCLUSIONS`` (``<|``, ``<｜``, ``<tool_call>``,
 ``{"name"``, ``[TOOL_CALLS]``), one of which is in every call trigger of every known
@@ -44,6 +49,7 @@ EBNF; a call that fails is an error, never a success.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Mapping
@@ -56,7 +62,7 @@ from specmask.mask_service.grammar.ebnf_escapes import unambiguous_escapes
 from specmask.mask_service.grammar.grammar_checks import precheck
 from specmask.orchestrator.api.http.errors import ApiError
 from specmask.orchestrator.api.http.protocol import ChatMessage, NamedToolChoice, Tool
-from specmask.orchestrator.api.http.tool_formats import HERMES, TEXT_EXCLUSIONS, ToolCallFormat
+from specmask.orchestrator.api.http.tool_formats import HERMES, NAME, TEXT_EXCLUSIONS, ToolCallFormat
 from specmask.orchestrator.output_check import OutputChecker, OutputCheckError
 
 # Calls one answer may make when parallel_tool_calls allows several (OpenAI sets no bound;
@@ -76,11 +82,37 @@ class ToolGrammar:
     format: ToolCallFormat
     text_allowed: bool  # tool_choice "auto": the answer may be text instead of calls
     max_calls: int
+    # Markers the grammar admits as special tokens (text -> id): the text holds them as their
+    # text, and no content returned to the client does.
+    special: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _literal(text: str) -> str:
     """An EBNF string literal (JSON escapes are xgrammar's escapes)."""
     return json.dumps(text, ensure_ascii=False)
+
+
+def _spelled(text: str, special: Mapping[str, int]) -> str:
+    """``text`` as an EBNF sequence: its ``special`` markers as ``Token(id)``, the rest literals."""
+    parts: list[str] = []
+    pos = 0
+    while pos < len(text):
+        hits = [(text.find(m, pos), m) for m in special if m and text.find(m, pos) >= 0]
+        if not hits:
+            parts.append(_literal(text[pos:]))
+            break
+        at, marker = min(hits, key=lambda h: (h[0], -len(h[1])))
+        if at > pos:
+            parts.append(_literal(text[pos:at]))
+        parts.append(f"Token({int(special[marker])})")
+        pos = at + len(marker)
+    return " ".join(parts) or '""'
+
+
+def _special_markers(fmt: ToolCallFormat, special_tokens: Mapping[str, int] | None) -> dict[str, int]:
+    """The format's markers the vocabulary holds as special tokens (text -> id)."""
+    vocab = special_tokens or {}
+    return {m: int(vocab[m]) for m in fmt.special_markers if m in vocab}
 
 
 def _char(ch: str) -> str:
@@ -114,9 +146,13 @@ def tool_grammar(
     special_tokens: Mapping[str, int] | None = None,
 ) -> ToolGrammar:
     """The grammar of ``choice`` over ``tools`` in ``fmt``; ``parallel``: up to MAX_PARALLEL_CALLS calls.
-    ``special_tokens``: the served vocabulary's special tokens (text -> id), where the format's
-    ``special_open`` is admitted by id before the calls."""
+    ``special_tokens``: the served vocabulary's special tokens (text -> id): the format's
+    ``special_open`` is admitted by id before the calls, its ``special_markers`` by id where
+    they are written."""
     import xgrammar as xgr
+
+    special = _special_markers(fmt, special_tokens)
+    head_before, head_after = fmt.head.split(NAME, 1)
 
     chosen = chosen_tools(tools, choice)
     text_allowed = choice in (None, "auto")
@@ -143,8 +179,11 @@ def tool_grammar(
             raise ApiError.invalid(
                 f"tool {name!r}: its parameters are not a usable JSON Schema: {exc}", param="tools"
             ) from None
-        head = xgr.Grammar.from_ebnf(f"root ::= {_literal(fmt.call_head(name))}")
-        calls.append(xgr.Grammar.concat(head, args, xgr.Grammar.from_ebnf(f"root ::= {_literal(fmt.tail)}")))
+        # The name is the caller's, between the format's own text: never read for markers.
+        spelled_name = _literal(json.dumps(name, ensure_ascii=False)[1:-1])
+        head = f"{_spelled(head_before, special)} {spelled_name} {_spelled(head_after, special)}"
+        tail = xgr.Grammar.from_ebnf(f"root ::= {_spelled(fmt.tail, special)}")
+        calls.append(xgr.Grammar.concat(xgr.Grammar.from_ebnf(f"root ::= {head}"), args, tail))
     call = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
     # The call's printed grammar names it ``root`` on its first line and nowhere else (concat
     # made it the top): renamed, it is repeated by reference instead of copied per call.
@@ -153,12 +192,13 @@ def tool_grammar(
     taken = set(re.findall(r"^([A-Za-z0-9_]+) ::=", printed, re.MULTILINE))
     if not printed.startswith("root ::= ") or any(t.startswith(_RULE_PREFIX) for t in taken):
         raise RuntimeError("unexpected printed tool-call grammar")  # an xgrammar change, not a client error
-    more = f" ({_literal(fmt.separator)} {_CALL_RULE}){{0, {max_calls - 1}}}" if max_calls > 1 else ""
-    calls_rule = f"{_literal(fmt.calls_open)} {_CALL_RULE}{more} {_literal(fmt.calls_close)}"
+    more = f" ({_spelled(fmt.separator, special)} {_CALL_RULE}){{0, {max_calls - 1}}}" if max_calls > 1 else ""
+    calls_rule = f"{_spelled(fmt.calls_open, special)} {_CALL_RULE}{more} {_spelled(fmt.calls_close, special)}"
     opener = (special_tokens or {}).get(fmt.special_open) if fmt.special_open else None
     if opener is not None:
         # The token, never its text: the text is a trigger no text or call may hold.
         calls_rule = f"(Token({int(opener)}))? {calls_rule}"
+        special[fmt.special_open] = int(opener)
     if not text_allowed:
         lines = [f"root ::= {calls_rule}"]
     elif fmt.text_before_calls:
@@ -168,11 +208,11 @@ def tool_grammar(
         lines = [f"root ::= {_RULE_PREFIX}text | {_RULE_PREFIX}calls"]
     if text_allowed:
         lines.append(f"{_RULE_PREFIX}calls ::= {calls_rule}")
-        lines += _text_rules(fmt)
+        lines += _text_rules(fmt, special)
     lines.append(_CALL_RULE + printed.removeprefix("root"))
     text = "\n".join(lines)
     xgr.Grammar.from_ebnf(text)  # parses (the mask service and the end check parse it again)
-    return ToolGrammar(GrammarSpec(kind=GrammarKind.EBNF, text=text), params, fmt, text_allowed, max_calls)
+    return ToolGrammar(GrammarSpec(kind=GrammarKind.EBNF, text=text), params, fmt, text_allowed, max_calls, special)
 
 
 def _local_refs_only(node: Any, tool: str) -> None:
@@ -192,7 +232,7 @@ def _local_refs_only(node: Any, tool: str) -> None:
             _local_refs_only(value, tool)
 
 
-def _text_rules(fmt: ToolCallFormat) -> list[str]:
+def _text_rules(fmt: ToolCallFormat, special: Mapping[str, int]) -> list[str]:
     """``text ::= text_open body``: body free text that starts with no call and holds no trigger.
 
     The exclusions' Aho-Corasick automaton, one rule per state (a trie node that is not a
@@ -241,7 +281,7 @@ def _text_rules(fmt: ToolCallFormat) -> list[str]:
         return out
 
     space = "".join(_char(c) for c in _LEADING_SPACE)
-    rules = [f"{_RULE_PREFIX}text ::= {_literal(fmt.text_open)} {_RULE_PREFIX}body"]
+    rules = [f"{_RULE_PREFIX}text ::= {_spelled(fmt.text_open, special)} {_RULE_PREFIX}body"]
     if never:
         first = " | ".join(branches("", never | set(_LEADING_SPACE)))
         rules.append(f'{_RULE_PREFIX}body ::= "" | [{space}] {_RULE_PREFIX}body | {first}')
@@ -256,9 +296,13 @@ def split_calls(text: str, tools: ToolGrammar) -> tuple[str, str | None]:
     """A complete output -> (the text before its calls, the calls' text; None: no calls).
 
     Text never holds a trigger, so the first ``call_start`` is where the calls begin (see
-    the module doc); a format without text before calls has calls only at the start.
+    the module doc); a format without text before calls has calls only at the start, after
+    its ``special_open`` where the grammar admits that token (the calls' text is without it).
     """
     fmt = tools.format
+    if fmt.special_open in tools.special and text.startswith(fmt.special_open):
+        # Only the token: text never holds "<|", so no text answer starts so.
+        return "", text[len(fmt.special_open) :]
     if not tools.text_allowed:
         return "", text
     if fmt.text_before_calls:
@@ -291,7 +335,7 @@ class StreamSplit:
     def __init__(self, tools: ToolGrammar | None) -> None:
         self._tools = tools
         self.calls: bool = tools is not None and not tools.text_allowed
-        self._undecided = tools is not None and tools.text_allowed
+        self._undecided = tools is not None and (tools.text_allowed or tools.format.special_open in tools.special)
         self._start = ""
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -301,6 +345,16 @@ class StreamSplit:
         assert self._tools is not None
         fmt = self._tools.format
         start = self._start + text
+        opener = fmt.special_open if fmt.special_open in self._tools.special else ""
+        if opener and (start.startswith(opener) or opener.startswith(start)):
+            if len(start) <= len(opener):
+                self._start = start  # the opener, or the start of it: the calls follow
+                return "", ""
+            self.calls, self._undecided, self._start = True, False, ""
+            return "", start[len(opener) :]
+        if not self._tools.text_allowed:
+            self._undecided, self._start = False, ""
+            return "", start
         if fmt.text_before_calls:
             at = start.find(fmt.call_start)
             if at >= 0:
@@ -326,12 +380,17 @@ class StreamSplit:
     def pending(self) -> str:
         """Text still undecided when the output ends (a prefix of both branches): content."""
         assert self._tools is not None or not self._start
-        return self._start.removeprefix(self._tools.format.text_open) if self._tools else ""
+        return text_content(self._start, self._tools) if self._tools else ""
 
 
 def text_content(text: str, tools: ToolGrammar) -> str:
-    """The content of a text answer (or of an output cut short): without the format's ``text_open``."""
-    return text.removeprefix(tools.format.text_open)
+    """The content of a text answer (or of an output cut short): without the format's ``text_open``,
+    and without the markers the grammar admits as special tokens (a call cut short holds them;
+    the client never gets one, as it never gets a special token)."""
+    text = text.removeprefix(tools.format.text_open)
+    for marker in tools.special:
+        text = text.replace(marker, "")
+    return text
 
 
 def parse_calls(text: str, tools: ToolGrammar, checker: OutputChecker) -> list[dict[str, Any]]:

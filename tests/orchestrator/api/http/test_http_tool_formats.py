@@ -37,6 +37,7 @@ from specmask.orchestrator.api.http.tool_grammar import (
     split_calls,
     tool_grammar,
 )
+from specmask.orchestrator.kept_tokens import decoder_for
 from specmask.orchestrator.output_check import OutputChecker
 from tests.fixtures.chat_templates import (
     HARMONY_SHORT,
@@ -322,8 +323,7 @@ def test_llama_python_tag_is_admitted_as_its_special_token(shared: Path, tmp_pat
     """Llama 3.1's ``<|python_tag|>`` is a special token: a model writes it as that one token,
     never as text. The llama3_json grammar admits it, by id, before the calls (and nowhere
     else) on the real Llama 3.1 vocabulary (Llama 3's, with the reserved tokens 3.1 renamed);
-    the output is detokenized without it, so the calls parse and the end check passes as
-    without it."""
+    the output's text keeps it, and the calls are read after it."""
     from transformers import AutoTokenizer
 
     llama_dir = llama31_tokenizer(require(shared, "tokenizers", "llama3"), tmp_path / "llama31")
@@ -352,10 +352,14 @@ def test_llama_python_tag_is_admitted_as_its_special_token(shared: Path, tmp_pat
         if choice == "auto":
             assert _walk(engine, compiled, said, stop) is None  # text: yes, but never the tag in it
             assert _walk(engine, compiled, [*said, tag], stop) == len(said)
-        # What the client gets: the text without the special token, which parses and checks.
-        text = hf.decode([tag, *call], skip_special_tokens=True)
-        assert text == WRITTEN[ToolCallParser.LLAMA3_JSON] and CHECKER.check(tools.grammar, text).ok
-        [parsed] = parse_calls(text, tools, CHECKER)
+        # The output's text keeps the token the grammar names (kept_tokens.py); the end check
+        # reads it as the token, and the calls parse after it.
+        decoder = decoder_for(hf, tools.grammar)
+        text = decoder.decode([tag, *call])
+        assert text == "<|python_tag|>" + WRITTEN[ToolCallParser.LLAMA3_JSON]
+        assert CHECKER.check(tools.grammar, text, tokens=decoder.kept([tag, *call])).ok
+        assert split_calls(text, tools) == ("", WRITTEN[ToolCallParser.LLAMA3_JSON])
+        [parsed] = parse_calls(split_calls(text, tools)[1] or "", tools, CHECKER)
         assert parsed["function"]["name"] == "get_weather"
     # Formats without an optional special marker, and vocabularies without the token: no token.
     assert "Token(" not in tool_grammar(TOOLS, "auto", True, HERMES, prompter.special_tokens).grammar.text
