@@ -19,7 +19,8 @@ Life of a request:
    requests the worker finished are freed by the worker, requests finished here
    (stop string, cancel) are ``remove``d in the next iteration. Freed slots are
    refilled from the waiting queue at once: requests join and leave the batch
-   every step.
+   every step. Where each live request is, and every way one ends or goes back in
+   line, is ``live_requests.LiveRequests``.
 
 A sequence-level error from the worker finishes only that request (ERROR). A
 failed ``step`` call finishes that worker's batch with ERROR; a dead or
@@ -38,9 +39,6 @@ caught on device arrives as GRAMMAR_VIOLATION already. See docs/design.md,
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -50,14 +48,15 @@ from typing import Any
 from ray.exceptions import RayTaskError
 
 from specmask.common import tracing
-from specmask.gpu_worker.types import ErrorKind, FinishReason, Iteration, StepOutput, WorkerInfo
-from specmask.orchestrator.checked_retry import EndCheck, fresh_seed, log_violation
+from specmask.gpu_worker.types import FinishReason, Iteration, StepOutput, WorkerInfo
+from specmask.orchestrator.checked_retry import EndCheck, log_violation
 from specmask.orchestrator.detokenizer import Decoder
 from specmask.orchestrator.engine_config import EngineConfig
-from specmask.orchestrator.errors import DuplicateRequestId, Overloaded, ShuttingDown, Unavailable
+from specmask.orchestrator.errors import Overloaded, ShuttingDown, Unavailable
+from specmask.orchestrator.live_requests import LiveRequests
 from specmask.orchestrator.metrics import OrchestratorMetrics
 from specmask.orchestrator.output_check import OutputChecker
-from specmask.orchestrator.placement import Placer, free_slots, kv_usage
+from specmask.orchestrator.placement import free_slots, kv_usage
 from specmask.orchestrator.request import Request
 from specmask.orchestrator.request_trace import IterationTraces
 from specmask.orchestrator.step_outcome import Settle, step_outcome
@@ -80,7 +79,7 @@ _REMOVE_ON_SHUTDOWN_TIMEOUT_S = 10.0
 
 
 class Engine:
-    """Owns live requests and the per-worker step loops. Runs on one asyncio loop."""
+    """Admits requests and runs one step loop per worker (live requests: ``LiveRequests``), on one loop."""
 
     def __init__(
         self,
@@ -107,19 +106,16 @@ class Engine:
         self._tokenizer = tokenizer
         self._config = config
         self._metrics = metrics
+        self._requests = LiveRequests(self._slots, metrics, lambda: self._config, self._place)
         self.output_checker = output_checker if output_checker is not None else OutputChecker()
         self._end_check = EndCheck(
-            self.output_checker, tokenizer, metrics, finish=self._finish, resample=self._resample
+            self.output_checker, tokenizer, metrics, finish=self._requests.finish, resample=self._requests.resample
         )
         self._supervisor = WorkerSupervisor(
             self._slots, config, metrics, self, release_sessions=release_sessions, replace_worker=replace_worker
         )
         self._draining = False
         self._executor = ThreadPoolExecutor(config.validation_threads, thread_name_prefix="validate")
-        self._live: dict[str, Request | None] = {}  # None: id reserved while validating
-        self._waiting: collections.deque[Request] = collections.deque()
-        self._slot_of: dict[str, WorkerSlot] = {}
-        self._placer = Placer(self._waiting, self._slots, self._slot_of, self._live)
         self._validating = 0
         self._tasks: list[asyncio.Task] = []
         self._stopping = False
@@ -153,7 +149,7 @@ class Engine:
         """The load worker autoscaling reads (worker_scaling.WorkerScaler): workers in placement or
         being recovered, the oldest admitted request's wait for a batch slot, requests placed."""
         now = time.monotonic()
-        waits = [now - r.admitted_time for r in self._waiting if r.admitted_time is not None]
+        waits = [now - r.admitted_time for r in self._requests.waiting if r.admitted_time is not None]
         return PoolLoad(
             workers=sum(1 for s in self._slots if not s.gone and not s.retiring),
             oldest_wait_s=max(waits, default=0.0),
@@ -172,9 +168,9 @@ class Engine:
         self._draining = True
         self._supervisor.release_waiters()  # requests waiting for a lost worker's replacement are refused
         deadline = time.monotonic() + grace_s
-        while self._live and time.monotonic() < deadline:
+        while self._requests and time.monotonic() < deadline:
             await asyncio.sleep(_DRAIN_POLL_S)
-        left = [r for r in self._live.values() if r is not None and not r.finished]
+        left = self._requests.unfinished()
         for request in left:
             self.cancel(
                 request.request_id,
@@ -189,7 +185,7 @@ class Engine:
         """Cancel every live request, free its worker state, stop the loops."""
         self._stopping = True
         supervision = self._supervisor.stop()
-        for request_id in list(self._live):
+        for request_id in list(self._requests.live):
             self.cancel(request_id)
         for task in self._tasks:
             task.cancel()
@@ -220,11 +216,11 @@ class Engine:
 
     @property
     def queue_depth(self) -> int:
-        return self._validating + len(self._waiting)
+        return self._validating + len(self._requests.waiting)
 
     def num_live(self) -> int:
         """Requests admitted or validating and not finished (0 when idle: nothing leaked)."""
-        return len(self._live)
+        return len(self._requests)
 
     # ---- requests --------------------------------------------------------
 
@@ -240,14 +236,8 @@ class Engine:
         # is admitted however slow validation is at that moment.
         if self.queue_depth >= self._config.max_queue + free_slots(self._slots):
             raise Overloaded(f"admission queue is full ({self._config.max_queue} requests waiting); retry later")
-        self._config.prompt_token_bounds.check_queue(self._queued_prompt_tokens(), 1)
-        if req.request_id in self._live:
-            raise DuplicateRequestId(f"request_id {req.request_id!r} is already in flight")
-        cap = self._config.max_inflight_per_client
-        if cap and req.client and self._placer.clients.in_flight(req.client) >= cap:
-            raise Overloaded(f"this client already has {cap} requests in flight (the per-client limit); retry later")
-        self._live[req.request_id] = None
-        self._placer.clients.admit(req.request_id, req.client)
+        self._config.prompt_token_bounds.check_queue(self._requests.queued_prompt_tokens(), 1)
+        self._requests.reserve(req)
         self._validating += 1
         self._publish_load()
         try:
@@ -260,10 +250,11 @@ class Engine:
             if self._stopping or not (self.healthy or self.recovering):
                 raise Unavailable(self._supervisor.no_worker_message())
             seq = validated.seq
-            self._config.prompt_token_bounds.check_queue(self._queued_prompt_tokens(), len(seq.prompt_token_ids))
+            self._config.prompt_token_bounds.check_queue(
+                self._requests.queued_prompt_tokens(), len(seq.prompt_token_ids)
+            )
         except BaseException:
-            del self._live[req.request_id]
-            self._release_client(req.request_id)
+            self._requests.unreserve(req.request_id)
             raise
         finally:
             self._validating -= 1
@@ -281,10 +272,9 @@ class Engine:
             stop_token_ids=req.sampling.stop_token_ids,
             include_stop=req.sampling.include_stop_str_in_output,
         )
-        self._live[request.request_id] = request
         request.admitted_time = time.monotonic()
         self._metrics.admission.observe(request.admitted_time - arrival)
-        self._waiting.append(request)
+        self._requests.enqueue(request)
         request.log.info(
             "admitted: %d prompt tokens, max_tokens=%d, grammar=%s, speculation k=%d",
             len(seq.prompt_token_ids),
@@ -300,50 +290,7 @@ class Engine:
 
         A no-op for unknown or finished requests, so callers may always call it on the way out.
         """
-        request = self._live.get(request_id)
-        if request is None or request.finished:
-            return
-        slot = self._slot_of.get(request_id)
-        if slot is None:
-            self._waiting.remove(request)
-        elif request in slot.to_add:
-            slot.to_add.remove(request)  # placed, but its add() was never sent: nothing to remove
-        else:
-            slot.running.pop(request_id, None)
-            slot.to_remove.append(request_id)
-            slot.wake.set()
-        request.log.info("cancelled" if error is None else f"ended: {error}")
-        self._finish(request, reason, error)
-
-    def _finish(
-        self, request: Request, reason: FinishReason, error: str | None = None, kind: ErrorKind | None = None
-    ) -> None:
-        request.finish(reason, error, kind)
-        if request.grammar is not None:
-            self._metrics.grammar_requests.labels(enforcement=request.grammar.enforcement).inc()
-        self._live.pop(request.request_id, None)
-        self._release_client(request.request_id)
-        self._slot_of.pop(request.request_id, None)
-        assert request.finish_time is not None  # set by Request.finish
-        self._metrics.observe_finish(
-            reason, request.usage, request.arrival_time, request.first_token_time, request.finish_time
-        )
-        self._place()
-
-    def _resample(self, request: Request, reason: str) -> None:
-        """Checked mode: discard the held attempt and queue the request again with a fresh seed."""
-        request.log.info("checked mode: attempt %d failed the end check (%s); resampling", request.attempts, reason)
-        request.restart(dataclasses.replace(request.seq, sampling=fresh_seed(request.seq.sampling, request.attempts)))
-        self._slot_of.pop(request.request_id, None)  # the worker freed it when it reported completion
-        self._waiting.appendleft(request)  # it was admitted already: first in line
-        self._place()
-
-    def _release_client(self, request_id: str) -> None:
-        linger = self._config.fair_share_linger_s
-        if self._placer.clients.release(request_id) and linger > 0:
-            # When its linger ends, the share it kept may go to the others.
-            with contextlib.suppress(RuntimeError):  # no loop: nothing waits to be placed
-                asyncio.get_running_loop().call_later(linger, self._place)
+        self._requests.cancel(request_id, reason, error)
 
     def _publish_load(self) -> None:
         """The load gauges (queue, placed requests, batch-slot usage) from the state now."""
@@ -355,12 +302,9 @@ class Engine:
             kv_usage=kv_usage(healthy),
         )
 
-    def _queued_prompt_tokens(self) -> int:
-        return sum(len(r.seq.prompt_token_ids) for r in self._waiting)
-
     def _place(self) -> None:
         if not self._stopping:
-            self._placer.place(self._config)
+            self._requests.placer.place(self._config)
         self._publish_load()
 
     # ---- supervision hooks (supervision.SupervisionHooks) -----------------
@@ -369,26 +313,7 @@ class Engine:
         self._supervisor.on_failure(slot, exc)
 
     def worker_lost(self, slot: WorkerSlot, what: str) -> None:
-        held = list(slot.running.values())
-        slot.running.clear()
-        slot.to_remove.clear()
-        # Requests that have generated nothing yet (prefilling, or never stepped) lose nothing
-        # by starting over: with the ones placed here while its last call ran, never sent, they
-        # go back to the head of the line, in order, for another worker (or are failed with the
-        # rest if none is left). A request that has produced tokens cannot be replayed
-        # without sending them twice (or, sampled, differently): it ends with an error.
-        unstarted = [r for r in held if not r.token_ids]
-        lost = [r for r in held if r.token_ids]
-        for request in reversed([*unstarted, *slot.to_add]):
-            self._slot_of.pop(request.request_id, None)
-            self._waiting.appendleft(request)
-        slot.to_add.clear()
-        if unstarted:
-            logger.warning("worker %d: %d requests that had not started are queued again", slot.index, len(unstarted))
-            self._metrics.requeued.inc(len(unstarted))
-        for request in lost:
-            self._finish(request, FinishReason.ERROR, f"GPU worker {slot.index} {what}; the request was cut off")
-        self._place()
+        self._requests.worker_lost(slot, what)
 
     def worker_back(self, slot: WorkerSlot) -> None:
         self._publish_load()
@@ -400,9 +325,7 @@ class Engine:
         self._place()
 
     def fail_waiting(self, message: str) -> None:
-        for request in list(self._waiting):
-            self._waiting.remove(request)
-            self._finish(request, FinishReason.ERROR, message)
+        self._requests.fail_waiting(message)
 
     # ---- step loop -------------------------------------------------------
 
@@ -456,7 +379,7 @@ class Engine:
             # A worker method raised: the actor is alive, but this batch's
             # state is suspect. Fail the batch, free it, keep the worker.
             traced.end(failure=f"worker call failed: {describe(exc)}")
-            self._fail_batch(slot, f"worker call failed: {describe(exc)}")
+            self._requests.fail_batch(slot, f"worker call failed: {describe(exc)}")
             return
         except BaseException as exc:
             traced.end(failure=describe(exc))
@@ -467,17 +390,9 @@ class Engine:
         for request, add_error in zip(adds, result.add_errors, strict=True):
             # A refused sequence never became active on the worker: nothing to remove.
             if add_error is not None and slot.running.pop(request.request_id, None) is not None:
-                self._finish(request, FinishReason.ERROR, f"worker refused the request: {add_error}")
+                self._requests.finish(request, FinishReason.ERROR, f"worker refused the request: {add_error}")
         self._metrics.observe_step(slot.index, time.monotonic() - started, result.outputs, slot.running)
         self._apply(slot, result.outputs)
-
-    def _fail_batch(self, slot: WorkerSlot, message: str) -> None:
-        logger.error("worker %d: %s", slot.index, message)
-        failed = list(slot.running.values())
-        slot.running.clear()
-        slot.to_remove.extend(r.request_id for r in failed)
-        for request in failed:
-            self._finish(request, FinishReason.ERROR, message)
 
     def _apply(self, slot: WorkerSlot, outputs: list[StepOutput]) -> None:
         for out in outputs:
@@ -502,4 +417,4 @@ class Engine:
             if end.reason is FinishReason.GRAMMAR_VIOLATION:
                 self._metrics.grammar_violations.labels(stage="device").inc()
                 log_violation(request, "device", out.error or "")
-            self._finish(request, end.reason, out.error, out.error_kind)
+            self._requests.finish(request, end.reason, out.error, out.error_kind)

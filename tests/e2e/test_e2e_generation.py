@@ -317,7 +317,7 @@ def test_a_request_waiting_for_a_lost_workers_step_goes_to_another_worker(stack:
 async def _deferred_then_worker_lost(engine, msg):
     request, slot, _ = await _submit_until_waiting(engine, msg, "lost-worker")
     engine._on_worker_failure(slot, RuntimeError("injected: worker lost"))
-    moved = engine._slot_of[request.request_id]
+    moved = engine._requests.slot_of[request.request_id]
     return slot.index, moved.index, await request.result()
 
 
@@ -339,7 +339,7 @@ async def _submit_until_waiting(engine, msg, prefix: str):
 
     for attempt in range(50):
         request = await engine.submit(request_from_proto(msg, f"{prefix}-{attempt}"))
-        slot = engine._slot_of[request.request_id]
+        slot = engine._requests.slot_of[request.request_id]
         if request in slot.to_add:
             return request, slot, attempt
         engine.cancel(request.request_id)
@@ -349,7 +349,7 @@ async def _submit_until_waiting(engine, msg, prefix: str):
 
 async def _placed_state(engine, req):
     request = await engine.submit(req)
-    slot = engine._slot_of[request.request_id]
+    slot = engine._requests.slot_of[request.request_id]
     await asyncio.sleep(0)  # the woken loop runs: the request goes with its iterate() call
     states = (request.request_id in slot.running, request in slot.to_add)
     return states, await request.result()
