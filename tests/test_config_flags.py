@@ -36,6 +36,7 @@ class Sample:
     hosts: tuple[str, ...] = field(default=("a",), metadata=flag("comma list", convert=_split, cli_default="a"))
     port: int | None = field(default=None, metadata=flag("-1 = off", convert=_port, cli_default=-1))
     mode: str = field(default="x", metadata=flag("a str with choices", choices=("x", "y")))
+    widths: tuple[int, ...] = field(default=(), metadata=flag("repeatable, each read", name="--width", each=int))
     unflagged: int = 0  # no flag: set in code only
 
 
@@ -55,6 +56,7 @@ def test_defaults_come_back_as_the_fields_defaults() -> None:
 def test_each_kind_of_field_parses_to_its_type() -> None:
     argv = ["--need", "n", "--n", "5", "--ratio", "0.5", "--colour", "blue", "--shade", "red", "--loud"]
     argv += ["--tag", "é", "--tag", "b", "--hosts", " h1 ,, h2 ", "--port", "0", "--mode", "y"]
+    argv += ["--width", "3", "--width", "-1"]
     got = _parse(ConfigFlags(Sample), argv)
     assert got == {
         "needed": "n",
@@ -67,6 +69,7 @@ def test_each_kind_of_field_parses_to_its_type() -> None:
         "hosts": ("h1", "h2"),
         "port": 0,
         "mode": "y",
+        "widths": (3, -1),
     }
     assert _parse(ConfigFlags(Sample, ["loud"]), ["--no-loud"]) == {"loud": False}
 
@@ -104,6 +107,24 @@ def test_unsupported_types_and_unknown_fields_fail_when_the_parser_is_built() ->
 
     with pytest.raises(TypeError, match=r"Odd\.pairs"):
         ConfigFlags(Odd)
+
+    @dataclass(frozen=True)
+    class Preset:
+        sizes: tuple[int, ...] = field(default=(1,), metadata=flag("argparse would add to it", each=int))
+
+    with pytest.raises(TypeError, match=r"Preset\.sizes: a repeated flag's default must be empty"):
+        ConfigFlags(Preset)
+
+    @dataclass(frozen=True)
+    class Needed:
+        sizes: tuple[int, ...] = field(metadata=flag("required, each read", each=int))
+
+    parser = argparse.ArgumentParser()
+    ConfigFlags(Needed).add_to(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args([])  # no default: the flag must be given
+    with pytest.raises(ValueError):  # a value ``each`` refuses is a bad configuration, read back
+        ConfigFlags(Needed).values(parser.parse_args(["--sizes", "x"]))
     with pytest.raises(TypeError, match="unflagged"):
         ConfigFlags(Sample, ["unflagged"])
     with pytest.raises(TypeError, match="not added"):

@@ -12,7 +12,9 @@ From the field's type:
 * an ``enum.Enum`` (``| None`` too): one of its values, as the choices;
 * ``bool``: ``--name`` / ``--no-name``;
 * ``tuple[str, ...]``: the flag repeated (``--x a --x b``), or one value that
-  ``Flag.convert`` splits (a comma-separated list).
+  ``Flag.convert`` splits (a comma-separated list);
+* ``tuple[X, ...]`` of any other ``X``: the flag repeated, each value read by ``Flag.each``
+  (``--tokenizer DIR:VOCAB`` -> a TokenizerSource).
 
 Any other type is a ``TypeError`` when the parser is built: a field never becomes a flag
 that parses to something else than its type says.
@@ -55,6 +57,9 @@ class Flag:
     convert: Callable[[Any], Any] | None = None
     # The value the command line shows for the field's default, when convert maps it back (a port's -1).
     cli_default: Any = _Unset.UNSET
+    # A repeated flag of a ``tuple[X, ...]`` field (X not str): what one value becomes. Like
+    # convert, it runs when the values are read back (a ValueError is a bad configuration).
+    each: Callable[[str], Any] | None = None
 
 
 def flag(help: str, **options: Any) -> dict[str, Flag]:
@@ -141,6 +146,17 @@ def _field_flag(
 
         else:
             kwargs["type"] = str
+    elif typing.get_origin(inner) is tuple and typing.get_args(inner)[1:] == (...,) and spec.each is not None:
+        each = spec.each
+        kwargs["action"] = "append"
+        if default is not dataclasses.MISSING:
+            if len(default):  # argparse appends what is given to the default: it must be empty
+                raise TypeError(f"{config_cls.__name__}.{f.name}: a repeated flag's default must be empty")
+            default = []
+
+        def convert(value: Any) -> Any:
+            return tuple(each(v) for v in value)
+
     else:
         raise TypeError(f"{config_cls.__name__}.{f.name}: no flag for a field of type {hint!r}")
     if default is dataclasses.MISSING:

@@ -23,9 +23,10 @@ schemas: at most 850 properties, 63 containers deep, a 1,554-value enum,
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from specmask.common.config_flags import flag
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.mask_service.errors import GrammarError
 
@@ -41,10 +42,20 @@ class GrammarLimitError(GrammarError):
 
 @dataclass(frozen=True)
 class GrammarLimits:
-    max_schema_bytes: int = DEFAULT_MAX_SCHEMA_BYTES
-    max_properties: int = DEFAULT_MAX_PROPERTIES
-    max_nesting_depth: int = DEFAULT_MAX_NESTING_DEPTH
-    max_enum_values: int = DEFAULT_MAX_ENUM_VALUES
+    """The limits; each field is a flag of `specmask mask-service`."""
+
+    max_schema_bytes: int = field(
+        default=DEFAULT_MAX_SCHEMA_BYTES, metadata=flag("UTF-8 bytes of a grammar's text, every grammar kind")
+    )
+    max_properties: int = field(
+        default=DEFAULT_MAX_PROPERTIES,
+        metadata=flag("JSON Schema properties, summed over every subschema", name="--max-schema-properties"),
+    )
+    max_nesting_depth: int = field(
+        default=DEFAULT_MAX_NESTING_DEPTH,
+        metadata=flag("JSON containers (objects, arrays) inside each other in a schema", name="--max-schema-depth"),
+    )
+    max_enum_values: int = field(default=DEFAULT_MAX_ENUM_VALUES, metadata=flag("values of the largest enum"))
 
     def __post_init__(self) -> None:
         for name in ("max_schema_bytes", "max_properties", "max_nesting_depth", "max_enum_values"):
