@@ -273,7 +273,9 @@ def test_separator_outside_json_whitespace_is_refused(stack: ThreadStack) -> Non
 
 # ---- caught violations ------------------------------------------------------------------------
 
-NEVER = {"enum": [1, 2], "not": {"enum": [1, 2]}}  # checked mode: every output fails the end check
+# Checked mode: every output fails the end check (unsatisfiable, but only the pattern shows it, so
+# it is not refused up front).
+NEVER = {"type": "string", "maxLength": 1, "not": {"pattern": "^[\\s\\S]?$"}}
 
 
 def test_caught_violation_is_a_distinct_error(base_url: str, model: str) -> None:

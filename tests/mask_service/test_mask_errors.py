@@ -33,7 +33,7 @@ REFUSED_SCHEMAS = [
     {"$ref": "https://example.com/schema.json"},
     {"type": "string", "pattern": "^(?!abc).*$"},
     {"type": "object", "patternProperties": {"(?<=a)b": {"type": "integer"}}},
-    {"$defs": {"a": {"not": {}}}, "$ref": "#/$defs/a"},
+    {"$defs": {"a": {"not": {"type": "string"}}}, "$ref": "#/$defs/a"},
 ]
 # xgrammar does not enforce these; llguidance does (instance-checked by bench.coverage
 # and tests/mask_service/test_llguidance_backend.py), so the service picks it.

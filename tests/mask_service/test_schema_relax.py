@@ -145,7 +145,10 @@ def test_selection_relaxes_only_when_opted_in(registry: TokenizerRegistry, bpe_i
     assert (exact.enforcement, exact.relaxed) == ("exact", ())
     # Not relaxable: refused in checked mode too, with both reasons.
     with pytest.raises(GrammarError, match="checked mode: its relaxation"):
-        auto.compile(compilers, _spec({"type": "object", "unevaluatedProperties": False, "not": {}}, checked=True))
+        auto.compile(
+            compilers,
+            _spec({"type": "object", "unevaluatedProperties": False, "not": {"required": ["a"]}}, checked=True),
+        )
     with pytest.raises(GrammarError, match="unevaluatedProperties"):
         auto.compile(compilers, _spec({"type": "object", "unevaluatedProperties": False}, checked=True))
     with pytest.raises(GrammarError, match="unknown grammar backend"):

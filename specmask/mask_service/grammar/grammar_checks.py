@@ -2,7 +2,8 @@
 
 Before compiling, ``precheck``: a JSON Schema must parse, be a valid document
 of its draft (its metaschema), and hold no lone surrogate, non-finite number or
-excessive nesting (``schema_check.check_document`` / ``check_metaschema``);
+excessive nesting (``schema_check.check_document`` / ``check_metaschema``), and
+must not be provably unsatisfiable (``unsatisfiable``: no value is valid);
 regex, EBNF and Lark text may not name a surrogate or a code point above
 U+10FFFF (``code_points``). Results are memoised per spec, so the selecting
 backend and the engine it calls do not check twice.
@@ -34,6 +35,7 @@ from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.mask_service.errors import GrammarError, MaskError
 from specmask.mask_service.grammar.code_points import bad_code_point
 from specmask.mask_service.grammar.schema_check import NESTING_TOO_DEEP, check_document, check_formats, check_metaschema
+from specmask.mask_service.grammar.unsatisfiable import why_unsatisfiable
 from specmask.mask_service.protocols import GrammarMatcher
 
 _TEXT_KINDS = (GrammarKind.REGEX, GrammarKind.EBNF, GrammarKind.LARK)
@@ -42,6 +44,10 @@ _CHECK_FAILED = re.compile(r"Check failed: \(.*?\) is false:?\s*")
 _NOTHING = (
     "matches nothing (its language is empty: e.g. a rule defined only by itself, a $ref cycle, or an empty "
     "character class), so no output can satisfy it"
+)
+_NO_INSTANCE = (
+    "JSON schema matches nothing (unsatisfiable schema: no value is valid, so no output can satisfy it, and a "
+    "checked request would spend every attempt)"
 )
 # Cache keys (sha256 hex, not the texts) of specs whose pre-checks passed; a refusal
 # raises and is not remembered. Bounded: 4096 keys are ~0.5 MB.
@@ -98,6 +104,9 @@ def _precheck(spec: GrammarSpec) -> None:
     check_document(schema)  # depth, Unicode, finite numbers: iterative, before anything that recurses
     check_metaschema(schema)
     check_formats(schema)  # a format the end check cannot verify is refused, never waved through
+    why = why_unsatisfiable(schema)
+    if why:
+        raise GrammarError(f"{_NO_INSTANCE}: {why}")
 
 
 def check_language(matcher: GrammarMatcher, tokenizer_info: Any, spec: GrammarSpec) -> None:
