@@ -7,8 +7,9 @@ methods one at a time, so no locking is needed around sequence state.
 It runs what other modules decide or do: which requests it takes (gpu_worker.admission),
 their mask sessions (gpu_worker.sessions), what each iteration takes within its token
 budget (gpu_worker.planning), reading prompts (gpu_worker.prefill), the decoding step
-(gpu_worker.step), loading the models (gpu_worker.runners) and sizing the KV budget
-(gpu_worker.kv_sizing).
+(gpu_worker.step), loading the models (gpu_worker.runners), sizing the KV budget
+(gpu_worker.kv_sizing), and holding, retiring and freeing the sequences
+(gpu_worker.sequence_table).
 
 Errors: a bad sequence never takes the worker down. ``add`` returns an error
 message per refused sequence; ``step`` reports a failed sequence as
@@ -34,12 +35,13 @@ from specmask.gpu_worker.kv_sizing import size_kv_budget
 from specmask.gpu_worker.loading import eos_token_ids, load_tokenizer, resolve_device
 from specmask.gpu_worker.mask_table import DeviceMaskTable
 from specmask.gpu_worker.masks import MaskChannel
-from specmask.gpu_worker.planning import IterationPlanner, PlanSeq
+from specmask.gpu_worker.planning import IterationPlanner
 from specmask.gpu_worker.prefill import ChunkRiders, PromptReader, plan_view
 from specmask.gpu_worker.proposers.base import ProposerResources
 from specmask.gpu_worker.proposers.registry import build_proposers
 from specmask.gpu_worker.runners import load_runners
 from specmask.gpu_worker.sequence import SequenceState
+from specmask.gpu_worker.sequence_table import SequenceTable, free
 from specmask.gpu_worker.sessions import MaskSessions, note_session_waits
 from specmask.gpu_worker.step import StepRunner
 from specmask.gpu_worker.types import (
@@ -125,12 +127,12 @@ class GpuWorker:
             mask_timeout_s=config.mask_deadline_s * 4,
             mask_table=self.mask_table,
         )
-        self._seqs: dict[str, SequenceState] = {}  # insertion order = batch order
+        self._seqs = SequenceTable(self.sessions)  # insertion order = batch order
         # The iteration's token budget and how new prompts are fed within it (gpu_worker.planning).
         self.planner = IterationPlanner.of(
             iteration_budget(config, self.device.type), config.step_prefill_tokens, self.target.cost
         )
-        self.prompts = PromptReader(self.target, self.draft, self._fail_prefill)
+        self.prompts = PromptReader(self.target, self.draft, self._seqs.fail)
         self.admission = Admission(
             WorkerLimits(
                 vocab_size=self.vocab_size,
@@ -218,7 +220,7 @@ class GpuWorker:
             accepted.append((i, state))
 
         # Opens are not waited for here (gpu_worker.sessions says why); a sequence whose
-        # session is still opening when a step starts sits it out (``_settle_sessions``).
+        # session is still opening when a step starts sits it out (``SequenceTable.settle_sessions``).
         for _, state in accepted:
             self.sessions.open(state)
         self.prompts.reserve([s for _, s in accepted])
@@ -233,7 +235,7 @@ class GpuWorker:
                 logger.exception("prefill of %d sequences failed", len(accepted))
                 for i, state in accepted:
                     errors[i] = f"prefill failed: {exc}"
-                    self._free(state)
+                    free(state, self.sessions)
                 return errors
             self.sessions.wait_all([s for _, s in accepted])
         for i, state in accepted:
@@ -242,9 +244,9 @@ class GpuWorker:
             failure = self.sessions.settle(state)
             if failure is not None:
                 errors[i] = failure.message
-                self._free(state)
+                free(state, self.sessions)
                 continue
-            self._seqs[state.seq_id] = state
+            self._seqs.hold(state)
             logger.info(
                 "[request_id=%s] seq %s added: prompt=%d grammar=%s mask_session=%s k=%d proposers=%s",
                 state.request_id,
@@ -270,11 +272,11 @@ class GpuWorker:
         step out (no output for it).
         If nobody could step and no prompt is being prefilled, the step waits for an open to
         answer."""
-        refused = self._settle_sessions(wait=False)
+        refused = self._seqs.settle_sessions(wait=False)
         prefilling = any(s.prefilling for s in self._seqs.values())
         batch = self._step_batch(prefilling)
         if not batch and self._seqs and not prefilling:
-            refused += self._settle_sessions(wait=True)
+            refused += self._seqs.settle_sessions(wait=True)
             batch = self._step_batch(prefilling)
         if not batch:
             return refused + self.prompts.read(self._plan_chunks(self.planner.idle_budget()))
@@ -282,11 +284,7 @@ class GpuWorker:
 
     def _step_batch(self, prefilling: bool) -> list[SequenceState]:
         """The sequences this iteration's step takes (planning.IterationPlanner.step_batch)."""
-        return [self._seqs[seq_id] for seq_id in self.planner.step_batch(self._views(), prefilling)]
-
-    def _views(self) -> list[PlanSeq]:
-        """The active sequences as the scheduler sees them, in arrival order."""
-        return [plan_view(s) for s in self._seqs.values()]
+        return [self._seqs[seq_id] for seq_id in self.planner.step_batch(self._seqs.views(), prefilling)]
 
     def _step(self, batch: list[SequenceState], refused: list[StepOutput], budget: int) -> list[StepOutput]:
         """One decoding step of ``batch`` within ``budget`` (late joiners included), with
@@ -301,8 +299,8 @@ class GpuWorker:
             # answered (milliseconds into its open). The proposal phase (draft forwards, draft-mask
             # round trips) gives the open that time; joining then saves the sequence an iteration.
             nonlocal room
-            refused.extend(self._settle_sessions(wait=False))
-            late, room = self.planner.late_joiners(self._views(), in_batch, room)
+            refused.extend(self._seqs.settle_sessions(wait=False))
+            late, room = self.planner.late_joiners(self._seqs.views(), in_batch, room)
             joined.extend(self._seqs[seq_id] for seq_id in late)
             return joined
 
@@ -314,7 +312,7 @@ class GpuWorker:
             outputs = [
                 StepOutput(s.seq_id, [], FinishReason.ERROR, error=f"step failed: {exc}") for s in batch + joined
             ]
-            outputs += self._fail_prefill([s for s, _ in riders.chunks], f"step failed: {exc}")
+            outputs += self._seqs.fail([s for s, _ in riders.chunks], f"step failed: {exc}")
             riders.chunks = []
         read_alone: list[StepOutput] = []
         if riders.error is not None:
@@ -323,7 +321,7 @@ class GpuWorker:
         note_session_waits(self._seqs, in_batch, joined, outputs)
         for out in outputs:
             if out.finish_reason is not None and out.seq_id in self._seqs:
-                state = self._retire(out.seq_id, out.finish_reason)
+                state = self._seqs.retire(out.seq_id, out.finish_reason)
                 logger.info(
                     "[request_id=%s] seq %s finished: %s after %d output tokens%s",
                     state.request_id,
@@ -359,7 +357,7 @@ class GpuWorker:
                 {"specmask.worker.adds": len(adds), "specmask.worker.removes": len(removes)},
             )
         with tracing.scope(span):
-            unknown = self._remove(removes)
+            unknown = self._seqs.cancel(removes)
             add_errors = self.add(adds) if adds else []
             outputs = self.step() if self._seqs else []
             span.set_attributes({"specmask.worker.stepped": len(outputs), "specmask.worker.active": len(self._seqs)})
@@ -367,38 +365,23 @@ class GpuWorker:
 
     def remove(self, seq_ids: Sequence[str]) -> None:
         """Cancel sequences: free KV caches, close mask sessions."""
-        unknown = self._remove(seq_ids)
+        unknown = self._seqs.cancel(seq_ids)
         if unknown:
             raise UnknownSequenceError(f"unknown sequence id(s): {unknown}")
-
-    def _remove(self, seq_ids: Sequence[str]) -> list[str]:
-        """Cancel the sequences this worker holds; returns the ids it does not."""
-        unknown = []
-        for seq_id in seq_ids:
-            if seq_id not in self._seqs:
-                unknown.append(seq_id)
-                continue
-            state = self._retire(seq_id, FinishReason.CANCELLED)
-            logger.info(
-                "[request_id=%s] seq %s cancelled after %d output tokens", state.request_id, seq_id, state.num_output
-            )
-        return unknown
 
     def reset(self) -> int:
         """Free every sequence (KV caches, mask sessions); returns how many there were.
 
         For a caller that lost track of this worker (a step timed out): whatever it
         still holds belongs to requests that have already been failed."""
-        states = [self._retire(seq_id, FinishReason.CANCELLED) for seq_id in list(self._seqs)]
-        if states:
-            logger.warning("reset: freed %d sequences", len(states))
-        return len(states)
+        freed = self._seqs.cancel_all()
+        if freed:
+            logger.warning("reset: freed %d sequences", freed)
+        return freed
 
     def shutdown(self) -> None:
         """Free everything and close the mask-service connection."""
-        for state in list(self._seqs.values()):
-            self._free(state)
-        self._seqs.clear()
+        self._seqs.cancel_all()
         if self.masks is not None:
             self.masks.close()
 
@@ -406,20 +389,10 @@ class GpuWorker:
         """The next prompt chunks to cache within ``budget`` budget tokens, each with its
         sequence (planning.IterationPlanner.plan_chunks)."""
         chunks = []
-        for c in self.planner.plan_chunks(self._views(), budget):
+        for c in self.planner.plan_chunks(self._seqs.views(), budget):
             s = self._seqs[c.seq_id]
             chunks.append((s, s.token_ids[c.start : c.start + c.count]))
         return chunks
-
-    def _fail_prefill(self, states: Sequence[SequenceState], why: str) -> list[StepOutput]:
-        """Free ``states`` (sequences whose prompt could not be cached) and report each as ERROR."""
-        failed = []
-        for s in states:
-            self._seqs.pop(s.seq_id, None)
-            s.finished = FinishReason.ERROR
-            self._free(s)
-            failed.append(StepOutput(s.seq_id, [], FinishReason.ERROR, error=why))
-        return failed
 
     def progress(self) -> WorkerProgress:
         """The heartbeat: how many forwards and steps this worker has finished. Answered on its
@@ -427,35 +400,6 @@ class GpuWorker:
         while an iteration runs; the orchestrator reads a count that moves as a worker that
         is slow, not stuck."""
         return WorkerProgress(count=self.progress_count + self.prompts.forwards, active=len(self._seqs))
-
-    def _settle_sessions(self, *, wait: bool) -> list[StepOutput]:
-        """Settle every opening session (``wait``: first block until one answers, up to the mask
-        timeout); a sequence whose open failed is freed and reported as an ERROR output."""
-        opening = [s for s in self._seqs.values() if s.session_opening is not None]
-        if wait:
-            self.sessions.wait_any(opening)
-        failed = []
-        for state in opening:
-            failure = self.sessions.settle(state)
-            if failure is not None:
-                del self._seqs[state.seq_id]
-                state.finished = FinishReason.ERROR
-                self._free(state)
-                failed.append(failure.output(state.seq_id))
-        return failed
-
-    def _retire(self, seq_id: str, reason: FinishReason) -> SequenceState:
-        """Take a sequence this worker holds off it, finished for ``reason``, and free it."""
-        state = self._seqs.pop(seq_id)
-        state.finished = reason
-        self._free(state)
-        return state
-
-    def _free(self, state: SequenceState) -> None:
-        state.target_kv.free()
-        if state.draft_kv is not None:
-            state.draft_kv.free()
-        self.sessions.release(state)
 
 
 def _session_owner() -> str:

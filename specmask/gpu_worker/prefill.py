@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 # Prompt chunks to feed: each sequence with its tokens (those after its target's cache).
 Chunks = list[tuple[SequenceState, list[int]]]
-# Free the sequences whose prompt could not be read, and report each (``GpuWorker._fail_prefill``).
+# Free the sequences whose prompt could not be read, and report each (``SequenceTable.fail``).
 FailPrefill = Callable[[Sequence[SequenceState], str], list[StepOutput]]
 
 
