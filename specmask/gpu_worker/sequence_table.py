@@ -12,7 +12,7 @@ the batch order the planner (gpu_worker.planning) takes sequences in.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import ItemsView, Iterator, Mapping, Sequence, ValuesView
 
 from specmask.gpu_worker.planning import PlanSeq
 from specmask.gpu_worker.prefill import plan_view
@@ -38,6 +38,14 @@ class SequenceTable(Mapping[str, SequenceState]):
 
     def __len__(self) -> int:
         return len(self._seqs)
+
+    # The dict's own views (read-only, as the table is): Mapping's would look each id up again,
+    # on the step's path.
+    def values(self) -> ValuesView[SequenceState]:
+        return self._seqs.values()
+
+    def items(self) -> ItemsView[str, SequenceState]:
+        return self._seqs.items()
 
     def hold(self, state: SequenceState) -> None:
         """Take an admitted sequence. Admission refuses an id already held; were one to slip
