@@ -25,6 +25,9 @@ _CHECKOUT_MODELS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 if os.path.isdir(_CHECKOUT_MODELS):
     os.environ.setdefault("SPECMASK_MODEL_CACHE", _CHECKOUT_MODELS)
 
+# Fixtures shared across test directories (a plugin module each).
+pytest_plugins = ["tests.tracing_fixtures"]
+
 
 @pytest.fixture(autouse=True)
 def _root_logging_kept() -> Iterator[None]:

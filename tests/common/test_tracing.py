@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -17,20 +16,12 @@ from opentelemetry.trace import StatusCode
 from specmask.common import tracing
 from specmask.common.tracing import NO_SPAN, SpanKind
 
+# ``spans``: tracing on with an in-memory exporter (tests/tracing_fixtures.py).
+
 # A valid W3C traceparent, sampled: version 00, trace id, parent span id, flags 01.
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    tracing.install(exporter, "test", batch=False)
-    try:
-        yield exporter
-    finally:
-        tracing.shutdown()
 
 
 def test_off_imports_no_opentelemetry_and_returns_the_no_op_span() -> None:

@@ -5,9 +5,6 @@ in-memory exporter sees both ends."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
@@ -18,18 +15,9 @@ from specmask.gpu_worker.masks import MaskChannel
 from specmask.mask_service.client.mask_client import DraftMaskItem, MaskServiceClient
 from specmask.mask_service.server.server import MaskServiceHandle
 
+# ``spans``: tracing on with an in-memory exporter (tests/tracing_fixtures.py).
 SPEC = GrammarSpec(GrammarKind.REGEX, "[0-9]+")
 MASK = "specmask.mask.v1.MaskService"
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    exporter = InMemorySpanExporter()
-    tracing.install(exporter, "test", batch=False)
-    try:
-        yield exporter
-    finally:
-        tracing.shutdown()
 
 
 def _named(spans: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
