@@ -35,7 +35,7 @@ class MaskFailure:
 
     @classmethod
     def tier_unavailable(cls, what: str) -> MaskFailure:
-        """No replica answered ``what`` (e.g. "no mask answer within 2.0s"): a retry may succeed."""
+        """No replica answered ``what`` (e.g. "opening the grammar session failed"): a retry may succeed."""
         return cls(f"{MASK_TIER_UNAVAILABLE}: {what}; retry", ErrorKind.MASK_TIER_UNAVAILABLE)
 
     @classmethod
