@@ -156,9 +156,9 @@ class _RecordingDrafter(Drafter):
         self._slots: Sequence[DraftSlot] = ()
         self.lookahead_seq: Any = None  # the sequence whose lookahead is being computed
 
-    def propose(self, slots: Sequence[DraftSlot], errors: dict[str, MaskFailure]) -> float:
+    def propose(self, slots: Sequence[DraftSlot], errors: dict[str, MaskFailure], *, masked: bool = True) -> float:
         self._position, self._slots = 1, slots
-        waited = super().propose(slots, errors)
+        waited = super().propose(slots, errors, masked=masked)
         self._note()
         for s in slots:
             self.trace.at(s).drafts = list(s.drafts)
