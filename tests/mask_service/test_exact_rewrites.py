@@ -251,6 +251,83 @@ def test_enum_filter_reads_multiple_of_as_the_end_check() -> None:
             assert ours.is_valid(value) == theirs.is_valid(value), (divisor, value)
 
 
+INTEGRAL_UNIONS: list[tuple[str, dict[str, Any]]] = [
+    (
+        "a number made integral by an anyOf of multipleOf, bounds and not in allOf branches",
+        {
+            "type": "number",
+            "allOf": [
+                {"$ref": "#/$defs/m"},
+                {"exclusiveMinimum": -50},
+                {"exclusiveMaximum": 0},
+                {"anyOf": [{"not": {"multipleOf": 3}}, {"multipleOf": 7}]},
+            ],
+            "$defs": {"m": {"anyOf": [{"multipleOf": 4}, {"multipleOf": 10}]}},
+        },
+    ),
+    (
+        "integers under a oneOf",
+        {"type": "integer", "minimum": 0, "maximum": 40, "oneOf": [{"multipleOf": 3}, {"multipleOf": 5}]},
+    ),
+    (
+        "a number with an integral multipleOf",
+        {"type": "number", "multipleOf": 5, "minimum": 0, "maximum": 50, "not": {"const": 25}},
+    ),
+    (
+        "integral through a $ref chain and a float multipleOf",
+        {
+            "type": "number",
+            "minimum": -20,
+            "maximum": 20,
+            "allOf": [{"$ref": "#/$defs/a"}],
+            "not": {"enum": [4, -8.0]},
+            "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"multipleOf": 2.0}},
+        },
+    ),
+]
+NUMBERS: list[Any] = [*range(-60, 61), *(x / 4 for x in range(-240, 241)), "5", None, [4]]
+
+
+@pytest.mark.parametrize(("name", "schema"), INTEGRAL_UNIONS, ids=[u[0] for u in INTEGRAL_UNIONS])
+def test_integer_enumeration_through_unions(name: str, schema: dict[str, Any]) -> None:
+    """A number every instance of which is an integer (type, an integral multipleOf, a union or
+    $ref of them) becomes the enum of the integers that pass: the same verdict on every integer
+    and non-number, no non-integral number; an integral float (5.0) may only lose (spelling)."""
+    rewritten, rules = rewrite_exact(schema, strict=True)
+    assert "integers" in rules and set(rewritten) - {"$defs"} == {"enum"}, (name, rewritten)
+    before, after = _validator(schema), _validator(rewritten)
+    for value in NUMBERS:
+        if isinstance(value, float) and value.is_integer():
+            assert not after.is_valid(value) or before.is_valid(value), (name, value)
+        else:
+            assert before.is_valid(value) == after.is_valid(value), (name, value)
+
+
+def test_integer_enumeration_needs_integral_numbers() -> None:
+    """Left alone: a number that may be a fraction, a union with one branch that may be, and a
+    draft 7 $ref whose siblings (the numeric type among them) the end check ignores."""
+    fraction = {"type": "number", "minimum": 0, "maximum": 10, "not": {"const": 5}}
+    one_open = {
+        "type": "number",
+        "minimum": 0,
+        "maximum": 10,
+        "anyOf": [{"multipleOf": 2}, {"minimum": 3}],
+        "not": {"const": 4},
+    }
+    draft7 = {
+        "$schema": DRAFT7,
+        "$ref": "#/definitions/m",
+        "type": "integer",
+        "minimum": 0,
+        "maximum": 9,
+        "not": {"const": 3},
+        "definitions": {"m": {"multipleOf": 2}},
+    }
+    for schema in (fraction, one_open, draft7):
+        assert "integers" not in rewrite_exact(schema, strict=True)[1], schema
+    assert _validator(draft7).is_valid("a string: the $ref alone is read")
+
+
 def test_integer_enumeration_bounds() -> None:
     """Exclusive and fractional bounds give the right integers; unbounded or huge ranges are left alone."""
     schema = {"type": "integer", "exclusiveMinimum": 1.5, "maximum": 9.9, "not": {"const": 5}}

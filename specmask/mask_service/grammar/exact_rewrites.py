@@ -9,8 +9,8 @@ module, with when it applies and why its result is the same language:
   ``dependencies`` expanded into an ``anyOf`` of object shapes;
 * ``anyOf`` (``anyof_distribute``): keywords beside ``anyOf``/``oneOf`` pushed into the branches;
 * ``enum`` (``enum_filter``): scalar ``enum``/``const`` values filtered by the keywords beside them;
-* ``integers`` (``integer_enum``): a bounded ``integer`` beside ``not``/``if``/``multipleOf`` as the
-  ``enum`` of the integers that pass it.
+* ``integers`` (``integer_enum``): a bounded number whose every instance is an integer, with
+  ``not``/``if``/``oneOf``/``multipleOf`` in or below it, as the ``enum`` of the integers that pass it.
 
 The first three rest on ``schema_merge.merge``. Rules apply bottom-up (a node's subschemas first), each
 node's rules until none changes it (bounded).
