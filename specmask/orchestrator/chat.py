@@ -22,7 +22,8 @@ context, the validator renders the conversation without it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,27 @@ MAX_MESSAGES = 1024
 MAX_CHAT_CHARS = 1 << 20
 # ``ChatPrompt.schema_instruction`` value that names DEFAULT_SCHEMA_INSTRUCTION.
 DEFAULT_INSTRUCTION_NAME = "default"
+# chat_template_kwargs keys that are apply_chat_template's own arguments, not template variables:
+# a request may not re-render the conversation, the tools or the prompt's shape through them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 class ChatError(ValueError):
@@ -58,6 +80,33 @@ class ChatPrompt:
     schema_instruction: str | None = None
     # Extra variables for the chat template (vLLM's chat_template_kwargs); None = none.
     template_kwargs: dict[str, Any] | None = None
+
+
+def reserved_template_kwarg(kwargs: Mapping[str, Any]) -> str | None:
+    """The first key of ``kwargs`` that is the renderer's own argument (None: none is)."""
+    return next((key for key in kwargs if key in RESERVED_TEMPLATE_KWARGS), None)
+
+
+def template_kwargs_from_json(text: str) -> dict[str, Any] | None:
+    """A chat's template variables sent as a JSON object's text ("" = none); ChatError names
+    what is wrong."""
+    if not text:
+        return None
+    if len(text) > MAX_CHAT_CHARS:
+        raise ChatError(f"chat_template_kwargs holds {len(text)} characters, more than {MAX_CHAT_CHARS}")
+    try:
+        kwargs = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ChatError(f"chat_template_kwargs is not JSON: {exc}") from None
+    if not isinstance(kwargs, dict):
+        raise ChatError("chat_template_kwargs must be a JSON object")
+    reserved = reserved_template_kwarg(kwargs)
+    if reserved is not None:
+        raise ChatError(
+            f"chat_template_kwargs.{reserved} is an argument of the template renderer, not a template "
+            "variable; it cannot be set per request"
+        )
+    return kwargs or None
 
 
 def validate_messages(messages: Sequence[ChatMessage]) -> None:
@@ -94,6 +143,11 @@ class ChatRenderer:
         self._prompter = prompter  # orchestrator.api.http.prompting.ChatPrompter
         # What a JSON Schema chat that names no instruction gets: "" = none (the default).
         self._default_instruction = default_instruction
+
+    @property
+    def template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads (a reasoning parser's thinking switch acts only there)."""
+        return frozenset(getattr(self._prompter, "template_variables", frozenset()))
 
     @classmethod
     def for_model(cls, model_dir: str, default_instruction: str = "") -> ChatRenderer:

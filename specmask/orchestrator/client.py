@@ -99,10 +99,16 @@ class StreamedResult:
     finish_reason: int = pb.FINISH_REASON_UNSPECIFIED
     error: str = ""
     usage: pb.Usage | None = None
+    # A reasoning model's thinking (GenerateStreamResponse.reasoning_text), sent before the text.
+    reasoning_deltas: list[str] = field(default_factory=list)
 
     @property
     def text(self) -> str:
         return "".join(self.text_deltas)
+
+    @property
+    def reasoning_text(self) -> str:
+        return "".join(self.reasoning_deltas)
 
     @property
     def finish_reason_name(self) -> str:
@@ -111,6 +117,7 @@ class StreamedResult:
     def add(self, chunk: pb.GenerateStreamResponse) -> None:
         self.request_id = chunk.request_id
         self.text_deltas.append(chunk.text)
+        self.reasoning_deltas.append(chunk.reasoning_text)
         self.token_ids.extend(chunk.token_ids)
         if chunk.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
             self.finish_reason = chunk.finish_reason

@@ -7,12 +7,13 @@ is ``validation.py``'s job.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.common.proposer_kind import ProposerKind
 from specmask.gpu_worker.types import FinishReason
-from specmask.orchestrator.chat import ChatMessage, ChatPrompt
+from specmask.orchestrator.chat import ChatError, ChatMessage, ChatPrompt, template_kwargs_from_json
 from specmask.orchestrator.errors import InvalidRequest
 from specmask.orchestrator.types import (
     GenerationRequest,
@@ -134,9 +135,14 @@ def request_from_proto(msg: pb.GenerateRequest, request_id: str) -> GenerationRe
         raise InvalidRequest("prompt is empty: set text, token_ids or chat")
     prompt: str | tuple[int, ...] | ChatPrompt
     if which == "chat":
+        try:
+            template_kwargs = template_kwargs_from_json(msg.chat.chat_template_kwargs)
+        except ChatError as exc:
+            raise InvalidRequest(str(exc), field="chat.chat_template_kwargs") from None
         prompt = ChatPrompt(
             messages=tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages),
             schema_instruction=msg.chat.schema_instruction if msg.chat.HasField("schema_instruction") else None,
+            template_kwargs=template_kwargs,
         )
     else:
         prompt = msg.text if which == "text" else tuple(msg.token_ids.ids)
@@ -162,6 +168,8 @@ def request_to_proto(req: GenerationRequest) -> pb.GenerateRequest:
         msg.chat.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in req.prompt.messages)
         if req.prompt.schema_instruction is not None:
             msg.chat.schema_instruction = req.prompt.schema_instruction
+        if req.prompt.template_kwargs:
+            msg.chat.chat_template_kwargs = json.dumps(req.prompt.template_kwargs)
     else:
         msg.token_ids.ids.extend(req.prompt)
     if req.grammar is not None:

@@ -207,3 +207,108 @@ def test_completions_refuse_max_reasoning_tokens(client: openai.OpenAI) -> None:
         )
     body = exc.value.body
     assert isinstance(body, dict) and body.get("param") == "max_reasoning_tokens", body
+
+
+# ---- the gRPC API: the same reasoning, as reasoning_text apart from text ----------------------
+
+
+def _grpc_chat(speculation: str, **grammar: Any) -> Any:
+    from specmask.orchestrator.client import build_request
+
+    req = build_request(MESSAGES, temperature=0, max_tokens=32, speculation=speculation == "on", **grammar)
+    if speculation == "on":
+        req.speculation.k = 4
+    return req
+
+
+@pytest.fixture(scope="module")
+def grpc_client(stack: ThreadStack) -> Iterator[Any]:
+    from specmask.orchestrator.client import OrchestratorClient
+
+    with OrchestratorClient(stack.address) as c:
+        yield c
+
+
+GRPC_GRAMMARS: dict[str, dict[str, Any]] = {"json_schema": {"schema": SCHEMA}, "regex": {"regex": r'\{"n":[0-9]+\}'}}
+
+
+@pytest.mark.parametrize("speculation", sorted(SPECULATION))
+@pytest.mark.parametrize("grammar", [*sorted(GRPC_GRAMMARS), "none"])
+def test_grpc_reasoning_then_text(grpc_client: Any, grammar: str, speculation: str) -> None:
+    """Generate and GenerateStream: the thinking in reasoning_text, the answer alone in text (the
+    grammar governed it from the end of the section), the stream's reasoning deltas first."""
+    from specmask.proto.gen.specmask.orchestrator.v1 import orchestrator_pb2 as pb
+
+    req = _grpc_chat(speculation, **GRPC_GRAMMARS.get(grammar, {}))
+    reply = grpc_client.generate(req)
+    assert reply.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_GRAMMAR_COMPLETE), reply.error
+    assert (reply.text, reply.HasField("reasoning_text"), reply.reasoning_text) == (ANSWER, True, THINKING)
+    if grammar != "none":
+        assert reply.grammar.enforcement == pb.ENFORCEMENT_EXACT
+    streamed = grpc_client.stream_all(req)
+    assert streamed.finish_reason == reply.finish_reason, streamed.error
+    assert (streamed.text, streamed.reasoning_text) == (ANSWER, THINKING)
+    last_reasoning = max((i for i, d in enumerate(streamed.reasoning_deltas) if d), default=-1)
+    first_text = min((i for i, d in enumerate(streamed.text_deltas) if d), default=len(streamed.text_deltas))
+    assert last_reasoning <= first_text  # all the thinking first (one message may end it and start the text)
+    assert not any("<" in d for d in streamed.reasoning_deltas)  # no tag reached the client as reasoning
+    assert streamed.token_ids == list(reply.token_ids)
+
+
+def test_grpc_thinking_off_and_budget(grpc_client: Any) -> None:
+    """chat_template_kwargs reach the template: enable_thinking false renders thinking off, and the
+    grammar applies from the first token; max_reasoning_tokens forces the end of the section."""
+    off = _grpc_chat("on", schema=SCHEMA)
+    off.chat.chat_template_kwargs = json.dumps({"enable_thinking": False})
+    reply = grpc_client.generate(off)
+    assert reply.text == ANSWER and not reply.HasField("reasoning_text")
+    for budget, thought in ((2, "Hmm"), (3, THINKING)):
+        for speculation in sorted(SPECULATION):
+            req = _grpc_chat(speculation, schema=SCHEMA)
+            req.max_reasoning_tokens = budget
+            reply = grpc_client.generate(req)
+            assert (reply.reasoning_text, reply.text) == (thought, ANSWER), (budget, speculation)
+            assert grpc_client.stream_all(req).reasoning_text == thought
+
+
+def test_grpc_text_prompts_are_not_parsed(grpc_client: Any) -> None:
+    from specmask.orchestrator.client import build_request
+
+    reply = grpc_client.generate(
+        build_request("<|im_start|>user\nn?<|im_end|>\n<|im_start|>assistant\n", max_tokens=32)
+    )
+    assert not reply.HasField("reasoning_text") and reply.text.startswith("<think>")
+
+
+def _refusal(grpc_client: Any, req: Any) -> str:
+    import grpc
+
+    with pytest.raises(grpc.RpcError) as exc:
+        grpc_client.generate(req)
+    assert exc.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    return str(exc.value.details())
+
+
+def test_grpc_refuses_what_cannot_be_served(grpc_client: Any) -> None:
+    """A thinking budget without a chat, a section or a grammar, out of range, and template
+    variables that are not a JSON object or name a renderer argument: INVALID_ARGUMENT, never a
+    request served without them."""
+    from specmask.orchestrator.client import build_request
+
+    text = build_request("Give n as JSON.", schema=SCHEMA, max_tokens=8)
+    text.max_reasoning_tokens = 2
+    assert "chat prompt" in _refusal(grpc_client, text)
+    for budget, kwargs, grammar in [
+        (2, "", {}),  # no grammar to enforce the budget
+        (2, json.dumps({"enable_thinking": False}), {"schema": SCHEMA}),  # no section
+        (0, "", {"schema": SCHEMA}),
+        ((1 << 31), "", {"schema": SCHEMA}),
+    ]:
+        req = _grpc_chat("off", **grammar)
+        req.max_reasoning_tokens = budget
+        req.chat.chat_template_kwargs = kwargs
+        assert "max_reasoning_tokens" in _refusal(grpc_client, req), (budget, kwargs, grammar)
+    for bad, why in (("[1]", "JSON object"), ("{", "not JSON"), ('{"messages": []}', "renderer")):
+        req = _grpc_chat("off", schema=SCHEMA)
+        req.chat.chat_template_kwargs = bad
+        assert why in _refusal(grpc_client, req), bad

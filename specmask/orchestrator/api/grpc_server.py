@@ -21,6 +21,7 @@ from specmask.common.tokenizer_id import tokenizer_id_for_path
 from specmask.gpu_worker.types import WorkerInfo
 from specmask.mask_service.client.replicas import join_host_port
 from specmask.orchestrator.api.grpc_auth import ApiKeyInterceptor
+from specmask.orchestrator.api.grpc_reasoning import GrpcReasoning
 from specmask.orchestrator.api.grpc_servicer import OrchestratorServicer, add_to_server
 from specmask.orchestrator.auth_keys import ApiKeys
 from specmask.orchestrator.chat import DEFAULT_SCHEMA_INSTRUCTION, ChatRenderer
@@ -244,7 +245,9 @@ async def create_server(config: OrchestratorConfig) -> tuple[OrchestratorServer,
         # A kept acceptance is used only while a mask replica answers health: with the tier
         # down, requests still fail fast at validation (UNAVAILABLE), not at the worker.
         checker.tier_reachable = lambda: server.readiness.mask_replicas_serving > 0
-        add_to_server(OrchestratorServicer(engine, metrics, model_name=config.model_name), grpc_server, SERVICE_NAME)
+        reasoning = GrpcReasoning(config.reasoning_parser, chat.template_variables)
+        servicer = OrchestratorServicer(engine, metrics, model_name=config.model_name, reasoning=reasoning)
+        add_to_server(servicer, grpc_server, SERVICE_NAME)
         if config.http_port is not None:
             from specmask.orchestrator.api.http.app import front_door_for  # aiohttp only when the HTTP API is on
 

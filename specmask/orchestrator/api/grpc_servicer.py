@@ -22,10 +22,12 @@ from google.protobuf.message import DecodeError
 from specmask.common import tracing
 from specmask.common.tracing import NO_SPAN, Span
 from specmask.orchestrator import convert, request_trace
+from specmask.orchestrator.api.grpc_reasoning import GrpcReasoning, StreamReasoning, split_reply
 from specmask.orchestrator.client_identity import client_identity
 from specmask.orchestrator.engine import Engine
 from specmask.orchestrator.errors import RequestError
 from specmask.orchestrator.metrics import OrchestratorMetrics
+from specmask.orchestrator.reasoning import ReasoningFormat
 from specmask.orchestrator.request import Request
 from specmask.orchestrator.types import GenerationRequest
 from specmask.orchestrator.validation import RequestValidator
@@ -38,11 +40,20 @@ _SERVICE = pb.DESCRIPTOR.services_by_name["OrchestratorService"].full_name
 
 
 class OrchestratorServicer:
-    def __init__(self, engine: Engine, metrics: OrchestratorMetrics, *, model_name: str = "") -> None:
-        """``model_name``: the served model's id, named on the requests' trace spans."""
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: OrchestratorMetrics,
+        *,
+        model_name: str = "",
+        reasoning: GrpcReasoning | None = None,
+    ) -> None:
+        """``model_name``: the served model's id, named on the requests' trace spans.
+        ``reasoning``: chat outputs start with the model's thinking (api/grpc_reasoning.py)."""
         self._engine = engine
         self._metrics = metrics
         self._model_name = model_name
+        self._reasoning = reasoning if reasoning is not None else GrpcReasoning()
 
     async def _decode(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.GenerateRequest:
         try:
@@ -61,17 +72,20 @@ class OrchestratorServicer:
         metadata = context.invocation_metadata()
         return request_trace.start_request(f"{_SERVICE}/{method}", metadata, req, self._model_name, attributes)
 
-    async def _admit(self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext, method: str) -> Request:
+    async def _admit(
+        self, msg: pb.GenerateRequest, context: grpc.aio.ServicerContext, method: str
+    ) -> tuple[Request, ReasoningFormat | None]:
+        """The admitted request, and the reasoning format its output is read in (None: none)."""
         try:
             request_id = RequestValidator.request_id(msg.request_id)
-            req = convert.request_from_proto(msg, request_id)
+            req, thinking = self._reasoning.sectioned(msg, convert.request_from_proto(msg, request_id))
             # The end client, for the mask service's per-owner compile fairness.
             client = client_identity(context.invocation_metadata() or (), context.peer() or "")
             span = self._request_span(req, context, method)
             with request_trace.admission(span):
                 admitted = await self._engine.submit(dataclasses.replace(req, client=client))
             request_trace.attach(span, admitted)
-            return admitted
+            return admitted, thinking
         except RequestError as exc:
             self._metrics.rejected.labels(code=exc.code.name).inc()
             logger.info("[request_id=%s] refused (%s): %s", msg.request_id or "-", exc.code.name, exc.message)
@@ -92,9 +106,9 @@ class OrchestratorServicer:
             raise
 
     async def Generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        admitted = await self._admit(await self._decode(raw, context), context, "Generate")
+        admitted, thinking = await self._admit(await self._decode(raw, context), context, "Generate")
         try:
-            return convert.result_to_proto(await admitted.result())
+            return split_reply(convert.result_to_proto(await admitted.result()), thinking)
         finally:
             # A no-op for finished requests; frees worker state after a client
             # cancel or deadline (CancelledError lands here).
@@ -104,10 +118,11 @@ class OrchestratorServicer:
     async def GenerateStream(
         self, raw: bytes, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        admitted = await self._admit(await self._decode(raw, context), context, "GenerateStream")
+        admitted, thinking = await self._admit(await self._decode(raw, context), context, "GenerateStream")
+        sections = StreamReasoning(thinking)
         try:
             async for out in admitted.events():
-                yield convert.output_to_proto(out)
+                yield sections.split(out, convert.output_to_proto(out))
         finally:
             self._engine.cancel(admitted.request_id)
             request_trace.finish(admitted)

@@ -34,7 +34,7 @@ from specmask.orchestrator.api.http.protocol import (
     _Generation,
 )
 from specmask.orchestrator.api.http.tool_grammar import ToolGrammar, tool_grammar, tools_prompt, with_system_text
-from specmask.orchestrator.chat import ChatMessage, ChatPrompt
+from specmask.orchestrator.chat import RESERVED_TEMPLATE_KWARGS, ChatMessage, ChatPrompt
 from specmask.orchestrator.types import GenerationRequest, SamplingOptions, SpeculationOptions
 from specmask.orchestrator.validation import MAX_STOP_TOKEN_IDS
 
@@ -45,27 +45,6 @@ MAX_COMPLETION_LOGPROBS = 5
 # guided_decoding_backend values -> GrammarSpec.backend ("" = the mask service picks). vLLM calls
 # llguidance "guidance"; its other backends (outlines, lm-format-enforcer) are not here: a 400.
 BACKEND_NAMES = {"auto": "", "xgrammar": "xgrammar", "llguidance": "llguidance", "guidance": "llguidance"}
-# chat_template_kwargs keys that are apply_chat_template's own arguments, not template variables:
-# a request may not re-render the conversation, the tools or the prompt's shape through them.
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tools",
-        "documents",
-        "chat_template",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tokenize",
-        "padding",
-        "truncation",
-        "max_length",
-        "return_tensors",
-        "return_dict",
-        "return_assistant_tokens_mask",
-        "tokenizer_kwargs",
-    }
-)
 # A line of an EBNF (GBNF) grammar defines a rule with "::="; Lark's rules use ":".
 _EBNF_RULE = re.compile(r"::=")
 _GRAMMAR_COMMENT = re.compile(r"(#|//).*$")

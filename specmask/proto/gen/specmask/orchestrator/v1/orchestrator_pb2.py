@@ -24,49 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+specmask/orchestrator/v1/orchestrator.proto\x12\x18specmask.orchestrator.v1\"\xda\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x37\n\ttoken_ids\x18\x03 \x01(\x0b\x32\".specmask.orchestrator.v1.TokenIdsH\x00\x12.\n\x04\x63hat\x18\x07 \x01(\x0b\x32\x1e.specmask.orchestrator.v1.ChatH\x00\x12\x32\n\x07grammar\x18\x04 \x01(\x0b\x32!.specmask.orchestrator.v1.Grammar\x12:\n\x08sampling\x18\x05 \x01(\x0b\x32(.specmask.orchestrator.v1.SamplingParams\x12@\n\x0bspeculation\x18\x06 \x01(\x0b\x32+.specmask.orchestrator.v1.SpeculationParamsB\x08\n\x06prompt\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"w\n\x04\x43hat\x12\x37\n\x08messages\x18\x01 \x03(\x0b\x32%.specmask.orchestrator.v1.ChatMessage\x12\x1f\n\x12schema_instruction\x18\x02 \x01(\tH\x00\x88\x01\x01\x42\x15\n\x13_schema_instruction\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xea\x02\n\x07Grammar\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x03 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x04 \x01(\tH\x00\x12\x35\n\x08\x61ny_json\x18\x05 \x01(\x0b\x32!.specmask.orchestrator.v1.AnyJsonH\x00\x12\x16\n\x0e\x61ny_whitespace\x18\x06 \x01(\x08\x12<\n\nseparators\x18\x07 \x01(\x0b\x32(.specmask.orchestrator.v1.JsonSeparators\x12#\n\x1b\x61llow_additional_properties\x18\x08 \x01(\x08\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12\x14\n\x07\x63hecked\x18\n \x01(\x08H\x01\x88\x01\x01\x12\x19\n\x0cmax_attempts\x18\x0b \x01(\rH\x02\x88\x01\x01\x42\x06\n\x04kindB\n\n\x08_checkedB\x0f\n\r_max_attempts\"\t\n\x07\x41nyJson\"+\n\x0eJsonSeparators\x12\x0c\n\x04item\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\"\x82\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x08\n\x06_min_pB\r\n\x0b_min_tokens\"\xb0\x01\n\x11SpeculationParams\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x0e\n\x01k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x35\n\tproposers\x18\x03 \x03(\x0e\x32\".specmask.orchestrator.v1.Proposer\x12\x1a\n\rdraft_masking\x18\x04 \x01(\x08H\x02\x88\x01\x01\x42\n\n\x08_enabledB\x04\n\x02_kB\x10\n\x0e_draft_masking\"\x7f\n\rGrammarReport\x12:\n\x0b\x65nforcement\x18\x01 \x01(\x0e\x32%.specmask.orchestrator.v1.Enforcement\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x10\n\x08\x61ttempts\x18\x03 \x01(\r\x12\x0f\n\x07relaxed\x18\x04 \x03(\t\"\xd5\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x17\n\x0ftarget_forwards\x18\x03 \x01(\r\x12\x17\n\x0f\x64rafts_proposed\x18\x04 \x01(\r\x12\x17\n\x0f\x64rafts_accepted\x18\x05 \x01(\r\x12\x13\n\x0bmask_time_s\x18\x06 \x01(\x01\x12!\n\x19tokens_per_target_forward\x18\x07 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x08 \x01(\x01\"y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x31\n\x03top\x18\x03 \x03(\x0b\x32$.specmask.orchestrator.v1.TopLogprob\x12\x13\n\x0btext_offset\x18\x04 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xb9\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12=\n\rfinish_reason\x18\x04 \x01(\x0e\x32&.specmask.orchestrator.v1.FinishReason\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12.\n\x05usage\x18\x06 \x01(\x0b\x32\x1f.specmask.orchestrator.v1.Usage\x12\x38\n\x07grammar\x18\x07 \x01(\x0b\x32\'.specmask.orchestrator.v1.GrammarReport\x12\x38\n\x08logprobs\x18\x08 \x03(\x0b\x32&.specmask.orchestrator.v1.TokenLogprob\"\xbf\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12=\n\rfinish_reason\x18\x04 \x01(\x0e\x32&.specmask.orchestrator.v1.FinishReason\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12.\n\x05usage\x18\x06 \x01(\x0b\x32\x1f.specmask.orchestrator.v1.Usage\x12\x38\n\x07grammar\x18\x07 \x01(\x0b\x32\'.specmask.orchestrator.v1.GrammarReport\x12\x38\n\x08logprobs\x18\x08 \x03(\x0b\x32&.specmask.orchestrator.v1.TokenLogprob*o\n\x08Proposer\x12\x18\n\x14PROPOSER_UNSPECIFIED\x10\x00\x12\x18\n\x14PROPOSER_DRAFT_MODEL\x10\x01\x12\x1b\n\x17PROPOSER_GRAMMAR_FORCED\x10\x02\x12\x12\n\x0ePROPOSER_NGRAM\x10\x03*\xde\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\"\n\x1e\x46INISH_REASON_GRAMMAR_COMPLETE\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x12#\n\x1f\x46INISH_REASON_GRAMMAR_VIOLATION\x10\x06*Z\n\x0b\x45nforcement\x12\x1b\n\x17\x45NFORCEMENT_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45NFORCEMENT_EXACT\x10\x01\x12\x17\n\x13\x45NFORCEMENT_CHECKED\x10\x02\x32\xe9\x01\n\x13OrchestratorService\x12\x61\n\x08Generate\x12).specmask.orchestrator.v1.GenerateRequest\x1a*.specmask.orchestrator.v1.GenerateResponse\x12o\n\x0eGenerateStream\x12).specmask.orchestrator.v1.GenerateRequest\x1a\x30.specmask.orchestrator.v1.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+specmask/orchestrator/v1/orchestrator.proto\x12\x18specmask.orchestrator.v1\"\x96\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\x37\n\ttoken_ids\x18\x03 \x01(\x0b\x32\".specmask.orchestrator.v1.TokenIdsH\x00\x12.\n\x04\x63hat\x18\x07 \x01(\x0b\x32\x1e.specmask.orchestrator.v1.ChatH\x00\x12\x32\n\x07grammar\x18\x04 \x01(\x0b\x32!.specmask.orchestrator.v1.Grammar\x12:\n\x08sampling\x18\x05 \x01(\x0b\x32(.specmask.orchestrator.v1.SamplingParams\x12@\n\x0bspeculation\x18\x06 \x01(\x0b\x32+.specmask.orchestrator.v1.SpeculationParams\x12!\n\x14max_reasoning_tokens\x18\x08 \x01(\rH\x01\x88\x01\x01\x42\x08\n\x06promptB\x17\n\x15_max_reasoning_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x95\x01\n\x04\x43hat\x12\x37\n\x08messages\x18\x01 \x03(\x0b\x32%.specmask.orchestrator.v1.ChatMessage\x12\x1f\n\x12schema_instruction\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x1c\n\x14\x63hat_template_kwargs\x18\x03 \x01(\tB\x15\n\x13_schema_instruction\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xea\x02\n\x07Grammar\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x03 \x01(\tH\x00\x12\x0e\n\x04lark\x18\x04 \x01(\tH\x00\x12\x35\n\x08\x61ny_json\x18\x05 \x01(\x0b\x32!.specmask.orchestrator.v1.AnyJsonH\x00\x12\x16\n\x0e\x61ny_whitespace\x18\x06 \x01(\x08\x12<\n\nseparators\x18\x07 \x01(\x0b\x32(.specmask.orchestrator.v1.JsonSeparators\x12#\n\x1b\x61llow_additional_properties\x18\x08 \x01(\x08\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\t\x12\x14\n\x07\x63hecked\x18\n \x01(\x08H\x01\x88\x01\x01\x12\x19\n\x0cmax_attempts\x18\x0b \x01(\rH\x02\x88\x01\x01\x42\x06\n\x04kindB\n\n\x08_checkedB\x0f\n\r_max_attempts\"\t\n\x07\x41nyJson\"+\n\x0eJsonSeparators\x12\x0c\n\x04item\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\"\x82\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x15\n\x08logprobs\x18\x08 \x01(\x05H\x05\x88\x01\x01\x12\x12\n\x05min_p\x18\t \x01(\x02H\x06\x88\x01\x01\x12\x17\n\nmin_tokens\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x0c \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x08\n\x06_min_pB\r\n\x0b_min_tokens\"\xb0\x01\n\x11SpeculationParams\x12\x14\n\x07\x65nabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x0e\n\x01k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x35\n\tproposers\x18\x03 \x03(\x0e\x32\".specmask.orchestrator.v1.Proposer\x12\x1a\n\rdraft_masking\x18\x04 \x01(\x08H\x02\x88\x01\x01\x42\n\n\x08_enabledB\x04\n\x02_kB\x10\n\x0e_draft_masking\"\x7f\n\rGrammarReport\x12:\n\x0b\x65nforcement\x18\x01 \x01(\x0e\x32%.specmask.orchestrator.v1.Enforcement\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x10\n\x08\x61ttempts\x18\x03 \x01(\r\x12\x0f\n\x07relaxed\x18\x04 \x03(\t\"\xd5\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x17\n\x0ftarget_forwards\x18\x03 \x01(\r\x12\x17\n\x0f\x64rafts_proposed\x18\x04 \x01(\r\x12\x17\n\x0f\x64rafts_accepted\x18\x05 \x01(\r\x12\x13\n\x0bmask_time_s\x18\x06 \x01(\x01\x12!\n\x19tokens_per_target_forward\x18\x07 \x01(\x01\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x08 \x01(\x01\"y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x31\n\x03top\x18\x03 \x03(\x0b\x32$.specmask.orchestrator.v1.TopLogprob\x12\x13\n\x0btext_offset\x18\x04 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xe9\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12=\n\rfinish_reason\x18\x04 \x01(\x0e\x32&.specmask.orchestrator.v1.FinishReason\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12.\n\x05usage\x18\x06 \x01(\x0b\x32\x1f.specmask.orchestrator.v1.Usage\x12\x38\n\x07grammar\x18\x07 \x01(\x0b\x32\'.specmask.orchestrator.v1.GrammarReport\x12\x38\n\x08logprobs\x18\x08 \x03(\x0b\x32&.specmask.orchestrator.v1.TokenLogprob\x12\x1b\n\x0ereasoning_text\x18\t \x01(\tH\x00\x88\x01\x01\x42\x11\n\x0f_reasoning_text\"\xd7\x02\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12=\n\rfinish_reason\x18\x04 \x01(\x0e\x32&.specmask.orchestrator.v1.FinishReason\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12.\n\x05usage\x18\x06 \x01(\x0b\x32\x1f.specmask.orchestrator.v1.Usage\x12\x38\n\x07grammar\x18\x07 \x01(\x0b\x32\'.specmask.orchestrator.v1.GrammarReport\x12\x38\n\x08logprobs\x18\x08 \x03(\x0b\x32&.specmask.orchestrator.v1.TokenLogprob\x12\x16\n\x0ereasoning_text\x18\t \x01(\t*o\n\x08Proposer\x12\x18\n\x14PROPOSER_UNSPECIFIED\x10\x00\x12\x18\n\x14PROPOSER_DRAFT_MODEL\x10\x01\x12\x1b\n\x17PROPOSER_GRAMMAR_FORCED\x10\x02\x12\x12\n\x0ePROPOSER_NGRAM\x10\x03*\xde\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\"\n\x1e\x46INISH_REASON_GRAMMAR_COMPLETE\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x12#\n\x1f\x46INISH_REASON_GRAMMAR_VIOLATION\x10\x06*Z\n\x0b\x45nforcement\x12\x1b\n\x17\x45NFORCEMENT_UNSPECIFIED\x10\x00\x12\x15\n\x11\x45NFORCEMENT_EXACT\x10\x01\x12\x17\n\x13\x45NFORCEMENT_CHECKED\x10\x02\x32\xe9\x01\n\x13OrchestratorService\x12\x61\n\x08Generate\x12).specmask.orchestrator.v1.GenerateRequest\x1a*.specmask.orchestrator.v1.GenerateResponse\x12o\n\x0eGenerateStream\x12).specmask.orchestrator.v1.GenerateRequest\x1a\x30.specmask.orchestrator.v1.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmask.orchestrator.v1.orchestrator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROPOSER']._serialized_start=2758
-  _globals['_PROPOSER']._serialized_end=2869
-  _globals['_FINISHREASON']._serialized_start=2872
-  _globals['_FINISHREASON']._serialized_end=3094
-  _globals['_ENFORCEMENT']._serialized_start=3096
-  _globals['_ENFORCEMENT']._serialized_end=3186
+  _globals['_PROPOSER']._serialized_start=2921
+  _globals['_PROPOSER']._serialized_end=3032
+  _globals['_FINISHREASON']._serialized_start=3035
+  _globals['_FINISHREASON']._serialized_end=3257
+  _globals['_ENFORCEMENT']._serialized_start=3259
+  _globals['_ENFORCEMENT']._serialized_end=3349
   _globals['_GENERATEREQUEST']._serialized_start=74
-  _globals['_GENERATEREQUEST']._serialized_end=420
-  _globals['_TOKENIDS']._serialized_start=422
-  _globals['_TOKENIDS']._serialized_end=445
-  _globals['_CHAT']._serialized_start=447
-  _globals['_CHAT']._serialized_end=566
-  _globals['_CHATMESSAGE']._serialized_start=568
-  _globals['_CHATMESSAGE']._serialized_end=612
-  _globals['_GRAMMAR']._serialized_start=615
-  _globals['_GRAMMAR']._serialized_end=977
-  _globals['_ANYJSON']._serialized_start=979
-  _globals['_ANYJSON']._serialized_end=988
-  _globals['_JSONSEPARATORS']._serialized_start=990
-  _globals['_JSONSEPARATORS']._serialized_end=1033
-  _globals['_SAMPLINGPARAMS']._serialized_start=1036
-  _globals['_SAMPLINGPARAMS']._serialized_end=1422
-  _globals['_SPECULATIONPARAMS']._serialized_start=1425
-  _globals['_SPECULATIONPARAMS']._serialized_end=1601
-  _globals['_GRAMMARREPORT']._serialized_start=1603
-  _globals['_GRAMMARREPORT']._serialized_end=1730
-  _globals['_USAGE']._serialized_start=1733
-  _globals['_USAGE']._serialized_end=1946
-  _globals['_TOKENLOGPROB']._serialized_start=1948
-  _globals['_TOKENLOGPROB']._serialized_end=2069
-  _globals['_TOPLOGPROB']._serialized_start=2071
-  _globals['_TOPLOGPROB']._serialized_end=2118
-  _globals['_GENERATERESPONSE']._serialized_start=2121
-  _globals['_GENERATERESPONSE']._serialized_end=2434
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2437
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2756
-  _globals['_ORCHESTRATORSERVICE']._serialized_start=3189
-  _globals['_ORCHESTRATORSERVICE']._serialized_end=3422
+  _globals['_GENERATEREQUEST']._serialized_end=480
+  _globals['_TOKENIDS']._serialized_start=482
+  _globals['_TOKENIDS']._serialized_end=505
+  _globals['_CHAT']._serialized_start=508
+  _globals['_CHAT']._serialized_end=657
+  _globals['_CHATMESSAGE']._serialized_start=659
+  _globals['_CHATMESSAGE']._serialized_end=703
+  _globals['_GRAMMAR']._serialized_start=706
+  _globals['_GRAMMAR']._serialized_end=1068
+  _globals['_ANYJSON']._serialized_start=1070
+  _globals['_ANYJSON']._serialized_end=1079
+  _globals['_JSONSEPARATORS']._serialized_start=1081
+  _globals['_JSONSEPARATORS']._serialized_end=1124
+  _globals['_SAMPLINGPARAMS']._serialized_start=1127
+  _globals['_SAMPLINGPARAMS']._serialized_end=1513
+  _globals['_SPECULATIONPARAMS']._serialized_start=1516
+  _globals['_SPECULATIONPARAMS']._serialized_end=1692
+  _globals['_GRAMMARREPORT']._serialized_start=1694
+  _globals['_GRAMMARREPORT']._serialized_end=1821
+  _globals['_USAGE']._serialized_start=1824
+  _globals['_USAGE']._serialized_end=2037
+  _globals['_TOKENLOGPROB']._serialized_start=2039
+  _globals['_TOKENLOGPROB']._serialized_end=2160
+  _globals['_TOPLOGPROB']._serialized_start=2162
+  _globals['_TOPLOGPROB']._serialized_end=2209
+  _globals['_GENERATERESPONSE']._serialized_start=2212
+  _globals['_GENERATERESPONSE']._serialized_end=2573
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=2576
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=2919
+  _globals['_ORCHESTRATORSERVICE']._serialized_start=3352
+  _globals['_ORCHESTRATORSERVICE']._serialized_end=3585
 # @@protoc_insertion_point(module_scope)

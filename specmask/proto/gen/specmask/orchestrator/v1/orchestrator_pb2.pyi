@@ -130,12 +130,18 @@ class GenerateRequest(_message.Message):
     GRAMMAR_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     SPECULATION_FIELD_NUMBER: _builtins.int
+    MAX_REASONING_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Optional client-chosen id (echoed back and used in server logs); the
     server assigns one when empty. At most 128 printable ASCII characters.
     """
     text: _builtins.str
     """tokenized with the target model's tokenizer"""
+    max_reasoning_tokens: _builtins.int
+    """Chat prompts, on a server with a reasoning parser (--reasoning-parser), thinking on, and a
+    grammar: after this many tokens of thinking only the end of the reasoning section may
+    follow. 1..2^31-1; unset = unbounded. Anywhere else: INVALID_ARGUMENT naming the field.
+    """
     @_builtins.property
     def token_ids(self) -> Global___TokenIds: ...
     @_builtins.property
@@ -160,13 +166,19 @@ class GenerateRequest(_message.Message):
         grammar: Global___Grammar | None = ...,
         sampling: Global___SamplingParams | None = ...,
         speculation: Global___SpeculationParams | None = ...,
+        max_reasoning_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "grammar", b"grammar", "prompt", b"prompt", "sampling", b"sampling", "speculation", b"speculation", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_reasoning_tokens", b"_max_reasoning_tokens", "chat", b"chat", "grammar", b"grammar", "max_reasoning_tokens", b"max_reasoning_tokens", "prompt", b"prompt", "sampling", b"sampling", "speculation", b"speculation", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "grammar", b"grammar", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "speculation", b"speculation", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_reasoning_tokens", b"_max_reasoning_tokens", "chat", b"chat", "grammar", b"grammar", "max_reasoning_tokens", b"max_reasoning_tokens", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "speculation", b"speculation", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__max_reasoning_tokens: _TypeAlias = _typing.Literal["max_reasoning_tokens"]  # noqa: Y015
+    _WhichOneofArgType__max_reasoning_tokens: _TypeAlias = _typing.Literal["_max_reasoning_tokens", b"_max_reasoning_tokens"]  # noqa: Y015
     _WhichOneofReturnType_prompt: _TypeAlias = _typing.Literal["text", "token_ids", "chat"]  # noqa: Y015
     _WhichOneofArgType_prompt: _TypeAlias = _typing.Literal["prompt", b"prompt"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_reasoning_tokens) -> _WhichOneofReturnType__max_reasoning_tokens | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_prompt) -> _WhichOneofReturnType_prompt | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
@@ -202,11 +214,18 @@ class Chat(_message.Message):
 
     MESSAGES_FIELD_NUMBER: _builtins.int
     SCHEMA_INSTRUCTION_FIELD_NUMBER: _builtins.int
+    CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _builtins.int
     schema_instruction: _builtins.str
     """JSON Schema requests only: a system instruction that puts the schema into
     the prompt (JSONSchemaBench style), merged before the first system
     message. Unset: the server's default instruction. Empty: none. Any
     "{schema}" in it is replaced by the schema as compact JSON.
+    """
+    chat_template_kwargs: _builtins.str
+    """Extra chat template variables as a JSON object's text (vLLM's chat_template_kwargs),
+    e.g. {"enable_thinking": false}: Qwen3's template then renders thinking off, and no
+    reasoning section is expected. Variables the template does not read are ignored; the
+    renderer's own arguments (messages, tools, add_generation_prompt, ...) are refused.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
@@ -217,10 +236,11 @@ class Chat(_message.Message):
         *,
         messages: _abc.Iterable[Global___ChatMessage] | None = ...,
         schema_instruction: _builtins.str | None = ...,
+        chat_template_kwargs: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_schema_instruction", b"_schema_instruction", "schema_instruction", b"schema_instruction"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_schema_instruction", b"_schema_instruction", "messages", b"messages", "schema_instruction", b"schema_instruction"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_schema_instruction", b"_schema_instruction", "chat_template_kwargs", b"chat_template_kwargs", "messages", b"messages", "schema_instruction", b"schema_instruction"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__schema_instruction: _TypeAlias = _typing.Literal["schema_instruction"]  # noqa: Y015
     _WhichOneofArgType__schema_instruction: _TypeAlias = _typing.Literal["_schema_instruction", b"_schema_instruction"]  # noqa: Y015
@@ -702,11 +722,19 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     GRAMMAR_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    REASONING_TEXT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
     finish_reason: Global___FinishReason.ValueType
     error: _builtins.str
     """set when finish_reason is ERROR or GRAMMAR_VIOLATION"""
+    reasoning_text: _builtins.str
+    """Chat prompts on a server with a reasoning parser: the model's thinking (the reasoning
+    section's body, without its tags), set when the output opened a section. `text` is then
+    the answer after the section only, which alone the grammar and the end check govern; a
+    section that never closed (cut short while thinking) leaves `text` empty. Logprob
+    text_offset values still count the whole output, the section included.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -732,12 +760,15 @@ class GenerateResponse(_message.Message):
         usage: Global___Usage | None = ...,
         grammar: Global___GrammarReport | None = ...,
         logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
+        reasoning_text: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["grammar", b"grammar", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_reasoning_text", b"_reasoning_text", "grammar", b"grammar", "reasoning_text", b"reasoning_text", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finish_reason", b"finish_reason", "grammar", b"grammar", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_reasoning_text", b"_reasoning_text", "error", b"error", "finish_reason", b"finish_reason", "grammar", b"grammar", "logprobs", b"logprobs", "reasoning_text", b"reasoning_text", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__reasoning_text: _TypeAlias = _typing.Literal["reasoning_text"]  # noqa: Y015
+    _WhichOneofArgType__reasoning_text: _TypeAlias = _typing.Literal["_reasoning_text", b"_reasoning_text"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__reasoning_text) -> _WhichOneofReturnType__reasoning_text | None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
 
@@ -758,10 +789,16 @@ class GenerateStreamResponse(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     GRAMMAR_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    REASONING_TEXT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     text: _builtins.str
     finish_reason: Global___FinishReason.ValueType
     error: _builtins.str
+    reasoning_text: _builtins.str
+    """Reasoning deltas (GenerateResponse.reasoning_text): all messages' concatenate to the
+    reasoning, which comes before any `text` (a message that ends the reasoning may start the
+    text: its reasoning_text comes first); a closing tag never reaches it.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -788,10 +825,11 @@ class GenerateStreamResponse(_message.Message):
         usage: Global___Usage | None = ...,
         grammar: Global___GrammarReport | None = ...,
         logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
+        reasoning_text: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["grammar", b"grammar", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finish_reason", b"finish_reason", "grammar", b"grammar", "logprobs", b"logprobs", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "finish_reason", b"finish_reason", "grammar", b"grammar", "logprobs", b"logprobs", "reasoning_text", b"reasoning_text", "request_id", b"request_id", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
