@@ -224,11 +224,11 @@ def test_a_sequence_whose_session_opens_while_the_step_proposes_joins_that_step(
     real_propose = drafter.propose
     began_with: list[list[str]] = []
 
-    def propose(slots, errors):
+    def propose(slots, errors, **options):
         began_with.append([s.seq.seq_id for s in slots])
         gate.set()  # the open answers while this step proposes
         worker._seqs["late"].session_opening.result(timeout=10)
-        return real_propose(slots, errors)
+        return real_propose(slots, errors, **options)
 
     drafter.propose = propose
     first = {out.seq_id: out for out in worker.step()}
