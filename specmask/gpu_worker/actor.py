@@ -205,20 +205,7 @@ class GpuWorker:
         every prompt now, so the first steps' batches depend neither on how fast the opens
         answer nor on the iteration budget (benchmarks, whose timed steps must be decode steps;
         seeded replays)."""
-        errors: list[str | None] = [None] * len(seqs)
-        accepted: list[tuple[int, SequenceState]] = []
-        seen: set[str] = set()
-        for i, req in enumerate(seqs):
-            try:
-                state = self.admission.admit(req, self._seqs, seen, [s for _, s in accepted])
-            except (ValueError, TypeError) as exc:
-                errors[i] = str(exc)
-                rid = getattr(req, "request_id", "") or getattr(req, "seq_id", "?")
-                logger.warning("[request_id=%s] seq %s refused: %s", rid, getattr(req, "seq_id", "?"), exc)
-                continue
-            seen.add(req.seq_id)
-            accepted.append((i, state))
-
+        errors, accepted = self.admission.admit_batch(seqs, self._seqs)
         # Opens are not waited for here (gpu_worker.sessions says why); a sequence whose
         # session is still opening when a step starts sits it out (``SequenceTable.settle_sessions``).
         for _, state in accepted:

@@ -3,11 +3,13 @@
 ``Admission.admit`` checks one ``NewSequence`` against the worker's limits (its batch size,
 model length and vocabulary, the sampling and speculation ranges, the mask service, the KV
 budget) and builds its ``SequenceState``, seed drawn. A refusal raises ValueError or
-TypeError whose message ``GpuWorker.add`` hands back to the caller as that sequence's error.
+TypeError; ``Admission.admit_batch`` checks the requests of one ``GpuWorker.add`` in turn and
+hands a refusal's message back as that sequence's error (logged under its request id).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections.abc import Collection, Mapping, Sequence
@@ -20,6 +22,8 @@ from specmask.gpu_worker.kv_cache import SequenceKV
 from specmask.gpu_worker.proposers.registry import order_names
 from specmask.gpu_worker.sequence import SequenceState
 from specmask.gpu_worker.types import MAX_TOP_LOGPROBS, NewSequence
+
+logger = logging.getLogger(__name__)
 
 SEED_BITS = 63  # kernels take int64 seeds; keep them non-negative
 
@@ -50,6 +54,26 @@ class Admission:
         """Positions per slot ``s`` reserves under the KV budget (kv_budget.KVBudget.need)."""
         assert self.kv_budget is not None
         return self.kv_budget.need(s.prompt_len, s.request.sampling.max_tokens)
+
+    def admit_batch(
+        self, reqs: Sequence[Any], active: Mapping[str, SequenceState]
+    ) -> tuple[list[str | None], list[tuple[int, SequenceState]]]:
+        """Check the requests of one add() in order, each against the ones taken before it:
+        per request None or why it is refused (logged), and (index, state) of the ones taken."""
+        errors: list[str | None] = [None] * len(reqs)
+        accepted: list[tuple[int, SequenceState]] = []
+        seen: set[str] = set()
+        for i, req in enumerate(reqs):
+            try:
+                state = self.admit(req, active, seen, [s for _, s in accepted])
+            except (ValueError, TypeError) as exc:
+                errors[i] = str(exc)
+                rid = getattr(req, "request_id", "") or getattr(req, "seq_id", "?")
+                logger.warning("[request_id=%s] seq %s refused: %s", rid, getattr(req, "seq_id", "?"), exc)
+                continue
+            seen.add(req.seq_id)
+            accepted.append((i, state))
+        return errors, accepted
 
     def admit(
         self, req: Any, active: Mapping[str, SequenceState], seen: Collection[str], accepted: Sequence[SequenceState]

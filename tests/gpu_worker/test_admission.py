@@ -88,6 +88,27 @@ def test_duplicates_and_a_full_worker_are_refused() -> None:
         admission.admit(_seq("d"), active, {"b", "c"}, [b, c])
 
 
+def test_one_adds_requests_are_checked_in_turn(caplog: pytest.LogCaptureFixture) -> None:
+    """A batch is checked in order, each request against the held ones and the ones taken
+    before it: a refused one takes no slot, a repeated id is refused the second time, and the
+    batch stops fitting where the worker fills; every refusal is logged under its request id."""
+    admission = Admission(LIMITS, None, seed=0)
+    active = {"a": _admit(admission, _seq("a"))}
+    bad = NewSequence("bad", (), None, request_id="req-bad")
+    batch = [bad, _seq("b"), _seq("b"), _seq("a"), _seq("c"), _seq("d"), {"seq_id": "x"}]
+    with caplog.at_level("WARNING", logger="specmask.gpu_worker.admission"):
+        errors, accepted = admission.admit_batch(batch, active)
+    assert [(i, s.seq_id) for i, s in accepted] == [(1, "b"), (4, "c")]
+    assert errors[1] is None and errors[4] is None
+    assert errors[0] == "prompt_token_ids is empty"
+    assert errors[2] == "duplicate seq_id 'b'" and errors[3] == "duplicate seq_id 'a'"
+    assert errors[5] == "worker is full (3 active sequences)"
+    assert errors[6] == "expected NewSequence, got dict"
+    assert list(active) == ["a"]  # the batch's states are the caller's to hold
+    assert "[request_id=req-bad] seq bad refused: prompt_token_ids is empty" in caplog.text
+    assert caplog.text.count(" refused: ") == 5
+
+
 def test_an_accepted_request_starts_as_the_step_loop_expects() -> None:
     admission = Admission(LIMITS, None, seed=0)
     asked = (ProposerKind.GRAMMAR_FORCED, ProposerKind.NGRAM, ProposerKind.DRAFT_MODEL)
