@@ -102,6 +102,131 @@ def test_one_of_next_to_any_of_becomes_a_conjunction() -> None:
     assert _valid(relaxed, 5) and not _valid(schema, 5)
 
 
+DRAFT4 = "http://json-schema.org/draft-04/schema#"
+DRAFT7 = "http://json-schema.org/draft-07/schema#"
+PROBES: list[Any] = [
+    None,
+    True,
+    0,
+    7,
+    1.5,
+    "x",
+    "",
+    [],
+    [1],
+    [1, 2],
+    ["a"],
+    ["a", "b"],
+    [5, 50],
+    {},
+    {"a": 1},
+    {"b": 1},
+]
+PROBES += [{"a": 1, "b": 2}, [[]], [[1]], ["a", 1], [0, 10], [60, 70]]
+
+# (name, schema, the relaxed type or minItems expected at the root: None for left alone)
+TIGHTER: list[tuple[str, Any, Any, Any]] = [
+    (
+        "oneOf of item-only branches: no non-array",
+        {"oneOf": [{"items": {"maximum": 5}}, {"items": {"minimum": 3}}]},
+        "array",
+        None,
+    ),
+    (
+        "oneOf of object shapes beside a type",
+        {
+            "type": ["object", "string", "null"],
+            "oneOf": [{"required": ["a"]}, {"properties": {"b": {}}}, {"type": "null"}],
+        },
+        "object",
+        None,
+    ),
+    (
+        "through $ref and allOf",
+        {
+            "oneOf": [{"$ref": "#/$defs/a"}, {"allOf": [{"minLength": 2}, {"maxItems": 3}]}],
+            "$defs": {"a": {"minimum": 1}},
+        },
+        ["array", "string", "number"],
+        None,
+    ),
+    (
+        "integer branches accept no type whole",
+        {"oneOf": [{"type": "integer"}, {"type": "integer", "minimum": 0}]},
+        None,
+        None,
+    ),
+    ("one branch with not", {"oneOf": [{"items": {}}, {"not": {"type": "string"}}]}, None, None),
+    (
+        "draft 7: the oneOf beside a $ref is not read",
+        {
+            "$schema": DRAFT7,
+            "$ref": "#/definitions/a",
+            "oneOf": [{"items": {}}, {"items": {}}],
+            "definitions": {"a": {}},
+        },
+        None,
+        None,
+    ),
+    ("contains with minContains", {"type": "array", "contains": {"type": "string"}, "minContains": 2}, "array", 2),
+    ("contains", {"type": "array", "contains": {"type": "string"}}, "array", 1),
+    ("contains with minContains 0", {"type": "array", "contains": {"type": "string"}, "minContains": 0}, "array", None),
+    ("contains beside a larger minItems", {"contains": {"type": "string"}, "minItems": 3}, None, 3),
+    (
+        "draft 7: minContains is not read",
+        {"$schema": DRAFT7, "contains": {"type": "string"}, "minContains": 2},
+        None,
+        1,
+    ),
+    ("draft 4: contains is not read", {"$schema": DRAFT4, "contains": {"type": "string"}}, None, None),
+]
+
+
+@pytest.mark.parametrize(("name", "schema", "kind", "min_items"), TIGHTER, ids=[t[0] for t in TIGHTER])
+def test_relaxation_keeps_what_one_of_and_contains_imply(name: str, schema: Any, kind: Any, min_items: Any) -> None:
+    """Types two oneOf branches accept whole, and the items contains needs, stay out of the
+    relaxation, and it still accepts everything the original does."""
+    relaxed, _ = relax_schema(schema)
+    assert relaxed.get("type") == kind, (name, relaxed)
+    assert relaxed.get("minItems") == min_items, (name, relaxed)
+    for inst in PROBES:
+        if _valid(schema, inst):
+            assert _valid(relaxed, inst), (name, inst, relaxed)
+    if kind is not None and kind != schema.get("type"):
+        assert any(
+            _valid(dict(relaxed, type=schema.get("type", list(TYPE_NAMES))), i) and not _valid(relaxed, i)
+            for i in PROBES
+        )
+
+
+TYPE_NAMES = ("null", "boolean", "object", "array", "string", "number")
+
+
+def test_relaxation_accepts_every_valid_maskbench_instance() -> None:
+    """Every schema checked mode could relax, every labelled valid instance: the relaxation passes it."""
+    from tests.fixtures.shared_data import require, shared_data_dir
+
+    base = shared_data_dir()
+    if base is None:
+        pytest.skip("shared data not found")
+    relaxed_schemas = 0
+    for path in sorted(require(base, "maskbench").glob("*.json")):
+        doc = json.loads(path.read_text())
+        valid = [t["data"] for t in doc.get("tests", []) if t.get("valid")]
+        if not valid or not any(f'"{k}"' in json.dumps(doc["schema"]) for k in RELAXATIONS):
+            continue
+        try:
+            relaxed, applied = relax_schema(doc["schema"])
+        except GrammarError:
+            continue
+        if not applied:
+            continue
+        relaxed_schemas += 1
+        for instance in valid:
+            assert _valid(relaxed, instance), (path.stem, instance)
+    assert relaxed_schemas >= 300, relaxed_schemas
+
+
 def test_data_and_property_names_are_not_relaxed() -> None:
     schema = {
         "type": "object",

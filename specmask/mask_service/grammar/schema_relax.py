@@ -19,7 +19,13 @@ Each rule below removes a constraint that a grammar cannot hold token by token
 * ``dependencies`` / ``dependentRequired`` / ``dependentSchemas``: dropped
   (conditional assertions).
 * ``if`` / ``then`` / ``else``: dropped (a conditional assertion).
-* ``contains`` / ``minContains`` / ``maxContains``: dropped together.
+* ``contains`` / ``minContains`` / ``maxContains``: dropped together, leaving
+  ``minItems`` of at least ``minContains`` (1 unless given): an array with that
+  many matching items has at least that many items (``minItems`` asks nothing of
+  a value that is not an array; not in draft 3-4, which have no ``contains``).
+* ``oneOf`` -> ``anyOf`` also keeps out the JSON types two or more branches
+  accept whole (``oneof_types``): such a value matches two branches, so it
+  never passes the ``oneOf``. The node gets a ``type`` without them.
 
 Every other keyword is monotone in its subschemas (``properties``, ``items``,
 ``anyOf``, ``allOf``, ``additionalProperties``, ``$ref``...: a wider subschema
@@ -41,6 +47,7 @@ from collections.abc import Callable
 from typing import Any
 
 from specmask.mask_service.errors import GrammarError
+from specmask.mask_service.grammar.oneof_types import RelaxContext, types_never_exactly_one
 
 # Keys whose value maps names -> subschemas.
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
@@ -91,30 +98,40 @@ def relax_schema(schema: Any) -> tuple[Any, tuple[str, ...]]:
     Raises GrammarError when a ``$ref`` points into a relaxed keyword's subtree.
     """
     applied: set[str] = set()
-    relaxed = _relax(schema, applied)
+    relaxed = _relax(schema, applied, RelaxContext.of(schema))
     if applied:
         _check_refs(schema, schema)
     return relaxed, tuple(sorted(applied))
 
 
-def _relax(node: Any, applied: set[str]) -> Any:
+def _relax(node: Any, applied: set[str], ctx: RelaxContext) -> Any:
     if isinstance(node, list):
-        return [_relax(sub, applied) for sub in node]
+        return [_relax(sub, applied, ctx) for sub in node]
     if not isinstance(node, dict):
         return node
+    # Read on the node as written: a relaxed branch may accept more than the original.
+    never = types_never_exactly_one(node, ctx) if "oneOf" in node else frozenset()
+    min_items = ctx.contains_min_items(node)
     out: dict[str, Any] = {}
     for key, value in node.items():
         if key in _DATA_KEYS:
             out[key] = value
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
-            out[key] = {name: _relax(sub, applied) for name, sub in value.items()}
+            out[key] = {name: _relax(sub, applied, ctx) for name, sub in value.items()}
         else:
-            out[key] = _relax(value, applied)
+            out[key] = _relax(value, applied, ctx)
     for name, rule in RELAXATIONS.items():
         if name in out:
             if name != "uniqueItems" or out[name] is not False:  # uniqueItems: false constrains nothing
                 applied.add(name)
             rule(out)
+    if min_items:
+        current = out.get("minItems")
+        out["minItems"] = max(min_items, current if isinstance(current, int) and not isinstance(current, bool) else 0)
+    if never:
+        kept = ctx.types_without(out.get("type"), never)
+        if kept is not None:
+            out["type"] = kept
     return out
 
 
