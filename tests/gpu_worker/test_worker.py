@@ -225,14 +225,20 @@ def test_mask_traffic_per_step(make_worker):
         requests.clear()
         out = {o.seq_id: o for o in worker.step()}["g"]
         steps += 1
-        assert all(len(r) == 1 and r[0].session_id == session and r[0].last_row_only for r in requests)
-        # The next step's M_0 goes out when the next step will draft (speculation_gate.py).
+        assert all(len(r) == 1 and r[0].session_id == session for r in requests)
+        # The next step's M_0 goes out when the next step will draft with draft-side masks
+        # (speculation_gate.py).
         stepper = worker.stepper
-        speculating = stepper.gate.choose(stepper.batch_kind(list(worker._seqs.values()))) is Arm.SPECULATE
-        prefetch = out.finish_reason is None and stepper.plan_k(worker._seqs["g"]) > 0 and speculating
-        positions = list(range(1 if prefetched else 0, out.drafts_proposed))
-        verify = [out.drafts_proposed]
-        assert [len(r[0].draft_tokens) for r in requests] == positions + verify + ([0] if prefetch else [])
+        masked_next = stepper.gate.choose(stepper.batch_kind(list(worker._seqs.values()))) is Arm.SPECULATE
+        prefetch = out.finish_reason is None and stepper.plan_k(worker._seqs["g"]) > 0 and masked_next
+        # A step the gate ran without draft-side masks sends none, and its verify request asks
+        # for all of M_0..M_k.
+        unmasked = stepper.last_arm is Arm.SPECULATE_UNMASKED
+        positions = [] if unmasked else list(range(1 if prefetched else 0, out.drafts_proposed))
+        expected = (
+            [(p, True) for p in positions] + [(out.drafts_proposed, not unmasked)] + ([(0, True)] if prefetch else [])
+        )
+        assert [(len(r[0].draft_tokens), r[0].last_row_only) for r in requests] == expected
         if prefetch:
             assert list(requests[-1][0].commit_tokens) == out.new_token_ids
         prefetched = prefetch
