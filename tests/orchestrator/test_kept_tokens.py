@@ -271,3 +271,36 @@ def test_a_tokenizer_that_does_not_list_its_special_tokens(tok: Any, special: di
         KeptToken(1, special["[TOOL_CALLS]"], "[TOOL_CALLS]"),
         KeptToken(13, special["[TOOL_CALLS]"], "[TOOL_CALLS]"),
     )
+
+
+def test_a_marker_that_is_a_stop_token_ends_the_call(vocab_dir: Path, tok: Any, special: dict, tmp_path: Path) -> None:
+    """gpt-oss's generation config names <|call|> a stop token: the engine admits a stop token
+    only where the grammar ends, so the harmony call's grammar ends after its arguments and the
+    model's <|call|> ends it (not in the text); the other markers are still tokens."""
+    served = with_template(vocab_dir, HARMONY_SHORT, tmp_path / "gpt-oss")
+    call = special["<|call|>"]
+    (served / "generation_config.json").write_text(json.dumps({"eos_token_id": [special[EOS_TOKEN], call]}))
+    prompter = load_prompter(str(served))
+    assert prompter.tool_format is HARMONY and call in prompter.stop_token_ids
+    registry = TokenizerRegistry([TokenizerSource(str(served))])
+    info = registry.info(tokenizer_id_for_path(served), None)
+    assert call in info.stop_token_ids  # the mask service reads the same stop set
+    engine = BACKENDS["xgrammar"]
+    compiler = engine.make_compiler(info, 1)
+    body = CALLS[HARMONY].removesuffix("<|call|>")
+    for choice in ("auto", "required"):
+        tools = tool_grammar(TOOLS, choice, True, HARMONY, prompter.special_tokens, prompter.stop_token_ids)
+        assert f"Token({call})" not in tools.grammar.text and json.dumps("<|call|>") not in tools.grammar.text
+        assert named_token_ids(tools.grammar) == {special[m] for m in HARMONY.special_markers if m != "<|call|>"}
+        assert tools.max_calls == 1
+        matcher = engine.new_matcher(engine.compile(compiler, tools.grammar))
+        ids = ids_of(tok, special, body)
+        assert all(matcher.accept_token(int(t)) for t in ids) and matcher.accept_token(call)
+        assert matcher.is_terminated()
+        decoder = decoder_for(tok, tools.grammar)
+        text = decoder.decode([*ids, call])  # the stop token: not in the text
+        assert text == body and CHECKER.check(tools.grammar, text, tokens=decoder.kept(ids)).ok
+        [parsed] = parse_calls(split_calls(text, tools)[1] or "", tools, CHECKER)
+        assert parsed["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    # Without the stop set, <|call|> is the grammar's own token again.
+    assert f"Token({call})" in tool_grammar(TOOLS, "auto", True, HARMONY, prompter.special_tokens).grammar.text

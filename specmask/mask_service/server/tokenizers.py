@@ -15,7 +15,6 @@ picks a non-special token for Qwen3 (shared/data README quirk).
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import warnings
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specmask.common.eos_tokens import configured_eos_ids
 from specmask.common.tokenizer_id import tokenizer_id_for_path
 from specmask.mask_service.errors import InvalidArgument, UnknownTokenizer
 
@@ -57,26 +57,7 @@ class LoadedTokenizer:
 
 
 def _config_eos_ids(path: Path, hf_tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-    directory = path if path.is_dir() else path.parent
-    for name in ("tokenizer_config.json", "generation_config.json"):
-        f = directory / name
-        if not f.is_file():
-            continue
-        cfg = json.loads(f.read_text())
-        eos = cfg.get("eos_token")
-        if isinstance(eos, dict):
-            eos = eos.get("content")
-        if isinstance(eos, str):
-            tid = hf_tokenizer.convert_tokens_to_ids(eos)
-            if isinstance(tid, int) and tid >= 0:
-                ids.add(tid)
-        eos_id = cfg.get("eos_token_id")
-        if isinstance(eos_id, int):
-            ids.add(eos_id)
-        elif isinstance(eos_id, list):
-            ids.update(int(x) for x in eos_id)
-    return ids
+    return configured_eos_ids(path, hf_tokenizer.convert_tokens_to_ids)
 
 
 def load_tokenizer(source: TokenizerSource) -> LoadedTokenizer:

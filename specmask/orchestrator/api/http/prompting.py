@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from specmask.common.eos_tokens import configured_eos_ids
 from specmask.orchestrator.api.http.errors import ApiError
 from specmask.orchestrator.api.http.protocol import ChatMessage, Tool
 from specmask.orchestrator.api.http.tool_formats import HERMES, ToolCallFormat, ToolCallParser, resolve
@@ -37,8 +38,11 @@ class ChatPrompter(Protocol):
     template_variables: frozenset[str]
     # The format the model writes tool calls in (tool_formats; ``--tool-call-parser``).
     tool_format: ToolCallFormat
-    # The vocabulary's special tokens, text -> id (a tool format's special_open is admitted by id).
+    # The vocabulary's special tokens, text -> id (a tool format's markers are admitted by id).
     special_tokens: Mapping[str, int]
+    # The model's end-of-sequence tokens (its config files'): a marker that is one ends the
+    # output instead of being written in it (gpt-oss's <|call|>; tool_grammar).
+    stop_token_ids: frozenset[int]
 
     def render(
         self, messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: Mapping[str, Any] | None = None
@@ -78,6 +82,7 @@ class TranscriptPrompter:
     template_variables: frozenset[str] = frozenset()
     tool_format = HERMES
     special_tokens: Mapping[str, int] = {}  # no tokenizer is loaded for the transcript
+    stop_token_ids: frozenset[int] = frozenset()
 
     def render(
         self, messages: list[ChatMessage], tools: list[Tool] | None, template_kwargs: Mapping[str, Any] | None = None
@@ -106,9 +111,15 @@ class TemplatePrompter:
     """
 
     def __init__(
-        self, tokenizer: Any, tool_call_parser: ToolCallParser = ToolCallParser.AUTO
+        self,
+        tokenizer: Any,
+        tool_call_parser: ToolCallParser = ToolCallParser.AUTO,
+        stop_token_ids: Collection[int] = (),
     ) -> None:  # tokenizer: transformers.PreTrainedTokenizerBase
+        """``stop_token_ids``: the model's end-of-sequence tokens (``load_prompter`` reads them from
+        the model's config files)."""
         self._tokenizer = tokenizer
+        self.stop_token_ids = frozenset(int(i) for i in stop_token_ids)
         self.special_tokens: Mapping[str, int] = {
             str(t.content): int(i) for i, t in tokenizer.added_tokens_decoder.items() if t.special
         }
@@ -184,6 +195,7 @@ def load_prompter(model_dir: str, tool_call_parser: ToolCallParser = ToolCallPar
         raise RuntimeError(f"{model_dir} has a chat template but its tokenizer does not load: {exc}") from exc
     if not tokenizer.chat_template:
         raise RuntimeError(f"{model_dir} has a chat template that transformers does not read")
-    prompter = TemplatePrompter(tokenizer, tool_call_parser)
+    stops = configured_eos_ids(path, tokenizer.convert_tokens_to_ids)
+    prompter = TemplatePrompter(tokenizer, tool_call_parser, stops)
     logger.info("tool calls in the %s format", prompter.tool_format.parser.value)
     return prompter

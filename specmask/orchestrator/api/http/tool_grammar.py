@@ -26,6 +26,10 @@ A marker of the format that the vocabulary holds as a special token (``special_m
 is ``Token(id)`` wherever it is written in those literals (``"[TOOL_CALLS]" " ["`` becomes
 ``Token(id) " ["``): the model writes its own token, and the text keeps it as the marker's
 text (orchestrator/kept_tokens.py), so the parsing below reads the same text either way.
+A marker that is also one of the model's stop tokens cannot be a ``Token(id)`` of the
+grammar (the engine admits a stop token only where the grammar ends): where it is the call's
+``tail`` (gpt-oss's ``<|call|>``) the grammar ends after the arguments and the model's stop
+token ends the call, as the model writes it; anywhere else it is written out.
 
 ``body`` is free text with two exclusions, so a call can never hide in content: it
 never contains ``tool_formats.TEXT_EXCLUSIONS`` (``<|``, ``<｜``, ``<tool_call>``,
@@ -52,7 +56,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +89,13 @@ class ToolGrammar:
     # Markers the grammar admits as special tokens (text -> id): the text holds them as their
     # text, and no content returned to the client does.
     special: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # What ends each call in the output's text: the format's tail, or "" where the tail is the
+    # model's stop token (gpt-oss's <|call|>), which ends the output and is not in its text.
+    tail: str | None = None
+
+    @property
+    def call_tail(self) -> str:
+        return self.format.tail if self.tail is None else self.tail
 
 
 def _literal(text: str) -> str:
@@ -144,19 +155,27 @@ def tool_grammar(
     parallel: bool,
     fmt: ToolCallFormat = HERMES,
     special_tokens: Mapping[str, int] | None = None,
+    stop_tokens: Collection[int] = (),
 ) -> ToolGrammar:
     """The grammar of ``choice`` over ``tools`` in ``fmt``; ``parallel``: up to MAX_PARALLEL_CALLS calls.
     ``special_tokens``: the served vocabulary's special tokens (text -> id): the format's
     ``special_open`` is admitted by id before the calls, its ``special_markers`` by id where
-    they are written."""
+    they are written. ``stop_tokens``: the model's stop tokens, never admitted by id (see the
+    module doc)."""
     import xgrammar as xgr
 
-    special = _special_markers(fmt, special_tokens)
+    vocab = special_tokens or {}
+    stops = frozenset(int(i) for i in stop_tokens)
+    special = {m: i for m, i in _special_markers(fmt, vocab).items() if i not in stops}
+    # The stop token ends the output: the call's tail is not written (and not in the text).
+    tail_text = "" if fmt.tail in fmt.special_markers and vocab.get(fmt.tail) in stops else fmt.tail
+    # A call the stop token ends is the output's last: one call per answer then.
+    several = parallel and fmt.parallel and bool(tail_text) and not isinstance(choice, NamedToolChoice)
+    max_calls = MAX_PARALLEL_CALLS if several else 1
     head_before, head_after = fmt.head.split(NAME, 1)
 
     chosen = chosen_tools(tools, choice)
     text_allowed = choice in (None, "auto")
-    max_calls = MAX_PARALLEL_CALLS if parallel and fmt.parallel and not isinstance(choice, NamedToolChoice) else 1
     params: dict[str, dict[str, Any]] = {}
     calls = []
     for tool in chosen:
@@ -182,8 +201,10 @@ def tool_grammar(
         # The name is the caller's, between the format's own text: never read for markers.
         spelled_name = _literal(json.dumps(name, ensure_ascii=False)[1:-1])
         head = f"{_spelled(head_before, special)} {spelled_name} {_spelled(head_after, special)}"
-        tail = xgr.Grammar.from_ebnf(f"root ::= {_spelled(fmt.tail, special)}")
-        calls.append(xgr.Grammar.concat(xgr.Grammar.from_ebnf(f"root ::= {head}"), args, tail))
+        parts = [xgr.Grammar.from_ebnf(f"root ::= {head}"), args]
+        if tail_text:
+            parts.append(xgr.Grammar.from_ebnf(f"root ::= {_spelled(tail_text, special)}"))
+        calls.append(xgr.Grammar.concat(*parts))
     call = calls[0] if len(calls) == 1 else xgr.Grammar.union(*calls)
     # The call's printed grammar names it ``root`` on its first line and nowhere else (concat
     # made it the top): renamed, it is repeated by reference instead of copied per call.
@@ -194,8 +215,8 @@ def tool_grammar(
         raise RuntimeError("unexpected printed tool-call grammar")  # an xgrammar change, not a client error
     more = f" ({_spelled(fmt.separator, special)} {_CALL_RULE}){{0, {max_calls - 1}}}" if max_calls > 1 else ""
     calls_rule = f"{_spelled(fmt.calls_open, special)} {_CALL_RULE}{more} {_spelled(fmt.calls_close, special)}"
-    opener = (special_tokens or {}).get(fmt.special_open) if fmt.special_open else None
-    if opener is not None:
+    opener = vocab.get(fmt.special_open) if fmt.special_open else None
+    if opener is not None and opener not in stops:
         # The token, never its text: the text is a trigger no text or call may hold.
         calls_rule = f"(Token({int(opener)}))? {calls_rule}"
         special[fmt.special_open] = int(opener)
@@ -212,7 +233,9 @@ def tool_grammar(
     lines.append(_CALL_RULE + printed.removeprefix("root"))
     text = "\n".join(lines)
     xgr.Grammar.from_ebnf(text)  # parses (the mask service and the end check parse it again)
-    return ToolGrammar(GrammarSpec(kind=GrammarKind.EBNF, text=text), params, fmt, text_allowed, max_calls, special)
+    return ToolGrammar(
+        GrammarSpec(kind=GrammarKind.EBNF, text=text), params, fmt, text_allowed, max_calls, special, tail_text
+    )
 
 
 def _local_refs_only(node: Any, tool: str) -> None:
@@ -420,10 +443,11 @@ def parse_calls(text: str, tools: ToolGrammar, checker: OutputChecker) -> list[d
             _, end = decoder.raw_decode(body, start)
         except ValueError as exc:
             raise ValueError(f"the arguments of {head[1]!r} are not JSON: {exc}") from None
-        if not body.startswith(fmt.tail, end):
-            raise ValueError(f"the call to {head[1]!r} does not end with {fmt.tail!r}")
+        tail = tools.call_tail
+        if not body.startswith(tail, end):
+            raise ValueError(f"the call to {head[1]!r} does not end with {tail!r}")
         out.append(_checked_call(head[1], body[start:end], tools, checker))
-        pos = end + len(fmt.tail)
+        pos = end + len(tail)
         if pos == len(body):
             break
         if not fmt.separator or not body.startswith(fmt.separator, pos):

@@ -68,7 +68,14 @@ def chat_request(body: ChatCompletionRequest, request_id: str, prompter: ChatPro
     if body.tools and body.tool_choice != "none":
         # "auto" (OpenAI's default with tools): text or calls; "required" / named: calls.
         parallel = body.parallel_tool_calls is not False
-        calls = tool_grammar(body.tools, body.tool_choice, parallel, prompter.tool_format, prompter.special_tokens)
+        calls = tool_grammar(
+            body.tools,
+            body.tool_choice,
+            parallel,
+            prompter.tool_format,
+            prompter.special_tokens,
+            prompter.stop_token_ids,
+        )
         grammars.append(("tools", calls.grammar))
     elif body.tool_choice not in (None, "none"):
         raise ApiError.invalid("tool_choice was given without tools", param="tool_choice")
