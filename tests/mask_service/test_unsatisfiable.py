@@ -212,6 +212,24 @@ CASES: list[tuple[str, Any, Any, Any]] = [
         {"$schema": DRAFT4, "type": "number", "multipleOf": 1, "not": {"type": "integer"}},
         1.0,
     ),
+    (
+        "no integer in the bounds passes a not",
+        {"type": "integer", "minimum": 0, "maximum": 3, "not": {"enum": [0, 1, 2, 3]}},
+        {"type": "integer", "minimum": 0, "maximum": 4, "not": {"enum": [0, 1, 2, 3]}},
+        4,
+    ),
+    (
+        "no integral multiple passes a oneOf",
+        {
+            "type": "number",
+            "multipleOf": 2,
+            "exclusiveMinimum": 0,
+            "maximum": 6,
+            "oneOf": [{"multipleOf": 1}, {"multipleOf": 2}],
+        },
+        {"type": "integer", "exclusiveMinimum": 0, "maximum": 6, "oneOf": [{"multipleOf": 1}, {"multipleOf": 2}]},
+        1,
+    ),
     ("allOf with a false branch", {"allOf": [{}, False]}, {"anyOf": [{}, False]}, 1),
     (
         "anyOf of nothing",

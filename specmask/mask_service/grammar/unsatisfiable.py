@@ -31,7 +31,9 @@ The rules (each a sound implication; the docstring of each helper says why):
 * ``oneOf`` with two branches every instance of the node matches (a branch of only ``type``
   covering the node's kinds, only ``required`` names the node requires, or nothing): every
   instance matches at least two, so none matches exactly one;
-* ``not`` of a schema every value matches (``{}``, ``true``), or of only a ``type``.
+* ``not`` of a schema every value matches (``{}``, ``true``), or of only a ``type``;
+* only integers left, at most ``MAX_INTEGERS`` between the node's own bounds, and a ``not``,
+  ``if``, union or ``$ref`` beside them: each integer judged like an ``enum`` value.
 
 Not proven (left to the engines and the end check): anything needing ``pattern`` or ``format``
 reasoning, ``if``/``then``/``else``, dependencies, ``uniqueItems``, ``propertyNames`` beyond
@@ -68,6 +70,9 @@ _TYPE_KINDS: dict[str, frozenset[str]] = {
     "integer": frozenset({INTEGRAL}),
 }
 MAX_ENUM = 1024  # enum values judged one by one; past this the values' kinds only
+MAX_INTEGERS = 4096  # integers judged one by one where only integers are left (as integer_enum)
+# Keywords beside bounded integers the other rules do not read: then each integer is judged.
+_BESIDE_INTEGERS = frozenset({"not", "if", "oneOf", "anyOf", "allOf", "$ref"})
 MAX_DEPTH = 200  # subschemas deep (a $ref chain counts): past it, every kind
 _REASONS = 3  # reasons kept per node, for the message
 
@@ -200,7 +205,28 @@ class _Walk:
             self.negation(schema["not"], path, cut)
         if kinds and ("enum" in schema or "const" in schema):
             self.values(schema, path, cut)
+        elif kinds == {INTEGRAL} and _BESIDE_INTEGERS & schema.keys():
+            self.integers(schema, path, cut)
         return _Verdict(kinds, tuple(why))
+
+    def integers(self, schema: dict[str, Any], path: str, cut: Any) -> None:
+        """Only integers left, few enough between the bounds: each judged as the end check would."""
+        low, high = _number(schema.get("minimum")), _number(schema.get("maximum"))
+        for key in ("exclusiveMinimum", "exclusiveMaximum"):
+            value = _number(schema.get(key))  # a draft 4 flag is no number: the bound stays closed (wider)
+            if value is not None and key == "exclusiveMinimum":
+                low = value if low is None else max(low, value)
+            elif value is not None:
+                high = value if high is None else min(high, value)
+        if low is None or high is None or high - low > MAX_INTEGERS:
+            return
+        try:
+            checks = judges(self.root, schema)
+            found = any(all(j.is_valid(v) for j in checks) for v in range(math.ceil(low), math.floor(high) + 1))
+        except Exception:  # a node jsonschema cannot evaluate: no proof from it
+            return
+        if not found:
+            cut(frozenset({INTEGRAL}), f"{path}: no integer between its bounds passes the keywords beside them")
 
     def resolve(self, ref: str, depth: int) -> _Verdict:
         if self.refs is None or not (ref == "#" or ref.startswith("#/")) or ref in self.resolving:
