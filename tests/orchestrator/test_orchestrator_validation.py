@@ -318,3 +318,23 @@ def test_grammar_fallback_default_and_per_request(bpe_tokenizer, info, checker) 
     assert fallback[GrammarFallback.CHECKED].validate_request(req).max_attempts == 3
     with pytest.raises(InvalidRequest, match="checked mode only"):
         fallback[GrammarFallback.REFUSE].validate(req)
+
+
+def test_unsatisfiable_schema_refused_up_front_in_checked_mode_too(validator) -> None:
+    """No value satisfies it (every object matches both oneOf branches), so no attempt could pass
+    the end check: refused before any generation, with the reason, whatever the fallback."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "d": {"type": "object", "required": ["a", "b"], "oneOf": [{"required": ["a"]}, {"required": ["b"]}]}
+        },
+        "required": ["d"],
+    }
+    for checked in (None, True, False):
+        req = dataclasses.replace(
+            _req(grammar=GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema))), checked=checked
+        )
+        with pytest.raises(InvalidRequest) as exc:
+            validator.validate(req)
+        assert exc.value.code is grpc.StatusCode.INVALID_ARGUMENT
+        assert "matches nothing" in exc.value.message and "oneOf branches 0 and 1" in exc.value.message, checked
