@@ -304,3 +304,35 @@ def test_a_marker_that_is_a_stop_token_ends_the_call(vocab_dir: Path, tok: Any, 
         assert parsed["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     # Without the stop set, <|call|> is the grammar's own token again.
     assert f"Token({call})" in tool_grammar(TOOLS, "auto", True, HARMONY, prompter.special_tokens).grammar.text
+
+
+def test_kept_tokens_after_a_reasoning_section(tok: Any, special: dict) -> None:
+    """Behind a reasoning section the end check reads the content's tokens where they are in it;
+    a kept token inside the section (which admits none) fails the check."""
+    import dataclasses
+
+    from specmask.orchestrator.reasoning import FORMATS, ReasoningParser
+
+    section = FORMATS[ReasoningParser.QWEN3].section
+    tools = tool_grammar(TOOLS, "required", True, MISTRAL, special)
+    spec = dataclasses.replace(tools.grammar, reasoning=section)
+    thought = "<think>call it</think>\n\n"
+    ids = ids_of(tok, special, thought + CALLS[MISTRAL])
+    decoder = decoder_for(tok, spec)
+    text = decoder.decode(ids)
+    assert text == thought + CALLS[MISTRAL]
+    kept = decoder.kept(ids)
+    assert [k.offset for k in kept] == [len(thought)] and CHECKER.check(spec, text, tokens=kept).ok
+    inside = "<think>[TOOL_CALLS]</think>\n\n" + CALLS[MISTRAL]
+    ids = ids_of(tok, special, inside)
+    verdict = CHECKER.check(spec, decoder.decode(ids), tokens=decoder.kept(ids))
+    assert not verdict.ok and "reasoning section" in verdict.reason
+
+
+def test_streamed_content_never_holds_a_marker(special: dict) -> None:
+    """Text the grammar would never let through (a marker token in text, then no call): what a
+    stream sends as content before the end check fails the output holds no marker either."""
+    tools = tool_grammar(TOOLS, "auto", True, MISTRAL, special)
+    split = StreamSplit(tools)
+    sent = [split.feed(piece)[0] for piece in ("Sure ", "[TOOL_CALLS]", " x", "[TOOL_CALLS]", " ok")]
+    assert "".join(sent) + split.pending() == "Sure  x ok" and not split.calls

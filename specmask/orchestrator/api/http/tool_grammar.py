@@ -362,7 +362,15 @@ class StreamSplit:
         self._start = ""
 
     def feed(self, text: str) -> tuple[str, str]:
-        """``text`` (a delta) -> (content to send now, text held back as calls)."""
+        """``text`` (a delta) -> (content to send now, text held back as calls). Content never
+        holds a marker the grammar admits as a special token: the grammar keeps them out of text,
+        and should an output break it, the end check fails it and no marker was sent before."""
+        content, calls = self._feed(text)
+        if content and self._tools is not None and self._tools.special:
+            content = _without_markers(content, self._tools)
+        return content, calls
+
+    def _feed(self, text: str) -> tuple[str, str]:
         if not self._undecided:
             return ("", text) if self.calls else (text, "")
         assert self._tools is not None
@@ -410,7 +418,10 @@ def text_content(text: str, tools: ToolGrammar) -> str:
     """The content of a text answer (or of an output cut short): without the format's ``text_open``,
     and without the markers the grammar admits as special tokens (a call cut short holds them;
     the client never gets one, as it never gets a special token)."""
-    text = text.removeprefix(tools.format.text_open)
+    return _without_markers(text.removeprefix(tools.format.text_open), tools)
+
+
+def _without_markers(text: str, tools: ToolGrammar) -> str:
     for marker in tools.special:
         text = text.replace(marker, "")
     return text
