@@ -196,12 +196,13 @@ class GpuWorker:
 
     def add(self, seqs: Sequence[NewSequence], *, wait_for_sessions: bool = False) -> list[str | None]:
         """Validate and start opening mask sessions. Returns per sequence None or an error
-        message. A session the mask service refuses is reported by add() if it had answered by
-        then, else by the sequence's next step (an ERROR output). add() runs no forward: long
+        message. A session open that fails is reported by the sequence's next step (an ERROR
+        output, whose ``error_kind`` says whether the tier was away or the grammar refused), not
+        by add(), whose answers carry no kind. add() runs no forward: long
         prompts are prefilled in chunks by the following iterations, within their token budget
         (``step``), so an add() of any size returns at once.
 
-        ``wait_for_sessions`` waits for every answer, so add() reports them all, and prefills
+        ``wait_for_sessions`` waits for every answer, so add() reports them all itself, and prefills
         every prompt now, so the first steps' batches depend neither on how fast the opens
         answer nor on the iteration budget (benchmarks, whose timed steps must be decode steps;
         seeded replays)."""
@@ -226,9 +227,9 @@ class GpuWorker:
                 return errors
             self.sessions.wait_all([s for _, s in accepted])
         for i, state in accepted:
-            # Settled now if the open already answered (e.g. during a long prefill): a refusal
-            # is then add()'s answer; later, it is the sequence's step output.
-            failure = self.sessions.settle(state)
+            # Waited for: every open has answered, and a refusal is add()'s answer. Else the
+            # sequence's first step settles it (``settle_sessions``), a failure then a typed output.
+            failure = self.sessions.settle(state) if wait_for_sessions else None
             if failure is not None:
                 errors[i] = failure.message
                 free(state, self.sessions)

@@ -6,7 +6,15 @@ import pytest
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
 from specmask.gpu_worker.actor import UnknownSequenceError
-from specmask.gpu_worker.types import FinishReason, NewSequence, SamplingParams, SessionWait, SpeculationParams
+from specmask.gpu_worker.mask_errors import MASK_TIER_UNAVAILABLE
+from specmask.gpu_worker.types import (
+    ErrorKind,
+    FinishReason,
+    NewSequence,
+    SamplingParams,
+    SessionWait,
+    SpeculationParams,
+)
 from tests.gpu_worker.helpers import Finished, run_to_completion, wait_sessions_closed, wait_sessions_open
 
 GOOD_GRAMMAR = GrammarSpec(GrammarKind.REGEX, "(yes|no)")
@@ -75,13 +83,14 @@ def test_grammar_without_mask_service_is_refused(make_worker):
 def test_unreachable_mask_service_fails_only_grammar_sequences(make_worker):
     worker = make_worker(mask_service_addresses=("127.0.0.1:1",), mask_deadline_s=0.5)
     errors = worker.add([_seq("g"), _seq("plain", grammar=None, max_tokens=3)])
-    assert errors[1] is None
+    assert errors == [None, None]  # a failed open is the step's to report, with its kind
+    assert worker._seqs["g"].session_opening.exception(timeout=30) is not None  # answered before any step
     results = run_to_completion(worker)
     assert results["plain"].tokens and results["plain"].error is None
-    # Refused by add() if its open failed before add() returned, else by its first step.
-    error = errors[0] if errors[0] is not None else results["g"].error
-    assert error is not None and "mask service" in error
-    assert errors[0] is not None or (results["g"].finish is FinishReason.ERROR and results["g"].tokens == [])
+    (failed,) = results["g"].outputs
+    assert failed.finish_reason is FinishReason.ERROR and failed.new_token_ids == []
+    assert failed.error is not None and failed.error.startswith(MASK_TIER_UNAVAILABLE), failed.error
+    assert failed.error_kind is ErrorKind.MASK_TIER_UNAVAILABLE and "127.0.0.1" not in failed.error
 
 
 def test_full_worker_refuses_more_sequences(make_worker):
