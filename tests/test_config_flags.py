@@ -114,6 +114,8 @@ def test_unsupported_types_and_unknown_fields_fail_when_the_parser_is_built() ->
 
     with pytest.raises(TypeError, match=r"Preset\.sizes: a repeated flag's default must be empty"):
         ConfigFlags(Preset)
+    with pytest.raises(TypeError, match=r"Sample\.tags: a repeated flag's default must be empty"):
+        ConfigFlags(Sample, ["tags"], defaults={"tags": ["x"]})
 
     @dataclass(frozen=True)
     class Needed:

@@ -139,7 +139,10 @@ def _field_flag(
     elif typing.get_origin(inner) is tuple and typing.get_args(inner) == (str, ...):
         if spec.convert is None:
             kwargs["action"] = "append"
-            default = list(default) if default is not dataclasses.MISSING else []
+            if default is not dataclasses.MISSING and len(default):
+                # argparse appends what is given to the default (--x b on a default of a: [a, b])
+                raise TypeError(f"{config_cls.__name__}.{f.name}: a repeated flag's default must be empty")
+            default = []
 
             def convert(value: Any) -> Any:
                 return tuple(value)
