@@ -12,7 +12,8 @@ With ``--reasoning-parser qwen3`` the answer comes back as ``content``, the thin
 as ``reasoning`` / ``reasoning_content``, streamed and not, with speculation on
 (the draft is the same model, so drafts cross the end of the section) and off,
 and under a JSON Schema, a regex, tools (``auto``: the answer is text) and no constraint
-at all.
+at all. The gRPC API serves the same chats over real loopback: ``reasoning_text`` apart from
+``text``, whole and streamed, ``chat_template_kwargs`` and ``max_reasoning_tokens``.
 """
 
 from __future__ import annotations
