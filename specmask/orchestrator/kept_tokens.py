@@ -12,9 +12,11 @@ not of the first piece after a marker).
 
 Text alone cannot tell a kept token from the same characters written in ordinary
 tokens. So the end check is told where each kept token is (``KeptToken``), read from
-the token ids, and accepts a kept token only where the grammar names it by id
-(output_check): a marker the model wrote where the grammar does not allow it fails
-the check, whatever the characters around it.
+the token ids, and takes each as the mask service's engine does (output_check): by a
+``Token(id)`` of the grammar, or as its text where the grammar admits that text
+(xgrammar reads an added token as its text, inside a JSON string say). A marker the
+model wrote anywhere else, or the marker's characters in ordinary tokens where the
+grammar names the token, fail the check.
 """
 
 from __future__ import annotations
