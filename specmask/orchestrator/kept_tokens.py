@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specmask.common.grammar_spec import GrammarKind, GrammarSpec
-from specmask.orchestrator.detokenizer import Decoder
+from specmask.orchestrator.detokenizer import Decoder, StreamSource, stream_source
 
 # A grammar's reference to a token by id (xgrammar EBNF); ids past 9 digits are beyond any vocabulary.
 TOKEN_REF = re.compile(r"Token\((\d{1,9})\)")
@@ -78,6 +78,17 @@ class KeepingDecoder:
         if found is None:
             found = self._texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
         return found
+
+    def stream_source(self, skip_special_tokens: bool) -> StreamSource | None:
+        """How the incremental detokenizer streams ``decode``: the wrapped tokenizer's stream
+        without the dropped ids, unskipped (None when the tokenizer does not list its special
+        tokens, or is not a ``tokenizers.Tokenizer``)."""
+        inner = stream_source(self._tokenizer, skip_special_tokens=False)
+        if inner is None or inner.drop:  # a wrapper of a wrapper: the window code decodes it
+            return None
+        if not skip_special_tokens:
+            return inner
+        return None if self._drop is None else StreamSource(inner.tokenizer, False, self._drop)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if not skip_special_tokens:
