@@ -87,6 +87,11 @@ class _Stream:
 
     def step(self, ids: Sequence[int]) -> str | None:
         """The text ``ids`` complete; None when they complete none (the window does not move)."""
+        if len(ids) == 1:
+            # One id is the common push (a step's single token; logprobs push one at a time), and
+            # the binding steps an int at about half the cost of a one-element list.
+            (token,) = ids
+            return None if token in self._drop else self._stream.step(self._tokenizer, token)
         kept = [i for i in ids if i not in self._drop] if self._drop else list(ids)
         # Dropped ids decode to nothing: pushing only those moves nothing, as in the window code.
         return self._stream.step(self._tokenizer, kept) if kept else None
