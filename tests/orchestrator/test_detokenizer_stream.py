@@ -202,8 +202,9 @@ def _byte_pieces(tok: Any, char: str) -> list[int]:
 
 def _byte_fallback_ids(tok: Any, rng: random.Random) -> list[int]:
     """Units of an output: an ordinary piece (special tokens included), or one character as its
-    byte pieces; a byte run of whole characters is valid UTF-8. A cut character only at the end,
-    after an ordinary piece (see test_byte_fallback_rewrite for what a cut inside a run does)."""
+    byte pieces. Every byte run is whole characters, so valid UTF-8, with a special token between
+    two runs skipped or not. A cut character only at the end, after an ordinary piece that is not
+    special (see test_byte_fallback_rewrite for what a cut inside a run does)."""
     special = set(_special_ids(tok))
     ordinary = [i for i in range(tok.get_vocab_size()) if not tok.id_to_token(i).startswith("<0x")]
     plain = [i for i in ordinary if i not in special]
@@ -211,12 +212,11 @@ def _byte_fallback_ids(tok: Any, rng: random.Random) -> list[int]:
     if rng.random() < 0.3:
         ids = list(tok.encode(rng.choice(TEXTS)).ids)
     for _ in range(rng.randint(1, 12)):
-        if rng.random() < 0.5:
+        roll = rng.random()
+        if roll < 0.5:
             ids.extend(_byte_pieces(tok, rng.choice(CHARS)))
         else:
-            # A special token between two runs would join them when skipped: only after a piece.
-            pick = rng.choice(ordinary)
-            ids.append(pick if pick not in special or not ids else rng.choice(plain))
+            ids.append(rng.choice(sorted(special)) if roll < 0.6 else rng.choice(ordinary))
     if rng.random() < 0.3:
         cut = _byte_pieces(tok, rng.choice("日🙂é𝔘"))
         ids += [rng.choice(plain), *cut[: rng.randint(1, len(cut) - 1)]]
