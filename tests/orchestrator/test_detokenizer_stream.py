@@ -58,7 +58,7 @@ def _run(detok: IncrementalDetokenizer, ids: list[int], sizes: list[int], peek_a
         out.append(detok.push(chunk))
     streamed = detok.streams
     out.append(detok.flush())
-    out.append(detok.flush())  # a second flush has nothing left
+    out.append(detok.flush())
     out.append(f"streamed:{streamed}")
     return out
 
@@ -76,6 +76,7 @@ def _check(
         assert deltas[-1] == "streamed:True", "the stream refused a push the window code decoded"
         assert old.pop() == "streamed:False"
         assert deltas[:-1] == old, (ids, sizes)
+        assert deltas[-2] == "", "a second flush has nothing left"
         whole = decoder.decode(ids, skip_special_tokens=skip) if expected is None else expected
         pushed = [d for d in deltas[:-3] if not d.startswith("peek:")]
         assert "".join(pushed) + deltas[-3] == whole, (ids, sizes)
