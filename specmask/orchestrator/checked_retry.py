@@ -37,7 +37,7 @@ SEED_STRIDE = 0x9E3779B97F4A7C15
 # compile, so a flood of new schemas delayed every request's completion.
 _OUTPUT_CHECK_THREADS = 2
 
-# finish(request, reason, error) and resample(request, why): the engine's, which owns the queue.
+# finish(request, reason, error) and resample(request, why): LiveRequests' (it owns the queue).
 Finish = Callable[[Request, FinishReason, str | None], None]
 Resample = Callable[[Request, str], None]
 
