@@ -385,3 +385,32 @@ def test_service_refuses_it_in_checked_mode_too(client: MaskServiceClient, bpe_i
     assert "matches nothing" in info.value.message and "oneOf branches 0 and 1" in info.value.message
     # Its near miss (one branch implied, the others not) is served.
     client.validate_grammar(bpe_id, GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(AREA_ONE_FREE), checked=True))
+
+
+def test_shared_references_cost_no_more_than_a_tree() -> None:
+    """40 levels of definitions, each referencing the next twice (2**40 paths): the walks that
+    read references (this module, the integers rule, the relaxation's oneOf types) visit each
+    target a bounded number of times, so they finish at once instead of never."""
+    import time
+
+    from specmask.mask_service.grammar.exact_rewrites import rewrite_exact
+    from specmask.mask_service.grammar.schema_relax import relax_schema
+
+    defs: dict[str, Any] = {
+        f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{i + 1}"}, {"allOf": [{"$ref": f"#/$defs/d{i + 1}"}]}]}
+        for i in range(40)
+    }
+    defs["d40"] = {"multipleOf": 2}
+    schema = {
+        "$defs": defs,
+        "type": "number",
+        "minimum": 0,
+        "maximum": 8,
+        "allOf": [{"$ref": "#/$defs/d0"}],
+        "oneOf": [{"$ref": "#/$defs/d0"}, {"not": {"const": 3}}],
+    }
+    started = time.monotonic()
+    assert why_unsatisfiable(schema) is None
+    rewrite_exact(schema, strict=True)
+    relax_schema(schema)
+    assert time.monotonic() - started < 60  # unbounded, the walks would take hours

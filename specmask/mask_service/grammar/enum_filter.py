@@ -77,3 +77,44 @@ def judges(root: Any, body: dict[str, Any]) -> list[Any]:
     if isinstance(root, dict) and "$schema" not in root and '"dependencies"' in json.dumps(root):
         classes.append(exact_multiples(jsonschema.Draft7Validator))
     return [c(root, format_checker=c.FORMAT_CHECKER).evolve(schema=body) for c in classes]
+
+
+def judged_size(root: Any, body: Any, cap: int) -> int | None:
+    """How many subschemas ``jsonschema`` may visit judging one value against ``body``: the
+    size of its tree with local references expanded where they are used (a target referenced
+    twice counts twice, as the validator walks it twice), or None once over ``cap``.
+    Judging costs up to this per value, so callers judge only where values x size is small:
+    shared references nest into exponentially many paths."""
+    count = 0
+    stack = [body]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        count += 1
+        if count > cap:
+            return None
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#"):
+            stack.append(_resolve(root, ref))
+        stack.extend(v for k, v in node.items() if k not in _DATA_KEYS and k not in ("$defs", "definitions"))
+    return count
+
+
+_DATA_KEYS = frozenset({"const", "enum", "default", "examples", "example"})
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    node = root
+    for raw in [p for p in ref[1:].split("/") if p]:
+        part = raw.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node

@@ -27,12 +27,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from specmask.mask_service.grammar.enum_filter import judges
+from specmask.mask_service.grammar.enum_filter import judged_size, judges
 from specmask.mask_service.grammar.schema_merge import MergeContext
 from specmask.mask_service.grammar.schema_rewrite import resolve_ref
 
 MAX_VALUES = 4096
 MAX_DEPTH = 16  # conjuncts and unions followed this deep (a $ref counts)
+MAX_CONJUNCTS = 64  # conjuncts gathered per node: more, and the rule does not apply
+MAX_JUDGED = 200_000  # values x subschemas judged (enum_filter.judged_size): past it, the rule does not apply
+MAX_VISITS = 4096  # subschemas visited per node (shared references can repeat): past it, no proof
 _UNENFORCED = frozenset({"not", "if", "oneOf", "multipleOf"})
 _DATA_KEYS = frozenset({"const", "enum", "default", "examples", "example"})
 
@@ -45,8 +48,9 @@ def enumerate_integers(body: dict[str, Any], ctx: MergeContext) -> dict[str, Any
         return None  # draft 4-7 ignore the type beside the reference: instances need not be numbers
     if not _mentions(body, ctx.root, _UNENFORCED, set()):
         return None
-    conjuncts = _conjuncts(body, ctx, 0, set())
-    if conjuncts is None or not any(_integral(c, ctx, 0) for c in conjuncts):
+    budget = [MAX_VISITS]
+    conjuncts = _conjuncts(body, ctx, 0, set(), budget)
+    if conjuncts is None or not any(_integral(c, ctx, 0, budget) for c in conjuncts):
         return None
     bounds = _bounds(conjuncts)
     if bounds is None:
@@ -54,6 +58,9 @@ def enumerate_integers(body: dict[str, Any], ctx: MergeContext) -> dict[str, Any
     low, high = bounds
     if high < low or high - low + 1 > MAX_VALUES:
         return None
+    size = judged_size(ctx.root, body, MAX_JUDGED)
+    if size is None or size * (high - low + 1) > MAX_JUDGED:
+        return None  # judging every value would cost too much (shared references)
     checks = judges(ctx.root, body)
     kept = [v for v in range(low, high + 1) if all(j.is_valid(v) for j in checks)]
     return {"enum": kept} if kept else None  # no value: left for the engines to refuse
@@ -69,20 +76,25 @@ def _target(node: dict[str, Any], ctx: MergeContext) -> Any:
     return resolve_ref(ctx.root, ref)
 
 
-def _conjuncts(node: Any, ctx: MergeContext, depth: int, seen: set[str]) -> list[dict[str, Any]] | None:
+def _conjuncts(
+    node: Any, ctx: MergeContext, depth: int, seen: set[str], budget: list[int]
+) -> list[dict[str, Any]] | None:
     """Schemas every instance of ``node`` passes (itself, its ``allOf`` branches, its ``$ref``
     target, recursively), or None where a reference cannot be followed."""
+    budget[0] -= 1
     if node is True or node == {}:
         return []
-    if not isinstance(node, dict) or depth > MAX_DEPTH:
+    if not isinstance(node, dict) or depth > MAX_DEPTH or budget[0] < 0:
         return None
     out: list[dict[str, Any]] = []
+    if len(seen) > MAX_CONJUNCTS:
+        return None
     if "$ref" in node:
         ref = node["$ref"]
         target = _target(node, ctx)
         if target is None or ref in seen:
             return None
-        inner = _conjuncts(target, ctx, depth + 1, seen | {ref})
+        inner = _conjuncts(target, ctx, depth + 1, seen | {ref}, budget)
         if inner is None:
             return None
         if ctx.refs_ignore_siblings:
@@ -91,14 +103,14 @@ def _conjuncts(node: Any, ctx: MergeContext, depth: int, seen: set[str]) -> list
     out.append(node)
     all_of = node.get("allOf")
     for branch in all_of if isinstance(all_of, list) else ():
-        inner = _conjuncts(branch, ctx, depth + 1, seen)
-        if inner is None:
-            return None
+        inner = _conjuncts(branch, ctx, depth + 1, seen, budget)
+        if inner is None or len(out) + len(inner) > MAX_CONJUNCTS:
+            return None  # a reference shared many times over: not worth the walk
         out.extend(inner)
     return out
 
 
-def _integral(node: dict[str, Any], ctx: MergeContext, depth: int) -> bool:
+def _integral(node: dict[str, Any], ctx: MergeContext, depth: int, budget: list[int]) -> bool:
     """Whether every instance of ``node`` read alone (not its conjuncts) is an integer."""
     if "$ref" in node and ctx.refs_ignore_siblings:
         return False  # its siblings are not read: _conjuncts gave its target instead
@@ -107,18 +119,20 @@ def _integral(node: dict[str, Any], ctx: MergeContext, depth: int) -> bool:
     step = node.get("multipleOf")
     if isinstance(step, (int, float)) and not isinstance(step, bool) and step > 0 and float(step).is_integer():
         return True
-    if depth >= MAX_DEPTH:
+    if depth >= MAX_DEPTH or budget[0] < 0:
         return False
     for key in ("anyOf", "oneOf"):
         branches = node.get(key)
-        if isinstance(branches, list) and branches and all(_branch_integral(b, ctx, depth + 1) for b in branches):
+        if not isinstance(branches, list) or not branches or len(branches) > MAX_CONJUNCTS:
+            continue
+        if all(_branch_integral(b, ctx, depth + 1, budget) for b in branches):
             return True
     return False
 
 
-def _branch_integral(branch: Any, ctx: MergeContext, depth: int) -> bool:
-    conjuncts = _conjuncts(branch, ctx, depth, set())
-    return conjuncts is not None and any(_integral(c, ctx, depth) for c in conjuncts)
+def _branch_integral(branch: Any, ctx: MergeContext, depth: int, budget: list[int]) -> bool:
+    conjuncts = _conjuncts(branch, ctx, depth, set(), budget)
+    return conjuncts is not None and any(_integral(c, ctx, depth, budget) for c in conjuncts)
 
 
 def _mentions(node: Any, root: Any, keys: frozenset[str], seen: set[str]) -> bool:

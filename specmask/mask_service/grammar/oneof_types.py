@@ -64,6 +64,7 @@ _ONLY: dict[str, frozenset[str]] = {
 }
 _TYPE_OF = {keyword: name for name, keywords in _ONLY.items() for keyword in keywords}
 MAX_DEPTH = 32
+MAX_VISITS = 4096  # subschemas visited per oneOf (shared references can repeat): past it, no type whole
 
 
 @dataclass(frozen=True)
@@ -124,17 +125,22 @@ def types_never_exactly_one(node: dict[str, Any], ctx: RelaxContext) -> frozense
     if not isinstance(branches, list) or "oneOf" not in ctx.keywords or not ctx.read(node):
         return frozenset()
     counts = dict.fromkeys(TYPES, 0)
+    budget = [MAX_VISITS]
     for branch in branches:
-        for name in accepted_whole(branch, ctx, 0, frozenset()):
+        for name in accepted_whole(branch, ctx, 0, frozenset(), budget):
             counts[name] += 1
     return frozenset(name for name, n in counts.items() if n >= 2)
 
 
-def accepted_whole(schema: Any, ctx: RelaxContext, depth: int, seen: frozenset[str]) -> frozenset[str]:
-    """The JSON types every value of which ``schema`` accepts (see the module doc)."""
+def accepted_whole(
+    schema: Any, ctx: RelaxContext, depth: int, seen: frozenset[str], budget: list[int]
+) -> frozenset[str]:
+    """The JSON types every value of which ``schema`` accepts (see the module doc); none once
+    ``budget`` (subschemas left to visit, shared by the whole walk) runs out."""
+    budget[0] -= 1
     if schema is True:
         return frozenset(TYPES)
-    if not isinstance(schema, dict) or depth > MAX_DEPTH or not ctx.keywords:
+    if not isinstance(schema, dict) or depth > MAX_DEPTH or not ctx.keywords or budget[0] < 0:
         return frozenset()
     keys = {k for k in schema if k in ctx.keywords}
     out = set(TYPES)
@@ -145,7 +151,7 @@ def accepted_whole(schema: Any, ctx: RelaxContext, depth: int, seen: frozenset[s
         target = resolve_ref(ctx.root, ref)
         if target is None:
             return frozenset()
-        whole = accepted_whole(target, ctx, depth + 1, seen | {ref})
+        whole = accepted_whole(target, ctx, depth + 1, seen | {ref}, budget)
         if ctx.refs_ignore_siblings:
             return whole
         out &= whole
@@ -157,12 +163,12 @@ def accepted_whole(schema: Any, ctx: RelaxContext, depth: int, seen: frozenset[s
         keys.discard("type")
     if "allOf" in keys:
         for branch in schema["allOf"] if isinstance(schema["allOf"], list) else [False]:
-            out &= accepted_whole(branch, ctx, depth + 1, seen)
+            out &= accepted_whole(branch, ctx, depth + 1, seen, budget)
         keys.discard("allOf")
     if "anyOf" in keys:
         union: set[str] = set()
         for branch in schema["anyOf"] if isinstance(schema["anyOf"], list) else []:
-            union |= accepted_whole(branch, ctx, depth + 1, seen)
+            union |= accepted_whole(branch, ctx, depth + 1, seen, budget)
         out &= union
         keys.discard("anyOf")
     for key in keys:

@@ -47,7 +47,7 @@ import math
 from fractions import Fraction
 from typing import Any
 
-from specmask.mask_service.grammar.enum_filter import judges
+from specmask.mask_service.grammar.enum_filter import judged_size, judges
 
 NULL, BOOLEAN, OBJECT, ARRAY, STRING, INTEGRAL, FRACTIONAL = (
     "null",
@@ -74,6 +74,8 @@ MAX_INTEGERS = 4096  # integers judged one by one where only integers are left (
 # Keywords beside bounded integers the other rules do not read: then each integer is judged.
 _BESIDE_INTEGERS = frozenset({"not", "if", "oneOf", "anyOf", "allOf", "$ref"})
 MAX_DEPTH = 200  # subschemas deep (a $ref chain counts): past it, every kind
+MAX_JUDGED = 20_000  # values x subschemas judged per node (enum_filter.judged_size): past it, no judging
+MAX_NODES = 100_000  # subschemas visited per document: past it, every kind (a bound on the work)
 _REASONS = 3  # reasons kept per node, for the message
 
 
@@ -121,6 +123,8 @@ class _Walk:
         # $ref resolution by JSON pointer is what the end check does only without $id/anchors below the root.
         self.refs = _plain_refs(root)
         self.resolving: set[str] = set()
+        self.memo: dict[str, _Verdict] = {}
+        self.budget = MAX_NODES
         self.validators: frozenset[str] | None = None
 
     def keywords(self) -> frozenset[str]:
@@ -143,7 +147,8 @@ class _Walk:
             return _ANY
         if schema is False:
             return _Verdict(frozenset(), (f"{path} is false",))
-        if not isinstance(schema, dict) or depth > MAX_DEPTH:
+        self.budget -= 1
+        if not isinstance(schema, dict) or depth > MAX_DEPTH or self.budget < 0:
             return _ANY
         schema = {k: v for k, v in schema.items() if k in self.keywords()}  # the rest are annotations here
         kinds = _types(schema.get("type"))
@@ -220,6 +225,9 @@ class _Walk:
                 high = value if high is None else min(high, value)
         if low is None or high is None or high - low > MAX_INTEGERS:
             return
+        size = judged_size(self.root, schema, MAX_JUDGED)
+        if size is None or size * (high - low + 1) > MAX_JUDGED:
+            return  # judging would cost too much: no proof
         try:
             checks = judges(self.root, schema)
             found = any(all(j.is_valid(v) for j in checks) for v in range(math.ceil(low), math.floor(high) + 1))
@@ -240,11 +248,17 @@ class _Walk:
                 target = target[int(part)]
             else:
                 return _ANY
+        if ref in self.memo:
+            return self.memo[ref]
         self.resolving.add(ref)
         try:
-            return self.node(target, ref, depth + 1)
+            verdict = self.node(target, ref, depth + 1)
         finally:
             self.resolving.discard(ref)
+        # A target's verdict is the same wherever it is referenced (one cut short by a cycle only
+        # keeps more kinds): once per target, so shared references cost no more than a tree.
+        self.memo[ref] = verdict
+        return verdict
 
     def numbers(self, schema: dict[str, Any], path: str, cut: Any) -> None:
         """Bounds and ``multipleOf``: no number between the bounds, no integer, no multiple."""
@@ -379,7 +393,8 @@ class _Walk:
         values = [schema["const"]] if "const" in schema else schema.get("enum")
         if not isinstance(values, list):
             return
-        if len(values) > MAX_ENUM:
+        size = judged_size(self.root, schema, MAX_JUDGED)
+        if len(values) > MAX_ENUM or size is None or size * len(values) > MAX_JUDGED:
             cut(KINDS - frozenset().union(*(_kind(v) for v in values)), f"{path}: no listed value has its type")
             return
         try:
