@@ -11,12 +11,9 @@ token (the grammar names it by id); under ``auto`` no content ever holds a marke
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
-import jsonschema
 import pytest
 
 from specmask.orchestrator.api.http.app import HttpConfig, HttpFrontDoor
@@ -24,25 +21,13 @@ from specmask.orchestrator.api.http.prompting import load_prompter
 from specmask.orchestrator.api.http.tool_formats import HARMONY, MISTRAL, ToolCallFormat
 from specmask.orchestrator.dev.local_stack import StackConfig
 from tests.e2e.stack import MAX_BATCH, MAX_QUEUE, ThreadStack
+from tests.e2e_tools.weather_tools import ASK, TOOLS, check_arguments, streamed_calls
 from tests.fixtures.chat_templates import HARMONY_SHORT, MISTRAL_V03, with_template
 from tests.fixtures.openai_sdk import openai_sdk, served_model
 from tests.fixtures.tokenizers import HARMONY_SPECIAL, MISTRAL_SPECIAL, build_bpe_tokenizer, with_special_tokens
 
 pytestmark = pytest.mark.slow
 
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-STOP = {"type": "object", "properties": {}, "additionalProperties": False}
-PARAMS = {"get_weather": WEATHER, "stop": STOP}
-TOOLS: list[Any] = [
-    {"type": "function", "function": {"name": name, "description": f"{name} tool", "parameters": params}}
-    for name, params in PARAMS.items()
-]
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 FORMATS: dict[str, tuple[str, ToolCallFormat]] = {"mistral": (MISTRAL_V03, MISTRAL), "openai": (HARMONY_SHORT, HARMONY)}
 MARKERS = (*MISTRAL_SPECIAL, *HARMONY_SPECIAL)
 
@@ -81,10 +66,6 @@ def base_urls(stack: ThreadStack, tmp_path_factory: pytest.TempPathFactory) -> I
         stack.run(door.stop())
 
 
-def _valid(name: str, arguments: str) -> None:
-    jsonschema.validate(json.loads(arguments), PARAMS[name])
-
-
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_forced_calls_round_trip_with_marker_tokens(base_urls: dict[str, str], fmt: str) -> None:
     with openai_sdk(base_urls[fmt]) as client:
@@ -97,7 +78,7 @@ def test_forced_calls_round_trip_with_marker_tokens(base_urls: dict[str, str], f
             assert resp.choices[0].finish_reason == "tool_calls", message
             assert message.content is None and message.tool_calls
             for call in message.tool_calls:
-                _valid(call.function.name, call.function.arguments)
+                check_arguments(call.function.name, call.function.arguments)
             if choice != "required":
                 assert [c.function.name for c in message.tool_calls] == ["get_weather"]
         # Streamed: each call's id and name, then its arguments, as vLLM sends them.
@@ -114,20 +95,12 @@ def test_forced_calls_round_trip_with_marker_tokens(base_urls: dict[str, str], f
             )
         )
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    calls: dict[int, dict[str, str]] = {}
-    for c in chunks:
-        delta = c.choices[0].delta if c.choices else None
-        assert delta is None or not any(m in (delta.content or "") for m in MARKERS)
-        for d in (delta.tool_calls or []) if delta is not None else []:
-            if d.id is not None:
-                assert d.function is not None and d.function.name
-                calls[d.index] = {"name": d.function.name, "arguments": ""}
-            else:
-                assert d.function is not None and d.function.arguments is not None
-                calls[d.index]["arguments"] += d.function.arguments
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not any(m in (delta.content or "") for delta in deltas for m in MARKERS)
+    calls = streamed_calls(tc for delta in deltas for tc in (delta.tool_calls or []))
     assert calls
     for call in calls.values():
-        _valid(call["name"], call["arguments"])
+        check_arguments(call["name"], call["arguments"])
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -144,4 +117,4 @@ def test_auto_content_never_holds_a_marker(base_urls: dict[str, str], fmt: str) 
                 assert not any(m in content for m in MARKERS), (fmt, seed, content)
                 if choice.finish_reason == "tool_calls":
                     for call in choice.message.tool_calls or []:
-                        _valid(call.function.name, call.function.arguments)
+                        check_arguments(call.function.name, call.function.arguments)

@@ -29,6 +29,7 @@ from specmask.orchestrator.api.http.prompting import load_prompter
 from specmask.orchestrator.api.http.tool_formats import HARMONY, LLAMA3_JSON, MISTRAL, all_triggers
 from specmask.orchestrator.dev.local_stack import StackConfig
 from tests.e2e.stack import MAX_BATCH, MAX_QUEUE, ThreadStack
+from tests.e2e_tools.weather_tools import ASK, PARAMS, TOOLS, WEATHER, check_arguments, streamed_calls
 from tests.fixtures import instructor_env
 from tests.fixtures.chat_templates import HARMONY_SHORT, LLAMA_31, MISTRAL_V03, with_template
 from tests.fixtures.openai_sdk import openai_sdk, served_model
@@ -36,20 +37,6 @@ from tests.fixtures.shared_data import require, shared_data_dir
 
 pytestmark = pytest.mark.slow
 
-# Bounded arguments: a random model's forced calls (up to 4 in parallel) complete within max_tokens.
-WEATHER = {
-    "type": "object",
-    "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-STOP = {"type": "object", "properties": {}, "additionalProperties": False}
-PARAMS = {"get_weather": WEATHER, "stop": STOP}
-TOOLS: list[Any] = [
-    {"type": "function", "function": {"name": name, "description": f"{name} tool", "parameters": params}}
-    for name, params in PARAMS.items()
-]
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 FORMATS = ("hermes", "llama3_json", "mistral", "openai")
 
 
@@ -94,10 +81,6 @@ def base_urls(stack: ThreadStack, tmp_path_factory: pytest.TempPathFactory) -> I
         stack.run(door.stop())
 
 
-def _valid(name: str, arguments: str) -> None:
-    jsonschema.validate(json.loads(arguments), PARAMS[name])
-
-
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_required_and_named_round_trip_through_the_openai_sdk(base_urls: dict[str, str], fmt: str) -> None:
     with openai_sdk(base_urls[fmt]) as client:
@@ -110,7 +93,7 @@ def test_required_and_named_round_trip_through_the_openai_sdk(base_urls: dict[st
             assert resp.choices[0].finish_reason == "tool_calls", message
             assert message.content is None and message.tool_calls
             for call in message.tool_calls:
-                _valid(call.function.name, call.function.arguments)
+                check_arguments(call.function.name, call.function.arguments)
             if choice != "required":
                 assert [c.function.name for c in message.tool_calls] == ["get_weather"]
             if fmt == "mistral":
@@ -146,17 +129,10 @@ def test_streamed_calls_arrive_as_vllm_sends_them(base_urls: dict[str, str], fmt
         )
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    calls: dict[int, dict[str, str]] = {}
-    for d in deltas:
-        if d.id is not None:  # the first delta of a call: its id and name, no arguments yet
-            assert d.index not in calls and d.function is not None and d.function.name
-            calls[d.index] = {"name": d.function.name, "arguments": ""}
-        else:
-            assert d.function is not None and d.function.arguments is not None
-            calls[d.index]["arguments"] += d.function.arguments
+    calls = streamed_calls(deltas)
     assert calls
     for call in calls.values():
-        _valid(call["name"], call["arguments"])
+        check_arguments(call["name"], call["arguments"])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -174,7 +150,7 @@ def test_auto_is_text_or_calls_never_a_call_in_content(base_urls: dict[str, str]
             if choice.finish_reason == "tool_calls":
                 assert choice.message.tool_calls
                 for call in choice.message.tool_calls:
-                    _valid(call.function.name, call.function.arguments)
+                    check_arguments(call.function.name, call.function.arguments)
                 assert not content or fmt in ("hermes", "mistral"), content
             else:
                 assert not choice.message.tool_calls
