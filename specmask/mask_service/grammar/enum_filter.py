@@ -22,6 +22,7 @@ import json
 from typing import Any
 
 from specmask.mask_service.grammar.schema_merge import MergeContext
+from specmask.mask_service.grammar.schema_rewrite import resolve_ref
 
 MAX_VALUES = 1024
 
@@ -99,22 +100,9 @@ def judged_size(root: Any, body: Any, cap: int) -> int | None:
             return None
         ref = node.get("$ref")
         if isinstance(ref, str) and ref.startswith("#"):
-            stack.append(_resolve(root, ref))
+            stack.append(resolve_ref(root, ref))
         stack.extend(v for k, v in node.items() if k not in _DATA_KEYS and k not in ("$defs", "definitions"))
     return count
 
 
 _DATA_KEYS = frozenset({"const", "enum", "default", "examples", "example"})
-
-
-def _resolve(root: Any, ref: str) -> Any:
-    node = root
-    for raw in [p for p in ref[1:].split("/") if p]:
-        part = raw.replace("~1", "/").replace("~0", "~")
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return None
-    return node
