@@ -108,7 +108,7 @@ def test_checker_failure_fails_closed(stack: ThreadStack, monkeypatch: pytest.Mo
     assert stack.running is not None
     checker = stack.running.server.engine.output_checker
 
-    def broken(spec, text, engine=""):
+    def broken(spec, text, engine="", tokens=()):
         raise OutputCheckError("injected checker failure")
 
     monkeypatch.setattr(checker, "check", broken)
