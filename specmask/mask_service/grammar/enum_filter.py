@@ -80,6 +80,21 @@ def judges(root: Any, body: dict[str, Any]) -> list[Any]:
     return [c(root, format_checker=c.FORMAT_CHECKER).evolve(schema=body) for c in classes]
 
 
+def validator_keywords(root: Any) -> frozenset[str]:
+    """The keywords the end check's validator for ``root``'s draft reads (any other key is an
+    annotation there); empty where that validator cannot read ``root``."""
+    try:
+        return frozenset(judges(root, {})[0].VALIDATORS)
+    except Exception:
+        return frozenset()
+
+
+def refs_hide_siblings(root: Any) -> bool:
+    """Whether ``root`` declares draft 3, 4, 6 or 7, whose ``$ref`` hides its sibling keywords."""
+    declared = root.get("$schema") if isinstance(root, dict) else None
+    return isinstance(declared, str) and any(f"draft-0{n}" in declared for n in (3, 4, 6, 7))
+
+
 def judged_size(root: Any, body: Any, cap: int) -> int | None:
     """How many subschemas ``jsonschema`` may visit judging one value against ``body``: the
     size of its tree with local references expanded where they are used (a target referenced

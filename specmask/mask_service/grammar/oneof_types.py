@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from specmask.mask_service.grammar.enum_filter import judges
+from specmask.mask_service.grammar.enum_filter import refs_hide_siblings, validator_keywords
 from specmask.mask_service.grammar.schema_rewrite import resolve_ref
 
 TYPES = ("null", "boolean", "object", "array", "string", "number")
@@ -78,16 +78,11 @@ class RelaxContext:
 
     @staticmethod
     def of(root: Any) -> RelaxContext:
-        declared = root.get("$schema") if isinstance(root, dict) else None
-        declared = declared if isinstance(declared, str) else ""
-        try:
-            keywords = frozenset(judges(root, {})[0].VALIDATORS)
-        except Exception:  # a document the validator cannot read: every key read as a keyword
-            keywords = frozenset()
+        keywords = validator_keywords(root)  # empty (unreadable): every key read as a keyword
         return RelaxContext(
             root=root,
             keywords=keywords,
-            refs_ignore_siblings=any(f"draft-0{n}" in declared for n in (3, 4, 6, 7)),
+            refs_ignore_siblings=refs_hide_siblings(root),
             contains_counts="dependentRequired" in keywords,
         )
 

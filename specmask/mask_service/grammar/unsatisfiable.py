@@ -47,7 +47,7 @@ import math
 from fractions import Fraction
 from typing import Any
 
-from specmask.mask_service.grammar.enum_filter import judged_size, judges
+from specmask.mask_service.grammar.enum_filter import judged_size, judges, refs_hide_siblings, validator_keywords
 
 NULL, BOOLEAN, OBJECT, ARRAY, STRING, INTEGRAL, FRACTIONAL = (
     "null",
@@ -118,7 +118,7 @@ class _Walk:
         self.root = root
         declared = root.get("$schema") if isinstance(root, dict) else None
         declared = declared if isinstance(declared, str) else ""
-        self.old = any(f"draft-0{n}" in declared for n in (3, 4, 6, 7))
+        self.old = refs_hide_siblings(root)
         self.draft4 = any(f"draft-0{n}" in declared for n in (3, 4))
         # $ref resolution by JSON pointer is what the end check does only without $id/anchors below the root.
         self.refs = _plain_refs(root)
@@ -131,10 +131,7 @@ class _Walk:
         """The keywords the end check's reading validates with (any other key is an annotation
         there): its validator's, with the bound flags and contains counts it reads inside them."""
         if self.validators is None:
-            try:
-                known = set(judges(self.root, {})[0].VALIDATORS)
-            except Exception:  # a root the validator cannot read: no proof at all
-                known = set()
+            known = set(validator_keywords(self.root))  # empty (unreadable): no proof at all
             if "minimum" in known:
                 known |= {"exclusiveMinimum", "exclusiveMaximum"}  # draft 4: flags read by minimum/maximum
             if "dependentRequired" in known:
