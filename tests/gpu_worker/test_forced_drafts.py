@@ -109,6 +109,9 @@ def _run_counting_calls(make_worker, grammars):
     """Run ``grammars`` (name -> (kind, text)) greedily with grammar-forced + n-gram drafts on a
     fresh worker; returns (results, DraftMasks calls the worker made)."""
     worker = make_worker()
+    # Every step drafts as planned: the speculation gate chooses by wall clock, so on a busy
+    # box it could decode plainly in one run and not the other, and the counts would differ.
+    worker.stepper.gate.enabled = False
     calls = [0]
     inner = worker.masks.draft_masks_async
 
