@@ -66,13 +66,8 @@ def run(args: argparse.Namespace) -> int:
     # scans only request-time objects, not every loaded vocabulary's.
     gc.collect()
     gc.freeze()
-    handle.server.start()
-    if config.metrics_port is not None:
-        from prometheus_client import start_http_server
-
-        metrics_server, _ = start_http_server(config.metrics_port, addr=config.host)
-        logger.info("metrics on http://%s:%d/metrics", config.host, metrics_server.server_port)
-    logger.info("mask service serving on port %d", handle.port)
+    # Handlers before the server starts: once it answers health checks as SERVING, a SIGTERM
+    # (a probe-driven restart, a test) must drain, not take the default action.
     done = threading.Event()
 
     def on_signal(signum: int, _frame: object) -> None:
@@ -81,6 +76,13 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    handle.server.start()
+    if config.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        metrics_server, _ = start_http_server(config.metrics_port, addr=config.host)
+        logger.info("metrics on http://%s:%d/metrics", config.host, metrics_server.server_port)
+    logger.info("mask service serving on port %d", handle.port)
     done.wait()
     handle.stop(grace_s=config.shutdown_grace_s)
     tracing.shutdown()  # export the spans still buffered
